@@ -1,0 +1,27 @@
+# The whole set-up on a fresh machine: `make train` and `make test` create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: train test venv benchmark clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Quick start: train ResNet-8 on the built-in 10-class dataset (written on first use) and validate it.
+train: $(STAMP)
+	$(PY) train.py --config quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+benchmark: $(STAMP)
+	$(PY) -m cnns benchmark --spec benchmarks.yml
+
+clean:
+	rm -rf logs data/builtin build .pytest_cache

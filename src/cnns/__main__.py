@@ -1,0 +1,6 @@
+"""`python -m cnns <command>`."""
+import sys
+
+from cnns.cli import main
+
+sys.exit(main())

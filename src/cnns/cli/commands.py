@@ -1,0 +1,171 @@
+"""The commands behind the root scripts and `cnns <command>`.
+
+Each takes argv, resolves options, builds a RunConfig and calls into the package. They hold no
+training logic themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cnns.cli import parse_options, print_config, resolved_training_options
+from cnns.config import RunConfig, resolve
+from cnns.errors import CheckpointError, ConfigError
+from cnns.runlog import RunLog, new_run_folder
+
+
+def check_supported(options: dict[str, Any]) -> None:
+    """Capabilities that a later release builds: stop with one clear line rather than run half of one."""
+    if options["replicas"] > 1:
+        raise ConfigError(f"--replicas {options['replicas']}: data-parallel replicas are not supported yet; "
+                          "use --replicas 1 (and --gradient-accumulation-count for the same global batch)")
+    if options["pipeline"] or options["shards"] > 1:
+        raise ConfigError("--pipeline/--shards: pipelined model parallelism is not supported yet; use --shards 1 "
+                          "without --pipeline (add --enable-recomputation to save memory)")
+    if options["BN_span"] > 1:
+        raise ConfigError(f"--BN-span {options['BN_span']} needs replicas, which are not supported yet")
+    if options["rts"]:
+        raise ConfigError("--rts shards optimiser state across replicas, which are not supported yet")
+    if options["enable_recomputation"]:
+        raise ConfigError("--enable-recomputation is not supported yet")
+    if options["dataset_benchmark"]:
+        raise ConfigError("--dataset-benchmark is not supported yet")
+    if options["mixup_alpha"] or options["cutmix_lambda"] < 1:
+        raise ConfigError("--mixup-alpha/--cutmix-lambda are not supported yet")
+
+
+def _print_splits_and_exit(options: dict[str, Any]) -> int:
+    from cnns.models import build_model, split_points
+
+    cfg = RunConfig.from_options(options)
+    names = list(split_points(cfg.model, build_model(cfg.model)))
+    print(f"--pipeline-splits needs {options['shards'] - 1} of these split names for {cfg.model.arch}-{cfg.model.size}:")
+    print(" ".join(names))
+    return 0
+
+
+def _check_data_before_writing(cfg: RunConfig) -> None:
+    """Fail on missing data before a run folder is created, so a bad command leaves nothing behind."""
+    from cnns.data.pipeline import resolve_dataset
+
+    resolve_dataset(cfg.data)
+
+
+def train_main(argv: list[str]) -> int:
+    from cnns.engine.session import TrainingSession
+
+    options, notices = resolved_training_options("train", argv)
+    if options["print_config"]:
+        return print_config(options)
+    if options.get("pipeline_splits") == []:
+        return _print_splits_and_exit(options)
+    check_supported(options)
+    cfg = RunConfig.from_options(options)
+    _check_data_before_writing(cfg)
+    if cfg.train.compile_only:
+        folder = None
+    elif cfg.log.logs_path:
+        folder = Path(cfg.log.logs_path)
+        folder.mkdir(parents=True, exist_ok=True)
+    else:
+        folder = new_run_folder(cfg.log.log_dir, cfg.log.name)
+    log = RunLog(folder, tensorboard=cfg.log.tensorboard)
+    if folder is not None:
+        log.print(f" Saving to {folder}")
+    for notice in notices:
+        log.notice(notice)
+    if options["offload_optimiser"]:
+        log.notice("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
+    log.write_arguments(options)
+    try:
+        return TrainingSession(cfg, log, folder).run()
+    finally:
+        log.close()
+
+
+def _run_folder_options(restore_path: Path) -> dict[str, Any]:
+    arguments = restore_path / "arguments.json"
+    if not arguments.is_file():
+        raise CheckpointError(f"{restore_path} has no arguments.json: not a cnns run folder")
+    try:
+        return json.loads(arguments.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{arguments} is not valid JSON: {exc}") from None
+
+
+def restore_main(argv: list[str]) -> int:
+    from cnns.checkpoint import list_checkpoints
+    from cnns.engine.session import TrainingSession
+
+    values, _ = parse_options("restore", argv)
+    folder = Path(values["restore_path"])
+    if not folder.is_dir():
+        raise CheckpointError(f"--restore-path {folder} is not a run folder")
+    options = _run_folder_options(folder)
+    if values.get("print_config"):
+        return print_config(options)
+    checkpoints = list_checkpoints(folder)
+    if not checkpoints:
+        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {folder}")
+    cfg = RunConfig.from_options(options)
+    log = RunLog(folder, tensorboard=cfg.log.tensorboard)
+    try:
+        return TrainingSession(cfg, log, folder).run(restore_from=checkpoints[-1][1])
+    finally:
+        log.close()
+
+
+def validate_main(argv: list[str]) -> int:
+    from cnns.engine.validation import validate_command
+
+    values, notices = parse_options("validate", argv)
+    restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
+    base: dict[str, Any] = {}
+    if restore_path is not None:
+        folder = restore_path if restore_path.is_dir() else restore_path.parent
+        if (folder / "arguments.json").is_file():
+            base = _run_folder_options(folder)
+            base.pop("name", None)
+    explicit = {k: v for k, v in values.items() if v is not None and v is not False}
+    merged = {**base, **explicit}
+    for key in ("replicas", "shards"):
+        if key not in explicit:
+            merged[key] = 1  # validation runs on one unpipelined process whatever training used
+    merged["pipeline"] = False
+    merged["pipeline_splits"] = None
+    merged["enable_recomputation"] = False
+    options = resolve({**values, **merged})
+    if options.get("seed") is None:
+        options["seed"] = 0
+    if values["print_config"]:
+        return print_config(options)
+    if "global_batch_size" in base and not values.get("global_batch_size"):
+        options["global_batch_size"] = base["global_batch_size"]
+    elif values.get("global_batch_size"):
+        options["global_batch_size"] = values["global_batch_size"]
+    check_supported({**options, "mixup_alpha": 0.0, "cutmix_lambda": 1.0})
+    cfg = RunConfig.from_options(options)
+    return validate_command(cfg, restore_path, repeat=values.get("repeat") or 1, notices=notices)
+
+
+def weight_avg_main(argv: list[str]) -> int:
+    raise ConfigError("weight_avg.py is not supported yet")
+
+
+def infer_main(argv: list[str]) -> int:
+    raise ConfigError("inference_embedded.py (ahead-of-time compiled inference) is not supported yet")
+
+
+def benchmark_main(argv: list[str]) -> int:
+    raise ConfigError("cnns benchmark is not supported yet")
+
+
+def bench_data_main(argv: list[str]) -> int:
+    raise ConfigError("cnns bench-data is not supported yet")
+
+
+def splits_main(argv: list[str]) -> int:
+    options, _ = resolved_training_options("train", argv)
+    return _print_splits_and_exit(options)

@@ -1,0 +1,315 @@
+"""The seed-compatible argument parsers.
+
+Every option of the original application's `train.py` / `validation.py` / `restore.py` /
+`weight_avg.py` / `inference_embedded.py` is declared here, with the seed's spellings and aliases, so
+that every command line of the seed's READMEs is accepted. This is the only module that knows the
+seed's option names; `cnns.config` turns the parsed values into typed configuration objects.
+
+Defaults that depend on the dataset are left as ``None`` here and filled in by `cnns.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
+# (so seed command lines and configurations still run), change nothing, and are named once in a
+# notice. Keys are argparse dests; values are the spelled flag.
+IPU_ONLY_OPTIONS = {
+    # dest: (flag, kind) with kind "flag" (store_true), "value" (one value) or "list" (one or more values)
+    "available_memory_proportion": ("--available-memory-proportion", "list"),
+    "internal_exchange_optimisation_target": ("--internal-exchange-optimisation-target", "value"),
+    "enable_conv_dithering": ("--enable-conv-dithering", "flag"),
+    "disable_variable_offloading": ("--disable-variable-offloading", "flag"),
+    "stable_norm": ("--stable-norm", "flag"),
+    "force_unstable_norm": ("--force-unstable-norm", "flag"),
+    "gather_conv_output": ("--gather-conv-output", "flag"),
+    "num_io_tiles": ("--num-io-tiles", "value"),
+    "max_cross_replica_buffer_size": ("--max-cross-replica-buffer-size", "value"),
+    "max_reduce_many_buffer_size": ("--max-reduce-many-buffer-size", "value"),
+    "gcl_max_broadcast_size": ("--gcl-max-broadcast-size", "value"),
+    "min_remote_tensor_size": ("--min-remote-tensor-size", "value"),
+    "executable_cache_path": ("--executable-cache-path", "value"),
+    "force_weight_to_fp32": ("--force-weight-to-fp32", "list"),
+    "only_use_slic_vmac_16": ("--only-use-slic-vmac-16", "flag"),
+    "gradient_mean_reduce_re": ("--gradient-mean-reduce-re", "list"),
+    "fused_preprocessing": ("--fused-preprocessing", "flag"),
+    "mlperf_logging": ("--mlperf-logging", "flag"),
+    "epochs_per_sync": ("--epochs-per-sync", "value"),
+    "syncs_per_epoch": ("--syncs-per-epoch", "value"),
+    "sharding_exclude_filter": ("--sharding-exclude-filter", "list"),
+    "sharding_include_filter": ("--sharding-include-filter", "list"),
+    "profile_compilation": ("--profile-compilation", "flag"),
+    "identical_replica_seeding": ("--identical-replica-seeding", "flag"),
+    "xla_recompute": ("--xla-recompute", "flag"),
+    "on_demand": ("--on-demand", "flag"),
+    "prefetch_depth": ("--prefetch-depth", "value"),
+    "saturate_on_overflow": ("--saturate-on-overflow", "flag"),
+    "scheduling_algorithm": ("--scheduling-algorithm", "value"),
+    "offload_fp32_weight_copy": ("--offload-fp32-weight-copy", "flag"),
+    "ckpt_all_instances": ("--ckpt-all-instances", "value"),
+    "log_all_instances": ("--log-all-instances", "value"),
+    "latency": ("--latency", "flag"),
+    "num_inference_thread": ("--num-inference-thread", "value"),
+    "tmp_execs": ("--tmp-execs", "flag"),
+    "variable_filter": ("--variable-filter", "list"),
+    "lars_skip_list": ("--lars-skip-list", "list"),
+}
+
+MODELS = ("resnet", "resnext", "efficientnet")
+DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
+SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
+OPTIMISERS = ("SGD", "momentum", "RMSprop", "LARS")
+PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+PRECISIONS = ("16.16", "16.32", "32.32")
+
+
+def _on_off(value: str) -> bool:
+    lowered = value.strip().lower()
+    # The seed's variants ON_prng_stable / RI_prng_stable are stochastic rounding too.
+    if lowered in ("on", "true", "1", "yes", "on_prng_stable", "ri_prng_stable"):
+        return True
+    if lowered in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected ON or OFF, got {value!r}")
+
+
+def _model_size(value: str) -> str:
+    # The seed accepts 4, B4 and b4 for EfficientNet; ResNet sizes are numbers. Keep it a string.
+    return str(value)
+
+
+class SeedArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit code 2, never a usage dump on stdout."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Model")
+    group.add_argument("--model", choices=MODELS, type=str.lower, help="Model architecture (default resnet).")
+    group.add_argument("--model-size", type=_model_size,
+                       help="ResNet depth (CIFAR: 8..110, ImageNet: 18..152), ResNeXt 29/50/101, EfficientNet B0..B7 or 'cifar'.")
+    norm = group.add_mutually_exclusive_group()
+    norm.add_argument("--batch-norm", action="store_true", default=None,
+                      help="Batch normalisation (default for CIFAR).")
+    norm.add_argument("--group-norm", action="store_true", default=None,
+                      help="Group normalisation (default for ImageNet).")
+    group.add_argument("--groups", type=int, help="Number of groups for group norm (default 32).")
+    group.add_argument("--BN-span", "--bn-span", dest="BN_span", type=int,
+                       help="Number of replicas over which batch-norm statistics are computed (default 1).")
+    group.add_argument("--BN-decay", "--bn-decay", dest="BN_decay", type=float,
+                       help="Batch-norm moving-average decay (default 0.97); torch momentum = 1 - decay.")
+    group.add_argument("--group-dim", type=int, help="EfficientNet: group size of the depthwise convolutions (default 1).")
+    group.add_argument("--expand-ratio", type=int, help="EfficientNet: expansion ratio (default 6).")
+    group.add_argument("--convolution-groups", type=int, help="ResNeXt cardinality (default 32).")
+    group.add_argument("--image-size", type=int, help="Input image size for ImageNet (default 224).")
+
+
+def _add_data_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Dataset")
+    group.add_argument("--dataset", choices=DATASETS, type=str.lower,
+                       help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
+    group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
+    synthetic = group.add_mutually_exclusive_group()
+    synthetic.add_argument("--generated-data", action="store_true",
+                           help="Random data made on the host and fed through the input pipeline.")
+    synthetic.add_argument("--synthetic-data", action="store_true",
+                           help="Random data made once on the device: no host input pipeline at all.")
+    group.add_argument("--normalise-input", action="store_true", default=None,
+                       help="Normalise by the ImageNet mean and standard deviation (default: mean subtraction only).")
+    host_norm = group.add_mutually_exclusive_group()
+    host_norm.add_argument("--hostside-norm", dest="hostside_norm", action="store_true", default=None,
+                           help="Normalise images on the host.")
+    host_norm.add_argument("--no-hostside-norm", dest="hostside_norm", action="store_false",
+                           help="Normalise images on the device (the default here: images cross as uint8).")
+    group.add_argument("--eight-bit-io", action="store_true", default=None,
+                       help="Images cross from host to device as uint8 and are normalised on the device.")
+    group.add_argument("--pipeline-num-parallel", type=int,
+                       help="Number of host data-loading worker processes.")
+    group.add_argument("--no-dataset-cache", dest="dataset_cache", action="store_false", default=None,
+                       help="Do not keep decoded datasets in host memory.")
+    group.add_argument("--standard-imagenet", action="store_true", default=None,
+                       help="Standard (reproducible) ImageNet preprocessing.")
+    group.add_argument("--dataset-percentage-to-use", type=int, help="Use only this percentage of the training set.")
+    group.add_argument("--mixup-alpha", type=float, help="Mixup alpha (0 = off).")
+    group.add_argument("--cutmix-lambda", type=float, help="Cutmix lambda (1 = off).")
+    group.add_argument("--cutmix-version", type=int, choices=(1, 2), help="Cutmix variant (default 1).")
+    group.add_argument("--dataset-benchmark", action="store_true",
+                       help="Run the input pipeline alone and report images/s.")
+
+
+def _add_training_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Training")
+    group.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
+                       help="Samples per forward/backward pass on one replica.")
+    group.add_argument("--gradient-accumulation-count", type=int,
+                       help="Micro-batches whose gradients are summed before one weight update (default 1).")
+    group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
+                       help="dtype of accumulated gradients (default: float32).")
+    length = group.add_mutually_exclusive_group()
+    length.add_argument("--epochs", "--epoch", dest="epochs", type=float, help="Number of training epochs.")
+    length.add_argument("--iterations", type=int, help="Number of weight updates (instead of --epochs).")
+    group.add_argument("--base-learning-rate-exponent", "--base-learning-rate", dest="base_learning_rate_exponent",
+                       type=float, help="Learning rate = 2^N x global batch size.")
+    group.add_argument("--abs-learning-rate", type=float, help="Learning rate, overriding the exponent rule.")
+    group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule (default stepped).")
+    group.add_argument("--warmup-epochs", type=float, help="Linear warm-up epochs (default 5; 0 = none).")
+    group.add_argument("--learning-rate-decay", type=float, help="Stepped: factor at each boundary (default 0.1).")
+    group.add_argument("--learning-rate-schedule", type=str,
+                       help="Stepped: comma-separated fractions of training (default 0.5,0.75).")
+    group.add_argument("--lr-decay-rate", type=float, help="Exponential schedule: decay rate.")
+    group.add_argument("--lr-drops", type=int, help="Exponential schedule: number of decays over the whole run.")
+    group.add_argument("--poly-lr-decay-power", type=float, help="Polynomial schedule power (default 2).")
+    group.add_argument("--poly-lr-end-ratio", type=float, help="Polynomial schedule: end lr as a fraction of the peak.")
+    group.add_argument("--abs-end-learning-rate", type=float, help="Polynomial schedule: absolute end lr.")
+    group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=OPTIMISERS,
+                       type=lambda v: {o.lower(): o for o in OPTIMISERS}.get(v.lower(), v), help="Optimiser (default SGD).")
+    group.add_argument("--momentum", type=float, help="Momentum coefficient (default 0.9).")
+    group.add_argument("--rmsprop-decay", type=float, help="RMSprop decay (default 0.9).")
+    group.add_argument("--rmsprop-base-decay-exp", type=float,
+                       help="RMSprop decay = 1 - 2^N x global batch size (when --rmsprop-decay is not given).")
+    group.add_argument("--rmsprop-epsilon", type=float, help="RMSprop epsilon, inside the square root (default 0.001).")
+    group.add_argument("--lars-eeta", type=float, help="LARS trust coefficient (default 0.001).")
+    group.add_argument("--lars-epsilon", type=float, help="LARS epsilon (default 0).")
+    group.add_argument("--lars-weight-decay", type=float, help="LARS weight decay (default 0.0001).")
+    group.add_argument("--weight-decay", type=float, help="L2 weight decay, not on norms or biases.")
+    group.add_argument("--label-smoothing", type=float, help="Label smoothing (default 0).")
+    group.add_argument("--loss-scaling", type=float, help="Static loss scale (default 128 for float16, 1 otherwise).")
+    group.add_argument("--auto-loss-scaling", action="store_true", default=None,
+                       help="Dynamic loss scaling: back off on overflow and skip that update.")
+    group.add_argument("--seed", type=int, help="Seed for a reproducible run.")
+    group.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch (default 1; 0 = only the last).")
+    group.add_argument("--epochs-per-ckpt", type=float, help="Epochs between checkpoints (alternative to --ckpts-per-epoch).")
+    group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
+    group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
+                       help="Do not validate the checkpoints after training.")
+    group.add_argument("--weight-avg-N", "--weight-avg-n", dest="weight_avg_N", type=int, nargs="+",
+                       help="After training, validate the mean of the last N checkpoints.")
+    group.add_argument("--weight-avg-exp", type=float, nargs="+",
+                       help="After training, validate the exponential average of the checkpoints with this decay.")
+    group.add_argument("--ema-decay", type=float, help="Exponential moving average of the weights during training.")
+    group.add_argument("--compile", dest="compile", action="store_true", default=None,
+                       help="torch.compile the model.")
+
+
+def _add_device_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Device (IPU options mapped to CPU/CUDA)")
+    group.add_argument("--precision", choices=PRECISIONS,
+                       help="compute.master precision: 16.16 (half weights, stochastic rounding), 16.32 (autocast), 32.32.")
+    group.add_argument("--half-dtype", choices=("bfloat16", "float16"),
+                       help="The half type (default bfloat16 on CPU, float16 on CUDA).")
+    rounding = group.add_mutually_exclusive_group()
+    rounding.add_argument("--stochastic-rounding", type=_on_off, metavar="ON|OFF",
+                          help="Stochastic rounding of 16.16 weight updates (default ON).")
+    rounding.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
+                          help="Round weight updates to nearest.")
+    group.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+    group.add_argument("--select-ipus", "--select-ipu", dest="select_ipus", nargs="+", help="Seed spelling of device selection: an index selects cuda:<index>.")
+    group.add_argument("--replicas", type=int, help="Data-parallel replicas (processes).")
+    group.add_argument("--shards", type=int, help="Pipeline stages (processes) the model is split over.")
+    group.add_argument("--pipeline", action="store_true", default=None, help="Pipeline the model over --shards stages.")
+    group.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="*",
+                       help="Split points, one fewer than the shards; without values the valid names are printed.")
+    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="Grouped, Interleaved or Sequential.")
+    group.add_argument("--enable-recomputation", "--enable-recompute", dest="enable_recomputation",
+                       action="store_true", default=None, help="Activation checkpointing at stage/block boundaries.")
+    group.add_argument("--device-iterations", type=int,
+                       help="Weight updates between host synchronisations (metrics fetched every N updates).")
+    group.add_argument("--rts", "--replicated-tensor-sharding", dest="rts", action="store_true", default=None,
+                       help="Shard optimiser state across replicas (ZeRO stage 1).")
+    group.add_argument("--offload-optimiser", action="store_true", default=None,
+                       help="Keep optimiser state in host memory (accelerators only).")
+    group.add_argument("--enable-half-partials", action="store_true", default=None,
+                       help="Allow reduced-precision reductions in half matmul/conv.")
+    group.add_argument("--fp-exceptions", action="store_true", default=None,
+                       help="Stop at the first NaN/Inf in loss or gradients.")
+    group.add_argument("--profile", action="store_true", default=None, help="Write a PyTorch profiler trace.")
+    group.add_argument("--profile-dir", help="Folder for the profiler trace (default: the run folder).")
+    group.add_argument("--compile-only", action="store_true", default=None,
+                       help="Build everything, print the start-up lines and exit without training.")
+    group.add_argument("--distributed", action="store_true", default=None, help="Seed option: multi-process run (use --replicas).")
+
+
+def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("IPU-only options (accepted, no effect here)")
+    for dest, (flag, kind) in IPU_ONLY_OPTIONS.items():
+        if kind == "list":
+            group.add_argument(flag, dest=dest, nargs="+", help=argparse.SUPPRESS)
+        elif kind == "flag":
+            group.add_argument(flag, dest=dest, action="store_true", default=None, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, dest=dest, help=argparse.SUPPRESS)
+    group.description = "Accepted for compatibility with the seed, no effect here: " + ", ".join(
+        sorted(flag for flag, _ in IPU_ONLY_OPTIONS.values()))
+
+
+def _add_logging_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Logging")
+    group.add_argument("--log-dir", help="Folder for run folders (default logs/).")
+    group.add_argument("--name-suffix", help="Appended to the run name.")
+    group.add_argument("--logs-per-epoch", type=float, help="Step lines per epoch (with --epochs; default 16).")
+    group.add_argument("--log-freq", type=int, help="Updates between step lines (with --iterations; default 500).")
+    group.add_argument("--logs-path", help="Exact run folder to write (instead of a generated name under --log-dir).")
+    group.add_argument("--wandb", action="store_true", default=None, help="Log to Weights & Biases (offline by default).")
+    group.add_argument("--wandb-project", help="Weights & Biases project name.")
+    group.add_argument("--tensorboard", action="store_true", default=None, help="Also write TensorBoard event files.")
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Configuration")
+    group.add_argument("--config", help="Named configuration from configs.yml.")
+    group.add_argument("--config-path", help="YAML file of named configurations (default: configs.yml).")
+    group.add_argument("--print-config", action="store_true",
+                       help="Print the resolved options as JSON and exit without reading data.")
+
+
+def _add_validation_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Validation")
+    group.add_argument("--restore-path", help="A run folder or one checkpoint file.")
+    group.add_argument("--global-batch-size", type=int, help="Global batch size of the training run (for the epoch).")
+    group.add_argument("--repeat", type=int, help="Inference benchmark: passes over the data (generated/synthetic data).")
+    group.add_argument("--validation-micro-batch-size", type=int, help="Batch size for validation (default: micro-batch).")
+
+
+def build_parser(script: str) -> SeedArgumentParser:
+    """The parser of one seed script: train, validation, restore, weight_avg or inference_embedded."""
+    prog = {"train": "train.py", "validate": "validation.py", "restore": "restore.py",
+            "weight-avg": "weight_avg.py", "infer": "inference_embedded.py"}[script]
+    parser = SeedArgumentParser(prog=prog, allow_abbrev=True,
+                                description=_DESCRIPTIONS[script],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if script == "restore":
+        parser.add_argument("--restore-path", required=True, help="The run folder to continue.")
+        parser.add_argument("--print-config", action="store_true", help="Print the resolved options and exit.")
+        return parser
+    _add_config_options(parser)
+    _add_model_options(parser)
+    _add_data_options(parser)
+    _add_training_options(parser)
+    _add_device_options(parser)
+    _add_logging_options(parser)
+    if script in ("validate", "weight-avg", "infer"):
+        _add_validation_options(parser)
+    if script == "weight-avg":
+        group = parser.add_argument_group("Weight averaging")
+        group.add_argument("--mode", choices=("mean", "exponential"), default="mean")
+        group.add_argument("-N", "--N", dest="N", type=int, help="Average the last N checkpoints (default: all).")
+        group.add_argument("--decay", type=float, help="Exponential decay (default 0.97).")
+        group.add_argument("--discard-last", type=int, default=0, help="Ignore the last k checkpoints.")
+    if script == "infer":
+        group = parser.add_argument_group("Embedded inference")
+        group.add_argument("--force-recompile", action="store_true", help="Rebuild the compiled artefact.")
+        group.add_argument("--artefact-path", help="Where the compiled model is kept.")
+    _add_ipu_only_options(parser)
+    return parser
+
+
+_DESCRIPTIONS = {
+    "train": "Train a CNN classifier (ResNet, ResNeXt, EfficientNet) on CIFAR or ImageNet.",
+    "validate": "Validate the checkpoints of a run, or measure inference throughput on generated data.",
+    "restore": "Continue a training run from its newest checkpoint.",
+    "weight-avg": "Average the weights of a run's checkpoints and validate the result.",
+    "infer": "Inference from an ahead-of-time compiled model (torch.export + AOTInductor).",
+}

@@ -1,0 +1,475 @@
+"""Options -> one resolved, validated option set -> typed configuration objects.
+
+Resolution follows the seed: a named configuration from ``configs.yml`` supplies defaults, the command
+line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
+derived values (global batch size, learning rate, run name) are computed. The result is a flat dict
+of the seed's option names: it is what ``arguments.json`` and ``--print-config`` show, and what
+``restore.py`` reads back. `RunConfig.from_options` turns it into typed objects with plain field names,
+which is all the rest of the package sees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cnns.errors import ConfigError
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs.yml"
+
+CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
+NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
+BUILTIN_DATA_DIR = "data/builtin"
+
+
+# ----------------------------------------------------------------------------------------------
+# configs.yml
+
+
+def default_configs_path() -> Path:
+    """configs.yml beside the root scripts (the repository), else the current folder's."""
+    if REPO_CONFIGS.exists():
+        return REPO_CONFIGS
+    return Path("configs.yml")
+
+
+def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The options of configuration `name`, YAML merge keys resolved."""
+    path = Path(path) if path else default_configs_path()
+    try:
+        configs = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration file {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    if not isinstance(configs, dict) or name not in configs:
+        available = ", ".join(sorted(configs)) if isinstance(configs, dict) else "none"
+        raise ConfigError(f"unknown config {name!r} in {path}; available configs: {available}")
+    return dict(configs[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# dataset- and model-dependent defaults (the seed's set_defaults functions)
+
+
+def _dataset_defaults(o: dict[str, Any]) -> None:
+    if o.get("generated_data") or o.get("synthetic_data"):
+        if not o.get("dataset"):
+            raise ConfigError("please name the generated or synthetic dataset with --dataset")
+        o["mixup_alpha"], o["cutmix_lambda"] = 0.0, 1.0  # mixing means nothing on random data
+        return
+    if not o.get("data_dir"):
+        if o.get("dataset") == "builtin":
+            o["data_dir"] = BUILTIN_DATA_DIR
+        elif os.environ.get("DATA_DIR"):
+            o["data_dir"] = os.environ["DATA_DIR"]
+        else:
+            raise ConfigError("cannot find CIFAR/ImageNet data: set the DATA_DIR environment variable or use --data-dir")
+    if not o.get("dataset"):
+        o["dataset"] = infer_dataset_from_name(o["data_dir"])
+
+
+def infer_dataset_from_name(data_dir: str) -> str | None:
+    """The seed's rule: the dataset is named in the folder's path. Contents are checked later."""
+    lowered = str(data_dir).lower()
+    if "imagenet" in lowered:
+        return "imagenet"
+    if "cifar100" in lowered or "cifar-100" in lowered:
+        return "cifar-100"
+    if "cifar" in lowered:
+        return "cifar-10"
+    if "builtin" in lowered:
+        return "builtin"
+    return None  # decided from the folder's contents once data is read
+
+
+def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
+    if o.get(key) is None:
+        o[key] = value
+
+
+def _model_defaults(o: dict[str, Any]) -> None:
+    cifar = o["dataset"] in CIFAR_LIKE or o["dataset"] is None
+    model = o["model"]
+    lars = o["optimiser"] == "LARS"
+    if model == "efficientnet":
+        size = str(o.get("model_size") or ("cifar" if cifar else "B0"))
+        o["model_size"] = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
+        _set_if_unset(o, "micro_batch_size", 8 if cifar else 4)
+        _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-5))
+        _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-5)
+        exponents = {"SGD": -7.0, "momentum": -10.0, "RMSprop": -14.0, "LARS": -7.0}
+        _set_if_unset(o, "base_learning_rate_exponent", -6.0 if cifar else exponents[o["optimiser"]])
+        if o["optimiser"] == "RMSprop" and not cifar:
+            _set_if_unset(o, "rmsprop_base_decay_exp", -14.0)
+        if o["epochs"] is None and o["iterations"] is None:
+            o["epochs"] = 300.0 if cifar else 350.0
+        if not cifar and not o.get("label_smoothing"):
+            o["label_smoothing"] = 0.1
+        if o["lr_schedule"] == "exponential":
+            _set_if_unset(o, "lr_decay_rate", 0.97)
+            _set_if_unset(o, "lr_drops", 146)
+        if not o.get("batch_norm") and not o.get("group_norm"):
+            o["group_norm"] = True
+        _set_if_unset(o, "groups", 4)
+        _set_if_unset(o, "group_dim", 1)
+        _set_if_unset(o, "expand_ratio", 6)
+        return
+    # ResNet and ResNeXt
+    resnext = model == "resnext"
+    default_size = ("29" if cifar else "50") if resnext else ("20" if cifar else "18")
+    o["model_size"] = str(o.get("model_size") or default_size)
+    _set_if_unset(o, "micro_batch_size", 32 if cifar else 4)
+    _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-4))
+    _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-4)
+    if cifar:
+        _set_if_unset(o, "base_learning_rate_exponent", -6.0)
+    else:
+        _set_if_unset(o, "base_learning_rate_exponent", {"momentum": -11.0}.get(o["optimiser"], -8.0))
+    if o["epochs"] is None and o["iterations"] is None:
+        o["epochs"] = 160.0 if cifar else 100.0
+    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75" if cifar else "0.3,0.6,0.8,0.9")
+    if not o.get("batch_norm") and not o.get("group_norm"):
+        o["batch_norm" if cifar else "group_norm"] = True
+    _set_if_unset(o, "groups", 16 if cifar else 32)
+    if resnext:
+        _set_if_unset(o, "convolution_groups", 8 if cifar else 32)
+        _set_if_unset(o, "group_dim", 16 if cifar else 4)
+
+
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "model": "resnet",
+    "optimiser": "SGD",
+    "momentum": 0.9,
+    "rmsprop_epsilon": 0.001,
+    "lars_eeta": 0.001,
+    "lars_epsilon": 0.0,
+    "lr_schedule": "stepped",
+    "learning_rate_decay": 0.1,
+    "warmup_epochs": 5.0,
+    "poly_lr_decay_power": 2.0,
+    "poly_lr_end_ratio": 1e-5,
+    "gradient_accumulation_count": 1,
+    "gradient_accumulation_dtype": "float32",
+    "replicas": 1,
+    "shards": 1,
+    "pipeline": False,
+    "pipeline_schedule": "Interleaved",
+    "enable_recomputation": False,
+    "precision": "16.16",
+    "stochastic_rounding": True,
+    "device_iterations": 1000,
+    "label_smoothing": 0.0,
+    "ckpts_per_epoch": 1.0,
+    "epochs_per_ckpt": 0.0,
+    "ckpt_epochs_offset": 0.0,
+    "validation": True,
+    "BN_span": 1,
+    "BN_decay": 0.97,
+    "mixup_alpha": 0.0,
+    "cutmix_lambda": 1.0,
+    "cutmix_version": 1,
+    "dataset_percentage_to_use": 100,
+    "dataset_cache": True,
+    "normalise_input": False,
+    "eight_bit_io": False,
+    "log_dir": "logs",
+    "logs_per_epoch": 16.0,
+    "log_freq": 500,
+    "wandb": False,
+    "wandb_project": "cnns",
+    "tensorboard": False,
+    "compile": False,
+    "auto_loss_scaling": False,
+    "rts": False,
+    "offload_optimiser": False,
+    "enable_half_partials": False,
+    "fp_exceptions": False,
+    "profile": False,
+    "compile_only": False,
+    "generated_data": False,
+    "synthetic_data": False,
+    "dataset_benchmark": False,
+    "standard_imagenet": False,
+    "distributed": False,
+}
+
+
+def _precision_defaults(o: dict[str, Any]) -> None:
+    device = o.get("device") or ""
+    _set_if_unset(o, "half_dtype", "float16" if device.startswith("cuda") else "bfloat16")
+    # The seed's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
+    _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
+
+
+def _training_defaults(o: dict[str, Any]) -> None:
+    o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
+    if o.get("abs_learning_rate") is not None:
+        o["base_learning_rate_exponent"] = math.log2(o["abs_learning_rate"] / o["global_batch_size"])
+        o["learning_rate"] = float(o["abs_learning_rate"])
+    else:
+        o["learning_rate"] = 2.0 ** o["base_learning_rate_exponent"] * o["global_batch_size"]
+    if o.get("rmsprop_base_decay_exp") is not None and o.get("rmsprop_decay") is None:
+        o["rmsprop_decay"] = 1 - 2.0 ** o["rmsprop_base_decay_exp"] * o["global_batch_size"]
+    _set_if_unset(o, "rmsprop_decay", 0.9)
+    if o["optimiser"] == "LARS" and not o.get("lars_weight_decay"):
+        o["lars_weight_decay"] = o["weight_decay"]
+    if o.get("epochs_per_ckpt"):
+        if o["ckpts_per_epoch"] != 1:
+            raise ConfigError("cannot use --epochs-per-ckpt and --ckpts-per-epoch together")
+        o["ckpts_per_epoch"] = 1.0 / o["epochs_per_ckpt"]
+    if o["lr_schedule"] == "polynomial_decay_lr":
+        o["lr_schedule"] = "polynomial"
+    if o["lr_schedule"] == "polynomial" and o.get("abs_end_learning_rate") is not None:
+        o["poly_lr_end_ratio"] = o["abs_end_learning_rate"] / o["learning_rate"]
+    if o["lr_schedule"] == "exponential":
+        _set_if_unset(o, "lr_decay_rate", 0.97)
+        _set_if_unset(o, "lr_drops", 146)
+    if o.get("warmup_epochs") and o.get("epochs") is None:
+        o["warmup_epochs"] = 0.0  # seed: warm-up is defined in epochs and needs --epochs
+    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
+    _set_if_unset(o, "pipeline_num_parallel", 2)
+
+
+def _validate(o: dict[str, Any]) -> None:
+    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations"):
+        if o[key] is not None and o[key] < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
+    if o.get("epochs") is not None and o["epochs"] <= 0:
+        raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
+    if o.get("iterations") is not None and o["iterations"] < 1:
+        raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
+    if o["shards"] > 1 and not o["pipeline"]:
+        raise ConfigError("--shards should be used in combination with --pipeline")
+    if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
+        raise ConfigError("--pipeline-splits should be used in combination with --pipeline")
+    if o["dataset"] in CIFAR_LIKE and o.get("image_size") not in (None, 32):
+        raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
+    if not 1 <= o["dataset_percentage_to_use"] <= 100:
+        raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
+    if o["label_smoothing"] < 0 or o["label_smoothing"] >= 1:
+        raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
+
+
+def run_name(o: dict[str, Any]) -> str:
+    """The seed's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4."""
+    accumulation = o["gradient_accumulation_count"]
+    accum_tag = f"x{accumulation}p" if o["pipeline"] else (f"x{accumulation}a" if accumulation > 1 else "")
+    replica_tag = f"x{o['replicas']}r" if o["replicas"] > 1 else ""
+    norm_tag = f"_GN{o['groups']}" if o.get("group_norm") else "_BN"
+    if o["model"] == "efficientnet":
+        name = f"EfficientNet-{o['model_size']}_bs{o['micro_batch_size']}{accum_tag}{replica_tag}{norm_tag}"
+    else:
+        prefix = "RNX" if o["model"] == "resnext" else "RN"
+        name = f"{prefix}{o['model_size']}_bs{o['micro_batch_size']}{replica_tag}{accum_tag}{norm_tag}"
+        name += f"_{o['precision']}" + ("_noSR" if not o["stochastic_rounding"] else "")
+    if o.get("image_size") and o["dataset"] == "imagenet" and o["image_size"] != 224:
+        name += f"_{o['image_size']}x{o['image_size']}"
+    if o.get("name_suffix"):
+        name += f"_{o['name_suffix']}"
+    return name
+
+
+def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
+    """Fill every option: generic defaults, dataset/model defaults, derived values. Pure: no I/O."""
+    o = dict(cli_values)
+    for key, value in GENERIC_DEFAULTS.items():
+        _set_if_unset(o, key, value)
+    _dataset_defaults(o)
+    _model_defaults(o)
+    _precision_defaults(o)
+    _training_defaults(o)
+    _validate(o)
+    o["name"] = run_name(o)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed configuration: what the rest of the package sees
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str | None
+    data_dir: str | None
+    source: str  # "files" | "generated" | "synthetic"
+    num_classes: int
+    image_size: int | None
+    workers: int
+    normalise_imagenet: bool  # ImageNet mean/std; otherwise the seed's mean subtraction
+    host_normalisation: bool
+    percentage: int
+    cache: bool
+    mixup_alpha: float
+    cutmix_lambda: float
+    cutmix_version: int
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    precision: str  # "32.32" | "16.32" | "16.16"
+    half_dtype: str  # "bfloat16" | "float16"
+    stochastic_rounding: bool
+    loss_scaling: float
+    auto_loss_scaling: bool
+    grad_accum_dtype: str
+    half_partials: bool
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    replicas: int
+    shards: int
+    pipeline: bool
+    splits: tuple[str, ...] | None
+    schedule: str
+    recomputation: bool
+    bn_span: int
+    rts: bool
+    offload_optimiser: bool
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    epochs: float | None
+    iterations: int | None
+    device_iterations: int
+    ckpts_per_epoch: float
+    ckpt_epochs_offset: float
+    logs_per_epoch: float
+    log_freq: int
+    seed: int | None
+    validation: bool
+    label_smoothing: float
+    weight_avg_N: tuple[int, ...]
+    weight_avg_exp: tuple[float, ...]
+    ema_decay: float | None
+    compile: bool
+    fp_exceptions: bool
+    profile: bool
+    profile_dir: str | None
+    compile_only: bool
+    bn_momentum: float
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimiser: str
+    learning_rate: float
+    momentum: float
+    weight_decay: float
+    rmsprop_decay: float
+    rmsprop_epsilon: float
+    lars_eeta: float
+    lars_epsilon: float
+    lars_weight_decay: float
+    lr_schedule: str
+    warmup_epochs: float
+    learning_rate_decay: float
+    learning_rate_schedule: tuple[float, ...]
+    lr_decay_rate: float | None
+    lr_drops: int | None
+    poly_power: float
+    poly_end_ratio: float
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_dir: str
+    logs_path: str | None
+    name: str
+    wandb: bool
+    wandb_project: str
+    tensorboard: bool
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: Any  # cnns.models.ModelSpec
+    data: DataConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    log: LogConfig
+    device: str | None
+    options: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_options(cls, o: dict[str, Any]) -> "RunConfig":
+        from cnns.models import ModelSpec  # models are optional for pure option handling
+
+        dataset = o["dataset"]
+        cifar = dataset in CIFAR_LIKE
+        source = "synthetic" if o["synthetic_data"] else ("generated" if o["generated_data"] else "files")
+        image_size = 32 if cifar else o.get("image_size")
+        model = ModelSpec(
+            arch=o["model"], size=str(o["model_size"]), num_classes=NUM_CLASSES.get(dataset, 10),
+            image_size=image_size or 224, norm="group" if o.get("group_norm") else "batch",
+            groups=o["groups"], group_dim=o.get("group_dim") or 1, expand_ratio=o.get("expand_ratio") or 6,
+            convolution_groups=o.get("convolution_groups") or 32,
+            **({"group_width": o["group_dim"]} if o["model"] == "resnext" and o.get("group_dim") else {}),
+        )
+        data = DataConfig(
+            dataset=dataset, data_dir=o.get("data_dir"), source=source,
+            num_classes=NUM_CLASSES.get(dataset, 10), image_size=image_size,
+            workers=o["pipeline_num_parallel"], normalise_imagenet=bool(o["normalise_input"]),
+            host_normalisation=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
+            percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],
+            mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
+        )
+        precision = PrecisionConfig(
+            precision=o["precision"], half_dtype=o["half_dtype"], stochastic_rounding=o["stochastic_rounding"],
+            loss_scaling=o["loss_scaling"], auto_loss_scaling=o["auto_loss_scaling"],
+            grad_accum_dtype=o["gradient_accumulation_dtype"], half_partials=o["enable_half_partials"],
+        )
+        parallel = ParallelConfig(
+            replicas=o["replicas"], shards=o["shards"], pipeline=o["pipeline"],
+            splits=tuple(o["pipeline_splits"]) if o.get("pipeline_splits") is not None else None,
+            schedule=o["pipeline_schedule"], recomputation=o["enable_recomputation"], bn_span=o["BN_span"],
+            rts=o["rts"], offload_optimiser=o["offload_optimiser"],
+        )
+        train = TrainConfig(
+            micro_batch_size=o["micro_batch_size"], grad_accum=o["gradient_accumulation_count"],
+            global_batch_size=o["global_batch_size"], epochs=o.get("epochs"), iterations=o.get("iterations"),
+            device_iterations=o["device_iterations"], ckpts_per_epoch=o["ckpts_per_epoch"],
+            ckpt_epochs_offset=o["ckpt_epochs_offset"] or 0.0,
+            logs_per_epoch=o["logs_per_epoch"], log_freq=o["log_freq"],
+            seed=int(o["seed"]) if o.get("seed") is not None else None, validation=o["validation"],
+            label_smoothing=o["label_smoothing"], weight_avg_N=tuple(o.get("weight_avg_N") or ()),
+            weight_avg_exp=tuple(o.get("weight_avg_exp") or ()), ema_decay=o.get("ema_decay"),
+            compile=o["compile"], fp_exceptions=o["fp_exceptions"], profile=o["profile"],
+            profile_dir=o.get("profile_dir"), compile_only=o["compile_only"],
+            bn_momentum=1.0 - o["BN_decay"],
+        )
+        optim = OptimConfig(
+            optimiser=o["optimiser"], learning_rate=o["learning_rate"], momentum=o["momentum"],
+            weight_decay=o["weight_decay"], rmsprop_decay=o["rmsprop_decay"], rmsprop_epsilon=o["rmsprop_epsilon"],
+            lars_eeta=o["lars_eeta"], lars_epsilon=o["lars_epsilon"], lars_weight_decay=o["lars_weight_decay"],
+            lr_schedule=o["lr_schedule"], warmup_epochs=o["warmup_epochs"] or 0.0,
+            learning_rate_decay=o["learning_rate_decay"],
+            learning_rate_schedule=parse_fractions(o["learning_rate_schedule"]),
+            lr_decay_rate=o.get("lr_decay_rate"), lr_drops=o.get("lr_drops"),
+            poly_power=o["poly_lr_decay_power"], poly_end_ratio=o["poly_lr_end_ratio"],
+        )
+        log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
+                        wandb_project=o["wandb_project"], tensorboard=o["tensorboard"])
+        return cls(model=model, data=data, precision=precision, parallel=parallel, train=train, optim=optim,
+                   log=log, device=o.get("device"), options=dict(o))
+
+
+def parse_fractions(value: Any) -> tuple[float, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    try:
+        return tuple(float(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--learning-rate-schedule must be comma-separated fractions, got {value!r}") from None

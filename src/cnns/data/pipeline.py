@@ -1,0 +1,153 @@
+"""From a DataConfig to batch sources for training and evaluation.
+
+Every source yields (uint8 NHWC images, int64 labels) batches through the same small protocol:
+``len(source)`` batches per epoch, ``source.epoch(e, start_batch)`` and ``source.num_samples``. The
+device side (`cnns.engine.feed`) moves them to the device and normalises them there, which is the
+seed's 8-bit I/O: a quarter of the bytes of float32 cross to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+from cnns.config import DataConfig
+from cnns.errors import DataError
+
+# The seed's dataset sizes, used to define an "epoch" of generated or synthetic data.
+NOMINAL_TRAIN_IMAGES = {"imagenet": 1281167, "cifar-10": 50000, "cifar-100": 50000, "builtin": 5000}
+NOMINAL_EVAL_IMAGES = {"imagenet": 50000, "cifar-10": 10000, "cifar-100": 10000, "builtin": 1000}
+
+
+class BatchSource(Protocol):
+    num_samples: int
+
+    def __len__(self) -> int: ...
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class SyntheticBatches:
+    """One random batch made once on the device and yielded forever: no host input pipeline at all."""
+
+    def __init__(self, batch_size: int, image_size: int, num_classes: int, batches_per_epoch: int,
+                 device: torch.device, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        images = torch.randint(0, 256, (batch_size, image_size, image_size, 3), dtype=torch.uint8, generator=generator)
+        labels = torch.randint(0, num_classes, (batch_size,), generator=generator)
+        self.batch = (images.to(device), labels.to(device))
+        self.batch[0]._cnns_resident = True  # tells the device feed to normalise it once, not every step
+        self.batches_per_epoch = batches_per_epoch
+        self.num_samples = batch_size * batches_per_epoch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def epoch(self, epoch: int, start_batch: int = 0):
+        for _ in range(start_batch, self.batches_per_epoch):
+            yield self.batch
+
+
+@dataclass
+class DataSources:
+    dataset: str
+    num_classes: int
+    train: BatchSource
+    eval: BatchSource | None
+
+
+def resolve_dataset(cfg: DataConfig) -> tuple[str, Path | None]:
+    """The dataset name and the folder its files are in, checked against the folder's contents."""
+    if cfg.source != "files":
+        return cfg.dataset, None
+    from cnns.data.cifar import detect_cifar
+
+    folder = Path(cfg.data_dir)
+    if cfg.dataset == "builtin":
+        from cnns.data.builtin import ensure_builtin_dataset
+
+        return "builtin", ensure_builtin_dataset(folder)
+    if not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
+    if cfg.dataset in (None, "cifar-10", "cifar-100"):
+        found = detect_cifar(folder)
+        if found is not None and cfg.dataset in (None, found):
+            return found, folder
+        if cfg.dataset is not None:
+            raise DataError(f"no {cfg.dataset} binary files found in {folder}")
+    if cfg.dataset in (None, "imagenet"):
+        from cnns.data.imagenet import detect_imagenet
+
+        if detect_imagenet(folder) is not None:
+            return "imagenet", folder
+        if cfg.dataset == "imagenet":
+            raise DataError(f"no ImageNet TFRecords (train-*-of-*) or JPEG folders (train/<class>/) found in {folder}")
+    raise DataError(f"cannot infer the dataset in {folder}; name it with --dataset")
+
+
+def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: int, seed: int,
+                  device: torch.device, shard: tuple[int, int] = (0, 1), need_eval: bool = True,
+                  need_train: bool = True) -> DataSources:
+    dataset, folder = resolve_dataset(cfg)
+    num_classes = {"imagenet": 1000, "cifar-100": 100}.get(dataset, 10)
+    if cfg.source == "synthetic":
+        image_size = cfg.image_size or 224
+        train = SyntheticBatches(micro_batch_size, image_size, num_classes,
+                                 max(1, NOMINAL_TRAIN_IMAGES[dataset] // micro_batch_size), device, seed)
+        evaluation = SyntheticBatches(eval_batch_size, image_size, num_classes,
+                                      max(1, NOMINAL_EVAL_IMAGES[dataset] // eval_batch_size), device, seed + 1)
+        return DataSources(dataset, num_classes, train, evaluation)
+    if cfg.source == "generated":
+        from cnns.data.batches import GeneratedBatches
+
+        image_size = cfg.image_size or 224
+        train = GeneratedBatches(micro_batch_size, image_size, num_classes,
+                                 max(1, NOMINAL_TRAIN_IMAGES[dataset] // micro_batch_size), seed)
+        evaluation = GeneratedBatches(eval_batch_size, image_size, num_classes,
+                                      max(1, NOMINAL_EVAL_IMAGES[dataset] // eval_batch_size), seed + 1)
+        return DataSources(dataset, num_classes, train, evaluation)
+    if dataset == "imagenet":
+        return _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train)
+    return _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train)
+
+
+def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train):
+    from cnns.data.augment import cifar_augment
+    from cnns.data.batches import TensorBatches
+    from cnns.data.cifar import load_cifar
+
+    file_format = "cifar-10" if dataset == "builtin" else dataset
+    num_classes = 100 if dataset == "cifar-100" else 10
+    train = evaluation = None
+    if need_train:
+        images, labels = load_cifar(folder, file_format, train=True)
+        if cfg.percentage < 100:
+            keep = max(1, len(labels) * cfg.percentage // 100)
+            images, labels = images[:keep], labels[:keep]
+        if len(labels) < micro_batch_size * shard[1]:
+            raise DataError(f"the training set in {folder} has {len(labels)} images, fewer than one batch "
+                            f"of {micro_batch_size * shard[1]}")
+        train = TensorBatches(images, labels, micro_batch_size, shuffle=True, drop_last=True, seed=seed,
+                              augment=cifar_augment(4), shard=shard)
+    if need_eval:
+        images, labels = load_cifar(folder, file_format, train=False)
+        evaluation = TensorBatches(images, labels, eval_batch_size, shuffle=False, drop_last=False, seed=seed,
+                                   shard=shard)
+    return DataSources(dataset, num_classes, train, evaluation)
+
+
+def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train):
+    from cnns.data.imagenet import ImageNetBatches
+
+    image_size = cfg.image_size or 224
+    train = evaluation = None
+    if need_train:
+        train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, image_size=image_size,
+                                workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage)
+    if need_eval:
+        evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
+                                     workers=cfg.workers, seed=seed, shard=shard)
+    return DataSources("imagenet", 1000, train, evaluation)

@@ -1,0 +1,1 @@
+"""The training step, the training loop, evaluation, and the feed that moves batches to the device."""

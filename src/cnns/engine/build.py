@@ -1,0 +1,148 @@
+"""Wiring: a RunConfig becomes the objects the loop runs. The only place that reads the RunConfig.
+
+Order of model wrapping is fixed: build -> training-time norm settings -> precision -> channels_last
+-> device -> compilation. Checkpoints always save the plain model (`unwrap`), so their keys are those
+of a single-process run of the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from cnns.config import RunConfig
+from cnns.errors import ConfigError
+from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
+from cnns.precision import LossScaler, PrecisionPolicy
+from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
+
+
+def resolve_device(requested: str | None, select_ipus: list[str] | None = None) -> torch.device:
+    """--device wins; the seed's --select-ipus N means cuda:N; otherwise CUDA when present."""
+    if requested:
+        name = requested
+    elif select_ipus and str(select_ipus[0]).lower() != "auto":
+        name = f"cuda:{int(select_ipus[0])}"
+    else:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name} requested but CUDA is not available on this machine")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_seed(cfg: RunConfig) -> int:
+    """The run's seed: --seed, or a fresh one (recorded in arguments.json so the run can be replayed)."""
+    if cfg.train.seed is not None:
+        return cfg.train.seed
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def set_norm_momentum(model: nn.Module, momentum: float) -> None:
+    """The seed's --BN-decay d is torch's momentum 1-d (a training setting, so not in model code)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = momentum
+
+
+def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: torch.device) -> nn.Module:
+    from cnns.models import build_model
+
+    model = build_model(cfg.model)
+    set_norm_momentum(model, cfg.train.bn_momentum)
+    policy.apply_to_model(model)
+    model.to(device=device, memory_format=torch.channels_last)
+    return model
+
+
+def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    if not enabled:
+        return model
+    return torch.compile(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under any compilation wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolicy, seed: int) -> HalfPrecisionOptimiser:
+    o = cfg.optim
+    spec = OptimiserSpec(
+        name=o.optimiser, lr=o.learning_rate, momentum=o.momentum, weight_decay=o.weight_decay,
+        rmsprop_decay=o.rmsprop_decay, rmsprop_epsilon=o.rmsprop_epsilon, lars_eeta=o.lars_eeta,
+        lars_epsilon=o.lars_epsilon, lars_weight_decay=o.lars_weight_decay,
+    )
+    # One wrapper for every precision: float32 parameters are updated in place, half ones through a
+    # float32 working copy rounded back (stochastically in 16.16 unless switched off).
+    return HalfPrecisionOptimiser(
+        parameter_groups(model, o.weight_decay), lambda groups: build_optimiser(groups, spec),
+        stochastic_rounding=cfg.precision.stochastic_rounding and policy.half_weights, seed=seed + 7,
+    )
+
+
+def build_schedule(cfg: RunConfig, total_steps: int, epochs: float) -> ScheduleSpec:
+    o = cfg.optim
+    warmup = warmup_steps_from_epochs(total_steps, o.warmup_epochs, epochs) if o.warmup_epochs else 0
+    warmup = min(warmup, total_steps - 1) if o.lr_schedule == "polynomial" else min(warmup, total_steps)
+    return ScheduleSpec(
+        kind=o.lr_schedule, base_lr=o.learning_rate, total_steps=total_steps, warmup_steps=warmup,
+        decay=o.learning_rate_decay, boundaries=o.learning_rate_schedule,
+        decay_rate=o.lr_decay_rate if o.lr_decay_rate is not None else 0.97,
+        num_drops=o.lr_drops if o.lr_drops is not None else 146,
+        poly_power=o.poly_power, end_ratio=o.poly_end_ratio,
+    )
+
+
+def build_loss_scaler(cfg: RunConfig, policy: PrecisionPolicy) -> LossScaler:
+    if policy.compute_dtype == torch.float32:
+        return LossScaler(1.0, dynamic=False)  # nothing to protect in float32
+    return LossScaler(cfg.precision.loss_scaling, dynamic=cfg.precision.auto_loss_scaling)
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How long the run is, in weight updates, and the cadences derived from it (the seed's rules)."""
+
+    total_iterations: int
+    iterations_per_epoch: int
+    epochs: float
+    log_every: int
+    sync_every: int
+    ckpt_every: int | None  # None: only the final checkpoint
+    ckpt_offset: int
+
+    @classmethod
+    def resolve(cls, cfg: RunConfig, num_train_samples: int) -> "RunLength":
+        t = cfg.train
+        per_epoch = max(1, num_train_samples // t.global_batch_size)
+        if t.iterations is not None:
+            total = t.iterations
+            epochs = total * t.global_batch_size / num_train_samples
+            log_every = max(1, t.log_freq)
+        else:
+            total = max(1, int(num_train_samples * t.epochs // t.global_batch_size))
+            epochs = t.epochs
+            log_every = max(1, int(per_epoch // t.logs_per_epoch)) if t.logs_per_epoch else total
+        log_every = min(log_every, total)
+        di = t.device_iterations
+        sync_every = log_every if log_every < di else max(1, log_every // max(1, round(log_every / di)))
+        ckpt_every = None
+        if t.ckpts_per_epoch:
+            ckpt_every = max(1, int(per_epoch / t.ckpts_per_epoch))
+        return cls(total, per_epoch, epochs, log_every, sync_every, ckpt_every,
+                   int(t.ckpt_epochs_offset * per_epoch))

@@ -1,0 +1,175 @@
+"""The training loop: updates, the metrics outfeed, step lines, checkpoints, interrupts.
+
+Per-update metrics stay on the device in the outfeed and are read back once every `sync_every`
+updates (the seed's device iterations), so the loop never blocks on the step's results in between.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from cnns.engine.build import RunLength
+from cnns.engine.feed import DeviceFeed
+from cnns.engine.step import StepMetrics, TrainStep
+from cnns.runlog import RunLog
+from cnns.schedules import ScheduleSpec, lr_at
+
+
+class Outfeed:
+    """Per-update metrics kept as device tensors until the next host synchronisation."""
+
+    def __init__(self):
+        self.pending: list[tuple[int, float, StepMetrics]] = []
+
+    def push(self, iteration: int, lr: float, metrics: StepMetrics) -> None:
+        self.pending.append((iteration, lr, metrics))
+
+    def drain(self) -> list[dict]:
+        """One transfer for all pending updates: [{iteration, lr, loss, correct, samples}]."""
+        if not self.pending:
+            return []
+        values = torch.stack([torch.stack([m.loss_sum.float(), m.correct.float()]) for _, _, m in self.pending])
+        host = values.cpu().tolist()
+        rows = [
+            {"iteration": it, "lr": lr, "loss": loss / max(1, m_count), "correct": correct, "samples": m.samples}
+            for (it, lr, m), (loss, correct), m_count in zip(
+                self.pending, host, (len_micro(m) for _, _, m in self.pending))
+        ]
+        self.pending.clear()
+        return rows
+
+
+def len_micro(metrics: StepMetrics) -> int:
+    return getattr(metrics, "micro_batches", 1)
+
+
+def micro_batch_stream(source, start_micro_batch: int) -> Iterator:
+    """Micro-batches across epochs, starting at a position counted in micro-batches from the start."""
+    per_epoch = len(source)
+    epoch, offset = divmod(start_micro_batch, per_epoch)
+    for e in count(epoch):
+        yield from source.epoch(e, offset)
+        offset = 0
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; the loop finishes the current update, checkpoints and stops."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+    @contextmanager
+    def installed(self):
+        previous = {}
+
+        def handler(signum, frame):
+            self.signal_name = signal.Signals(signum).name
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        try:
+            yield self
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+@dataclass
+class LoopResult:
+    final_iteration: int
+    interrupted_by: str | None
+    checkpoints: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    last_loss: float | None = None
+    last_train_acc: float | None = None
+
+
+class TrainingLoop:
+    def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
+                 grad_accum: int, global_batch_size: int, num_train_samples: int, log: RunLog,
+                 save_checkpoint: Callable[[int], None], start_iteration: int = 0):
+        self.step = step
+        self.feed = feed
+        self.source = source
+        self.schedule = schedule
+        self.length = length
+        self.grad_accum = grad_accum
+        self.global_batch_size = global_batch_size
+        self.num_train_samples = num_train_samples
+        self.log = log
+        self.save_checkpoint = save_checkpoint
+        self.start_iteration = start_iteration
+
+    def epoch_of(self, iteration: int) -> float:
+        return self.global_batch_size * iteration / self.num_train_samples
+
+    def _crossed(self, every: int | None, before: int, after: int) -> bool:
+        return every is not None and before // every < after // every
+
+    def run(self, stop: StopRequest) -> LoopResult:
+        length = self.length
+        stream = self.feed(micro_batch_stream(self.source, self.start_iteration * self.grad_accum))
+        outfeed = Outfeed()
+        result = LoopResult(final_iteration=self.start_iteration, interrupted_by=None)
+        start_all = time.perf_counter()
+        interval_start, interval_images = time.perf_counter(), 0
+        window: list[dict] = []
+        last_log = last_sync = self.start_iteration
+        for iteration in range(self.start_iteration, length.total_iterations):
+            micro = [next(stream) for _ in range(self.grad_accum)]
+            lr = lr_at(self.schedule, iteration)
+            metrics = self.step(micro, lr)
+            metrics.micro_batches = len(micro)
+            outfeed.push(iteration, lr, metrics)
+            done = iteration + 1
+            final = done == length.total_iterations
+            if not (done - last_sync >= length.sync_every or final or stop):
+                continue
+            last_sync = done
+            window.extend(outfeed.drain())  # the host synchronisation
+            interval_images = sum(r["samples"] for r in window)
+            if self._crossed(length.log_every, last_log, done) or final or stop or last_log == self.start_iteration:
+                elapsed = time.perf_counter() - interval_start
+                self._log_step(window, done, elapsed, interval_images, time.perf_counter() - start_all)
+                result.last_loss = window[-1]["loss"]
+                result.last_train_acc = 100.0 * window[-1]["correct"] / window[-1]["samples"]
+                window = []
+                last_log = done
+                interval_start = time.perf_counter()
+            if (self._crossed(length.ckpt_every, done - length.sync_every if done > length.sync_every else 0, done)
+                    and done >= length.ckpt_offset) or final or stop:
+                self.save_checkpoint(done)
+                result.checkpoints.append(done)
+            result.final_iteration = done
+            if stop:
+                result.interrupted_by = stop.signal_name
+                break
+        result.seconds = time.perf_counter() - start_all
+        return result
+
+    def _log_step(self, rows: list[dict], done: int, elapsed: float, images: int, total_time: float) -> None:
+        updates = len(rows)
+        loss_avg = sum(r["loss"] for r in rows) / updates
+        acc_avg = 100.0 * sum(r["correct"] for r in rows) / max(1, sum(r["samples"] for r in rows))
+        last = rows[-1]
+        self.log.training_step({
+            "step": done * self.grad_accum, "iteration": done, "epoch": self.epoch_of(done), "lr": last["lr"],
+            "loss_batch": last["loss"], "loss_avg": loss_avg,
+            "train_acc_batch": 100.0 * last["correct"] / last["samples"], "train_acc_avg": acc_avg,
+            "it_time": elapsed / updates, "img_per_sec": images / elapsed if elapsed > 0 else 0.0,
+            "total_time": total_time,
+        })

@@ -1,0 +1,129 @@
+"""One weight update: forward and backward over the micro-batches, then the optimiser.
+
+Everything option-dependent (precision, loss scaling, gradient accumulation dtype, label smoothing,
+mixing) was resolved into objects before the loop; the step only calls them. It returns tensors and
+never reads a value back to the host, so `--device-iterations` updates run without a sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from cnns.errors import CnnsError
+from cnns.optim import HalfPrecisionOptimiser, set_lr
+from cnns.precision import LossScaler, PrecisionPolicy
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepMetrics:
+    loss_sum: torch.Tensor  # sum over micro-batches of the mean micro-batch loss
+    correct: torch.Tensor  # top-1 hits over the whole update
+    samples: int
+
+
+class FloatGradientAccumulator:
+    """Sums half-precision micro-batch gradients in float32 (seed 002, 6.7.3).
+
+    With one micro-batch per update or float32 parameters the autograd `.grad` is used directly.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], enabled: bool):
+        self.params = list(params)
+        self.enabled = enabled
+        self.buffers: list[torch.Tensor] | None = None
+
+    def after_backward(self) -> None:
+        if not self.enabled:
+            return
+        grads = [p.grad for p in self.params]
+        if self.buffers is None:
+            self.buffers = [g.float() for g in grads]
+        else:
+            torch._foreach_add_(self.buffers, [g.float() for g in grads])
+        for p in self.params:
+            p.grad = None
+
+    def gradients(self) -> list[torch.Tensor]:
+        if self.enabled:
+            grads, self.buffers = self.buffers, None
+            return grads
+        return [p.grad if p.grad is None or p.grad.dtype == torch.float32 else p.grad.float() for p in self.params]
+
+
+class TrainStep:
+    def __init__(self, model: nn.Module, optimiser: HalfPrecisionOptimiser, policy: PrecisionPolicy,
+                 scaler: LossScaler, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 grad_accum: int, accumulate_in_float32: bool, fp_exceptions: bool = False,
+                 mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.model = model
+        self.optimiser = optimiser
+        self.policy = policy
+        self.scaler = scaler
+        self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.params = optimiser.params
+        self.accumulator = FloatGradientAccumulator(
+            self.params, enabled=accumulate_in_float32 and policy.half_weights and grad_accum > 1)
+        self.fp_exceptions = fp_exceptions
+        self.mix = mix
+
+    def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
+        set_lr(self.optimiser, lr)
+        self.optimiser.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+        correct = torch.zeros((), dtype=torch.int64, device=loss_sum.device)
+        samples = 0
+        for images, labels in micro_batches:
+            targets = labels
+            if self.mix is not None:
+                images, targets = self.mix(images, labels)
+            with self.policy.autocast():
+                logits = self.model(images)
+            # The loss is computed in float32 whatever the compute precision.
+            loss = self.loss_fn(logits.float(), targets)
+            # Each micro-batch contributes 1/A of the update, so the gradient is the global-batch mean
+            # whatever the accumulation count (and equal across replicas x accumulation splits).
+            self.scaler.scale_loss(loss / self.grad_accum).backward()
+            self.accumulator.after_backward()
+            loss_sum += loss.detach()
+            correct += (logits.detach().argmax(dim=1) == labels).sum()
+            samples += labels.shape[0]
+        grads = self.accumulator.gradients()
+        if self.fp_exceptions:
+            self._raise_on_non_finite(loss_sum, grads)
+        present = [g for g in grads if g is not None]
+        if self.scaler.unscale_(present):
+            self.optimiser.step(grads)
+        return StepMetrics(loss_sum, correct, samples)
+
+    @staticmethod
+    def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None]) -> None:
+        if not torch.isfinite(loss):
+            raise CnnsError("floating-point exception: the loss is NaN or Inf (--fp-exceptions)")
+        for g in grads:
+            if g is not None and not torch.isfinite(g).all():
+                raise CnnsError("floating-point exception: a gradient is NaN or Inf (--fp-exceptions)")
+
+
+def cross_entropy_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross entropy with the seed's label smoothing: 1-e on the true class, e spread over the others.
+
+    torch's label_smoothing spreads e over all K classes (true class gets 1-e+e/K); the seed spreads
+    it over the K-1 others, which is torch's rule with e' = e*K/(K-1). Soft targets (from mixing)
+    are used as given.
+    """
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if targets.dtype.is_floating_point:
+            return torch.sum(-targets * torch.log_softmax(logits, dim=1), dim=1).mean()
+        classes = logits.shape[1]
+        smoothing = label_smoothing * classes / (classes - 1) if classes > 1 else 0.0
+        return nn.functional.cross_entropy(logits, targets, label_smoothing=smoothing)
+
+    return loss

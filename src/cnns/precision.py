@@ -1,0 +1,137 @@
+"""The precision policy, resolved once from the seed's ``--precision compute.master``.
+
+=======  =====================  ================================  =====================================
+option   weights                compute                           where float32 stays
+=======  =====================  ================================  =====================================
+32.32    float32                float32                           everywhere
+16.32    float32 (master)       half, by autocast                 autocast's float32 ops, the loss
+16.16    half                   half                              loss, normalisation layers; the update
+=======  =====================  ================================  =====================================
+
+"Half" is bfloat16 on CPU and float16 on CUDA unless ``--half-dtype`` says otherwise. In 16.16 the
+weight update is computed in float32 and rounded back to half, stochastically by default
+(`cnns.optim.HalfPrecisionOptimiser`). The training step never tests these flags: it calls
+`autocast()` and `LossScaler` methods, which are no-ops where the policy needs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    weight_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    device_type: str
+    use_autocast: bool
+
+    @classmethod
+    def resolve(cls, precision: str, half_dtype: str, device: torch.device) -> "PrecisionPolicy":
+        half = HALF_DTYPES[half_dtype]
+        compute_bits, master_bits = precision.split(".")
+        compute = half if compute_bits == "16" else torch.float32
+        weights = half if master_bits == "16" else torch.float32
+        return cls(weight_dtype=weights, compute_dtype=compute, device_type=device.type,
+                   use_autocast=compute != weights)
+
+    @property
+    def half_weights(self) -> bool:
+        return self.weight_dtype != torch.float32
+
+    def autocast(self):
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.compute_dtype)
+
+    def apply_to_model(self, model: nn.Module) -> nn.Module:
+        """Cast weights for 16.16, keeping normalisation layers (their statistics) in float32."""
+        if not self.half_weights:
+            return model
+        model.to(self.weight_dtype)
+        for module in model.modules():
+            if isinstance(module, NORM_TYPES):
+                keep_norm_in_float32(module)
+        return model
+
+
+def _to_float32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _back_to_input_dtype(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.to(module._cnns_input_dtype)
+
+
+def _remember_input_dtype(module: nn.Module, args: tuple) -> tuple:
+    module._cnns_input_dtype = args[0].dtype
+    return _to_float32(module, args)
+
+
+def keep_norm_in_float32(module: nn.Module) -> None:
+    """Run a normalisation layer in float32 inside a half-precision model.
+
+    Hooks rather than a wrapper module, so the state-dict keys stay those of the plain model.
+    """
+    module.float()
+    module.register_forward_pre_hook(_remember_input_dtype)
+    module.register_forward_hook(_back_to_input_dtype)
+
+
+class LossScaler:
+    """Static or dynamic loss scaling.
+
+    Static (``--loss-scaling S``): the loss is multiplied by S before backward and the gradients
+    divided by S before the update. Dynamic (``--auto-loss-scaling``): additionally, an update whose
+    gradients overflow is skipped and the scale halved; after `growth_interval` clean updates it
+    doubles. torch.amp.GradScaler refuses half-precision gradients, which 16.16 produces, and we need
+    the skip decision before our own optimiser wrapper runs, so this small class is written by hand.
+    """
+
+    def __init__(self, scale: float, dynamic: bool, growth_interval: int = 2000):
+        self.scale = float(scale)
+        self.dynamic = dynamic
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+
+    @property
+    def active(self) -> bool:
+        return self.dynamic or self.scale != 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.active else loss
+
+    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+        """Divide the gradients by the scale in place; with dynamic scaling, report whether to step.
+
+        Only dynamic scaling reads a value back to the host (one sync per update); static scaling
+        never does.
+        """
+        if self.active and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        if not self.dynamic:
+            return True
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if finite:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+        else:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.clean_steps = 0
+        return finite
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])

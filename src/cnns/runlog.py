@@ -1,0 +1,118 @@
+"""The run folder and everything written to it, in the seed's wording.
+
+``logs/<name>_<3 random chars>/`` holds arguments.json, log.txt (everything printed), training.csv,
+validation.csv and the checkpoints. The printed lines keep the seed's format so existing log parsers
+(and `cnns benchmark`) read them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
+                    "train_acc_avg", "it_time", "img_per_sec", "total_time")
+# The seed's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
+VALIDATION_COLUMNS = ("name", "iteration", "epoch", "val_acc", "raw_acc", "val_time", "val_size",
+                      "img_per_sec", "latency", "val_top5")
+
+STEP_LINE = ("step: {step:6d}, iteration: {iteration:6d}, epoch: {epoch:6.2f}, lr: {lr:6.4g}, "
+             "loss: {loss_avg:6.3f}, top-1 accuracy: {train_acc_avg:6.3f}%, "
+             "throughput: {img_per_sec:6.2f} samples/sec, time: {it_time:8.6f}, total_time: {total_time:8.1f}")
+VALIDATION_LINE = ("Validation top-1 accuracy: {val_acc:6.3f}% [{name}] (iteration: {iteration:6d}, "
+                   "epoch: {epoch:6.2f}, throughput: {img_per_sec:6.2f} samples/sec, time: {val_time:8.6f}, "
+                   "latency avg: {latency:8.4f} ms)")
+
+
+def new_run_folder(log_dir: str | Path, name: str) -> Path:
+    """Create ``<log_dir>/<name>_<3 random chars>``; never reuses an existing folder.
+
+    The suffix comes from a private Random so that a seeded run's random streams are untouched.
+    """
+    chooser = random.Random()
+    alphabet = string.ascii_uppercase + string.digits
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    while True:
+        folder = Path(log_dir) / f"{name}_{''.join(chooser.choice(alphabet) for _ in range(3))}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+class RunLog:
+    """Prints lines to the screen and log.txt, and appends rows to the run's CSV files.
+
+    With `folder=None` (non-zero ranks, inference benchmarks) it only prints, or stays silent when
+    `quiet`.
+    """
+
+    def __init__(self, folder: Path | None, quiet: bool = False, tensorboard: bool = False):
+        self.folder = folder
+        self.quiet = quiet
+        self._tb = None
+        if folder is not None and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(folder / "tensorboard"))
+
+    def print(self, line: str = "") -> None:
+        if self.quiet:
+            return
+        print(line, flush=True)
+        if self.folder is not None:
+            with open(self.folder / "log.txt", "a") as f:
+                f.write(line + "\n")
+
+    def notice(self, line: str) -> None:
+        self.print(f"notice: {line}")
+
+    def write_arguments(self, options: dict[str, Any], filename: str = "arguments.json") -> None:
+        if self.folder is None:
+            return
+        text = json.dumps(options, sort_keys=True, indent=4, separators=(",", ": "), default=str)
+        (self.folder / filename).write_text(text + "\n")
+
+    def _append_csv(self, filename: str, columns: tuple[str, ...], row: dict[str, Any]) -> None:
+        if self.folder is None:
+            return
+        path = self.folder / filename
+        new = not path.exists() or path.stat().st_size == 0
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def training_step(self, row: dict[str, Any]) -> None:
+        self.print(STEP_LINE.format(**row))
+        self._append_csv("training.csv", TRAINING_COLUMNS, row)
+        if self._tb is not None:
+            for key in ("lr", "loss_avg", "train_acc_avg", "img_per_sec"):
+                self._tb.add_scalar(f"train/{key}", row[key], row["iteration"])
+
+    def validation_result(self, row: dict[str, Any]) -> None:
+        self.print(VALIDATION_LINE.format(**row))
+        self._append_csv("validation.csv", VALIDATION_COLUMNS, row)
+        if self._tb is not None:
+            self._tb.add_scalar("validation/top1", row["val_acc"], row["iteration"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        sys.stdout.flush()
+
+
+def validated_names(folder: Path) -> set[str]:
+    """Checkpoint names already in validation.csv (validation.py skips them)."""
+    path = folder / "validation.csv"
+    if not path.exists():
+        return set()
+    with open(path, newline="") as f:
+        return {row["name"] for row in csv.DictReader(f) if row.get("name")}

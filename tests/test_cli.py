@@ -1,0 +1,147 @@
+"""The seed's command lines are accepted, and options resolve to the seed's values."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cnns.cli import parse_options, resolved_training_options
+from cnns.config import run_name
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = ROOT.parent / "shared" / "seeds"
+
+
+def seed_command_lines(script: str) -> list[list[str]]:
+    """Every `<script> ...` command line printed in seeds 000 and 001, as argv lists."""
+    commands = []
+    for seed in sorted(SEEDS.glob("00[01]_*.txt")):
+        text = re.sub(r"\\\s*\n\s*", " ", seed.read_text())  # join continued lines
+        for line in text.splitlines():
+            match = re.search(rf"(?:^|\s){re.escape(script)}\s+(.*)$", line)
+            if not match or "--" not in match.group(1):
+                continue
+            command = match.group(1).split("`")[0]  # prose quotes a command line in backticks
+            argv = [a for a in shlex.split(command.replace("\\ ", " ")) if a != "\\"]
+            # "my_config" is the README's placeholder for a user's own configuration; --help lines
+            # are covered by test_help_is_grouped_like_the_seed.
+            if "my_config" not in argv and "--help" not in argv:
+                commands.append(argv)
+    return commands
+
+
+TRAIN_LINES = seed_command_lines("train.py")
+VALIDATION_LINES = seed_command_lines("validation.py")
+
+
+def test_seed_files_hold_many_command_lines():
+    assert SEEDS.is_dir(), "the seeds are expected beside the repository in ../shared/seeds"
+    assert len(TRAIN_LINES) >= 15
+    assert len(VALIDATION_LINES) >= 8
+
+
+@pytest.mark.parametrize("argv", TRAIN_LINES, ids=lambda a: " ".join(a)[:80])
+def test_every_seed_train_command_line_resolves(argv, monkeypatch):
+    monkeypatch.setenv("DATA_DIR", "/nonexistent/imagenet")
+    options, _ = resolved_training_options("train", argv)
+    assert options["global_batch_size"] == (
+        options["micro_batch_size"] * options["gradient_accumulation_count"] * options["replicas"])
+    assert options["learning_rate"] > 0
+
+
+@pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
+def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
+    from cnns.cli.commands import validate_main
+
+    assert validate_main(argv + ["--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["micro_batch_size"] >= 1
+
+
+@pytest.mark.parametrize("config, global_batch", [
+    ("resnet50_mlperf_pod16_bs20", 1920),
+    ("resnext101_16ipus", 768),
+    ("resnet50_bn_16ipus", 16384),
+    ("efficientnet_b4_g1_16ipus", 768),
+    ("efficientnet_b4_g16_16ipus", 6144),
+])
+def test_named_configurations_give_the_seed_global_batch(config, global_batch):
+    options, _ = resolved_training_options("train", ["--config", config, "--data-dir", "/x/imagenet"])
+    assert options["global_batch_size"] == global_batch
+
+
+def test_print_config_from_the_root_script_is_json_with_arguments_keys(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet8_test", "--data-dir",
+                          str(tmp_path / "cifar-10"), "--print-config"], capture_output=True, text=True, check=True)
+    printed = json.loads(out.stdout)
+    for key in ("replicas", "shards", "micro_batch_size", "gradient_accumulation_count", "global_batch_size",
+                "learning_rate"):
+        assert key in printed
+    assert printed["learning_rate"] == 0.5
+    assert not (tmp_path / "cifar-10").exists()  # --print-config reads no data and writes nothing
+
+
+def test_learning_rate_rule_of_the_seed():
+    options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "16",
+                                                     "--base-learning-rate-exponent", "-4"])
+    assert options["learning_rate"] == 1.0
+    options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", "/x", "--abs-learning-rate", "0.3"])
+    assert options["learning_rate"] == 0.3
+
+
+def test_dataset_dependent_defaults_and_run_names():
+    cifar, _ = resolved_training_options("train", ["--data-dir", "/data/cifar-10-batches-bin"])
+    assert (cifar["dataset"], cifar["model_size"], cifar["micro_batch_size"], cifar["batch_norm"], cifar["epochs"]) == \
+        ("cifar-10", "20", 32, True, 160.0)
+    assert cifar["name"] == "RN20_bs32_BN_16.16"
+    imagenet, _ = resolved_training_options("train", ["--data-dir", "/data/imagenet"])
+    assert (imagenet["model_size"], imagenet["micro_batch_size"], imagenet["group_norm"], imagenet["groups"],
+            imagenet["epochs"]) == ("18", 4, True, 32, 100.0)
+    assert imagenet["name"] == "RN18_bs4_GN32_16.16"
+    effnet, _ = resolved_training_options("train", ["--model", "efficientnet", "--data-dir", "/data/imagenet",
+                                                    "--gradient-accumulation-count", "16"])
+    assert effnet["name"] == "EfficientNet-B0_bs4x16a_GN4"
+    resnext, _ = resolved_training_options("train", ["--model", "resnext", "--dataset", "cifar-10", "--data-dir", "/x",
+                                                     "--no-stochastic-rounding", "--name-suffix", "try"])
+    assert resnext["name"] == "RNX29_bs32_BN_16.16_noSR_try"
+
+
+def test_ipu_only_options_are_named_in_one_notice():
+    _, notices = parse_options("train", ["--dataset", "cifar-10", "--available-memory-proportion", "0.1",
+                                         "--enable-conv-dithering", "--internal-exchange-optimisation-target", "memory"])
+    assert len(notices) == 1
+    for flag in ("--available-memory-proportion", "--enable-conv-dithering", "--internal-exchange-optimisation-target"):
+        assert flag in notices[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "no_such_config"], "unknown config 'no_such_config'"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2"], "--shards should be used in combination"),
+    (["--dataset", "cifar-10", "--data-dir", "/nonexistent/folder", "--iterations", "1"], "data folder not found"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--replicas", "2"], "not supported yet"),
+])
+def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_help_is_grouped_like_the_seed():
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("usage: train.py")
+    for group in ("Model:", "Dataset:", "Training:", "Logging:"):
+        assert group in out.stdout
+
+
+def test_run_name_pipeline_and_replica_tags():
+    options, _ = resolved_training_options("train", ["--config", "resnet50_bn_16ipus", "--data-dir", "/x/imagenet"])
+    assert run_name(options) == "RN50_bs16x4rx256p_BN_16.32"

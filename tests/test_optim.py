@@ -1,0 +1,348 @@
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from cnns.errors import ConfigError
+from cnns.optim import (
+    NORM_OR_BIAS,
+    HalfPrecisionOptimiser,
+    OptimiserSpec,
+    build_optimiser,
+    parameter_groups,
+    set_lr,
+    stochastic_round,
+)
+
+# --------------------------------------------------------------------------------------------
+# stochastic rounding
+# --------------------------------------------------------------------------------------------
+
+SAMPLES = 1_000_000
+# Gap between 1.0 and the next representable value: 7 and 10 stored mantissa bits.
+GAP_ABOVE_ONE = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("fraction", [0.1, 0.37, 0.5, 0.9])
+def test_stochastic_round_is_unbiased_and_lands_on_a_neighbour(dtype, sign, fraction):
+    gap = GAP_ABOVE_ONE[dtype]
+    low, high = sign * 1.0, sign * (1.0 + gap)
+    value = sign * (1.0 + fraction * gap)  # exactly representable in float32
+    x = torch.full((SAMPLES,), value, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1234)
+
+    rounded = stochastic_round(x, dtype, generator)
+
+    assert rounded.dtype == dtype
+    as_float = rounded.double()
+    assert torch.all((as_float == low) | (as_float == high))
+    # Standard error of the mean is gap * sqrt(f(1-f)/N) <= 5e-4 gap; allow 6 of those.
+    assert abs(as_float.mean().item() - value) < 3e-3 * gap
+    assert abs((as_float == high).double().mean().item() - fraction) < 3e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_round_leaves_representable_values_and_specials_alone(dtype):
+    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 0.375, 1024.0, float("inf"), float("-inf")]).to(dtype)
+    x = exact.float().repeat(1000)
+    rounded = stochastic_round(x, dtype, torch.Generator().manual_seed(0))
+    assert torch.equal(rounded.view(torch.int16), exact.repeat(1000).view(torch.int16))  # sign of zero too
+    assert torch.isnan(stochastic_round(torch.tensor([float("nan")]), dtype)).all()
+
+
+def test_stochastic_round_float16_subnormals_are_unbiased():
+    tiny = 2.0**-24  # smallest float16 subnormal
+    value = 3.25 * tiny
+    rounded = stochastic_round(torch.full((SAMPLES,), value), torch.float16, torch.Generator().manual_seed(5))
+    as_float = rounded.double()
+    assert torch.all((as_float == 3 * tiny) | (as_float == 4 * tiny))
+    assert abs(as_float.mean().item() - value) < 3e-3 * tiny
+
+
+def test_stochastic_round_rejects_other_types():
+    with pytest.raises(TypeError):
+        stochastic_round(torch.ones(2), torch.float32)
+    with pytest.raises(TypeError):
+        stochastic_round(torch.ones(2, dtype=torch.float64), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# 16.16 updates
+# --------------------------------------------------------------------------------------------
+
+def _sgd(lr):
+    return lambda groups: build_optimiser(groups, OptimiserSpec("SGD", lr=lr))
+
+
+@pytest.mark.parametrize("stochastic_rounding", [True, False])
+def test_tiny_updates_accumulate_only_with_stochastic_rounding(stochastic_rounding):
+    # Below 1.0 bfloat16 values are 2**-8 apart, so round-to-nearest discards any update smaller
+    # than 2**-9 ~= 0.00195. 1000 updates of 1e-4 must still move the weight by ~0.1.
+    half_ulp_below_one = 2.0**-8 / 2
+    update = 1e-4
+    assert update < half_ulp_below_one / 10
+    weight = nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    optimiser = HalfPrecisionOptimiser([weight], _sgd(update), stochastic_rounding=stochastic_rounding, seed=7)
+
+    for _ in range(1000):
+        weight.grad = torch.ones_like(weight)
+        optimiser.step()
+
+    assert weight.dtype == torch.bfloat16
+    if stochastic_rounding:
+        assert abs(weight.float().mean().item() - 0.9) < 0.01
+        assert abs(weight[0].float().item() - 0.9) < 0.05
+    else:
+        assert torch.all(weight == 1.0)
+
+
+def test_float32_gradients_can_be_supplied_directly():
+    # A loop that accumulates micro-batch gradients in float32 passes them to step(); the result is
+    # the same as reading the (here exactly representable) half .grad.
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=generator).bfloat16().float(),
+             torch.randn(5, generator=generator).bfloat16().float()]
+
+    def run(pass_grads):
+        layer = nn.Linear(3, 5).to(torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.fill_(0.5)
+            layer.bias.fill_(-0.25)
+        optimiser = HalfPrecisionOptimiser(layer.parameters(), _sgd(0.01), stochastic_rounding=True, seed=3)
+        if pass_grads:
+            optimiser.step(grads)
+        else:
+            layer.weight.grad, layer.bias.grad = (g.to(torch.bfloat16) for g in grads)
+            optimiser.step()
+        return layer
+
+    supplied, from_grad = run(pass_grads=True), run(pass_grads=False)
+    assert torch.equal(supplied.weight, from_grad.weight) and torch.equal(supplied.bias, from_grad.bias)
+    assert not torch.all(supplied.weight == 0.5)
+    with pytest.raises(ValueError):
+        HalfPrecisionOptimiser([nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], _sgd(0.1),
+                               stochastic_rounding=True, seed=0).step([])
+
+
+def test_parameters_without_gradient_are_left_untouched():
+    used = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    unused = nn.Parameter(torch.full((4,), 3.0, dtype=torch.float16))
+    optimiser = HalfPrecisionOptimiser([used, unused], _sgd(0.5), stochastic_rounding=True, seed=0)
+    used.grad = torch.ones_like(used)
+    optimiser.step()
+    assert torch.all(used == 0.5) and torch.all(unused == 3.0)
+    optimiser.zero_grad()
+    assert used.grad is None
+
+
+def _half_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)).to(torch.bfloat16)
+
+
+def _gradients(model, step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=generator) * 0.01 for p in model.parameters()]
+
+
+def _make_half_optimiser(model, seed):
+    spec = OptimiserSpec("momentum", lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return HalfPrecisionOptimiser(
+        parameter_groups(model, spec.weight_decay),
+        lambda groups: build_optimiser(groups, spec),
+        stochastic_rounding=True,
+        seed=seed,
+    )
+
+
+def _train(model, optimiser, steps):
+    for step in steps:
+        for param, grad in zip(model.parameters(), _gradients(model, step)):
+            param.grad = grad.to(param.dtype)
+        optimiser.step()
+        optimiser.zero_grad()
+
+
+def test_state_dict_round_trip_continues_bitwise_identically():
+    model = _half_model(seed=0)
+    optimiser = _make_half_optimiser(model, seed=11)
+    _train(model, optimiser, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimiser": optimiser.state_dict()}, buffer)
+    _train(model, optimiser, range(3, 8))
+
+    def restored_run(load_optimiser_state):
+        checkpoint = torch.load(io.BytesIO(buffer.getvalue()))
+        restored = _half_model(seed=99)
+        restored.load_state_dict(checkpoint["model"])
+        restored_optimiser = _make_half_optimiser(restored, seed=12345)
+        if load_optimiser_state:
+            restored_optimiser.load_state_dict(checkpoint["optimiser"])
+        _train(restored, restored_optimiser, range(3, 8))
+        return restored
+
+    restored = restored_run(load_optimiser_state=True)
+    for original, again in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(original.view(torch.int16), again.view(torch.int16))
+    # The check has teeth: without the momentum and generator state the runs diverge.
+    fresh = restored_run(load_optimiser_state=False)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_set_lr_reaches_the_inner_optimiser():
+    model = _half_model(seed=0)
+    optimiser = _make_half_optimiser(model, seed=0)
+    set_lr(optimiser, 0.125)
+    assert [g["lr"] for g in optimiser.param_groups] == [0.125, 0.125]
+    assert all(g["lr"] == 0.125 for g in optimiser.inner.param_groups)
+
+
+# --------------------------------------------------------------------------------------------
+# parameter groups and the float32 optimisers against closed forms
+# --------------------------------------------------------------------------------------------
+
+class SmallNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3, 2)
+
+
+def _as_double(model):
+    model = model.double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
+    return model
+
+
+def _set_grads(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, p in model.named_parameters():
+        p.grad = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+        grads[name] = p.grad.clone()
+    return grads
+
+
+def test_norm_parameters_and_biases_are_not_decayed():
+    net = SmallNet()
+    decayed, exempt = parameter_groups(net, weight_decay=0.01)
+    assert {id(p) for p in decayed["params"]} == {id(net.conv.weight), id(net.fc.weight)}
+    assert {id(p) for p in exempt["params"]} == {
+        id(net.conv.bias), id(net.bn.weight), id(net.bn.bias), id(net.fc.bias)}
+    assert decayed["weight_decay"] == 0.01 and exempt["weight_decay"] == 0.0
+    assert exempt[NORM_OR_BIAS] and not decayed[NORM_OR_BIAS]
+
+
+def test_sgd_applies_l2_decay_only_to_the_decayed_group():
+    net = _as_double(SmallNet())
+    lr, wd = 0.1, 0.05
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    optimiser = build_optimiser(parameter_groups(net, wd), OptimiserSpec("sgd", lr=lr))
+    grads = _set_grads(net, seed=1)
+    optimiser.step()
+    for name, p in net.named_parameters():
+        decay = wd if name in ("conv.weight", "fc.weight") else 0.0
+        expected = before[name] - lr * (grads[name] + decay * before[name])
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-14)
+
+
+def test_momentum_matches_closed_form_and_keeps_lr_outside_the_buffer():
+    w0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    g1 = torch.tensor([0.3, 0.1, -0.2], dtype=torch.float64)
+    g2 = torch.tensor([-0.4, 0.2, 0.6], dtype=torch.float64)
+    mu, lr1, lr2 = 0.9, 0.1, 0.05
+    w = nn.Parameter(w0.clone())
+    optimiser = build_optimiser([w], OptimiserSpec("Momentum", lr=lr1, momentum=mu))
+    w.grad = g1.clone()
+    optimiser.step()
+    set_lr(optimiser, lr2)
+    w.grad = g2.clone()
+    optimiser.step()
+
+    m1 = g1
+    w1 = w0 - lr1 * m1
+    m2 = mu * m1 + g2
+    w2 = w1 - lr2 * m2
+    torch.testing.assert_close(w.detach(), w2, rtol=0, atol=1e-14)
+
+
+def test_rmsprop_matches_tensorflow_closed_form():
+    w0 = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)
+    g1 = torch.tensor([[0.3, 0.1], [-0.2, 1.5]], dtype=torch.float64)
+    g2 = torch.tensor([[-0.4, 0.2], [0.6, -0.1]], dtype=torch.float64)
+    lr, rho, mu, eps, wd = 0.01, 0.9, 0.9, 1e-3, 1e-2
+    w = nn.Parameter(w0.clone())
+    optimiser = build_optimiser(
+        [w], OptimiserSpec("RMSprop", lr=lr, momentum=mu, rmsprop_decay=rho, rmsprop_epsilon=eps, weight_decay=wd))
+    for g in (g1, g2):
+        w.grad = g.clone()
+        optimiser.step()
+
+    # TensorFlow: ms starts at 1; ms += (g^2 - ms)(1 - rho); mom = mu mom + lr g / sqrt(ms + eps);
+    # w -= mom. L2 decay is added to the gradient first.
+    ms, mom, expected = torch.ones_like(w0), torch.zeros_like(w0), w0.clone()
+    for g in (g1, g2):
+        g = g + wd * expected
+        ms = ms + (g**2 - ms) * (1 - rho)
+        mom = mu * mom + lr * g / torch.sqrt(ms + eps)
+        expected = expected - mom
+    torch.testing.assert_close(w.detach(), expected, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("lars_weight_decay", [1e-2, 0.0])
+def test_lars_scales_weights_by_trust_ratio_and_skips_norms_and_biases(lars_weight_decay):
+    net = _as_double(SmallNet())
+    lr, eeta, eps = 0.5, 0.02, 1e-6
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    spec = OptimiserSpec("LARS", lr=lr, momentum=0.9, lars_eeta=eeta, lars_epsilon=eps,
+                         lars_weight_decay=lars_weight_decay, weight_decay=0.5)
+    optimiser = build_optimiser(parameter_groups(net, spec.weight_decay), spec)
+    grads = _set_grads(net, seed=2)
+    optimiser.step()
+
+    for name, p in net.named_parameters():
+        w, g = before[name], grads[name]
+        if name in ("conv.weight", "fc.weight"):
+            wd = lars_weight_decay
+            trust = eeta * w.norm() / (g.norm() + wd * w.norm() + eps)
+            expected = w - lr * trust * (g + wd * w)
+        else:
+            expected = w - lr * g  # skip list: no trust ratio, no decay
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-14, msg=name)
+
+
+def test_lars_weight_decay_defaults_to_weight_decay():
+    w0 = torch.tensor([[3.0, 4.0]], dtype=torch.float64)  # norm 5
+    g = torch.tensor([[0.0, 1.0]], dtype=torch.float64)   # norm 1
+    w = nn.Parameter(w0.clone())
+    optimiser = build_optimiser([w], OptimiserSpec("lars", lr=1.0, weight_decay=0.1, lars_eeta=0.001))
+    w.grad = g.clone()
+    optimiser.step()
+    trust = 0.001 * 5 / (1 + 0.1 * 5)
+    torch.testing.assert_close(w.detach(), w0 - trust * (g + 0.1 * w0), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(name="adam"),
+    dict(lr=-1.0),
+    dict(momentum=1.0),
+    dict(weight_decay=-0.1),
+    dict(rmsprop_decay=1.5),
+    dict(lars_weight_decay=-1.0),
+])
+def test_invalid_optimiser_options_raise_config_error(kwargs):
+    with pytest.raises(ConfigError):
+        OptimiserSpec(**(dict(name="SGD", lr=0.1) | kwargs))
+
+
+def test_empty_parameter_list_is_a_config_error():
+    with pytest.raises(ConfigError):
+        build_optimiser([], OptimiserSpec("SGD", lr=0.1))
