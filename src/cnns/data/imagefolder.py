@@ -1,0 +1,150 @@
+"""ImageNet as a folder tree of image files: ``train/<class>/*.JPEG`` and ``validation/<class>/*``
+(or ``val/<class>/*``). Classes are the sub-folder names, sorted, so class indices match
+torchvision's ImageFolder and the usual synset order (n01440764 = 0, ...)."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_image
+
+from cnns.errors import DataError
+
+# torchvision 0.29 (pinned) deprecates its image decoders in favour of TorchCodec, warning on every
+# call; they still work and are what we use, so that one message is silenced.
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                        category=DeprecationWarning)
+
+# Real ImageNet has only .JPEG files (a few of them are really PNG or CMYK JPEG); the rest are for
+# other trees laid out the same way. decode_image reads JPEG, PNG, WebP and GIF; PIL does the rest.
+IMAGE_EXTENSIONS = frozenset({".jpeg", ".jpg", ".png", ".webp", ".bmp", ".gif"})
+SPLIT_FOLDERS = {"train": ("train",), "validation": ("validation", "val")}
+
+ImageTransform = Callable[[bytes, str], torch.Tensor]
+
+
+def decode_rgb(data: bytes, source: str) -> torch.Tensor:
+    """Encoded image bytes -> uint8 [3, H, W]. torchvision's decoder converts grayscale, CMYK JPEGs
+    and PNG bytes (whatever the file's extension) to RGB itself; PIL is the fallback for formats it
+    does not read. DataError naming `source` when neither can decode the bytes."""
+    try:
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as torchvision_error:
+        return _decode_rgb_with_pil(data, source, torchvision_error)
+    if image.dim() == 4:  # an animated GIF: its first frame
+        image = image[0]
+    return image
+
+
+def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> torch.Tensor:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            array = np.array(image.convert("RGB"))
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as error:
+        raise DataError(f"{source}: cannot decode image ({first_error}; PIL: {error})") from None
+    return torch.from_numpy(array).permute(2, 0, 1)  # HWC in memory, like torchvision's decoder
+
+
+def find_split_folder(root: str | os.PathLike, split: str) -> Path | None:
+    """root/train for "train"; root/validation or root/val for "validation"; None if absent."""
+    if split not in SPLIT_FOLDERS:
+        raise ValueError(f"split must be one of {tuple(SPLIT_FOLDERS)}, got {split!r}")
+    for name in SPLIT_FOLDERS[split]:
+        folder = Path(root) / name
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def list_classes(split_folder: Path) -> list[str]:
+    """Sorted names of the class sub-folders (hidden ones skipped)."""
+    with os.scandir(split_folder) as entries:
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def list_images(class_folder: Path) -> list[Path]:
+    """Image files of one class folder, sorted by name so the order is the same on every machine."""
+    with os.scandir(class_folder) as entries:
+        names = [
+            e.name for e in entries
+            if e.is_file() and not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
+        ]
+    return [class_folder / name for name in sorted(names)]
+
+
+def _default_decode(data: bytes, source: str) -> torch.Tensor:
+    return decode_rgb(data, source)
+
+
+class ImageFolderDataset(Dataset):
+    """Map-style dataset over ``root/<split folder>/<class>/<image>``.
+
+    item i -> (transform(file bytes, file name), class index). The default transform decodes to
+    uint8 [3, H, W]; imagenet.py passes one that also crops and flips. Class indices come from the
+    training folder when there is one, so a validation tree with a missing class keeps the same
+    numbering; a validation class that training lacks is a DataError.
+
+    Attributes: classes (names, in index order) and targets (int64 array, one class per image).
+    The file names are kept as one numpy bytes array rather than 1.3 M Path objects: it is ~40 MB
+    instead of ~400 MB, and forked DataLoader workers do not copy it page by page as they touch
+    Python objects' reference counts.
+    """
+
+    def __init__(self, root: str | os.PathLike, split: str, transform: ImageTransform | None = None) -> None:
+        folder = find_split_folder(root, split)
+        if folder is None:
+            names = " or ".join(f"{name}/" for name in SPLIT_FOLDERS[split])
+            raise DataError(f"{root}: no {names} folder of class sub-folders")
+        self.root = folder
+        self.transform = transform or _default_decode
+        self.classes = self._class_names(Path(root), folder)
+        class_index = {name: index for index, name in enumerate(self.classes)}
+        relative_paths: list[bytes] = []
+        targets: list[int] = []
+        for name in list_classes(folder):
+            if name not in class_index:
+                raise DataError(f"{folder / name}: class folder not present in the training folder")
+            images = list_images(folder / name)
+            relative_paths.extend(os.fsencode(f"{name}/{path.name}") for path in images)
+            targets.extend([class_index[name]] * len(images))
+        if not relative_paths:
+            raise DataError(
+                f"{folder}: no image files in class sub-folders (expected {folder}/<class>/<image>; "
+                "a flat folder of images must first be sorted into one folder per class)"
+            )
+        self._relative_paths = np.array(relative_paths, dtype=np.bytes_)
+        self.targets = np.array(targets, dtype=np.int64)
+
+    @staticmethod
+    def _class_names(root: Path, folder: Path) -> list[str]:
+        train_folder = find_split_folder(root, "train")
+        classes = list_classes(train_folder if train_folder is not None else folder)
+        if not classes:
+            raise DataError(
+                f"{train_folder or folder}: no class sub-folders (expected one folder of images per class; "
+                "the official flat validation folder must first be sorted into class folders)"
+            )
+        return classes
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def path(self, index: int) -> Path:
+        return self.root / os.fsdecode(self._relative_paths[index])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path = self.path(index)
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise DataError(f"{path}: cannot read image file ({error.strerror or error})") from None
+        return self.transform(data, str(path)), int(self.targets[index])

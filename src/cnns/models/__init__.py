@@ -1,0 +1,22 @@
+"""Models by name: ResNet, ResNeXt and EfficientNet as plain single-device nn.Modules ending in logits.
+
+timm provides every architecture it has (ImageNet ResNet/ResNeXt, EfficientNet B0-B7, the ResNeXt blocks);
+only the option-A CIFAR ResNets are written here. The models know nothing about training, precision or
+parallelism; ``split_points`` names the places where a pipeline may cut them.
+"""
+
+from .registry import build_model, count_parameters
+from .spec import ModelError, ModelSpec, run_name_prefix, valid_sizes
+from .splits import describe_split_points, resolve_splits, split_points
+
+__all__ = [
+    "ModelError",
+    "ModelSpec",
+    "build_model",
+    "count_parameters",
+    "describe_split_points",
+    "resolve_splits",
+    "run_name_prefix",
+    "split_points",
+    "valid_sizes",
+]

@@ -1,0 +1,121 @@
+"""End-to-end training through the root scripts, on CIFAR-format data the tests write."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def run_folder(stdout: str) -> Path:
+    match = re.search(r"^ Saving to (.+)$", stdout, re.MULTILINE)
+    assert match, stdout
+    return Path(match.group(1))
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def small_cifar(tmp_path_factory) -> Path:
+    """A learnable CIFAR-10 folder: 640 training and 200 test images of drawn shapes."""
+    folder = tmp_path_factory.mktemp("cifar-10-small")
+    images, labels = draw_shapes(840, seed=3)
+    write_cifar10(folder, (images[:640], labels[:640]), (images[640:], labels[640:]))
+    return folder
+
+
+def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cifar, tmp_path):
+    out = run_script("train.py", "--config", "resnet8_test", "--data-dir", str(small_cifar),
+                     "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    folder = run_folder(out.stdout)
+    assert folder.name.startswith("RN8_bs32_BN_16.16_")
+    assert re.search(r"^Total Parameters:\d+$", out.stdout, re.MULTILINE)
+    step_lines = re.findall(r"^step: .*throughput: +[\d.]+ samples/sec.*$", out.stdout, re.MULTILINE)
+    assert len(step_lines) >= 10
+    for name in ("arguments.json", "log.txt", "training.csv"):
+        assert (folder / name).is_file(), name
+    rows = read_csv(folder / "training.csv")
+    assert float(rows[-1]["epoch"]) == pytest.approx(10.0)
+    assert int(rows[-1]["iteration"]) == 10 * (640 // 32)
+    # One checkpoint per epoch plus the initial one; resnet8_test turns validation off.
+    checkpoints = sorted(int(p.stem.split("-")[1]) for p in folder.glob("ckpt-*.pt"))
+    assert checkpoints == [20 * e for e in range(11)]
+    assert not (folder / "validation.csv").exists()
+    assert "Time to train:" in out.stdout
+
+
+def test_stepped_schedule_logs_the_seed_learning_rates(small_cifar, tmp_path):
+    out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size", "8",
+                     "--micro-batch-size", "32", "--epochs", "10", "--warmup-epochs", "0",
+                     "--learning-rate-decay", "0.1", "--learning-rate-schedule", "0.5,0.75,0.875",
+                     "--no-validation", "--ckpts-per-epoch", "0", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    rows = read_csv(run_folder(out.stdout) / "training.csv")
+    assert float(rows[0]["lr"]) == pytest.approx(0.5)
+    assert float(rows[-1]["lr"]) == pytest.approx(0.0005)
+
+
+@pytest.fixture(scope="module")
+def learnable_cifar(tmp_path_factory) -> Path:
+    """2000 training and 200 test images of drawn shapes: enough for ResNet-8 to learn in seconds."""
+    folder = tmp_path_factory.mktemp("cifar-10-learnable")
+    images, labels = draw_shapes(2200, seed=4)
+    write_cifar10(folder, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
+    return folder
+
+
+def test_resnet8_in_16_16_learns_and_validates_well_above_chance(learnable_cifar, tmp_path):
+    out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(learnable_cifar), "--model-size", "8",
+                     "--precision", "16.16", "--epochs", "5", "--warmup-epochs", "1", "--lr-schedule", "cosine",
+                     "--optimiser", "momentum", "--base-learning-rate-exponent", "-9", "--ckpts-per-epoch", "0",
+                     "--logs-per-epoch", "1", "--seed", "5", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    folder = run_folder(out.stdout)
+    losses = [float(r["loss_avg"]) for r in read_csv(folder / "training.csv")]
+    assert losses[-1] < 0.6 * losses[0], losses
+    validation = read_csv(folder / "validation.csv")
+    assert len(validation) == 1  # only the final checkpoint (ckpts-per-epoch 0)
+    assert int(validation[0]["val_size"]) == 200  # every test image once
+    assert float(validation[0]["val_acc"]) > 40.0  # chance is 10%
+
+
+def test_checkpoint_holds_a_plain_state_dict_loadable_weights_only(small_cifar, tmp_path):
+    from cnns.models import ModelSpec, build_model
+
+    out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size", "8",
+                     "--iterations", "3", "--no-validation", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    folder = run_folder(out.stdout)
+    state = torch.load(folder / "ckpt-3.pt", weights_only=True)
+    plain = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
+    assert set(state["model"]) == set(plain.state_dict())
+    assert state["iteration"] == 3
+
+
+@pytest.mark.parametrize("argv, parameters", [
+    (["--model", "resnet", "--model-size", "20", "--dataset", "cifar-10"], 269_722),
+    (["--model", "resnet", "--model-size", "50", "--dataset", "imagenet", "--image-size", "64"], 25_557_032),
+    (["--model", "resnext", "--model-size", "101", "--dataset", "imagenet", "--image-size", "64"], 44_177_704),
+    (["--model", "efficientnet", "--model-size", "B0", "--dataset", "imagenet", "--image-size", "64"], 5_288_548),
+    (["--model", "efficientnet", "--model-size", "4", "--dataset", "imagenet", "--image-size", "64"], 19_341_616),
+])
+def test_compile_only_prints_the_standard_parameter_counts(argv, parameters, tmp_path):
+    out = run_script("train.py", *argv, "--synthetic-data", "--micro-batch-size", "2", "--compile-only", cwd=tmp_path)
+    assert f"Total Parameters:{parameters}\n" in out.stdout
+    assert not (tmp_path / "logs").exists()  # nothing written
