@@ -32,8 +32,6 @@ def check_supported(options: dict[str, Any]) -> None:
         raise ConfigError("--enable-recomputation is not supported yet")
     if options["dataset_benchmark"]:
         raise ConfigError("--dataset-benchmark is not supported yet")
-    if options["mixup_alpha"] or options["cutmix_lambda"] < 1:
-        raise ConfigError("--mixup-alpha/--cutmix-lambda are not supported yet")
 
 
 def _print_splits_and_exit(options: dict[str, Any]) -> int:
@@ -145,25 +143,33 @@ def validate_main(argv: list[str]) -> int:
         options["global_batch_size"] = base["global_batch_size"]
     elif values.get("global_batch_size"):
         options["global_batch_size"] = values["global_batch_size"]
-    check_supported({**options, "mixup_alpha": 0.0, "cutmix_lambda": 1.0})
+    check_supported(options)
     cfg = RunConfig.from_options(options)
     return validate_command(cfg, restore_path, repeat=values.get("repeat") or 1, notices=notices)
 
 
 def weight_avg_main(argv: list[str]) -> int:
-    raise ConfigError("weight_avg.py is not supported yet")
+    from cnns.engine.averaging import weight_avg_command
+
+    return weight_avg_command(argv)
 
 
 def infer_main(argv: list[str]) -> int:
-    raise ConfigError("inference_embedded.py (ahead-of-time compiled inference) is not supported yet")
+    from cnns.engine.embedded import infer_command
+
+    return infer_command(argv)
 
 
 def benchmark_main(argv: list[str]) -> int:
-    raise ConfigError("cnns benchmark is not supported yet")
+    from cnns.bench.runner import benchmark_command
+
+    return benchmark_command(argv)
 
 
 def bench_data_main(argv: list[str]) -> int:
-    raise ConfigError("cnns bench-data is not supported yet")
+    from cnns.bench.data import bench_data_command
+
+    return bench_data_command(argv)
 
 
 def splits_main(argv: list[str]) -> int:

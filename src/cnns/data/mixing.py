@@ -179,4 +179,5 @@ def batch_mixer(num_classes: int, seed: int, *, mixup_alpha: float = 0.0, cutmix
         return mix_batch(images, labels, num_classes, generator, mixup_alpha=mixup_alpha, cutmix_lambda=cutmix_lambda,
                          cutmix_version=cutmix_version, label_smoothing=label_smoothing, layout=layout)
 
+    mix.generator = generator  # checkpointed with the run's random states, so a restore continues it
     return mix

@@ -150,4 +150,5 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
     if need_eval:
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
                                      workers=cfg.workers, seed=seed, shard=shard)
-    return DataSources("imagenet", 1000, train, evaluation)
+    num_classes = (train or evaluation).num_classes
+    return DataSources("imagenet", num_classes, train, evaluation)

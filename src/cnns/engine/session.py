@@ -60,6 +60,15 @@ def build_components(cfg: RunConfig, *, need_train: bool = True, need_eval: bool
     return Components(device, policy, model, plain, sources, feed, seed)
 
 
+def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
+    """Mixup/cutmix on the device batches (NCHW), or None when both are off."""
+    from cnns.data.mixing import batch_mixer
+
+    d = cfg.data
+    return batch_mixer(num_classes, seed + 11, mixup_alpha=d.mixup_alpha, cutmix_lambda=d.cutmix_lambda,
+                       cutmix_version=d.cutmix_version, label_smoothing=cfg.train.label_smoothing, layout="NCHW")
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -93,10 +102,11 @@ class TrainingSession:
         schedule = build_schedule(cfg, length.total_iterations, length.epochs)
         optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed)
         scaler = build_loss_scaler(cfg, c.policy)
+        mixer = build_mixer(cfg, c.sources.num_classes, c.seed)
         step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
                          cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
-                         fp_exceptions=cfg.train.fp_exceptions)
-        generators = {}
+                         fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
+        generators = {"mix": mixer.generator} if mixer is not None else {}
         start_iteration = 0
         if restore_from is not None:
             start_iteration = self._restore(restore_from, c, optimiser, scaler, generators)

@@ -1,0 +1,1 @@
+"""Benchmarks: training/inference throughput against the plain PyTorch loop, and the input pipeline alone."""
