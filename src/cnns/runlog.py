@@ -57,10 +57,25 @@ class RunLog:
         self.folder = folder
         self.quiet = quiet
         self._tb = None
+        self._wandb = None
         if folder is not None and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(folder / "tensorboard"))
+
+    def start_wandb(self, project: str, name: str, options: dict[str, Any]) -> None:
+        """Weights & Biases, offline unless WANDB_MODE says otherwise (no network is assumed)."""
+        import os
+
+        try:
+            import wandb
+        except ImportError:
+            from cnns.errors import ConfigError
+
+            raise ConfigError("--wandb needs the wandb package: pip install 'cnns[wandb]'") from None
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self._wandb = wandb.init(project=project, name=name, config=options,
+                                 dir=str(self.folder) if self.folder else None)
 
     def print(self, line: str = "") -> None:
         if self.quiet:
@@ -96,16 +111,23 @@ class RunLog:
         if self._tb is not None:
             for key in ("lr", "loss_avg", "train_acc_avg", "img_per_sec"):
                 self._tb.add_scalar(f"train/{key}", row[key], row["iteration"])
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": row[k] for k in ("lr", "loss_avg", "train_acc_avg", "img_per_sec")},
+                            step=row["iteration"])
 
     def validation_result(self, row: dict[str, Any]) -> None:
         self.print(VALIDATION_LINE.format(**row))
         self._append_csv("validation.csv", VALIDATION_COLUMNS, row)
         if self._tb is not None:
             self._tb.add_scalar("validation/top1", row["val_acc"], row["iteration"])
+        if self._wandb is not None:
+            self._wandb.log({"validation/top1": row["val_acc"], "validation/top5": row.get("val_top5")})
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         sys.stdout.flush()
 
 

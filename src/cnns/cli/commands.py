@@ -77,6 +77,8 @@ def train_main(argv: list[str]) -> int:
     if options["offload_optimiser"]:
         log.notice("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
     log.write_arguments(options)
+    if cfg.log.wandb:
+        log.start_wandb(cfg.log.wandb_project, cfg.log.name, options)
     try:
         return TrainingSession(cfg, log, folder).run()
     finally:
