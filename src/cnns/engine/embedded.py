@@ -1,7 +1,123 @@
-"""inference_embedded.py: ahead-of-time compiled inference (not built yet)."""
+"""inference_embedded.py: inference from an ahead-of-time compiled model.
 
-from cnns.errors import ConfigError
+The seed's embedded application runtime saved a precompiled Poplar graph and reloaded it to skip
+compilation. Here the first run exports the model with torch.export, compiles it with AOTInductor
+and saves the package (`.pt2`); later runs load the package and start at once (`--force-recompile`
+rebuilds it). The exported graph takes uint8 NHWC images and normalises them itself, so the
+compiled artefact is the whole device side of 8-bit I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from cnns.cli import parse_options
+from cnns.config import RunConfig, resolve
+from cnns.data.augment import IMAGENET_MEAN, normalise
+from cnns.engine.build import resolve_device, unwrap
+from cnns.errors import CnnsError
+from cnns.precision import HALF_DTYPES
+
+
+class NormalisedClassifier(nn.Module):
+    """uint8 NHWC images -> logits: the device-side normalisation folded into the exported graph."""
+
+    def __init__(self, model: nn.Module, std: tuple[float, ...], dtype: torch.dtype):
+        super().__init__()
+        self.model = model
+        self.std = std
+        self.dtype = dtype
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(normalise(images, IMAGENET_MEAN, self.std, self.dtype)).float()
+
+
+def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
+    """The seed's naming: one artefact per model, batch size, iterations per call and weights."""
+    weights = checkpoint.stem if checkpoint else "random"
+    return (f"model_{cfg.model.arch}{cfg.model.size}_bs_{cfg.train.micro_batch_size}_"
+            f"{cfg.precision.precision}_{weights}.pt2")
+
+
+def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
+    from cnns.checkpoint import load_checkpoint
+    from cnns.models import build_model
+
+    model = build_model(cfg.model)
+    if checkpoint is not None:
+        unwrap(model).load_state_dict(load_checkpoint(checkpoint)["model"])
+    # Inference has no master weights to keep: half precision means half weights.
+    dtype = HALF_DTYPES[cfg.precision.half_dtype] if cfg.precision.precision != "32.32" else torch.float32
+    model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+    std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
+    return NormalisedClassifier(model, std, dtype).eval()
+
+
+def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> None:
+    with torch.no_grad():
+        exported = torch.export.export(model, (example,))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+def latency_summary(latencies_ms: list[float]) -> str:
+    values = np.asarray(latencies_ms, dtype=np.float64)
+    return (f"latency avg: {values.mean():.4f} ms, latency 99p: {np.percentile(values, 99):.4f} ms, "
+            f"latency 99p9: {np.percentile(values, 99.9):.4f} ms, latency max: {values.max():.4f} ms")
 
 
 def infer_command(argv: list[str]) -> int:
-    raise ConfigError("inference_embedded.py (ahead-of-time compiled inference) is not supported yet")
+    values, notices = parse_options("infer", argv)
+    values.update(replicas=1, shards=1, pipeline=False, pipeline_splits=None)
+    values["validation"] = False
+    values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
+    options = resolve(values)
+    if values.get("print_config"):
+        import json
+
+        print(json.dumps(options, sort_keys=True, indent=4, default=str))
+        return 0
+    cfg = RunConfig.from_options(options)
+    for notice in notices:
+        print(f"notice: {notice}")
+    device = resolve_device(cfg.device, options.get("select_ipus"))
+    checkpoint = Path(values["restore_path"]) if values.get("restore_path") else None
+    path = Path(values.get("artefact_path") or artefact_name(cfg, checkpoint))
+    batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
+    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(options["seed"] or 0))
+    if path.exists() and not values.get("force_recompile"):
+        print(f"Loading the compiled model from {path}")
+    else:
+        model = build_inference_model(cfg, checkpoint, device)
+        print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
+        start = time.perf_counter()
+        compile_artefact(model, images.to(device), path)
+        print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
+    try:
+        runner = torch._inductor.aoti_load_package(str(path))
+    except Exception as exc:  # a foreign or truncated file: one clear line
+        raise CnnsError(f"cannot load the compiled model {path}: {str(exc).splitlines()[0][:200]}"
+                        " (use --force-recompile)") from None
+    return _measure(runner, images.to(device), iterations=cfg.train.iterations or 100, device=device)
+
+
+def _measure(runner, images: torch.Tensor, iterations: int, device: torch.device) -> int:
+    runner(images)  # warm-up: the first call allocates
+    latencies = []
+    start = time.perf_counter()
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        runner(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        latencies.append(1000.0 * (time.perf_counter() - t0))
+    seconds = time.perf_counter() - start
+    print(f"Inference: {iterations} batches of {images.shape[0]}, "
+          f"throughput: {iterations * images.shape[0] / seconds:.2f} samples/sec, time: {seconds:.6f}")
+    print(latency_summary(latencies))
+    return 0

@@ -1,0 +1,48 @@
+"""inference_embedded.py: compile once ahead of time, reload later, same logits as the eager model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from cnns.cli import parse_options
+from cnns.config import RunConfig, resolve
+from cnns.engine.embedded import build_inference_model, compile_artefact
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
+    argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
+            "--dataset", "cifar-10", "--micro-batch-size", "2", "--iterations", "5", "--generated-data",
+            "--precision", "32.32"]
+    first = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "Compilation time:" in first.stdout
+    artefacts = list(tmp_path.glob("*.pt2"))
+    assert len(artefacts) == 1
+    second = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Loading the compiled model" in second.stdout and "Compilation time:" not in second.stdout
+    assert "latency 99p9:" in second.stdout
+    artefacts[0].write_bytes(b"not a package")
+    broken = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert "--force-recompile" in broken.stderr
+
+
+def test_compiled_artefact_computes_the_eager_logits(tmp_path):
+    values, _ = parse_options("infer", ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10",
+                                        "--generated-data", "--precision", "32.32", "--normalise-input"])
+    cfg = RunConfig.from_options(resolve(values))
+    torch.manual_seed(0)
+    model = build_inference_model(cfg, None, torch.device("cpu"))
+    images = torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        eager = model(images)
+    compile_artefact(model, images, tmp_path / "m.pt2")
+    compiled = torch._inductor.aoti_load_package(str(tmp_path / "m.pt2"))
+    assert torch.allclose(compiled(images), eager, rtol=1e-4, atol=1e-4)
