@@ -24,6 +24,8 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs.yml"
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
 NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
+# EfficientNet's own input sizes (Tan and Le), the seed's ImageNet default for each size.
+EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
 BUILTIN_DATA_DIR = "data/builtin"
 
 
@@ -101,6 +103,8 @@ def _model_defaults(o: dict[str, Any]) -> None:
         size = str(o.get("model_size") or ("cifar" if cifar else "B0"))
         o["model_size"] = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
         _set_if_unset(o, "micro_batch_size", 8 if cifar else 4)
+        if not cifar:
+            _set_if_unset(o, "image_size", EFFICIENTNET_IMAGE_SIZES.get(o["model_size"], 224))
         _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-5))
         _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-5)
         exponents = {"SGD": -7.0, "momentum": -10.0, "RMSprop": -14.0, "LARS": -7.0}
