@@ -19,6 +19,7 @@ import torch
 from cnns.errors import CheckpointError
 
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
+WEIGHT_AVERAGE_GLOB = "weight_avg*.pt"
 
 
 def checkpoint_path(folder: Path, iteration: int) -> Path:
@@ -41,21 +42,69 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+    _fsync_folder(path.parent)
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load with weights_only=True; a missing, truncated or foreign file is a CheckpointError."""
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+    """Load with weights_only=True; a missing, truncated or foreign file is a CheckpointError.
+
+    `mmap=True` maps the tensors instead of reading them: a cheap way to check, before a command
+    writes anything, that a file is a whole checkpoint (a truncated zip has no central directory)
+    and to compare its keys and shapes with a model.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt files; all mean the same to a user
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"cannot read checkpoint {path}: {reason[:200]}") from None
-    if not isinstance(state, dict) or "model" not in state or not isinstance(state["model"], dict):
+        raise CheckpointError(f"cannot read checkpoint {path}: {_unreadable_reason(exc)}") from None
+    if not isinstance(state, dict) or not _is_state_dict(state.get("model")):
         raise CheckpointError(f"{path} is not a cnns checkpoint (no 'model' state dict)")
     return state
+
+
+def _unreadable_reason(exc: Exception) -> str:
+    """torch's messages for a damaged file are long and internal; say what they mean."""
+    text = str(exc).strip()
+    if "central directory" in text or "zip archive" in text or "mmap can only be used" in text:
+        return "the file is truncated or is not a PyTorch checkpoint"
+    if "Weights only load failed" in text:
+        return "it holds objects other than tensors, refused by weights_only loading"
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _is_state_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in value.items())
+
+
+def check_matches_model(path: Path, state_dict: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor],
+                        what: str) -> None:
+    """Same keys and shapes as the model's state dict, or a CheckpointError naming the first difference."""
+    missing = [k for k in model_state if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in model_state]
+    if missing or unexpected:
+        detail = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+        raise CheckpointError(f"{path} does not match the model {what}: {detail} "
+                              f"({len(missing)} missing, {len(unexpected)} unexpected keys)")
+    for key, tensor in model_state.items():
+        if state_dict[key].shape != tensor.shape:
+            raise CheckpointError(f"{path} does not match the model {what}: {key} has shape "
+                                  f"{tuple(state_dict[key].shape)}, the model {tuple(tensor.shape)}")
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -66,6 +115,11 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
         if match and entry.is_file():
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def list_weight_averages(folder: Path) -> list[Path]:
+    """Averaged weights written by weight_avg.py or --weight-avg-N/--weight-avg-exp, by name."""
+    return sorted(p for p in Path(folder).glob(WEIGHT_AVERAGE_GLOB) if p.is_file())
 
 
 def iteration_of(path: Path) -> int:

@@ -30,8 +30,6 @@ def check_supported(options: dict[str, Any]) -> None:
         raise ConfigError("--rts shards optimiser state across replicas, which are not supported yet")
     if options["enable_recomputation"]:
         raise ConfigError("--enable-recomputation is not supported yet")
-    if options["dataset_benchmark"]:
-        raise ConfigError("--dataset-benchmark is not supported yet")
 
 
 def _print_splits_and_exit(options: dict[str, Any]) -> int:
@@ -62,6 +60,13 @@ def train_main(argv: list[str]) -> int:
     check_supported(options)
     cfg = RunConfig.from_options(options)
     _check_data_before_writing(cfg)
+    if options["dataset_benchmark"]:
+        from cnns.bench.data import dataset_benchmark
+
+        for notice in notices:
+            print(notice)
+        dataset_benchmark(cfg)  # the input pipeline alone: no model, no run folder
+        return 0
     if cfg.train.compile_only:
         folder = None
     elif cfg.log.logs_path:
@@ -96,8 +101,8 @@ def _run_folder_options(restore_path: Path) -> dict[str, Any]:
 
 
 def restore_main(argv: list[str]) -> int:
-    from cnns.checkpoint import list_checkpoints
-    from cnns.engine.session import TrainingSession
+    from cnns.checkpoint import list_checkpoints, load_checkpoint
+    from cnns.engine.session import RestorePoint, TrainingSession
 
     values, _ = parse_options("restore", argv)
     folder = Path(values["restore_path"])
@@ -109,18 +114,26 @@ def restore_main(argv: list[str]) -> int:
     checkpoints = list_checkpoints(folder)
     if not checkpoints:
         raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {folder}")
+    # Read the checkpoint before anything is written: a corrupt one leaves the run folder as it was.
+    newest = checkpoints[-1][1]
+    restore = RestorePoint(newest, load_checkpoint(newest))
+    if options.get("seed") is None and "seed" in restore.state:
+        options["seed"] = int(restore.state["seed"])  # the data order of the run being continued
     cfg = RunConfig.from_options(options)
+    _check_data_before_writing(cfg)
     log = RunLog(folder, tensorboard=cfg.log.tensorboard)
     try:
-        return TrainingSession(cfg, log, folder).run(restore_from=checkpoints[-1][1])
+        return TrainingSession(cfg, log, folder).run(restore=restore)
     finally:
         log.close()
 
 
-def validate_main(argv: list[str]) -> int:
-    from cnns.engine.validation import validate_command
+def _evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """validation.py / weight_avg.py: the command line over the run's arguments.json, for one process.
 
-    values, notices = parse_options("validate", argv)
+    Returns (resolved options, the run's arguments.json or {}). As in the seed, the training run's
+    global batch size is kept (it places a checkpoint in epochs) unless --global-batch-size says otherwise.
+    """
     restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
     base: dict[str, Any] = {}
     if restore_path is not None:
@@ -139,21 +152,43 @@ def validate_main(argv: list[str]) -> int:
     options = resolve({**values, **merged})
     if options.get("seed") is None:
         options["seed"] = 0
+    if values.get("global_batch_size"):
+        options["global_batch_size"] = values["global_batch_size"]
+    elif "global_batch_size" in base:
+        options["global_batch_size"] = base["global_batch_size"]
+    return options, base
+
+
+def validate_main(argv: list[str]) -> int:
+    from cnns.engine.validation import validate_command
+
+    values, notices = parse_options("validate", argv)
+    options, _ = _evaluation_options(values)
     if values["print_config"]:
         return print_config(options)
-    if "global_batch_size" in base and not values.get("global_batch_size"):
-        options["global_batch_size"] = base["global_batch_size"]
-    elif values.get("global_batch_size"):
-        options["global_batch_size"] = values["global_batch_size"]
     check_supported(options)
     cfg = RunConfig.from_options(options)
+    restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
     return validate_command(cfg, restore_path, repeat=values.get("repeat") or 1, notices=notices)
 
 
 def weight_avg_main(argv: list[str]) -> int:
     from cnns.engine.averaging import weight_avg_command
 
-    return weight_avg_command(argv)
+    values, notices = parse_options("weight-avg", argv)
+    options, _ = _evaluation_options(values)
+    if values["print_config"]:
+        return print_config(options)
+    if not values.get("restore_path"):
+        raise ConfigError("weight_avg.py needs --restore-path <run folder>")
+    check_supported(options)
+    cfg = RunConfig.from_options(options)
+    # The training run's --no-validation does not carry over: only this command line's does.
+    validate = values.get("validation") is not False
+    if validate:
+        _check_data_before_writing(cfg)
+    return weight_avg_command(cfg, Path(values["restore_path"]), values["mode"], values.get("N"),
+                              values.get("decay"), values.get("discard_last") or 0, validate, notices)
 
 
 def infer_main(argv: list[str]) -> int:

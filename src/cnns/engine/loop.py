@@ -11,7 +11,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -61,7 +60,11 @@ def micro_batch_stream(source, start_micro_batch: int) -> Iterator:
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop finishes the current update, checkpoints and stops."""
+    """Set by SIGTERM/SIGINT; the loop finishes the current update, checkpoints and stops.
+
+    A second signal stops at once (KeyboardInterrupt): checkpoints are written atomically, so even
+    then no truncated checkpoint is left behind.
+    """
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -69,16 +72,17 @@ class StopRequest:
     def __bool__(self) -> bool:
         return self.signal_name is not None
 
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
     @contextmanager
     def installed(self):
         previous = {}
-
-        def handler(signum, frame):
-            self.signal_name = signal.Signals(signum).name
-
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                previous[sig] = signal.signal(sig, handler)
+                previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave signals alone
                 pass
         try:
@@ -99,9 +103,17 @@ class LoopResult:
 
 
 class TrainingLoop:
+    """Runs updates from `start_iteration` to the end of the run.
+
+    Host synchronisations (and so step lines and checkpoints) fall on multiples of `sync_every`
+    counted from iteration 0, whatever the start, so a restored run keeps the uninterrupted run's
+    cadence; an interrupt or the last update adds one.
+    """
+
     def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
                  grad_accum: int, global_batch_size: int, num_train_samples: int, log: RunLog,
-                 save_checkpoint: Callable[[int], None], start_iteration: int = 0):
+                 save_checkpoint: Callable[[int], None], start_iteration: int = 0,
+                 after_update: Callable[[], None] | None = None):
         self.step = step
         self.feed = feed
         self.source = source
@@ -113,6 +125,7 @@ class TrainingLoop:
         self.log = log
         self.save_checkpoint = save_checkpoint
         self.start_iteration = start_iteration
+        self.after_update = after_update  # e.g. the moving average of the weights
 
     def epoch_of(self, iteration: int) -> float:
         return self.global_batch_size * iteration / self.num_train_samples
@@ -120,13 +133,20 @@ class TrainingLoop:
     def _crossed(self, every: int | None, before: int, after: int) -> bool:
         return every is not None and before // every < after // every
 
+    def _log_due(self, last_log: int, done: int) -> bool:
+        # The first synchronisation of a run (or of a restored run) always prints, as a sign of life.
+        return self._crossed(self.length.log_every, last_log, done) or last_log == self.start_iteration
+
+    def _checkpoint_due(self, last_sync: int, done: int) -> bool:
+        return self._crossed(self.length.ckpt_every, last_sync, done) and done >= self.length.ckpt_offset
+
     def run(self, stop: StopRequest) -> LoopResult:
         length = self.length
+        # The data position: every update so far consumed `grad_accum` micro-batches.
         stream = self.feed(micro_batch_stream(self.source, self.start_iteration * self.grad_accum))
         outfeed = Outfeed()
         result = LoopResult(final_iteration=self.start_iteration, interrupted_by=None)
-        start_all = time.perf_counter()
-        interval_start, interval_images = time.perf_counter(), 0
+        start_all = interval_start = time.perf_counter()
         window: list[dict] = []
         last_log = last_sync = self.start_iteration
         for iteration in range(self.start_iteration, length.total_iterations):
@@ -134,26 +154,27 @@ class TrainingLoop:
             lr = lr_at(self.schedule, iteration)
             metrics = self.step(micro, lr)
             metrics.micro_batches = len(micro)
+            if self.after_update is not None:
+                self.after_update()
             outfeed.push(iteration, lr, metrics)
             done = iteration + 1
             final = done == length.total_iterations
-            if not (done - last_sync >= length.sync_every or final or stop):
+            if not (done % length.sync_every == 0 or final or stop):
                 continue
-            last_sync = done
             window.extend(outfeed.drain())  # the host synchronisation
-            interval_images = sum(r["samples"] for r in window)
-            if self._crossed(length.log_every, last_log, done) or final or stop or last_log == self.start_iteration:
+            if self._log_due(last_log, done) or final or stop:
                 elapsed = time.perf_counter() - interval_start
-                self._log_step(window, done, elapsed, interval_images, time.perf_counter() - start_all)
+                images = sum(r["samples"] for r in window)
+                self._log_step(window, done, elapsed, images, time.perf_counter() - start_all)
                 result.last_loss = window[-1]["loss"]
                 result.last_train_acc = 100.0 * window[-1]["correct"] / window[-1]["samples"]
                 window = []
                 last_log = done
                 interval_start = time.perf_counter()
-            if (self._crossed(length.ckpt_every, done - length.sync_every if done > length.sync_every else 0, done)
-                    and done >= length.ckpt_offset) or final or stop:
+            if self._checkpoint_due(last_sync, done) or final or stop:
                 self.save_checkpoint(done)
                 result.checkpoints.append(done)
+            last_sync = done
             result.final_iteration = done
             if stop:
                 result.interrupted_by = stop.signal_name

@@ -1,6 +1,11 @@
-"""A training session: build everything from a RunConfig, train, checkpoint, validate.
+"""A training session: build everything from a RunConfig, train, checkpoint, average, validate.
 
-`train.py` and `restore.py` both end here; restore passes the checkpoint to continue from.
+`train.py` and `restore.py` both end here; restore passes the checkpoint to continue from. A
+checkpoint holds everything the continuation needs to be exact: model, optimiser (with its
+stochastic-rounding generator), loss scaler, every random stream, the moving average of the
+weights, and the iteration, which fixes both the data position (iteration x accumulation
+micro-batches, the order being a pure function of seed, epoch and batch) and the learning rate
+(a closed form of the iteration).
 """
 
 from __future__ import annotations
@@ -13,15 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnns.checkpoint import (capture_rng_state, checkpoint_path, list_checkpoints, load_checkpoint,
-                             restore_rng_state, save_checkpoint)
+from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
 from cnns.config import RunConfig
+from cnns.engine.averaging import training_time_averages
 from cnns.engine.build import (RunLength, build_loss_scaler, build_model_for_training, build_optimiser_for,
                                build_schedule, maybe_compile, resolve_device, run_seed, seed_everything, unwrap)
-from cnns.engine.evaluate import EvalResult, evaluate
+from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.feed import DeviceFeed
-from cnns.engine.loop import StopRequest, TrainingLoop
+from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
 from cnns.engine.step import TrainStep, cross_entropy_loss
+from cnns.engine.validation import validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.precision import PrecisionPolicy
 from cnns.runlog import RunLog
@@ -84,78 +90,133 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, device: torch.d
     log.print(f"Total Parameters:{count_parameters(model)}")
 
 
+@dataclass
+class RestorePoint:
+    """The checkpoint restore.py continues from, read (and so checked) before anything is written."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+@dataclass
+class TrainingParts:
+    """What a training run adds to the components; everything a checkpoint saves and restores."""
+
+    length: RunLength
+    schedule: Any
+    optimiser: Any
+    scaler: Any
+    step: TrainStep
+    ema: WeightEma | None
+    generators: dict[str, torch.Generator]  # random streams beyond the global ones, saved by name
+
+
+def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
+    length = RunLength.resolve(cfg, c.sources.train.num_samples)
+    schedule = build_schedule(cfg, length.total_iterations, length.epochs)
+    optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed)
+    scaler = build_loss_scaler(cfg, c.policy)
+    mixer = build_mixer(cfg, c.sources.num_classes, c.seed)
+    step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
+                     cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
+                     fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
+    generators = {"mix": mixer.generator} if mixer is not None else {}
+    return TrainingParts(length, schedule, optimiser, scaler, step, build_ema(c.plain_model, cfg.train.ema_decay),
+                         generators)
+
+
 class TrainingSession:
     def __init__(self, cfg: RunConfig, log: RunLog, folder: Path):
         self.cfg = cfg
         self.log = log
         self.folder = folder
 
-    def run(self, restore_from: Path | None = None) -> int:
+    def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
         c = build_components(cfg, need_eval=cfg.train.validation)
+        parts = build_training_parts(cfg, c)
+        # Apply a restored state before the first printed line: a checkpoint that does not fit this
+        # run fails with the run folder untouched.
+        start_iteration = self._restore(restore, c, parts) if restore is not None else 0
+        if restore is not None:
+            log.print(f"Restoring training from latest checkpoint: {restore.path}")
         print_startup(log, cfg, c.plain_model, c.device)
         if cfg.train.compile_only:
             log.print("Model, data pipeline and optimiser built (--compile-only): exiting without training.")
             return 0
-        train_source = c.sources.train
-        length = RunLength.resolve(cfg, train_source.num_samples)
-        schedule = build_schedule(cfg, length.total_iterations, length.epochs)
-        optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed)
-        scaler = build_loss_scaler(cfg, c.policy)
-        mixer = build_mixer(cfg, c.sources.num_classes, c.seed)
-        step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
-                         cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
-                         fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
-        generators = {"mix": mixer.generator} if mixer is not None else {}
-        start_iteration = 0
-        if restore_from is not None:
-            start_iteration = self._restore(restore_from, c, optimiser, scaler, generators)
-
-        def save(iteration: int) -> None:
-            state = {
-                "model": unwrap(c.model).state_dict(),
-                "optimiser": optimiser.state_dict(),
-                "loss_scaler": scaler.state_dict(),
-                "rng": capture_rng_state(generators),
-                "iteration": iteration,
-                "epoch": cfg.train.global_batch_size * iteration / train_source.num_samples,
-                "seed": c.seed,
-            }
-            save_checkpoint(checkpoint_path(self.folder, iteration), state)
-
-        if start_iteration == 0 and cfg.train.ckpts_per_epoch:
-            save(0)
-        loop = TrainingLoop(step, c.feed, train_source, schedule, length, cfg.train.grad_accum,
-                            cfg.train.global_batch_size, train_source.num_samples, log, save, start_iteration)
-        c.model.train()
-        stop = StopRequest()
-        with stop.installed(), self._profiler(cfg):
-            result = loop.run(stop)
+        if start_iteration >= parts.length.total_iterations:
+            log.print(f"Training already complete at iteration {start_iteration}.")
+        result = self._train(c, parts, start_iteration)
         log.print(f"Training loop completed in {result.seconds:.3f}s.")
         if result.interrupted_by:
             log.print(f"Training interrupted by {result.interrupted_by} at iteration {result.final_iteration}; "
                       f"checkpoint saved. Continue with: python restore.py --restore-path {self.folder}")
             return 0
         start = time.perf_counter()
-        if cfg.train.validation and c.sources.eval is not None:
-            validate_run_checkpoints(self.folder, c, log, cfg.train.global_batch_size, train_source.num_samples,
-                                     skip_iteration_zero=True)
+        self._after_training(c)
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
         return 0
 
-    def _restore(self, path: Path, c: Components, optimiser, scaler, generators) -> int:
-        state = load_checkpoint(path, map_location=c.device)
+    def _train(self, c: Components, parts: TrainingParts, start_iteration: int) -> LoopResult:
+        cfg = self.cfg
+        train_source = c.sources.train
+
+        def save(iteration: int) -> None:
+            save_checkpoint(checkpoint_path(self.folder, iteration), self._checkpoint_state(c, parts, iteration))
+
+        def after_update() -> None:
+            parts.ema.update(c.plain_model)
+
+        loop = TrainingLoop(parts.step, c.feed, train_source, parts.schedule, parts.length, cfg.train.grad_accum,
+                            cfg.train.global_batch_size, train_source.num_samples, self.log, save, start_iteration,
+                            after_update=after_update if parts.ema is not None else None)
+        c.model.train()
+        with StopRequest().installed() as stop, self._profiler(cfg):
+            if start_iteration == 0 and cfg.train.ckpts_per_epoch:
+                save(0)  # the initial weights; a restored run has it already
+            return loop.run(stop)
+
+    def _checkpoint_state(self, c: Components, parts: TrainingParts, iteration: int) -> dict[str, Any]:
+        state = {
+            "model": unwrap(c.model).state_dict(),
+            "optimiser": parts.optimiser.state_dict(),
+            "loss_scaler": parts.scaler.state_dict(),
+            "rng": capture_rng_state(parts.generators),
+            "iteration": iteration,
+            "epoch": self._epoch_of(c, iteration),
+            "seed": c.seed,
+        }
+        if parts.ema is not None:
+            state["ema"] = parts.ema.state_dict()
+        return state
+
+    def _epoch_of(self, c: Components, iteration: int) -> float:
+        return self.cfg.train.global_batch_size * iteration / c.sources.train.num_samples
+
+    def _restore(self, restore: RestorePoint, c: Components, parts: TrainingParts) -> int:
+        state, path = restore.state, restore.path
+        if "seed" in state and int(state["seed"]) != c.seed:
+            raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
+                                  f"arguments.json says {c.seed}: it belongs to another run")
         try:
             unwrap(c.model).load_state_dict(state["model"])
-            optimiser.load_state_dict(state["optimiser"])
-            scaler.load_state_dict(state["loss_scaler"])
-            restore_rng_state(state["rng"], generators)
-            iteration = int(state["iteration"])
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{path} does not match this run's model or optimiser: "
-                                  f"{str(exc).splitlines()[0][:200]}") from None
-        self.log.print(f"Restoring training from latest checkpoint: {path}")
-        return iteration
+            parts.optimiser.load_state_dict(state["optimiser"])
+            parts.scaler.load_state_dict(state["loss_scaler"])
+            restore_rng_state(state["rng"], parts.generators)
+            if parts.ema is not None:
+                parts.ema.load_state_dict(state["ema"])
+            return int(state["iteration"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
+            raise CheckpointError(f"{path} does not match this run's model or optimiser: {reason}") from None
+
+    def _after_training(self, c: Components) -> None:
+        """The seed's end of training: weight averages, then validation of what is not validated yet."""
+        cfg = self.cfg
+        training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
+                               lambda iteration: self._epoch_of(c, iteration), self.log)
+        if cfg.train.validation and c.sources.eval is not None:
+            validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples)
 
     def _profiler(self, cfg: RunConfig):
         import contextlib
@@ -168,27 +229,3 @@ class TrainingSession:
         out = cfg.train.profile_dir or str(self.folder / "profile")
         self.log.print(f"Writing a profiler trace to {out}")
         return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(out))
-
-
-def validate_run_checkpoints(folder: Path, c: Components, log: RunLog, global_batch_size: int,
-                             num_train_samples: int, skip_iteration_zero: bool = False,
-                             skip_names: set[str] | None = None) -> list[EvalResult]:
-    """Validate every checkpoint of a run folder, oldest first, with the seed's validation line."""
-    results = []
-    for iteration, path in list_checkpoints(folder):
-        if (skip_iteration_zero and iteration == 0) or (skip_names and path.stem in skip_names):
-            continue
-        state = load_checkpoint(path, map_location=c.device)
-        unwrap(c.model).load_state_dict(state["model"])
-        result = evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy)
-        log_validation(log, path.stem, iteration, global_batch_size * iteration / num_train_samples, result)
-        results.append(result)
-    return results
-
-
-def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result: EvalResult) -> None:
-    log.validation_result({
-        "name": name, "iteration": iteration, "epoch": epoch, "val_acc": result.top1, "raw_acc": result.top1,
-        "val_time": result.seconds, "val_size": result.count, "img_per_sec": result.throughput,
-        "latency": result.latency_avg_ms, "val_top5": result.top5,
-    })

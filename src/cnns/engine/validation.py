@@ -1,18 +1,56 @@
-"""validation.py: validate a run's checkpoints, one checkpoint, or a random model for throughput."""
+"""validation.py: validate a run's checkpoints, one checkpoint, or a random model for throughput.
+
+Also the validation after training (`validate_run_folder`), so that both print the same lines and
+skip what validation.csv already holds.
+
+Everything that can fail (unreadable or foreign checkpoints, a model that does not match, missing
+data) is checked before the first line is written to the run folder: a failed command leaves the
+folder as it was.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
-from cnns.checkpoint import iteration_of, list_checkpoints, load_checkpoint
+from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.build import unwrap
 from cnns.engine.evaluate import EvalResult, evaluate
-from cnns.engine.session import build_components, count_parameters, log_validation
 from cnns.errors import CheckpointError
 from cnns.runlog import RunLog, validated_names
+
+if TYPE_CHECKING:
+    from cnns.engine.session import Components
+
+EMA_SUFFIX = "_ema"
+
+
+@dataclass
+class Target:
+    """One row of validation.csv to produce: a checkpoint's weights, or its moving average."""
+
+    name: str
+    path: Path
+    state: dict[str, Any]  # memory-mapped: tensors are read when loaded into the model
+    use_ema: bool
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.state["ema"] if self.use_ema else self.state["model"]
+
+    @property
+    def iteration(self) -> int:
+        return int(self.state.get("iteration", iteration_of(self.path)))
+
+    def epoch(self, global_batch_size: int, num_train_samples: int) -> float:
+        if "epoch" in self.state:
+            return float(self.state["epoch"])
+        return global_batch_size * max(self.iteration, 0) / num_train_samples
 
 
 def latency_line(latencies_ms: list[float]) -> str:
@@ -21,50 +59,94 @@ def latency_line(latencies_ms: list[float]) -> str:
             f"latency 99p9: {np.percentile(values, 99.9):.4f} ms, latency max: {values.max():.4f} ms")
 
 
-def checkpoints_to_validate(restore_path: Path) -> tuple[Path, list[tuple[int, Path]]]:
-    """(run folder, [(iteration, checkpoint)]) for a run folder or a single checkpoint file."""
+def checkpoint_files(restore_path: Path) -> tuple[Path, list[Path]]:
+    """(run folder, files): a folder's checkpoints by iteration then its weight averages, or one file."""
     if restore_path.is_dir():
-        found = list_checkpoints(restore_path)
-        extra = sorted(p for p in restore_path.glob("weight_avg*.pt"))
-        return restore_path, found + [(-1, p) for p in extra]
+        files = [path for _, path in list_checkpoints(restore_path)] + list_weight_averages(restore_path)
+        if not files:
+            raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {restore_path}")
+        return restore_path, files
     if restore_path.is_file():
-        return restore_path.parent, [(iteration_of(restore_path), restore_path)]
+        return restore_path.parent, [restore_path]
     raise CheckpointError(f"--restore-path {restore_path} is neither a run folder nor a checkpoint file")
+
+
+def targets_of(files: list[Path], skip_iteration_zero: bool = False) -> list[Target]:
+    """Every row the files can give, raw weights then the moving average; unreadable files raise here."""
+    targets = []
+    for path in files:
+        state = load_checkpoint(path, mmap=True)
+        if skip_iteration_zero and iteration_of(path) == 0:
+            continue
+        targets.append(Target(path.stem, path, state, use_ema=False))
+        if isinstance(state.get("ema"), dict):
+            targets.append(Target(path.stem + EMA_SUFFIX, path, state, use_ema=True))
+    return targets
+
+
+def check_targets_match(targets: list[Target], model: torch.nn.Module, description: str) -> None:
+    model_state = unwrap(model).state_dict()
+    for target in targets:
+        check_matches_model(target.path, target.weights, model_state, description)
+
+
+def validate_targets(targets: list[Target], c: "Components", log: RunLog, global_batch_size: int,
+                     num_train_samples: int, repeat: int = 1) -> list[EvalResult]:
+    results = []
+    for target in targets:
+        unwrap(c.model).load_state_dict(target.weights)
+        for _ in range(repeat):
+            result = evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy)
+            log_validation(log, target.name, target.iteration, target.epoch(global_batch_size, num_train_samples),
+                           result)
+            results.append(result)
+    return results
+
+
+def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result: EvalResult) -> None:
+    log.validation_result({
+        "name": name, "iteration": iteration, "epoch": epoch, "val_acc": result.top1, "raw_acc": result.top1,
+        "val_time": result.seconds, "val_size": result.count, "img_per_sec": result.throughput,
+        "latency": result.latency_avg_ms, "val_top5": result.top5,
+    })
+
+
+def validate_run_folder(folder: Path, c: "Components", log: RunLog, global_batch_size: int,
+                        num_train_samples: int) -> list[EvalResult]:
+    """After training: every checkpoint but the initial one, their moving averages and the weight
+    averages, except what validation.csv already holds (a restored run validates only the new ones)."""
+    done = validated_names(folder)
+    files = [path for _, path in list_checkpoints(folder)] + list_weight_averages(folder)
+    targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
+    return validate_targets(targets, c, log, global_batch_size, num_train_samples)
 
 
 def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str]) -> int:
     if restore_path is None:
         return _validate_random_model(cfg, repeat, notices)
-    folder, checkpoints = checkpoints_to_validate(restore_path)
-    if not checkpoints:
-        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {restore_path}")
-    # Read every checkpoint before writing anything, so a corrupt one leaves the run folder untouched.
-    states = [(iteration, path, load_checkpoint(path)) for iteration, path in checkpoints]
+    from cnns.engine.session import build_components, count_parameters
+
+    folder, files = checkpoint_files(restore_path)
     done = validated_names(folder) if restore_path.is_dir() else set()
+    targets = targets_of(files)
+    todo = [t for t in targets if t.name not in done]
+    c = build_components(cfg, need_train=False)
+    check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
+    # Nothing was written so far; from here on the checks have passed.
     log = RunLog(folder)
     for notice in notices:
         log.notice(notice)
-    c = build_components(cfg, need_train=False)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
-    num_train = _nominal_train_images(cfg)
-    for iteration, path, state in states:
-        if path.stem in done:
-            log.print(f"Skipping validation run on checkpoint: {path.stem} (already in validation.csv)")
-            continue
-        try:
-            unwrap(c.model).load_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise CheckpointError(f"{path} does not match the model {cfg.model.arch}-{cfg.model.size}: "
-                                  f"{str(exc).splitlines()[0][:160]}") from None
-        for _ in range(repeat):
-            result = evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy)
-            epoch = cfg.train.global_batch_size * max(iteration, 0) / num_train
-            log_validation(log, path.stem, iteration, epoch, result)
+    for target in targets:
+        if target.name in done:
+            log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
+    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat)
     log.close()
     return 0
 
 
 def _nominal_train_images(cfg: RunConfig) -> int:
+    """Only for checkpoints that do not record their epoch (the seed's rule: the dataset's size)."""
     from cnns.data.pipeline import NOMINAL_TRAIN_IMAGES
 
     return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
@@ -72,6 +154,8 @@ def _nominal_train_images(cfg: RunConfig) -> int:
 
 def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str]) -> int:
     """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
+    from cnns.engine.session import build_components, count_parameters
+
     log = RunLog(None)
     for notice in notices:
         log.notice(notice)

@@ -1,0 +1,207 @@
+"""Interrupts and restore.py: a run stopped by SIGTERM and continued ends bitwise where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnns.cli import run_script as run_command
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+from cnns.engine.build import RunLength
+from cnns.engine.loop import StopRequest, TrainingLoop
+from cnns.engine.step import StepMetrics
+from cnns.runlog import RunLog
+from cnns.schedules import ScheduleSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_IMAGES = 640
+# One compute thread per process: with pytest-xdist workers and other jobs on two cores, more threads
+# oversubscribe them and small convolutions slow down a hundredfold. Both runs compared use the same.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cifar-10-restore")
+    images, labels = draw_shapes(TRAIN_IMAGES + 32, seed=8)
+    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
+    return folder
+
+
+def script(name: str, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / name), *args]
+
+
+def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    out = subprocess.run(script(name, *args), capture_output=True, text=True, cwd=cwd, env=ONE_THREAD)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def train_in_this_process(*args: str) -> None:
+    """As train.py, without a new interpreter's seconds of start-up; one thread, like the subprocesses."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_command("train", list(args)) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def logged_iterations(folder: Path) -> list[int]:
+    path = folder / "training.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [int(row["iteration"]) for row in csv.DictReader(f) if row.get("total_time")]
+
+
+def interrupt_after(command: list[str], folder: Path, iteration: int, cwd: Path) -> subprocess.CompletedProcess:
+    """Start training, send SIGTERM once training.csv shows `iteration`, and wait for a clean exit."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                               env=ONE_THREAD)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        if any(it >= iteration for it in logged_iterations(folder)):
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.005)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def flatten(value, prefix: str = ""):
+    """(path, leaf) pairs of a nested checkpoint, for an entry-by-entry comparison."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from flatten(item, f"{prefix}/{index}")
+    else:
+        yield prefix, value
+
+
+def assert_identical_checkpoints(a: Path, b: Path) -> None:
+    left = dict(flatten(torch.load(a, weights_only=True)))
+    right = dict(flatten(torch.load(b, weights_only=True)))
+    assert left.keys() == right.keys()
+    different = [key for key in left if not (
+        torch.equal(left[key], right[key]) if torch.is_tensor(left[key]) else left[key] == right[key])]
+    assert not different, different[:10]
+
+
+@pytest.mark.parametrize("precision, extra, per_epoch", [
+    ("32.32", ["--micro-batch-size", "16", "--epochs", "2"], 40),
+    # 16.16: stochastic rounding, accumulation, mixup and the moving average all carry random or running state.
+    ("16.16", ["--micro-batch-size", "16", "--gradient-accumulation-count", "2", "--epochs", "3", "--ema-decay", "0.9",
+               "--mixup-alpha", "0.2"], 20),
+])
+def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, precision, extra,
+                                                                              per_epoch):
+    total = 80 if precision == "32.32" else 60
+    options = ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--precision", precision,
+               "--seed", "11", "--optimiser", "momentum", "--warmup-epochs", "1", "--device-iterations", "1",
+               "--logs-per-epoch", str(per_epoch), "--ckpts-per-epoch", "1", "--no-validation", *extra]
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    train_in_this_process(*options, "--logs-path", str(whole))
+
+    out = interrupt_after(script("train.py", *options, "--logs-path", str(parted)), parted, 3, cwd=tmp_path)
+    match = re.search(r"Training interrupted by SIGTERM at iteration (\d+); checkpoint saved", out.stdout)
+    assert match, out.stdout[-2000:]
+    stopped = int(match.group(1))
+    assert 3 <= stopped < total and stopped % per_epoch != 0  # in the middle of an epoch
+    assert (parted / f"ckpt-{stopped}.pt").is_file() and not (parted / "validation.csv").exists()
+    arguments = (parted / "arguments.json").read_bytes()
+    first = (parted / "ckpt-0.pt").stat().st_mtime_ns
+
+    restored = run("restore.py", "--restore-path", str(parted), cwd=tmp_path)
+    assert f"Restoring training from latest checkpoint: {parted / f'ckpt-{stopped}.pt'}" in restored.stdout
+    assert " Saving to" not in restored.stdout
+    assert (parted / "arguments.json").read_bytes() == arguments
+    assert (parted / "ckpt-0.pt").stat().st_mtime_ns == first  # the initial checkpoint is not written again
+    iterations = logged_iterations(parted)
+    assert iterations == sorted(set(iterations)) and iterations[-1] == total  # rows continue, appended
+    assert iterations == logged_iterations(whole)
+
+    assert_identical_checkpoints(whole / f"ckpt-{total}.pt", parted / f"ckpt-{total}.pt")
+    model = torch.load(parted / f"ckpt-{total}.pt", weights_only=True)["model"]
+    assert any(t.dtype == (torch.bfloat16 if precision == "16.16" else torch.float32) for t in model.values())
+
+
+def test_restoring_a_finished_run_trains_nothing_more(data_dir, tmp_path, capsys):
+    folder = tmp_path / "run"
+    train_in_this_process("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",
+                          "2", "--micro-batch-size", "16", "--no-validation", "--logs-path", str(folder))
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("ckpt-*.pt")}
+    assert run_command("restore", ["--restore-path", str(folder)]) == 0
+    assert "Training already complete at iteration 2." in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("ckpt-*.pt")} == before
+
+
+class CountingSource:
+    """Micro-batches whose label is their global position, so the test can see the data order."""
+
+    num_samples = 16
+
+    def __len__(self) -> int:
+        return 8
+
+    def epoch(self, epoch: int, start_batch: int = 0):
+        for batch in range(start_batch, 8):
+            yield torch.zeros(2, 1), torch.tensor([epoch * 8 + batch])
+
+
+def counting_loop(seen: list, saved: list, start: int, signal_at: int | None = None) -> TrainingLoop:
+    def step(micro, lr):
+        seen.append(tuple(int(labels) for _, labels in micro))
+        if len(seen) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, in the middle of the run
+        return StepMetrics(torch.tensor(1.0), torch.tensor(1), 2)
+
+    length = RunLength(total_iterations=10, iterations_per_epoch=4, epochs=2.5, log_every=5, sync_every=5,
+                       ckpt_every=4, ckpt_offset=0)
+    return TrainingLoop(step, lambda batches: batches, CountingSource(), ScheduleSpec("cosine", 0.1, 10), length,
+                        grad_accum=2, global_batch_size=4, num_train_samples=16, log=RunLog(None, quiet=True),
+                        save_checkpoint=saved.append, start_iteration=start)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_signal_finishes_the_update_checkpoints_and_the_restart_sees_the_same_data():
+    whole, whole_saved = [], []
+    counting_loop(whole, whole_saved, 0).run(StopRequest())
+    assert whole_saved == [5, 10]  # synchronisations every 5 updates, a checkpoint when one crossed 4 or 8
+
+    seen, saved = [], []
+    stop = StopRequest()
+    with stop.installed():
+        result = counting_loop(seen, saved, 0, signal_at=3).run(stop)
+    assert (result.interrupted_by, result.final_iteration, saved) == ("SIGTERM", 3, [3])
+    counting_loop(seen, saved, 3).run(StopRequest())
+    assert seen == whole  # the same micro-batches, in the same order
+    assert saved == [3, 5, 10]  # the restarted loop keeps the synchronisation points of the whole run
+    assert signal.getsignal(signal.SIGTERM) != stop._handle
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_second_signal_stops_at_once():
+    stop = StopRequest()
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)

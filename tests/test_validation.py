@@ -1,0 +1,164 @@
+"""validation.py on a run's checkpoints, and the safety of every command that reads a run folder."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnns.cli import run_script as run_command
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_IMAGES = 48
+# One compute thread per process: with pytest-xdist workers and other jobs on two cores, more threads
+# oversubscribe them and small convolutions slow down a hundredfold.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_script(script: str, *args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
+                         env=ONE_THREAD)
+    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of a folder with its modification time and content."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cifar-10-tiny")
+    images, labels = draw_shapes(128 + TEST_IMAGES, seed=6)
+    write_cifar10(folder, (images[:128], labels[:128]), (images[128:], labels[128:]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained_run(data_dir, tmp_path_factory) -> Path:
+    """The seed's test: 4 updates, metrics every 2, a checkpoint at every synchronisation, no validation.
+
+    Trained in this process (a new interpreter costs seconds of start-up on two busy cores).
+    """
+    folder = tmp_path_factory.mktemp("runs") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_command("train", ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8",
+                                     "--micro-batch-size", "16", "--iterations", "4", "--device-iterations", "2",
+                                     "--no-validation", "--ckpts-per-epoch", "1000000", "--seed", "2",
+                                     "--logs-path", str(folder)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return folder
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> Path:
+    copy = tmp_path / trained_run.name
+    shutil.copytree(trained_run, copy)
+    return copy
+
+
+def test_validation_validates_every_checkpoint_once(run_copy, tmp_path, capsys):
+    assert sorted(p.name for p in run_copy.glob("ckpt-*.pt")) == ["ckpt-0.pt", "ckpt-2.pt", "ckpt-4.pt"]
+    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path)
+    lines = re.findall(r"^Validation top-1 accuracy: +[\d.]+% \[(ckpt-\d+)\] \(iteration: +(\d+), epoch: +([\d.]+),",
+                       out.stdout, re.MULTILINE)
+    assert [(name, int(it)) for name, it, _ in lines] == [("ckpt-0", 0), ("ckpt-2", 2), ("ckpt-4", 4)]
+    assert float(lines[-1][2]) == pytest.approx(4 * 16 / 128, abs=0.01)  # the run's epochs, not a nominal size
+    rows = read_csv(run_copy / "validation.csv")
+    assert [(r["name"], int(r["iteration"])) for r in rows] == [("ckpt-0", 0), ("ckpt-2", 2), ("ckpt-4", 4)]
+    for row in rows:
+        assert int(row["val_size"]) == TEST_IMAGES
+        assert 0.0 <= float(row["val_acc"]) <= float(row["val_top5"]) <= 100.0
+
+    assert run_command("validate", ["--restore-path", str(run_copy)]) == 0  # again: nothing new
+    again = capsys.readouterr().out
+    assert "Validation top-1 accuracy" not in again
+    assert again.count("Skipping validation run on checkpoint") == 3
+    assert len(read_csv(run_copy / "validation.csv")) == 3
+
+
+def test_validation_of_one_checkpoint_file(run_copy, capsys):
+    assert run_command("validate", ["--restore-path", str(run_copy / "ckpt-2.pt")]) == 0
+    assert "[ckpt-2] (iteration:      2," in capsys.readouterr().out
+    assert [r["name"] for r in read_csv(run_copy / "validation.csv")] == ["ckpt-2"]
+
+
+def test_a_validated_run_validates_the_moving_average_beside_the_weights(run_copy, capsys):
+    state = torch.load(run_copy / "ckpt-4.pt", weights_only=True)
+    state["ema"] = {k: v.clone() for k, v in state["model"].items()}
+    torch.save(state, run_copy / "ckpt-4.pt")
+    assert run_command("validate", ["--restore-path", str(run_copy)]) == 0
+    names = [r["name"] for r in read_csv(run_copy / "validation.csv")]
+    assert names == ["ckpt-0", "ckpt-2", "ckpt-4", "ckpt-4_ema"]
+    rows = read_csv(run_copy / "validation.csv")
+    assert rows[2]["val_acc"] == rows[3]["val_acc"]  # the same weights give the same accuracy
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def foreign(path: Path) -> None:
+    """A pickle that would run code if it were loaded without weights_only."""
+    import collections
+
+    torch.save({"model": collections.OrderedDict(), "payload": subprocess.CompletedProcess(["x"], 0)}, path)
+
+
+def test_a_truncated_checkpoint_stops_validation_py_before_anything_is_written(run_copy, tmp_path):
+    truncate(run_copy / "ckpt-2.pt")
+    before = snapshot(run_copy)
+    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=2)
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read checkpoint") and "ckpt-2.pt" in lines[0]
+    assert "truncated" in lines[0]
+    assert snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize("damage, message", [(truncate, "truncated"), (foreign, "weights_only")])
+@pytest.mark.parametrize("command, argv", [("validate", []), ("restore", []), ("weight-avg", ["--mode", "mean"])])
+def test_a_damaged_checkpoint_stops_every_command_before_anything_is_written(run_copy, capsys, damage, message,
+                                                                             command, argv):
+    damage(run_copy / "ckpt-4.pt")
+    before = snapshot(run_copy)
+    assert run_command(command, ["--restore-path", str(run_copy), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot read checkpoint") and "ckpt-4.pt" in err[0]
+    assert message in err[0]
+    assert snapshot(run_copy) == before
+
+
+def test_a_checkpoint_of_another_model_is_one_clear_error(run_copy, capsys):
+    before = snapshot(run_copy)
+    assert run_command("validate", ["--restore-path", str(run_copy), "--model-size", "14"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match the model resnet-14" in err[0]
+    assert snapshot(run_copy) == before
