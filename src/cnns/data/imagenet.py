@@ -304,15 +304,43 @@ def build_imagenet_loader(
     return loader, num_samples, num_classes
 
 
+def _private_copy(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache holds ordinary copies: a batch from a worker lives in its own shared-memory mapping
+    (kept by the thousand, they would count against the kernel's limit on mappings) and a pinned
+    batch in page-locked memory, which gigabytes of cache should not hold down."""
+    images, labels = batch
+    return images.clone(), labels.clone()
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: assume 8 GB
+        return 8 << 30
+
+
+# At most this fraction of the machine's memory holds cached evaluation images (full ImageNet
+# validation at 224 px is 7.5 GB of uint8 pixels).
+CACHE_MEMORY_FRACTION = 0.25
+
+
 class ImageNetBatches:
     """The batch-source protocol of cnns.data.pipeline over build_imagenet_loader: len() batches
     per epoch, epoch(e, start_batch) yields (uint8 NHWC, int64) batches, num_samples, num_classes.
     Training drops the last partial batch (every rank then runs the same number of steps);
-    evaluation keeps it, so every image is seen exactly once across ranks."""
+    evaluation keeps it, so every image is seen exactly once across ranks.
+
+    The dataset cache (the seed's default; --no-dataset-cache turns it off): evaluation batches are
+    the same at every pass (resize and centre crop are deterministic), so the first complete pass
+    keeps them in memory as uint8 and later passes (one per validated checkpoint) decode nothing.
+    Training batches are never cached: their crops change every epoch, so they must be decoded
+    again; the encoded files themselves are left to the operating system's page cache. The cache
+    is used only when the evaluation images fit in CACHE_MEMORY_FRACTION of the machine's memory.
+    """
 
     def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, cache: bool = False) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
@@ -322,6 +350,9 @@ class ImageNetBatches:
         if train and len(self.loader) == 0:
             raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one batch "
                             f"of {batch_size} for each of {shard[1]} ranks")
+        cache_bytes = self.loader.sampler.samples_per_epoch * image_size * image_size * 3
+        self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
+        self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         """Batches in a whole epoch on this rank (also while an epoch resumed mid-way is running)."""
@@ -333,8 +364,17 @@ class ImageNetBatches:
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if start_batch < 0:
             raise ValueError(f"start_batch must not be negative, got {start_batch}")
+        if self._cached is not None:
+            yield from self._cached[start_batch:]
+            return
+        keep = [] if self.caching and start_batch == 0 else None
         self.loader.sampler.set_epoch(epoch, start=start_batch * self.batch_size)
         try:
-            yield from self.loader
+            for batch in self.loader:
+                if keep is not None:
+                    keep.append(_private_copy(batch))
+                yield batch
         finally:
             self.loader.sampler.set_epoch(epoch, start=0)
+        if keep is not None:  # only a pass that ran to the end is complete
+            self._cached = keep

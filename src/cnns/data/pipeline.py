@@ -149,6 +149,6 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
                                 workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage)
     if need_eval:
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
-                                     workers=cfg.workers, seed=seed, shard=shard)
+                                     workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache)
     num_classes = (train or evaluation).num_classes
     return DataSources("imagenet", num_classes, train, evaluation)

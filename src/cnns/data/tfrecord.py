@@ -21,7 +21,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -350,6 +350,52 @@ def parse_imagenet_example(record: bytes, source: str) -> tuple[bytes, int]:
     if labels[0] < 1:
         raise DataError(f"{source}: {_LABEL_KEY} is {labels[0]}, expected a 1-based class label")
     return images[0], labels[0] - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing (for synthetic data sets: cnns bench-data --make-jpeg-tree DIR --layout tfrecord)
+# ----------------------------------------------------------------------------------------------
+
+
+def _varint(value: int) -> bytes:
+    value %= 1 << 64  # negative int64 values are ten-byte two's complement varints
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_delimited(field_number: int, payload: bytes) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+
+
+def encode_imagenet_example(encoded_image: bytes, label: int) -> bytes:
+    """A serialised tf.train.Example holding `encoded_image` as image/encoded and the 1-based
+    `label` as image/class/label (packed Int64List), as the ImageNet TFRecords do."""
+    features = {
+        _IMAGE_KEY: _length_delimited(1, _length_delimited(1, encoded_image)),  # Feature.bytes_list
+        _LABEL_KEY: _length_delimited(3, _length_delimited(1, _varint(label))),  # Feature.int64_list
+    }
+    entries = b"".join(_length_delimited(1, _length_delimited(1, key.encode()) + _length_delimited(2, feature))
+                       for key, feature in features.items())
+    return _length_delimited(1, entries)
+
+
+def frame_record(data: bytes) -> bytes:
+    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
+    length = struct.pack("<Q", len(data))
+    return length + _FOOTER.pack(masked_crc32c(length)) + data + _FOOTER.pack(masked_crc32c(data))
+
+
+def write_records(path: str | os.PathLike, records: Iterable[bytes]) -> None:
+    """A TFRecord file of `records`, written under a temporary name and renamed when complete."""
+    partial = Path(f"{path}.partial")
+    with open(partial, "wb") as file:
+        for record in records:
+            file.write(frame_record(record))
+    partial.replace(path)
 
 
 # ----------------------------------------------------------------------------------------------

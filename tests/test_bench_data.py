@@ -1,0 +1,129 @@
+"""`cnns bench-data`: the input pipeline alone on each layout, the torchvision baseline beside it,
+and the synthetic JPEG tree it can write. Tiny sizes: these check behaviour, never speed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import struct
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from cnns.bench.data import bench_data_command
+from cnns.data.jpegtree import IMAGENET_LIKE_SIZES, make_jpeg_tree
+from cnns.errors import ConfigError
+from test_tfrecord import reference_masked_crc
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+TINY = ["--batch-size", "2", "--batches", "2", "--warmup-batches", "1", "--image-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("jpeg-tree")
+    make_jpeg_tree(root, images=8, classes=2, validation_images=4, processes=1)
+    return root
+
+
+def test_jpeg_tree_is_imagenet_like_and_reproducible(tree, tmp_path):
+    files = sorted((tree / "train").glob("*/*.JPEG"))
+    assert len(files) == 8 and len(list((tree / "validation").glob("*/*.JPEG"))) == 4
+    assert sorted(p.name for p in (tree / "train").iterdir()) == ["n00000000", "n00000001"]
+    for path in files:
+        with Image.open(path) as image:
+            assert image.format == "JPEG" and image.mode == "RGB" and image.size in IMAGENET_LIKE_SIZES
+        assert 20_000 < path.stat().st_size < 250_000  # photo-like, not flat colour or pure noise
+    again = make_jpeg_tree(tmp_path, images=8, classes=2, validation_images=4, processes=1)
+    assert again["bytes"] > 0 and (tmp_path / "train" / files[0].parent.name / files[0].name).read_bytes() \
+        == files[0].read_bytes()
+    assert make_jpeg_tree(tree, images=8, classes=2, validation_images=4)["bytes"] == 0  # kept, not rewritten
+
+
+def test_bench_data_times_both_pipelines_at_each_worker_count(tree, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_data_command(["--data-dir", str(tree), "--workers", "0", "1", "--compare-baseline",
+                               "--json", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    comparisons = json.loads(out.read_text())
+    assert [(c["cnns"]["workers"], c["torchvision"]["workers"]) for c in comparisons] == [(0, 0), (1, 1)]
+    for c in comparisons:
+        ours, theirs = c["cnns"], c["torchvision"]
+        assert ours["pipeline"] == "cnns" and theirs["pipeline"] == "torchvision"
+        assert all(m["images"] == 4 and m["images_per_second"] > 0 and m["layout"] == "folder" for m in (ours, theirs))
+        assert c["ratio"] == pytest.approx(ours["images_per_second"] / theirs["images_per_second"])
+    assert "| pipeline | data | transforms | workers |" in printed and "| torchvision | folder | train | 1 |" in printed
+    assert printed.count("x |") == 4  # a ratio on every row
+    assert multiprocessing.active_children() == []  # the workers were shut down
+
+
+def test_bench_data_makes_its_tree_and_measures_evaluation_transforms(tmp_path, capsys):
+    target = tmp_path / "made"
+    assert bench_data_command(["--make-jpeg-tree", str(target), "--images", "4", "--classes", "2",
+                               "--eval", "--workers", "0", *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert len(list((target / "train").glob("*/*.JPEG"))) == 4
+    assert "| cnns | folder | eval | 0 | 2 | 32 |" in printed
+
+
+def read_framed_records(path: Path) -> list[bytes]:
+    """The records of a TFRecord file, each CRC checked against the bitwise reference."""
+    blob, records, position = path.read_bytes(), [], 0
+    while position < len(blob):
+        (length,) = struct.unpack_from("<Q", blob, position)
+        assert struct.unpack_from("<I", blob, position + 8)[0] == reference_masked_crc(blob[position:position + 8])
+        data = blob[position + 12:position + 12 + length]
+        assert struct.unpack_from("<I", blob, position + 12 + length)[0] == reference_masked_crc(data)
+        records.append(data)
+        position += 16 + length
+    return records
+
+
+def test_tfrecord_layout_holds_the_same_jpegs_as_the_tree(tree, tmp_path, capsys):
+    from cnns.data.tfrecord import parse_imagenet_example
+
+    records = tmp_path / "records"
+    assert bench_data_command(["--make-jpeg-tree", str(records), "--layout", "tfrecord", "--images", "8",
+                               "--classes", "2", "--workers", "0", *TINY]) == 0
+    assert "| cnns | tfrecord | train | 0 | 2 | 32 |" in capsys.readouterr().out
+    assert sorted(p.name for p in records.iterdir()) == ["train-00000-of-00001", "validation-00000-of-00001"]
+    for index, record in enumerate(read_framed_records(records / "train-00000-of-00001")):
+        image, label = parse_imagenet_example(record, "test")
+        assert label == index % 2
+        assert image == (tree / "train" / f"n{label:08d}" / f"train_{index:07d}.JPEG").read_bytes()
+    with pytest.raises(ConfigError, match="--compare-baseline needs a JPEG folder tree"):
+        bench_data_command(["--data-dir", str(records), "--compare-baseline", *TINY])
+
+
+def test_bench_data_on_cifar_runs_in_the_main_process(tmp_path, capsys):
+    from cnns.data.builtin import draw_shapes
+    from cnns.data.cifar import write_cifar10
+
+    cifar = tmp_path / "cifar"
+    images, labels = draw_shapes(20, seed=0)
+    write_cifar10(cifar, (images[:12], labels[:12]), (images[12:], labels[12:]))
+    assert bench_data_command(["--data-dir", str(cifar), "--batch-size", "4", "--batches", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "(no workers)" in printed and "| cnns | cifar-10 | train | 0 | 4 | 32 |" in printed
+
+
+def test_bench_data_needs_data(monkeypatch):
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    with pytest.raises(ConfigError, match="--data-dir"):
+        bench_data_command(["--batches", "1"])
+
+
+def test_ratio_is_the_median_of_the_ratios_within_rounds():
+    from cnns.bench.data import Measurement, compare_rounds
+
+    def measured(pipeline: str, images_per_second: int) -> Measurement:
+        return Measurement(pipeline, "folder", "train", 1, 32, 224, images_per_second, 1.0, 0.0)
+
+    # The machine got busier after round 1: both pipelines slowed down together.
+    ours = [measured("cnns", 800), measured("cnns", 400), measured("cnns", 420)]
+    theirs = [measured("torchvision", 500), measured("torchvision", 250), measured("torchvision", 400)]
+    comparison = compare_rounds(ours, theirs)
+    assert comparison.cnns.images_per_second == 420 and comparison.baseline.images_per_second == 400
+    assert comparison.ratio == pytest.approx(1.6)  # round ratios 1.6, 1.6, 1.05 (the medians' ratio is 1.05)

@@ -1,0 +1,167 @@
+"""ImageNet end to end through train.py, on TFRecords and a JPEG tree written here (the TFRecords
+by test_tfrecord's writers, from the format definition, not by the reader under test), plus the
+8-bit I/O equivalence and the evaluation cache."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from test_tfrecord import imagenet_example, write_tfrecord
+from test_training import read_csv, run_folder, run_script
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+VALIDATION_PER_CLASS = (5, 4, 4)  # 13 images: no batch size of 2 or more divides them
+TRAIN_PER_CLASS = 4
+
+
+def picture(index: int, mode: str = "RGB") -> Image.Image:
+    """A small image whose colour depends on its class (index % 3), with noise on top."""
+    rng = np.random.default_rng(index)
+    base = np.array([(200, 40, 40), (40, 200, 40), (40, 40, 200)][index % 3], dtype=np.int16)
+    pixels = np.clip(base + rng.integers(-40, 40, (40, 48, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels).convert(mode)
+
+
+def encoded(image: Image.Image, file_format: str = "JPEG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, file_format)
+    return buffer.getvalue()
+
+
+def odd_file(index: int) -> bytes:
+    """Real ImageNet's awkward files, in turn: grayscale JPEG, CMYK JPEG, PNG bytes named .JPEG, RGB JPEG."""
+    kind = index % 4
+    if kind == 0:
+        return encoded(picture(index, "L"))
+    if kind == 1:
+        return encoded(picture(index, "CMYK"))
+    if kind == 2:
+        return encoded(picture(index), "PNG")
+    return encoded(picture(index))
+
+
+@pytest.fixture(scope="module")
+def jpeg_tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("imagenet-tree")
+    index = 0
+    for split, per_class in (("train", (TRAIN_PER_CLASS,) * 3), ("validation", VALIDATION_PER_CLASS)):
+        for label, count in enumerate(per_class):
+            folder = root / split / f"n{label:08d}"
+            folder.mkdir(parents=True)
+            for item in range(count):
+                (folder / f"{split}_{item}.JPEG").write_bytes(odd_file(index))
+                index += 1
+    return root
+
+
+@pytest.fixture(scope="module")
+def tfrecords(tmp_path_factory) -> Path:
+    """Two training shards of 6 records and two validation shards of 7 and 6 (1-based labels)."""
+    root = tmp_path_factory.mktemp("imagenet-tfrecords")
+    records = [imagenet_example(encoded(picture(i)), i % 3 + 1) for i in range(25)]
+    write_tfrecord(root / "train-00000-of-00002", records[:6])
+    write_tfrecord(root / "train-00001-of-00002", records[6:12])
+    write_tfrecord(root / "validation-00000-of-00002", records[12:19])
+    write_tfrecord(root / "validation-00001-of-00002", records[19:])
+    return root
+
+
+RESNET18_64PX = ["--model", "resnet", "--model-size", "18", "--dataset", "imagenet", "--image-size", "64",
+                 "--iterations", "3", "--micro-batch-size", "4", "--log-freq", "1", "--seed", "3"]
+
+
+def test_train_from_tfrecords_validates_every_checkpoint_on_all_13_images(tfrecords, tmp_path):
+    # 12 training images in batches of 4: one epoch is 3 iterations, so 3 checkpoints per epoch
+    # puts one after every update; their validations after the first come from the dataset cache.
+    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(tfrecords), "--ckpts-per-epoch", "3",
+                     "--hostside-norm", "--normalise-input", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    folder = run_folder(out.stdout)
+    assert [int(r["iteration"]) for r in read_csv(folder / "training.csv")] == [1, 2, 3]
+    validation = read_csv(folder / "validation.csv")
+    assert [r["name"] for r in validation] == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert all(int(r["val_size"]) == 13 for r in validation)
+    options = json.loads((folder / "arguments.json").read_text())
+    assert options["hostside_norm"] and options["normalise_input"]
+
+
+def test_train_from_a_jpeg_tree_with_the_data_options(jpeg_tree, tmp_path):
+    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--eight-bit-io",
+                     "--dataset-percentage-to-use", "50", "--no-dataset-cache", "--pipeline-num-parallel", "1",
+                     "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    folder = run_folder(out.stdout)
+    rows = read_csv(folder / "training.csv")
+    # 50 % of each class: 2 x 3 = 6 images, so 3 updates of 4 are 2 epochs.
+    assert int(rows[-1]["iteration"]) == 3 and float(rows[-1]["epoch"]) == pytest.approx(2.0)
+    validation = read_csv(folder / "validation.csv")
+    assert validation and all(int(r["val_size"]) == sum(VALIDATION_PER_CLASS) for r in validation)
+    options = json.loads((folder / "arguments.json").read_text())
+    assert options["eight_bit_io"] and options["dataset_cache"] is False
+    assert options["pipeline_num_parallel"] == 1
+
+
+def test_dataset_benchmark_runs_the_pipeline_alone(jpeg_tree, tmp_path):
+    out = run_script("train.py", "--dataset", "imagenet", "--data-dir", str(jpeg_tree), "--image-size", "48",
+                     "--micro-batch-size", "2", "--iterations", "5", "--pipeline-num-parallel", "0",
+                     "--dataset-benchmark", cwd=tmp_path)
+    assert "Dataset benchmark: " in out.stdout and " images/sec (" in out.stdout
+    assert "Total Parameters" not in out.stdout  # no model
+    assert not (tmp_path / "logs").exists()  # no run folder
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit I/O and the evaluation cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, dict(atol=1 / 255, rtol=0)),
+                                               (torch.bfloat16, dict(atol=1e-6, rtol=4e-3))])
+@pytest.mark.parametrize("imagenet_std", [False, True])
+def test_uint8_normalised_on_device_equals_float_normalised_on_host(dtype, tolerance, imagenet_std):
+    from torchvision.transforms import v2
+
+    from cnns.data.augment import IMAGENET_MEAN, IMAGENET_STD
+    from cnns.engine.feed import DeviceFeed
+
+    images = torch.randint(0, 256, (3, 20, 24, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 2, 3])
+    # The float pipeline a user of the seed would write: scale to [0, 1], then torchvision's Normalize.
+    std = IMAGENET_STD if imagenet_std else (1.0, 1.0, 1.0)
+    reference = v2.Normalize(IMAGENET_MEAN, std)(images.permute(0, 3, 1, 2).float() / 255)
+    outputs = {}
+    for host in (False, True):
+        feed = DeviceFeed(torch.device("cpu"), dtype, imagenet_normalisation=imagenet_std, host_normalisation=host)
+        outputs[host], out_labels = feed.to_device(images, labels)
+        assert outputs[host].dtype == dtype and outputs[host].shape == (3, 3, 20, 24)
+        assert outputs[host].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(out_labels, labels)
+        torch.testing.assert_close(outputs[host].float(), reference, **tolerance)
+    torch.testing.assert_close(outputs[False].float(), outputs[True].float(), **tolerance)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_evaluation_cache_replays_the_first_complete_pass(jpeg_tree, cache):
+    from cnns.data.imagenet import ImageNetBatches
+
+    source = ImageNetBatches(jpeg_tree, train=False, batch_size=4, image_size=16, workers=0, cache=cache)
+    partial = next(source.epoch(0))  # an interrupted pass is not kept
+    first = [(images.clone(), labels.clone()) for images, labels in source.epoch(0)]
+    assert sum(len(labels) for _, labels in first) == 13 and torch.equal(partial[0], first[0][0])
+    reads = []
+    source.loader.dataset.transform = lambda data, name: reads.append(name) or torch.zeros(16, 16, 3, dtype=torch.uint8)
+    again = list(source.epoch(0))
+    resumed = list(source.epoch(0, start_batch=2))
+    if cache:
+        assert reads == []  # nothing decoded again
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(first[2:], resumed))
+    else:
+        assert len(reads) == 13 + 13 - 8
+    assert len(again) == len(first) == len(source) == 4 and len(resumed) == 2
