@@ -165,3 +165,14 @@ def test_evaluation_cache_replays_the_first_complete_pass(jpeg_tree, cache):
     else:
         assert len(reads) == 13 + 13 - 8
     assert len(again) == len(first) == len(source) == 4 and len(resumed) == 2
+
+
+def test_dataset_is_recognised_from_folder_contents_whatever_its_name(tmp_path):
+    from cnns.cli import resolved_training_options
+
+    folder = tmp_path / "my-photos"
+    for cls in ("a", "b"):
+        (folder / "train" / cls).mkdir(parents=True)
+        (folder / "train" / cls / "x.JPEG").write_bytes(b"")
+    options, _ = resolved_training_options("train", ["--data-dir", str(folder)])
+    assert (options["dataset"], options["model_size"], options["group_norm"]) == ("imagenet", "18", True)

@@ -52,8 +52,27 @@ def _ipu_only_notice(values: dict[str, Any], ignored_config_keys: list[str]) -> 
     return [f"IPU-only options accepted with no effect here: {', '.join(used)}"]
 
 
+def dataset_from_folder_contents(data_dir: str | None) -> str | None:
+    """The dataset a folder holds, from its file names only (no data is read).
+
+    The seed guessed the dataset from the folder's name; a folder named otherwise still gets the
+    right model defaults this way.
+    """
+    if not data_dir or not os.path.isdir(data_dir):
+        return None
+    from cnns.data.cifar import detect_cifar
+    from cnns.data.imagenet import detect_imagenet
+
+    found = detect_cifar(data_dir)
+    if found is None and detect_imagenet(data_dir) is not None:
+        found = "imagenet"
+    return found
+
+
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     values, notices = parse_options(script, argv)
+    if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
+        values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))
     options = resolve(values)
     if options.get("seed") is None:
         # Record the seed actually used so that restore.py continues the same data order.

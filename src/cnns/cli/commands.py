@@ -141,7 +141,10 @@ def _evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         if (folder / "arguments.json").is_file():
             base = _run_folder_options(folder)
             base.pop("name", None)
-    explicit = {k: v for k, v in values.items() if v is not None and v is not False}
+    # Unset options are None; a False is a given --no-... flag, except for the few flags whose
+    # parser default is False (they cannot be told apart from "not given").
+    default_false = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
+    explicit = {k: v for k, v in values.items() if v is not None and not (v is False and k in default_false)}
     merged = {**base, **explicit}
     for key in ("replicas", "shards"):
         if key not in explicit:
