@@ -106,8 +106,9 @@ def assert_identical_checkpoints(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("precision, extra, per_epoch", [
     ("32.32", ["--micro-batch-size", "16", "--epochs", "2"], 40),
     # 16.16: stochastic rounding, accumulation, mixup and the moving average all carry random or running state.
-    ("16.16", ["--micro-batch-size", "16", "--gradient-accumulation-count", "2", "--epochs", "3", "--ema-decay", "0.9",
-               "--mixup-alpha", "0.2"], 20),
+    # --half-dtype bfloat16: real bfloat16 weights even on a CPU that only emulates it.
+    ("16.16", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--gradient-accumulation-count", "2",
+               "--epochs", "3", "--ema-decay", "0.9", "--mixup-alpha", "0.2"], 20),
 ])
 def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, precision, extra,
                                                                               per_epoch):

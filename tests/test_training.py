@@ -84,7 +84,8 @@ def learnable_cifar(tmp_path_factory) -> Path:
 
 def test_resnet8_in_16_16_learns_and_validates_well_above_chance(learnable_cifar, tmp_path):
     out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(learnable_cifar), "--model-size", "8",
-                     "--precision", "16.16", "--epochs", "5", "--warmup-epochs", "1", "--lr-schedule", "cosine",
+                     "--precision", "16.16", "--half-dtype", "bfloat16", "--epochs", "5", "--warmup-epochs", "1",
+                     "--lr-schedule", "cosine",
                      "--optimiser", "momentum", "--base-learning-rate-exponent", "-9", "--ckpts-per-epoch", "0",
                      "--logs-per-epoch", "1", "--seed", "5", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
     folder = run_folder(out.stdout)

@@ -206,6 +206,9 @@ GENERIC_DEFAULTS: dict[str, Any] = {
 
 def _precision_defaults(o: dict[str, Any]) -> None:
     device = o.get("device") or ""
+    # An explicit --half-dtype runs that type even where the hardware would only emulate it.
+    # (A run's arguments.json carries the answer already: restore and validation keep it.)
+    o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
     _set_if_unset(o, "half_dtype", "float16" if device.startswith("cuda") else "bfloat16")
     # The seed's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
@@ -318,6 +321,7 @@ class DataConfig:
 class PrecisionConfig:
     precision: str  # "32.32" | "16.32" | "16.16"
     half_dtype: str  # "bfloat16" | "float16"
+    half_dtype_given: bool  # chosen explicitly: used even where the CPU only emulates it
     stochastic_rounding: bool
     loss_scaling: float
     auto_loss_scaling: bool
@@ -431,7 +435,8 @@ class RunConfig:
             mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
         )
         precision = PrecisionConfig(
-            precision=o["precision"], half_dtype=o["half_dtype"], stochastic_rounding=o["stochastic_rounding"],
+            precision=o["precision"], half_dtype=o["half_dtype"],
+            half_dtype_given=bool(o.get("half_dtype_given")), stochastic_rounding=o["stochastic_rounding"],
             loss_scaling=o["loss_scaling"], auto_loss_scaling=o["auto_loss_scaling"],
             grad_accum_dtype=o["gradient_accumulation_dtype"], half_partials=o["enable_half_partials"],
         )

@@ -17,6 +17,8 @@ For 16.16 training (half-precision weights, no float32 master copy) wrap any of 
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +103,9 @@ def build_optimiser(params_or_groups: Iterable, spec: OptimiserSpec) -> torch.op
     ``spec.weight_decay``. For LARS, groups marked ``NORM_OR_BIAS`` get neither trust ratio nor decay
     (plain momentum SGD, as the original's skip list), every other group gets the trust ratio and
     ``lars_weight_decay`` in place of its own decay. ``foreach`` is left to the implementations, which
-    use the multi-tensor kernels wherever they exist (CUDA).
+    use the multi-tensor kernels wherever they exist (CUDA). On the CPU the per-parameter loop wins
+    (measured: ResNet-50 momentum step 65 ms vs 73 ms with foreach=True): each parameter's few
+    operations run while it is still in cache, where a foreach operation sweeps all of them each time.
     """
     groups = _as_groups(params_or_groups)
     name = spec.canonical_name
@@ -187,16 +191,43 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator |
     raise TypeError(f"stochastic_round rounds to bfloat16 or float16, not {dtype}")
 
 
+# Elements per piece of a bfloat16 stochastic rounding: the piece's input, noise and output stay in
+# the L2/L3 caches between the few passes over it (one pass over a whole ResNet-50 at a time streams
+# from memory and takes twice as long).
+_ROUNDING_PIECE = 1 << 21
+
+
 def _stochastic_round_bfloat16(x: Tensor, generator: torch.Generator | None) -> Tensor:
     # bfloat16 is the top 16 bits of float32. Adding a uniform integer in [0, 2**16) to the bit
-    # pattern and dropping the low 16 bits carries into the kept bits with probability (low bits) /
-    # 2**16: exactly the stochastic rounding of the magnitude. The sign bit is untouched because
-    # the carry only ever moves the magnitude up to the infinity pattern, never past it.
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.contiguous().view(torch.int32) + noise) & -65536  # -65536 == 0xFFFF0000 as int32
-    rounded = bits.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
-    # NaN payloads and infinities could be corrupted by the carry; let the plain cast handle them.
-    return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+    # pattern and keeping the top 16 bits carries into them with probability (low bits) / 2**16:
+    # exactly the stochastic rounding of the magnitude. The sign bit is untouched because the carry
+    # only ever moves a finite magnitude up to the infinity pattern, never past it; infinities keep
+    # their pattern (their low bits are zero). Only NaN payloads could be carried into another value,
+    # so NaNs are written back as NaN.
+    #
+    # Written for speed, since it runs over every weight at every 16.16 update: the 16 noise bits of
+    # four elements come from one full-range 64-bit draw (the CPU generator's cost is per draw; a
+    # bounded randint is several times slower), the top halves are read straight out of the int32
+    # sums (no float conversion pass), and the work goes in cache-sized pieces.
+    flat = x.contiguous().view(-1)
+    count = flat.numel()
+    rounded = torch.empty(count, dtype=torch.bfloat16, device=x.device)
+    high = 1 if sys.byteorder == "little" else 0
+    piece = count if x.device.type != "cpu" else _ROUNDING_PIECE
+    draws = torch.empty((min(piece, count) + 3) // 4, dtype=torch.int64, device=x.device)
+    for start in range(0, count, max(1, piece)):
+        end = min(count, start + piece)
+        n = end - start
+        noise16 = draws[: (n + 3) // 4].random_(-(2**63), None, generator=generator).view(torch.int16)[:n]
+        sums = noise16.to(torch.int32).bitwise_and_(0xFFFF).add_(flat[start:end].view(torch.int32))
+        out = rounded[start:end]
+        out.view(torch.int16).copy_(sums.view(torch.int16)[high::2])
+        # NaN weights are rare. On the CPU reading a number back costs nothing, so a sum over the piece
+        # (still in cache) decides whether the exact mask is needed; elsewhere the fill never waits on
+        # the host. A sum that overflows to infinity only costs the exact path.
+        if x.device.type != "cpu" or not math.isfinite(float(flat[start:end].sum())):
+            out.masked_fill_(torch.isnan(flat[start:end]), float("nan"))
+    return rounded.view(x.shape)
 
 
 def _stochastic_round_float16(x: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -226,12 +257,20 @@ class HalfPrecisionOptimiser:
     gradients to the inner torch optimiser (whose state, e.g. momentum, stays float32); and writes
     the result back with stochastic rounding (round-to-nearest when ``stochastic_rounding=False``).
 
-    Gradients: by default each half parameter's ``.grad`` (converted to float32). A training loop that
-    accumulates micro-batch gradients in float32 itself passes them to :meth:`step` instead, one per
-    parameter in the order of :attr:`params` (``None`` for a parameter to leave untouched).
+    Gradients: by default each parameter's ``.grad``. A training loop that accumulates micro-batch
+    gradients in float32 itself passes them to :meth:`step` instead, one per parameter in the order of
+    :attr:`params` (``None`` for a parameter to leave untouched). Half gradients are converted here.
 
     Parameters that are already float32 are optimised in place, without copies or rounding.
     ``param_groups`` is the inner optimiser's, so :func:`set_lr` works on the wrapper.
+
+    Speed (the update runs over every weight at every step): the working copies of the half
+    parameters are views of one flat float32 buffer, laid out like the parameters (channels_last
+    convolution weights included), so reading the weights in, converting the gradients and rounding
+    back are a few multi-tensor or whole-buffer operations in memory order. ResNet-50: 180 ms per
+    update with one parameter at a time, 54 ms now (torch.optim.SGD alone on float32 weights: 15 ms).
+    The inner optimiser sees one tensor per parameter (LARS needs per-layer norms); its state dict
+    has the usual layout.
     """
 
     def __init__(
@@ -243,20 +282,42 @@ class HalfPrecisionOptimiser:
         seed: int,
     ) -> None:
         groups = _as_groups(half_params_or_groups)
-        self.params: list[Tensor] = []  # the model's parameters, flattened in group order
-        self._working: list[Tensor] = []  # float32 tensor the inner optimiser updates, per parameter
-        working_groups = []
-        for group in groups:
-            group_params = list(group["params"])
-            working = [_float32_working_copy(p) for p in group_params]
-            self.params.extend(group_params)
-            self._working.extend(working)
-            working_groups.append({**group, "params": working})
+        self.params: list[Tensor] = [p for group in groups for p in group["params"]]
+        for param in self.params:
+            if param.dtype != torch.float32 and param.dtype not in _HALF_TYPES:
+                raise ConfigError(
+                    f"half-precision optimiser expects bfloat16, float16 or float32 parameters, got {param.dtype}")
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ConfigError(f"half-precision parameters must share one device, found {sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cpu")
+        # Flat layout: the half parameters grouped by dtype, in parameter order within each dtype, so
+        # any run of consecutive parameters is one stretch of the buffer per dtype.
+        self._offsets: dict[int, int] = {}
+        offset = 0
+        for dtype in _HALF_TYPES:
+            for i, param in enumerate(self.params):
+                if param.dtype == dtype:
+                    self._offsets[i] = offset
+                    offset += param.numel()
+        self._flat = torch.empty(offset, dtype=torch.float32, device=device)
+        self._flat_grad: Tensor | None = None  # made on first use: callers passing float32 gradients never need it
+        self._working: list[Tensor] = list(self.params)  # float32 tensor the inner optimiser updates
+        for i, start in self._offsets.items():
+            view = _in_layout_of(self._flat[start:start + self.params[i].numel()], self.params[i])
+            view.copy_(self.params[i].detach())
+            self._working[i] = view
+        by_param = {id(p): w for p, w in zip(self.params, self._working)}
+        working_groups = [{**group, "params": [by_param[id(p)] for p in group["params"]]} for group in groups]
+        # One stretch of the buffer per half dtype: (dtype, parameter indices in order, start, end).
+        self._segments: list[tuple[torch.dtype, list[int], int, int]] = []
+        for dtype in _HALF_TYPES:
+            indices = [i for i in self._offsets if self.params[i].dtype == dtype]
+            if indices:
+                end = self._offsets[indices[-1]] + self.params[indices[-1]].numel()
+                self._segments.append((dtype, indices, self._offsets[indices[0]], end))
         self.stochastic_rounding = stochastic_rounding
-        self._generator = torch.Generator(device=devices.pop() if devices else "cpu")
+        self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self.inner = make_inner(working_groups)
 
@@ -270,25 +331,39 @@ class HalfPrecisionOptimiser:
 
     @torch.no_grad()
     def step(self, grads: Sequence[Tensor | None] | None = None) -> None:
-        """One update. ``grads``: float32 gradients aligned with :attr:`params`, or None for ``.grad``."""
+        """One update. ``grads``: gradients aligned with :attr:`params`, or None for ``.grad``."""
         if grads is not None and len(grads) != len(self.params):
             raise ValueError(f"expected {len(self.params)} gradients, got {len(grads)}")
-        updated = []
+        convert_to, convert_from = [], []
         for i, (param, working) in enumerate(zip(self.params, self._working)):
             grad = param.grad if grads is None else grads[i]
             if working is param:
                 param.grad = grad
+            elif grad is None or grad.dtype == torch.float32:
+                working.grad = grad
             else:
-                working.copy_(param)  # the half weight is the truth: drop the previous rounding residue
-                working.grad = None if grad is None else grad.to(torch.float32)
-            if grad is not None:
-                updated.append(i)
+                working.grad = self._grad_view(i)
+                convert_to.append(working.grad)
+                convert_from.append(grad)
+        if convert_to:
+            torch._foreach_copy_(convert_to, convert_from)
+        for _, indices, _, _ in self._segments:
+            # The half weight is the truth: drop the previous update's rounding residue.
+            torch._foreach_copy_([self._working[i] for i in indices], [self.params[i] for i in indices])
         self.inner.step()
-        # Round back in parameter order so the random stream (and a restored run) is reproducible.
-        for i in updated:
-            param, working = self.params[i], self._working[i]
-            if working is not param:
-                param.copy_(self._round(working, param.dtype))
+        # One rounding over each dtype's whole buffer. Parameters without a gradient were not
+        # moved, and rounding a representable value (their working copy) returns it unchanged.
+        for dtype, indices, start, end in self._segments:
+            rounded = self._round(self._flat[start:end], dtype)
+            sizes = [self.params[i].numel() for i in indices]
+            pieces = [_in_layout_of(part, self.params[i]) for part, i in zip(rounded.split(sizes), indices)]
+            torch._foreach_copy_([self.params[i] for i in indices], pieces)
+
+    def _grad_view(self, i: int) -> Tensor:
+        if self._flat_grad is None:
+            self._flat_grad = torch.empty_like(self._flat)
+        start = self._offsets[i]
+        return _in_layout_of(self._flat_grad[start:start + self.params[i].numel()], self.params[i])
 
     def _round(self, value: Tensor, dtype: torch.dtype) -> Tensor:
         if self.stochastic_rounding and dtype in _HALF_TYPES:
@@ -320,12 +395,17 @@ class HalfPrecisionOptimiser:
         self.stochastic_rounding = state_dict["stochastic_rounding"]
 
 
-def _float32_working_copy(param: Tensor) -> Tensor:
-    if param.dtype == torch.float32:
-        return param
-    if param.dtype not in _HALF_TYPES:
-        raise ConfigError(f"half-precision optimiser expects bfloat16, float16 or float32 parameters, got {param.dtype}")
-    return param.detach().to(torch.float32)
+def _in_layout_of(flat: Tensor, like: Tensor) -> Tensor:
+    """`flat` (1-D, numel of `like`) viewed with `like`'s shape and memory order.
+
+    Convolution weights are channels_last: a working copy, gradient or rounded result laid out the same
+    way makes every copy between them a straight pass in memory order (a copy that also permutes the
+    layout measured several times slower).
+    """
+    if like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last):
+        n, c, h, w = like.shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(like.shape)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -23,13 +23,11 @@ def check_supported(options: dict[str, Any]) -> None:
                           "use --replicas 1 (and --gradient-accumulation-count for the same global batch)")
     if options["pipeline"] or options["shards"] > 1:
         raise ConfigError("--pipeline/--shards: pipelined model parallelism is not supported yet; use --shards 1 "
-                          "without --pipeline (add --enable-recomputation to save memory)")
+                          "without --pipeline (--enable-recomputation saves activation memory on one device)")
     if options["BN_span"] > 1:
         raise ConfigError(f"--BN-span {options['BN_span']} needs replicas, which are not supported yet")
     if options["rts"]:
         raise ConfigError("--rts shards optimiser state across replicas, which are not supported yet")
-    if options["enable_recomputation"]:
-        raise ConfigError("--enable-recomputation is not supported yet")
 
 
 def _print_splits_and_exit(options: dict[str, Any]) -> int:
@@ -146,6 +144,8 @@ def _evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     default_false = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
     explicit = {k: v for k, v in values.items() if v is not None and not (v is False and k in default_false)}
     merged = {**base, **explicit}
+    if "half_dtype" in explicit:
+        merged["half_dtype_given"] = True
     for key in ("replicas", "shards"):
         if key not in explicit:
             merged[key] = 1  # validation runs on one unpipelined process whatever training used

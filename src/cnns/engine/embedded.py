@@ -21,7 +21,7 @@ from cnns.config import RunConfig, resolve
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.engine.build import resolve_device, unwrap
 from cnns.errors import CnnsError
-from cnns.precision import HALF_DTYPES
+from cnns.precision import PrecisionPolicy
 
 
 class NormalisedClassifier(nn.Module):
@@ -51,8 +51,11 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
     model = build_model(cfg.model)
     if checkpoint is not None:
         unwrap(model).load_state_dict(load_checkpoint(checkpoint)["model"])
-    # Inference has no master weights to keep: half precision means half weights.
-    dtype = HALF_DTYPES[cfg.precision.half_dtype] if cfg.precision.precision != "32.32" else torch.float32
+    # Inference has no master weights to keep: half precision means half weights (float32 where the
+    # CPU would only emulate the half type and none was asked for explicitly).
+    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
+                                     avoid_emulated_half=not cfg.precision.half_dtype_given)
+    dtype = policy.compute_dtype
     model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
     std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
     return NormalisedClassifier(model, std, dtype).eval()

@@ -52,7 +52,8 @@ def build_components(cfg: RunConfig, *, need_train: bool = True, need_eval: bool
     device = resolve_device(cfg.device, cfg.options.get("select_ipus"))
     seed = run_seed(cfg)
     seed_everything(seed)
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device)
+    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
+                                     avoid_emulated_half=not cfg.precision.half_dtype_given)
     if cfg.precision.half_partials and device.type == "cuda":
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
@@ -79,11 +80,13 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, device: torch.device) -> None:
+def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) -> None:
     o = cfg.options
     log.print(f"Command line: {o.get('command', '')}")
-    log.print(f"{cfg.model.arch}-{cfg.model.size} on {o.get('dataset')}, device {device}, precision {o['precision']}"
+    log.print(f"{cfg.model.arch}-{cfg.model.size} on {o.get('dataset')}, device {c.device}, precision {o['precision']}"
               f" ({'stochastic rounding' if o['stochastic_rounding'] else 'round to nearest'})")
+    if c.policy.note:
+        log.print(c.policy.note)
     log.print(f" Batch Size: {o['global_batch_size']} (micro-batch {o['micro_batch_size']}"
               f" x accumulation {o['gradient_accumulation_count']} x replicas {o['replicas']})")
     log.print(f" Learning Rate: {o['learning_rate']:.6g} ({o['lr_schedule']}, {o['optimiser']})")
@@ -140,7 +143,7 @@ class TrainingSession:
         start_iteration = self._restore(restore, c, parts) if restore is not None else 0
         if restore is not None:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
-        print_startup(log, cfg, c.plain_model, c.device)
+        print_startup(log, cfg, c.plain_model, c)
         if cfg.train.compile_only:
             log.print("Model, data pipeline and optimiser built (--compile-only): exiting without training.")
             return 0

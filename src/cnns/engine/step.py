@@ -49,10 +49,14 @@ class FloatGradientAccumulator:
         for p in self.params:
             p.grad = None
 
-    def gradients(self) -> list[torch.Tensor]:
+    def gradients(self, to_float32: bool = True) -> list[torch.Tensor]:
+        """The update's gradients; half ones converted to float32 only when asked (loss scaling needs
+        float32 to unscale in). Otherwise the optimiser converts them into its flat buffer."""
         if self.enabled:
             grads, self.buffers = self.buffers, None
             return grads
+        if not to_float32:
+            return [p.grad for p in self.params]
         return [p.grad if p.grad is None or p.grad.dtype == torch.float32 else p.grad.float() for p in self.params]
 
 
@@ -94,7 +98,7 @@ class TrainStep:
             loss_sum += loss.detach()
             correct += (logits.detach().argmax(dim=1) == labels).sum()
             samples += labels.shape[0]
-        grads = self.accumulator.gradients()
+        grads = self.accumulator.gradients(to_float32=self.scaler.active)
         if self.fp_exceptions:
             self._raise_on_non_finite(loss_sum, grads)
         present = [g for g in grads if g is not None]

@@ -136,6 +136,8 @@ def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, not
     log = RunLog(folder)
     for notice in notices:
         log.notice(notice)
+    if c.policy.note:
+        log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     for target in targets:
         if target.name in done:
@@ -160,6 +162,8 @@ def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str]) -> i
     for notice in notices:
         log.notice(notice)
     c = build_components(cfg, need_train=False)
+    if c.policy.note:
+        log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     total: EvalResult | None = None
     for r in range(repeat):

@@ -7,7 +7,7 @@ parallelism; ``split_points`` names the places where a pipeline may cut them.
 
 from .registry import build_model, count_parameters
 from .spec import ModelError, ModelSpec, run_name_prefix, valid_sizes
-from .splits import describe_split_points, resolve_splits, split_points
+from .splits import describe_split_points, recomputation_blocks, resolve_splits, split_points
 
 __all__ = [
     "ModelError",
@@ -15,6 +15,7 @@ __all__ = [
     "build_model",
     "count_parameters",
     "describe_split_points",
+    "recomputation_blocks",
     "resolve_splits",
     "run_name_prefix",
     "split_points",

@@ -29,6 +29,13 @@ def split_points(spec: ModelSpec, model: nn.Module) -> dict[str, str]:
     return {name: module for module, names in cuts for name in names}
 
 
+def recomputation_blocks(spec: ModelSpec, model: nn.Module) -> list[str]:
+    """The residual units (ResNet/ResNeXt) or blocks (EfficientNet) in order: what recomputation keeps
+    the inputs of. The same cuts as the pipeline's, less EfficientNet's stem."""
+    cuts = _efficientnet_cuts(model) if spec.arch == "efficientnet" else _resnet_cuts(model)
+    return [module for module, _ in cuts if module.startswith(("layer", "blocks"))]
+
+
 def resolve_splits(spec: ModelSpec, model: nn.Module, names: Sequence[str]) -> list[str]:
     """The modules to cut after for the given split names, checked to be known and in model order."""
     points = split_points(spec, model)

@@ -1,0 +1,221 @@
+"""The plain PyTorch loop that `cnns benchmark` compares against: what a user writes by hand.
+
+DESIGN.md's reference: a Dataset + DataLoader (2 worker processes) + torchvision v2 transforms per
+image, the model in channels_last, bfloat16 autocast (float16 on CUDA; float32 on a CPU without bfloat16
+arithmetic, where cnns runs float32 too), float32 weights and
+`torch.optim.SGD` with momentum. The model comes from `cnns.models.build_model`, so both sides train
+exactly the same network on the same batch size and the same kind of data:
+
+* ``synthetic``: one random batch made once on the device, no input pipeline at all;
+* ``generated``: random uint8 images on the host, through a DataLoader with v2 ToDtype/Normalize;
+* ``cifar``: the CIFAR-10 binary files, per-image RandomCrop(32, padding 4) + RandomHorizontalFlip +
+  ToDtype + Normalize in 2 DataLoader workers.
+
+It prints the seed's step line (``throughput: X samples/sec``) every ``log_freq`` iterations (and the
+validation line per inference pass), so `cnns.bench.runner` reads both sides with one parser.
+Run as ``python -m cnns.bench.baseline '<json>'``; the runner builds the JSON from the benchmark's
+own command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class BaselineSpec:
+    mode: str  # "train" | "infer"
+    arch: str
+    size: str
+    num_classes: int
+    image_size: int
+    norm: str
+    groups: int
+    group_dim: int
+    expand_ratio: int
+    convolution_groups: int
+    batch_size: int  # the micro-batch
+    data: str  # "synthetic" | "generated" | "cifar"
+    iterations: int  # training iterations (weight updates), or batches per inference pass
+    grad_accum: int = 1  # micro-batches summed into each update (training)
+    log_freq: int = 1
+    repeat: int = 1  # inference passes
+    data_dir: str | None = None
+    workers: int = 2
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    device: str = "cpu"
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, text: str) -> "BaselineSpec":
+        return cls(**json.loads(text))
+
+
+def build_plain_model(spec: BaselineSpec) -> torch.nn.Module:
+    from cnns.models import ModelSpec, build_model
+
+    model_spec = ModelSpec(arch=spec.arch, size=spec.size, num_classes=spec.num_classes,
+                           image_size=spec.image_size, norm=spec.norm, groups=spec.groups,
+                           group_dim=spec.group_dim, expand_ratio=spec.expand_ratio,
+                           convolution_groups=spec.convolution_groups)
+    return build_model(model_spec)
+
+
+class CifarBinary(torch.utils.data.Dataset):
+    """CIFAR-10 binary records (label byte + 3x32x32 planes) -> (uint8 CHW image, label), per item."""
+
+    def __init__(self, folder: str, transform):
+        files = sorted(Path(folder).glob("data_batch_*.bin")) or sorted(Path(folder).glob("*/data_batch_*.bin"))
+        if not files:
+            raise FileNotFoundError(f"no data_batch_*.bin files in {folder}")
+        records = np.concatenate([np.fromfile(f, dtype=np.uint8).reshape(-1, 3073) for f in files])
+        self.labels = torch.from_numpy(records[:, 0].astype(np.int64))
+        self.images = torch.from_numpy(records[:, 1:].reshape(-1, 3, 32, 32).copy())
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        from torchvision import tv_tensors
+
+        return self.transform(tv_tensors.Image(self.images[index])), self.labels[index]
+
+
+class RandomImages(torch.utils.data.Dataset):
+    """A pool of random uint8 CHW images (the generated-data case) that the transform normalises."""
+
+    def __init__(self, count: int, image_size: int, num_classes: int, transform, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.randint(0, 256, (count, 3, image_size, image_size), dtype=torch.uint8, generator=generator)
+        self.labels = torch.randint(0, num_classes, (count,), generator=generator)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        from torchvision import tv_tensors
+
+        return self.transform(tv_tensors.Image(self.images[index])), self.labels[index]
+
+
+def make_batches(spec: BaselineSpec, device: torch.device, train: bool):
+    """An endless iterator of (float images, labels) on the device."""
+    from torchvision.transforms import v2
+
+    if spec.data == "synthetic":
+        generator = torch.Generator().manual_seed(spec.seed)
+        images = torch.randn(spec.batch_size, 3, spec.image_size, spec.image_size, generator=generator)
+        labels = torch.randint(0, spec.num_classes, (spec.batch_size,), generator=generator)
+        batch = images.to(device).contiguous(memory_format=torch.channels_last), labels.to(device)
+        while True:
+            yield batch
+    if spec.data == "cifar":
+        steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if train else []
+        transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
+        dataset = CifarBinary(spec.data_dir, transform)
+    else:
+        transform = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        dataset = RandomImages(max(4 * spec.batch_size, 64), spec.image_size, spec.num_classes, transform, spec.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=spec.batch_size, shuffle=train, drop_last=True, num_workers=spec.workers,
+        persistent_workers=spec.workers > 0, pin_memory=device.type == "cuda")
+    while True:
+        for images, labels in loader:
+            yield (images.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last),
+                   labels.to(device, non_blocking=True))
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """float16 on CUDA, bfloat16 on a CPU that computes it; None (float32) on a CPU that would emulate it.
+
+    On an AVX2-only CPU bfloat16 autocast runs ResNet-20 about 10x slower than float32: nobody writing
+    the plain loop by hand would keep it there, and cnns runs float32 on such a CPU too.
+    """
+    from cnns.precision import cpu_half_is_emulated
+
+    if device.type == "cuda":
+        return torch.float16
+    return None if cpu_half_is_emulated(device, torch.bfloat16) else torch.bfloat16
+
+
+def train(spec: BaselineSpec) -> None:
+    device = torch.device(spec.device)
+    torch.manual_seed(spec.seed)
+    model = build_plain_model(spec).to(device, memory_format=torch.channels_last)
+    print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
+    optimiser = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
+                                weight_decay=spec.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")
+    half = autocast_dtype(device)
+    batches = make_batches(spec, device, train=True)
+    model.train()
+    images_per_update = spec.batch_size * spec.grad_accum
+    start = interval_start = time.perf_counter()
+    for iteration in range(1, spec.iterations + 1):
+        optimiser.zero_grad(set_to_none=True)
+        for _ in range(spec.grad_accum):  # the usual accumulation: float32 .grad sums the micro-batches
+            images, labels = next(batches)
+            with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+                loss = F.cross_entropy(model(images), labels) / spec.grad_accum
+            scaler.scale(loss).backward()
+        scaler.step(optimiser)
+        scaler.update()
+        if iteration % spec.log_freq == 0 or iteration == spec.iterations:
+            value = loss.item() * spec.grad_accum  # the host synchronisation, once per logging interval
+            now = time.perf_counter()
+            done = spec.log_freq if iteration % spec.log_freq == 0 else iteration % spec.log_freq
+            print(f"step: {iteration * spec.grad_accum:6d}, iteration: {iteration:6d}, loss: {value:6.3f}, "
+                  f"throughput: {done * images_per_update / (now - interval_start):6.2f} samples/sec, "
+                  f"time: {(now - interval_start) / done:8.6f}, total_time: {now - start:8.1f}", flush=True)
+            interval_start = time.perf_counter()
+
+
+@torch.inference_mode()
+def infer(spec: BaselineSpec) -> None:
+    device = torch.device(spec.device)
+    torch.manual_seed(spec.seed)
+    model = build_plain_model(spec).to(device, memory_format=torch.channels_last).eval()
+    print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
+    batches = make_batches(spec, device, train=False)
+    half = autocast_dtype(device)
+    for _ in range(spec.repeat):
+        count, correct = 0, torch.zeros((), dtype=torch.int64, device=device)
+        start = time.perf_counter()
+        for _ in range(spec.iterations):
+            images, labels = next(batches)
+            with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+                logits = model(images)
+            correct += (logits.argmax(1) == labels).sum()
+            count += labels.shape[0]
+        accuracy = 100.0 * correct.item() / count  # the host synchronisation, once per pass
+        seconds = time.perf_counter() - start
+        print(f"Validation top-1 accuracy: {accuracy:6.3f}% [plain] (throughput: {count / seconds:6.2f} samples/sec, "
+              f"time: {seconds:8.6f})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = BaselineSpec.from_json(argv[0])
+    (train if spec.mode == "train" else infer)(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""What is wrapped around a built model for training, in one place and one fixed order.
+
+Models know nothing of training; everything here changes how a model runs, never what it computes
+or which parameters and state-dict keys it has, so checkpoints always hold the plain model's state:
+
+1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
+2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed)
+3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory)
+4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
+
+The first three patch module instances (hooks, bound methods); the last returns a new module whose
+``_orig_mod`` is the plain one (`cnns.engine.build.unwrap`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# ------------------------------------------------------------------------------------------------
+# 1. channels_last gradients
+
+
+class _ChannelsLastGradient(torch.autograd.Function):
+    """Identity forward; the gradient passes backward in channels_last memory format."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous(memory_format=torch.channels_last)
+
+
+def _channels_last_gradient_hook(module: nn.Module, args: tuple):
+    x = args[0] if args else None
+    if torch.is_tensor(x) and x.dim() == 4 and x.requires_grad and torch.is_grad_enabled():
+        return (_ChannelsLastGradient.apply(x), *args[1:])
+    return None
+
+
+def keep_gradients_channels_last(model: nn.Module) -> int:
+    """channels_last end to end, backward included.
+
+    A few layers hand their input gradient back in NCHW order even when the input is channels_last:
+    global average pooling (its backward expands the pooled gradient) and the CIFAR ResNets'
+    option-A shortcut (subsampling plus zero channels: the backward of a strided slice is a fresh
+    NCHW tensor). Every kernel behind them then meets one NCHW and one channels_last operand and
+    takes its slow generic path (a ReLU backward measured 20x slower), down to the next convolution.
+    A forward pre-hook routes their input through an identity whose backward converts the gradient
+    once: ResNet-20 training +9 % on this CPU. Returns the number of layers hooked.
+    """
+    from cnns.models.cifar_resnet import ZeroPadShortcut
+
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, (nn.AdaptiveAvgPool2d, ZeroPadShortcut)):
+            module.register_forward_pre_hook(_channels_last_gradient_hook)
+            hooked += 1
+    return hooked
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. bfloat16 depthwise convolutions on the CPU
+
+
+class _DepthwiseConv(torch.autograd.Function):
+    """A bfloat16 depthwise convolution whose slow backward half is computed in float32.
+
+    oneDNN's bfloat16 depthwise kernels on this CPU (AVX-512 BF16, torch 2.14.1) are fast forward but
+    have two pathological backward cases, measured on EfficientNet-B0 shapes at batch 32 (channels_last):
+    the input gradient of a strided depthwise convolution (96 channels, 112x112, stride 2: 83 ms in
+    bfloat16, 7.6 ms in float32) and the weight gradient of a 5x5 one (240 channels, 28x28: 39 ms vs
+    15 ms). Only that half is computed in float32 (operands converted, the result rounded back to
+    bfloat16, as the bfloat16 kernel's float32 accumulator is); the other half and the forward stay
+    bfloat16. EfficientNet-B0 training: the depthwise backward goes from 0.69 s to 0.2 s a step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, input_in_float32, weight_in_float32):
+        ctx.save_for_backward(x, weight)
+        ctx.conv = (stride, padding, dilation, groups, bias is not None, input_in_float32, weight_in_float32)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, has_bias, input_in_float32, weight_in_float32 = ctx.conv
+        grad_input = grad_weight = grad_bias = None
+
+        def backward(g, inp, w, mask):
+            return torch.ops.aten.convolution_backward(g, inp, w, None, stride, padding, dilation, False,
+                                                      [0, 0], groups, mask)
+
+        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad32 = grad.float() if (want_input and input_in_float32) or (want_weight and weight_in_float32) else None
+        if want_input and input_in_float32:
+            # The input gradient needs the input's shape only: a broadcast stand-in, not a converted copy.
+            stand_in = grad32.new_empty(1).expand(x.shape)
+            grad_input = backward(grad32, stand_in, weight.float(), [True, False, False])[0].to(x.dtype)
+        if want_weight and weight_in_float32:
+            grad_weight = backward(grad32, x.float(), weight.float(), [False, True, False])[1].to(weight.dtype)
+        rest = [want_input and not input_in_float32, want_weight and not weight_in_float32, False]
+        if any(rest):
+            native = backward(grad, x, weight, rest)
+            grad_input = native[0] if rest[0] else grad_input
+            grad_weight = native[1] if rest[1] else grad_weight
+        if has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.float().sum((0, 2, 3)).to(grad.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _depthwise_conv_forward(self: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor, bias):
+    if not (torch.is_grad_enabled() and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16):
+        return nn.Conv2d._conv_forward(self, x, weight, bias)
+    return _DepthwiseConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups,
+                                self._cnns_input_in_float32, self._cnns_weight_in_float32)
+
+
+def route_slow_depthwise_backward(model: nn.Module) -> int:
+    """Give the depthwise convolutions with a pathological bfloat16 backward the float32 half (above).
+
+    Depthwise = one input channel per group; strided ones get a float32 input gradient, 5x5 and
+    larger a float32 weight gradient. 3x3 stride-1 depthwise and grouped convolutions (group size
+    16, the seed's --group-dim) measured faster in bfloat16 and are left alone. Returns the number
+    of convolutions rerouted.
+    """
+    rerouted = 0
+    for module in model.modules():
+        if type(module) is not nn.Conv2d or module.padding_mode != "zeros" or isinstance(module.padding, str):
+            continue
+        depthwise = module.groups > 1 and module.weight.shape[1] == 1
+        input_in_float32 = depthwise and max(module.stride) > 1
+        weight_in_float32 = depthwise and max(module.kernel_size) >= 5
+        if input_in_float32 or weight_in_float32:
+            module._cnns_input_in_float32 = input_in_float32
+            module._cnns_weight_in_float32 = weight_in_float32
+            module._conv_forward = types.MethodType(_depthwise_conv_forward, module)
+            rerouted += 1
+    return rerouted
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. recomputation
+
+
+@contextlib.contextmanager
+def _batch_norm_statistics_kept(module: nn.Module):
+    """Undo what a recomputed forward does to running statistics: they were updated once already.
+
+    The recomputation runs the block's forward again in training mode, so without this every batch
+    norm would fold the same batch into its running mean and variance twice (and count it twice).
+    """
+    saved = [(buffer, buffer.clone()) for norm in module.modules()
+             if isinstance(norm, nn.modules.batchnorm._BatchNorm) for buffer in norm.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _recomputed_forward(self: nn.Module, *args, **kwargs):
+    forward = type(self).forward.__get__(self)
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    contexts = functools.partial(lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(self)))
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
+    """The seed's --enable-recomputation on one device: keep only each block's input, recompute the rest.
+
+    ``blocks`` are qualified module names (the residual units or EfficientNet blocks, see
+    `cnns.models.recomputation_blocks`). In training each block runs under non-reentrant
+    `torch.utils.checkpoint`: its inner activations are freed after the forward and recomputed in the
+    backward, with the random state replayed (dropout, drop-path) and batch-norm statistics updated
+    once. Gradients are bitwise those of the plain model. Returns the number of blocks wrapped.
+    """
+    for name in blocks:
+        module = model.get_submodule(name)
+        module.forward = types.MethodType(_recomputed_forward, module)
+    return len(blocks)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. compilation
+
+
+def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    """torch.compile the model when --compile asks for it. Off by default.
+
+    On this 2-core CPU it measured no faster and costs about a minute of compilation (ResNet-50 batch
+    32 16.16: 0.94-1.0x; ResNet-20 batch 128: 0.96-0.99x): the convolutions stay oneDNN calls and
+    Inductor's fused batch-norm/ReLU kernels were no faster than ATen's. On CUDA the reduce-overhead
+    mode records CUDA graphs, which removes the per-kernel launch cost that small batches are bound by
+    (not measured here: no GPU).
+    """
+    if not enabled:
+        return model
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        return torch.compile(model, mode="reduce-overhead")
+    return torch.compile(model)

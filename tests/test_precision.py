@@ -1,0 +1,236 @@
+"""The precision policy: 16.16 keeps norm layers in float32 without casts, and learns as well as 32.32."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+from cnns.models import ModelSpec, build_model
+from cnns.optim import stochastic_round
+from cnns.precision import PrecisionPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def _resnet8() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
+
+
+def test_16_16_keeps_norm_parameters_and_statistics_in_float32_and_the_state_dict_keys():
+    model = _resnet8()
+    keys = set(model.state_dict())
+    PrecisionPolicy.resolve("16.16", "bfloat16", CPU).apply_to_model(model)
+    assert set(model.state_dict()) == keys
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            assert module.weight.dtype == module.running_mean.dtype == torch.float32
+            # On CPU the mixed-type kernel takes the half input directly: no casting hooks.
+            assert not module._forward_pre_hooks and not module._forward_hooks
+        elif isinstance(module, nn.Conv2d):
+            assert module.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_cpu_without_bfloat16_arithmetic_runs_float32_unless_the_half_type_is_explicit(monkeypatch, native):
+    import cnns.precision as precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert precision.cpu_half_is_emulated(CPU, torch.bfloat16) is (not native)
+    assert not precision.cpu_half_is_emulated(torch.device("cuda"), torch.float16)
+    chosen = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, avoid_emulated_half=True)
+    forced = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, avoid_emulated_half=False)
+    assert forced.weight_dtype == torch.bfloat16 and not forced.note
+    if native:
+        assert chosen == forced
+    else:
+        assert chosen.weight_dtype == chosen.compute_dtype == torch.float32 and not chosen.use_autocast
+        assert "no bfloat16 arithmetic" in chosen.note and "--half-dtype bfloat16" in chosen.note
+    # 32.32 never needs the fallback.
+    assert PrecisionPolicy.resolve("32.32", "bfloat16", CPU, avoid_emulated_half=True).note == ""
+
+
+def test_whether_the_half_type_was_explicit_is_kept_through_arguments_json():
+    from cnns.cli import resolved_training_options
+    from cnns.config import RunConfig, resolve
+
+    base = ["--dataset", "cifar-10", "--synthetic-data", "--model-size", "8"]
+    implicit, _ = resolved_training_options("train", base)
+    explicit, _ = resolved_training_options("train", base + ["--half-dtype", "bfloat16"])
+    assert not RunConfig.from_options(implicit).precision.half_dtype_given
+    assert RunConfig.from_options(explicit).precision.half_dtype_given
+    # restore.py and validation.py resolve a run's arguments.json, where half_dtype is always filled in.
+    assert not RunConfig.from_options(resolve(implicit)).precision.half_dtype_given
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d(8), nn.GroupNorm(4, 8)])
+def test_half_input_through_a_float32_norm_layer_matches_float32(half, norm):
+    policy = PrecisionPolicy.resolve("16.16", half, CPU)
+    layer = nn.Sequential(nn.Conv2d(3, 8, 3), norm)
+    reference = nn.Sequential(nn.Conv2d(3, 8, 3), type(norm)(*([4, 8] if isinstance(norm, nn.GroupNorm) else [8])))
+    reference.load_state_dict(layer.state_dict())
+    policy.apply_to_model(layer)
+    x = torch.randn(4, 3, 10, 10).contiguous(memory_format=torch.channels_last)
+    out = layer(x.to(policy.weight_dtype))
+    out.float().sum().backward()
+    assert out.dtype == policy.weight_dtype
+    assert layer[1].weight.grad.dtype == torch.float32
+    expected = reference(x)
+    tolerance = 0.05 if half == "bfloat16" else 0.01
+    assert torch.allclose(out.float(), expected, atol=tolerance, rtol=tolerance)
+    if isinstance(norm, nn.BatchNorm2d):  # running statistics updated in float32
+        assert torch.allclose(layer[1].running_mean, reference[1].running_mean, atol=tolerance)
+
+
+def test_bfloat16_stochastic_rounding_is_unbiased_across_its_cache_sized_pieces():
+    # More elements than one piece of the blocked implementation, with the value changing halfway.
+    count = (1 << 21) + 12345
+    gap = 2.0**-7
+    x = torch.full((count,), 1.0 + 0.25 * gap)
+    x[count // 2:] = -(2.0 + 0.75 * 2 * gap)
+    rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(3)).double()
+    first, second = rounded[: count // 2], rounded[count // 2:]
+    assert set(first.unique().tolist()) == {1.0, 1.0 + gap}
+    assert set(second.unique().tolist()) == {-2.0, -(2.0 + 2 * gap)}
+    assert abs(first.mean().item() - (1.0 + 0.25 * gap)) < 0.01 * gap
+    assert abs(second.mean().item() + (2.0 + 1.5 * gap)) < 0.02 * gap
+
+
+def test_stochastic_rounding_is_reproducible_from_the_generator_state():
+    x = torch.randn(100_003)
+    a = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(9))
+    b = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(9))
+    c = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(10))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert not torch.equal(a.view(torch.int16), c.view(torch.int16))
+    # Every result is one of the two bfloat16 neighbours of x.
+    low = x.to(torch.bfloat16).float()
+    assert torch.all((a.float() - x).abs() < (low.abs() * 2**-7).clamp_min(1e-30) * 1.01)
+
+
+def test_host_memory_tuning_stops_page_faults_on_reallocation():
+    # In a child process: the setting is process-wide and the test runner's process should keep its own.
+    code = """
+import resource, sys, torch
+from cnns.engine.build import keep_freed_host_memory
+applied = keep_freed_host_memory(torch.device("cpu"))
+assert keep_freed_host_memory(torch.device("cpu")) == applied
+assert keep_freed_host_memory(torch.device("meta")) is False
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(16, 1024, 1024) for _ in range(4)]  # 4 x 64 MB, above any mmap threshold
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, faults)
+sys.exit(0 if not applied or min(faults[1:]) < faults[0] // 10 else 1)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# accuracy is not traded for speed: 16.16 learns as well as 32.32
+
+
+@pytest.fixture(scope="module")
+def learnable_cifar(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cifar-10-precision")
+    images, labels = draw_shapes(2200, seed=4)
+    write_cifar10(folder, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
+    return folder
+
+
+def _train(precision: str, data: Path, logs: Path) -> tuple[float, float]:
+    """(final validation top-1, last logged training loss) of a short seeded ResNet-8 run."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
+         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", "6", "--warmup-epochs", "1",
+         "--lr-schedule", "cosine",
+         "--optimiser", "momentum", "--base-learning-rate-exponent", "-9", "--ckpts-per-epoch", "0",
+         "--logs-per-epoch", "1", "--seed", "11", "--log-dir", str(logs)],
+        capture_output=True, text=True, cwd=logs.parent)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    folder = Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+    with open(folder / "validation.csv", newline="") as f:
+        accuracy = float(list(csv.DictReader(f))[-1]["val_acc"])
+    with open(folder / "training.csv", newline="") as f:
+        loss = float(list(csv.DictReader(f))[-1]["loss_avg"])
+    return accuracy, loss
+
+
+def test_16_16_learns_as_well_as_32_32(learnable_cifar, tmp_path):
+    acc_16, loss_16 = _train("16.16", learnable_cifar, tmp_path / "logs16")
+    acc_32, loss_32 = _train("32.32", learnable_cifar, tmp_path / "logs32")
+    assert acc_32 > 40.0 and acc_16 > 40.0, (acc_16, acc_32)  # chance is 10%
+    assert acc_16 >= acc_32 - 10.0, (acc_16, acc_32)
+    assert loss_16 <= 1.25 * loss_32 + 0.1, (loss_16, loss_32)
+
+
+# ------------------------------------------------------------------------------------------------
+# the speed wrappers applied when a model is built for training change no numbers
+
+
+def test_channels_last_gradient_hooks_change_layouts_not_gradients():
+    from cnns.engine.wrappers import keep_gradients_channels_last
+
+    def gradients(hooked: bool):
+        model = _resnet8().to(memory_format=torch.channels_last)
+        if hooked:
+            assert keep_gradients_channels_last(model) == 3  # global pool + two option-A shortcuts
+        x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)).contiguous(
+            memory_format=torch.channels_last)
+        model(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    for plain, hooked in zip(gradients(False), gradients(True)):
+        assert torch.allclose(plain, hooked, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("channels, kernel, stride", [(24, 3, 2), (40, 5, 1), (16, 5, 2), (16, 3, 1)])
+def test_depthwise_convolutions_with_a_float32_backward_half_give_the_same_gradients(channels, kernel, stride):
+    import copy
+
+    from cnns.engine.wrappers import route_slow_depthwise_backward
+
+    torch.manual_seed(0)
+    native = nn.Conv2d(channels, channels, kernel, stride=stride, padding=kernel // 2, groups=channels, bias=True)
+    native = native.to(torch.bfloat16).to(memory_format=torch.channels_last)
+    routed = copy.deepcopy(native)
+    assert route_slow_depthwise_backward(routed) == (1 if stride > 1 or kernel >= 5 else 0)
+    assert set(routed.state_dict()) == set(native.state_dict())
+    x = torch.randn(4, channels, 12, 12).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    outputs = [native(inputs[0]), routed(inputs[1])]
+    assert torch.equal(outputs[0], outputs[1])
+    grad = torch.randn_like(outputs[0])
+    for out in outputs:
+        out.backward(grad)
+    assert inputs[1].grad.dtype == torch.bfloat16
+    assert inputs[1].grad.is_contiguous(memory_format=torch.channels_last)
+    # Reference: the same convolution in float32 from the same bfloat16 values. Both the native bfloat16
+    # kernel and the routed one must agree with it to bfloat16 accuracy (relative to the tensor's scale:
+    # a sum over many products loses absolute, not relative, accuracy near zero).
+    reference = copy.deepcopy(native).float()
+    x32 = x.float().requires_grad_()
+    reference(x32).backward(grad.float())
+    for expected, native_grad, routed_grad in [(x32.grad, inputs[0].grad, inputs[1].grad),
+                                               (reference.weight.grad, native.weight.grad, routed.weight.grad),
+                                               (reference.bias.grad, native.bias.grad, routed.bias.grad)]:
+        tolerance = 2e-2 * expected.abs().max()
+        assert (routed_grad.float() - expected).abs().max() <= tolerance
+        assert (native_grad.float() - expected).abs().max() <= tolerance
