@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from cnns.errors import ConfigError
+from cnns.precision import cpu_half_is_emulated
 
 THROUGHPUT = re.compile(r"throughput:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*samples/sec")
 SCRIPTS = {"train.py": "train", "validation.py": "validate"}
@@ -462,7 +463,7 @@ def benchmark_command(argv: list[str]) -> int:
     for result in results:
         set_peak_fractions(result, peak)
     meta = {"spec": str(spec_path), "time": stamp, "peak_matmul_gflops": peak, "matmul_gflops": rates,
-            "native_bfloat16": native_cpu_bfloat16(), "repeats": repeats,
+            "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16), "repeats": repeats,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
     csv_path, json_path = write_results(results, meta, run_dir, "results")
     if not args.keep_runs:
