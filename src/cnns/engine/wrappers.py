@@ -15,7 +15,6 @@ The first three patch module instances (hooks, bound methods); the last returns 
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 
 import torch
@@ -172,8 +171,9 @@ def _recomputed_forward(self: nn.Module, *args, **kwargs):
     forward = type(self).forward.__get__(self)
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    contexts = functools.partial(lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(self)))
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    # context_fn: nothing around the first forward, statistics restored around the recomputation.
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(self)), **kwargs)
 
 
 def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
