@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cnns.bench.runner import (Entry, Result, benchmark_command, format_table, load_spec, mean_dropping_first,
+from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first,
                                parse_throughputs, select, set_peak_fractions, write_results)
 from cnns.errors import ConfigError
 

@@ -1,4 +1,3 @@
-import copy
 import io
 
 import pytest
