@@ -22,8 +22,7 @@ from cnns.config import RunConfig
 from cnns.errors import ConfigError
 from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.engine.wrappers import (keep_gradients_channels_last, maybe_compile, recompute_blocks,  # noqa: F401
-                                  route_slow_depthwise_backward)
+from cnns.engine.wrappers import keep_gradients_channels_last, recompute_blocks, route_slow_depthwise_backward
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
 

@@ -22,11 +22,12 @@ from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_stat
 from cnns.config import RunConfig
 from cnns.engine.averaging import training_time_averages
 from cnns.engine.build import (RunLength, build_loss_scaler, build_model_for_training, build_optimiser_for,
-                               build_schedule, maybe_compile, resolve_device, run_seed, seed_everything, unwrap)
+                               build_schedule, resolve_device, run_seed, seed_everything, unwrap)
 from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
 from cnns.engine.step import TrainStep, cross_entropy_loss
+from cnns.engine.wrappers import maybe_compile
 from cnns.engine.validation import validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.precision import PrecisionPolicy
