@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -20,6 +19,7 @@ from cnns.cli import parse_options
 from cnns.config import RunConfig, resolve
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.engine.build import resolve_device, unwrap
+from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
 from cnns.precision import PrecisionPolicy
 
@@ -65,12 +65,6 @@ def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> Non
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
-
-
-def latency_summary(latencies_ms: list[float]) -> str:
-    values = np.asarray(latencies_ms, dtype=np.float64)
-    return (f"latency avg: {values.mean():.4f} ms, latency 99p: {np.percentile(values, 99):.4f} ms, "
-            f"latency 99p9: {np.percentile(values, 99.9):.4f} ms, latency max: {values.max():.4f} ms")
 
 
 def infer_command(argv: list[str]) -> int:
@@ -122,5 +116,5 @@ def _measure(runner, images: torch.Tensor, iterations: int, device: torch.device
     seconds = time.perf_counter() - start
     print(f"Inference: {iterations} batches of {images.shape[0]}, "
           f"throughput: {iterations * images.shape[0] / seconds:.2f} samples/sec, time: {seconds:.6f}")
-    print(latency_summary(latencies))
+    print(latency_line(latencies))
     return 0

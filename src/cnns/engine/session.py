@@ -30,6 +30,7 @@ from cnns.engine.step import TrainStep, cross_entropy_loss
 from cnns.engine.wrappers import maybe_compile
 from cnns.engine.validation import validate_run_folder
 from cnns.errors import CheckpointError
+from cnns.models import count_parameters
 from cnns.precision import PrecisionPolicy
 from cnns.runlog import RunLog
 
@@ -75,10 +76,6 @@ def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
     d = cfg.data
     return batch_mixer(num_classes, seed + 11, mixup_alpha=d.mixup_alpha, cutmix_lambda=d.cutmix_lambda,
                        cutmix_version=d.cutmix_version, label_smoothing=cfg.train.label_smoothing, layout="NCHW")
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) -> None:

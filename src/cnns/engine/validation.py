@@ -22,6 +22,7 @@ from cnns.config import RunConfig
 from cnns.engine.build import unwrap
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
+from cnns.models import count_parameters
 from cnns.runlog import RunLog, validated_names
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def validate_run_folder(folder: Path, c: "Components", log: RunLog, global_batch
 def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str]) -> int:
     if restore_path is None:
         return _validate_random_model(cfg, repeat, notices)
-    from cnns.engine.session import build_components, count_parameters
+    from cnns.engine.session import build_components
 
     folder, files = checkpoint_files(restore_path)
     done = validated_names(folder) if restore_path.is_dir() else set()
@@ -156,7 +157,7 @@ def _nominal_train_images(cfg: RunConfig) -> int:
 
 def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str]) -> int:
     """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
-    from cnns.engine.session import build_components, count_parameters
+    from cnns.engine.session import build_components
 
     log = RunLog(None)
     for notice in notices:
