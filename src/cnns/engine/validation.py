@@ -167,7 +167,7 @@ def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str]) -> i
         log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     total: EvalResult | None = None
-    for r in range(repeat):
+    for _ in range(repeat):
         result = evaluate(c.model, _limited(c.sources.eval, cfg), c.feed, c.policy)
         log_validation(log, "random_init", -1, 0.0, result)
         total = result if total is None else total.merged(result)
