@@ -6,9 +6,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import os
 
-# pytest-xdist runs two workers on two cores: one torch thread each (and for the scripts the tests
-# launch) avoids oversubscription, which makes small convolutions ~100x slower.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest-xdist runs two workers on two cores: one torch thread each, and for the scripts the tests
+# launch (they inherit the environment), avoids oversubscription, which makes small convolutions ~100x
+# slower. Set for every test here, so no test module repeats it.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 

@@ -26,9 +26,6 @@ from cnns.schedules import ScheduleSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_IMAGES = 640
-# One compute thread per process: with pytest-xdist workers and other jobs on two cores, more threads
-# oversubscribe them and small convolutions slow down a hundredfold. Both runs compared use the same.
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +41,14 @@ def script(name: str, *args: str) -> list[str]:
 
 
 def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = subprocess.run(script(name, *args), capture_output=True, text=True, cwd=cwd, env=ONE_THREAD)
+    out = subprocess.run(script(name, *args), capture_output=True, text=True, cwd=cwd)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
 def train_in_this_process(*args: str) -> None:
     """As train.py, without a new interpreter's seconds of start-up; one thread, like the subprocesses."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert run_command("train", list(args)) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert run_command("train", list(args)) == 0
 
 
 def logged_iterations(folder: Path) -> list[int]:
@@ -69,8 +61,7 @@ def logged_iterations(folder: Path) -> list[int]:
 
 def interrupt_after(command: list[str], folder: Path, iteration: int, cwd: Path) -> subprocess.CompletedProcess:
     """Start training, send SIGTERM once training.csv shows `iteration`, and wait for a clean exit."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                               env=ONE_THREAD)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     deadline = time.monotonic() + 120
     while process.poll() is None and time.monotonic() < deadline:
         if any(it >= iteration for it in logged_iterations(folder)):

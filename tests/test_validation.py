@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import re
 import shutil
 import subprocess
@@ -19,22 +18,10 @@ from cnns.data.cifar import write_cifar10
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGES = 48
-# One compute thread per process: with pytest-xdist workers and other jobs on two cores, more threads
-# oversubscribe them and small convolutions slow down a hundredfold.
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_script(script: str, *args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
-                         env=ONE_THREAD)
+    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
     assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -64,15 +51,10 @@ def trained_run(data_dir, tmp_path_factory) -> Path:
     Trained in this process (a new interpreter costs seconds of start-up on two busy cores).
     """
     folder = tmp_path_factory.mktemp("runs") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert run_command("train", ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8",
-                                     "--micro-batch-size", "16", "--iterations", "4", "--device-iterations", "2",
-                                     "--no-validation", "--ckpts-per-epoch", "1000000", "--seed", "2",
-                                     "--logs-path", str(folder)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert run_command("train", ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8",
+                                 "--micro-batch-size", "16", "--iterations", "4", "--device-iterations", "2",
+                                 "--no-validation", "--ckpts-per-epoch", "1000000", "--seed", "2",
+                                 "--logs-path", str(folder)]) == 0
     return folder
 
 

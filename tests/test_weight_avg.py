@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,17 +21,6 @@ from cnns.engine.ema import WeightEma
 from test_cli import seed_command_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-# One compute thread per process: with pytest-xdist workers and other jobs on two cores, more threads
-# oversubscribe them and small convolutions slow down a hundredfold.
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -112,15 +100,10 @@ def averaged_run(tmp_path_factory) -> Path:
     images, labels = draw_shapes(128 + 32, seed=9)
     write_cifar10(data, (images[:128], labels[:128]), (images[128:], labels[128:]))
     folder = data.parent / "averaged-run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert run_command("train", [
-            "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--micro-batch-size", "16",
-            "--epochs", "2", "--warmup-epochs", "0", "--ckpts-per-epoch", "2", "--optimiser", "momentum", "--seed", "3",
-            "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9", "--logs-path", str(folder)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert run_command("train", [
+        "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--micro-batch-size", "16",
+        "--epochs", "2", "--warmup-epochs", "0", "--ckpts-per-epoch", "2", "--optimiser", "momentum", "--seed", "3",
+        "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9", "--logs-path", str(folder)]) == 0
     return folder
 
 
@@ -158,7 +141,7 @@ def run_copy(averaged_run, tmp_path) -> Path:
 def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(run_copy, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "weight_avg.py"), "--restore-path", str(run_copy),
                           "--mode", "mean", "-N", "2", "--discard-last", "1"],
-                         capture_output=True, text=True, cwd=tmp_path, env=ONE_THREAD)
+                         capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     averaged = load(run_copy / "weight_avg_mean_last2_discard1.pt")
     assert averaged["averaged_iterations"] == [8, 12]
