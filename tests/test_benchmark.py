@@ -79,15 +79,23 @@ def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
     table = format_table([result, failed], 600.0)
     assert "1.50x" in table and "15.0%" in table and "10.0%" in table
     assert "broken: cnns: exit 2" in table
+    assert "ratio per repeat" not in table  # one pair: nothing to compare
+
+    repeated = Result("rn2", "train.py", cnns_runs=[300.0, 330.0], plain_runs=[250.0, 220.0])
+    assert repeated.pair_ratios == pytest.approx([1.2, 1.5])
+    assert "ratio per repeat" in format_table([repeated, failed], 600.0)
+    assert "1.20 1.50" in format_table([repeated, failed], 600.0)
 
     csv_path, json_path = write_results([result, failed], {"peak_bf16_matmul_gflops": 600.0}, tmp_path, "results")
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["name"] for r in rows] == ["rn", "broken"]
     assert float(rows[0]["ratio"]) == 1.5 and rows[0]["cnns_runs"] == "290.000 300.000"
+    assert rows[0]["pair_ratios"] == "1.450"  # 290 / 200: the runs of the first repeat
     document = json.loads(json_path.read_text())
     assert document["peak_bf16_matmul_gflops"] == 600.0
     assert document["results"][0]["plain_images_per_sec"] == 200.0
+    assert document["results"][0]["pair_ratios"] == [1.45]
     assert document["results"][1]["error"].startswith("cnns: exit 2")
 
 

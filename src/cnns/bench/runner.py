@@ -78,6 +78,12 @@ class Result:
     baseline_command: str = ""
     error: str | None = None
 
+    @property
+    def pair_ratios(self) -> list[float]:
+        """cnns over plain for each repeat: the two runs of a pair are adjacent in time, so they share the
+        machine's state (a shared host drifts 10-15 % within minutes); their spread shows the noise."""
+        return [ours / plain for ours, plain in zip(self.cnns_runs, self.plain_runs) if plain > 0]
+
 
 # ------------------------------------------------------------------------------------------------
 # parsing
@@ -351,15 +357,21 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def _table_row(r: Result, paired: bool) -> list[str]:
+    row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
+           _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x"),
+           _fmt(None if r.cnns_peak_fraction is None else 100 * r.cnns_peak_fraction, "{:.1f}%"),
+           _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%")]
+    if paired:
+        row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios) or "-")
+    return row
+
+
 def format_table(results: list[Result], peak_gflops: float) -> str:
+    paired = any(len(r.pair_ratios) > 1 for r in results)  # a column worth showing once there are repeats
     header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio",
-              "cnns %peak", "plain %peak"]
-    rows = [[r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
-             _fmt(r.cnns_images_per_sec, "{:.2f}"),
-             _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x"),
-             _fmt(None if r.cnns_peak_fraction is None else 100 * r.cnns_peak_fraction, "{:.1f}%"),
-             _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%")]
-            for r in results]
+              "cnns %peak", "plain %peak"] + (["ratio per repeat"] if paired else [])
+    rows = [_table_row(r, paired) for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
              "-|-".join("-" * w for w in widths)]
@@ -367,15 +379,17 @@ def format_table(results: list[Result], peak_gflops: float) -> str:
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
                  "training FLOPs = 3 x forward; "
                  "batch MxA = micro-batch x accumulation (both loops).")
+    if paired:
+        lines.append("ratio: best run over best run; ratio per repeat: each pair of adjacent runs.")
     for r in results:
         if r.error:
             lines.append(f"{r.name}: {r.error}")
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec", "plain_images_per_sec",
-               "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image", "cnns_runs", "plain_runs",
-               "command", "baseline_command", "error")
+CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
+               "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
+               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error")
 
 
 def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
@@ -388,8 +402,10 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
             row = asdict(r)
             row["cnns_runs"] = " ".join(f"{v:.3f}" for v in r.cnns_runs)
             row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
+            row["pair_ratios"] = " ".join(f"{v:.3f}" for v in r.pair_ratios)
             writer.writerow(row)
-    json_path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+    rows = [{**asdict(r), "pair_ratios": r.pair_ratios} for r in results]
+    json_path.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
     return csv_path, json_path
 
 
