@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first,
+from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first, paired_ratio,
                                parse_throughputs, select, set_peak_fractions, write_results)
 from cnns.errors import ConfigError
 
@@ -138,3 +138,11 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         plan = plan_entry(entry, {"cifar10": "/nonexistent"}, Path("/tmp/unused"))
         assert plan.baseline["batch_size"] == plan.batch_size > 0
+
+
+def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best():
+    # The host sped up during the last repeat: best over best (468/367 = 1.27) would pair two moments.
+    drifting = Result("rn20", "train.py", cnns_runs=[468.0, 405.0, 328.0], plain_runs=[337.0, 357.0, 367.0])
+    assert paired_ratio(drifting) == pytest.approx(405.0 / 357.0)
+    assert paired_ratio(Result("one", "train.py", cnns_runs=[300.0], plain_runs=[200.0])) == pytest.approx(1.5)
+    assert paired_ratio(Result("failed", "train.py", cnns_runs=[300.0])) is None
