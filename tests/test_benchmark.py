@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first, paired_ratio,
+from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first,
                                parse_throughputs, select, set_peak_fractions, write_results)
 from cnns.errors import ConfigError
 
@@ -70,7 +70,7 @@ def test_spec_loading_applies_defaults_and_selection_rejects_unknown_names(tmp_p
 def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
     result = Result("rn", "train.py --model resnet", model="resnet-8 32px", mode="train", data="synthetic",
                     batch_size=16, cnns_images_per_sec=300.0, plain_images_per_sec=200.0, ratio=1.5,
-                    flops_per_image=3 * 1e8, cnns_runs=[290.0, 300.0], plain_runs=[200.0])
+                    flops_per_image=3 * 1e8, cnns_runs=[290.0, 300.0], plain_runs=[200.0], pair_ratios=[1.45])
     failed = Result("broken", "train.py", error="cnns: exit 2: error: bad option")
     set_peak_fractions(result, 600.0)  # GFLOP/s
     assert result.cnns_peak_fraction == pytest.approx(300 * 3e8 / 600e9)
@@ -81,8 +81,7 @@ def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
     assert "broken: cnns: exit 2" in table
     assert "ratio per repeat" not in table  # one pair: nothing to compare
 
-    repeated = Result("rn2", "train.py", cnns_runs=[300.0, 330.0], plain_runs=[250.0, 220.0])
-    assert repeated.pair_ratios == pytest.approx([1.2, 1.5])
+    repeated = Result("rn2", "train.py", cnns_runs=[300.0, 330.0], plain_runs=[250.0, 220.0], pair_ratios=[1.2, 1.5])
     assert "ratio per repeat" in format_table([repeated, failed], 600.0)
     assert "1.20 1.50" in format_table([repeated, failed], 600.0)
 
@@ -140,9 +139,20 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
         assert plan.baseline["batch_size"] == plan.batch_size > 0
 
 
-def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best():
-    # The host sped up during the last repeat: best over best (468/367 = 1.27) would pair two moments.
-    drifting = Result("rn20", "train.py", cnns_runs=[468.0, 405.0, 328.0], plain_runs=[337.0, 357.0, 367.0])
-    assert paired_ratio(drifting) == pytest.approx(405.0 / 357.0)
-    assert paired_ratio(Result("one", "train.py", cnns_runs=[300.0], plain_runs=[200.0])) == pytest.approx(1.5)
-    assert paired_ratio(Result("failed", "train.py", cnns_runs=[300.0])) is None
+def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, monkeypatch):
+    from cnns.bench import runner
+
+    entries, _ = load_spec(ROOT / "benchmarks.yml")
+    [entry] = select(entries, ["resnet20-cifar10-train"])
+    plan = runner.plan_entry(entry, {"cifar10": "/nonexistent"}, tmp_path)
+    # The host sped up during the last repeat (best over best, 468/367 = 1.27, would pair two moments),
+    # and in the first repeat our side failed: its plain run must not pair with a later cnns run.
+    # Repeats alternate the order: cnns, plain | plain, cnns | cnns, plain | plain, cnns.
+    scripted = iter([(None, "exit 1: boom"), (300.0, ""), (337.0, ""), (468.0, ""),
+                     (405.0, ""), (357.0, ""), (367.0, ""), (328.0, "")])
+    monkeypatch.setattr(runner, "run_and_read", lambda argv, timeout, log_path: next(scripted))
+    result = runner.run_entry(entry, plan, ROOT, repeats=4, with_baseline=True, logs=None)
+    assert result.pair_ratios == pytest.approx([468 / 337, 405 / 357, 328 / 367])
+    assert result.ratio == pytest.approx(405 / 357)
+    assert result.cnns_images_per_sec == 468.0 and result.plain_images_per_sec == 367.0
+    assert result.error == "cnns: exit 1: boom"

@@ -77,14 +77,11 @@ class Result:
     flops_per_image: float | None = None
     cnns_runs: list[float] = field(default_factory=list)
     plain_runs: list[float] = field(default_factory=list)
+    # cnns over plain for each repeat in which both sides ran: the two runs are adjacent in time, so they
+    # share the machine's state (a shared host drifts 10-15 % within minutes); their spread shows the noise.
+    pair_ratios: list[float] = field(default_factory=list)
     baseline_command: str = ""
     error: str | None = None
-
-    @property
-    def pair_ratios(self) -> list[float]:
-        """cnns over plain for each repeat: the two runs of a pair are adjacent in time, so they share the
-        machine's state (a shared host drifts 10-15 % within minutes); their spread shows the noise."""
-        return [ours / plain for ours, plain in zip(self.cnns_runs, self.plain_runs) if plain > 0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,6 +314,7 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
             sides.append(("plain", plain_argv, result.plain_runs))
         if r % 2 == 1:
             sides.reverse()  # alternate which side goes first
+        this_repeat = {}
         for side, argv, runs in sides:
             log_path = logs / f"{entry.name}-{side}-{r + 1}.log" if logs else None
             print(f"  [{entry.name}] {side} run {r + 1}/{repeats} ...", flush=True)
@@ -325,7 +323,10 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
                 errors.append(f"{side}: {error}")
             else:
                 runs.append(value)
+                this_repeat[side] = value
                 print(f"  [{entry.name}] {side}: {value:.2f} images/s", flush=True)
+        if this_repeat.get("plain") and "cnns" in this_repeat:
+            result.pair_ratios.append(this_repeat["cnns"] / this_repeat["plain"])
     if errors:
         result.error = "; ".join(errors)
     try:
@@ -344,8 +345,7 @@ def paired_ratio(result: Result) -> float | None:
     """The median of the per-repeat ratios: on a shared host whose speed drifts within minutes, the two
     runs of a repeat see the same machine, while the best run of each side may come from different moments
     (one ResNet-20 invocation gave pairs of 1.39, 1.13 and 0.89x). With one repeat it is the plain ratio."""
-    pairs = result.pair_ratios
-    return statistics.median(pairs) if pairs else None
+    return statistics.median(result.pair_ratios) if result.pair_ratios else None
 
 
 def set_peak_fractions(result: Result, peak_gflops: float) -> None:
@@ -413,8 +413,7 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
             row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
             row["pair_ratios"] = " ".join(f"{v:.3f}" for v in r.pair_ratios)
             writer.writerow(row)
-    rows = [{**asdict(r), "pair_ratios": r.pair_ratios} for r in results]
-    json_path.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    json_path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
     return csv_path, json_path
 
 
