@@ -59,7 +59,8 @@ def test_crop_flip_is_reproducible_from_the_generator_seed():
     second = random_crop_flip(images, 4, torch.Generator().manual_seed(7))
     other = random_crop_flip(images, 4, torch.Generator().manual_seed(8))
     assert torch.equal(first, second) and not torch.equal(first, other)
-    assert torch.equal(cifar_augment(4)(images, torch.Generator().manual_seed(7)), first)
+    augment = cifar_augment(4)
+    assert torch.equal(augment(images, augment.draw(len(images), torch.Generator().manual_seed(7))), first)
 
 
 def test_crop_flip_zero_pads():
@@ -199,8 +200,8 @@ def test_bad_arguments():
 
 
 def test_generated_batches_shape_range_and_resume():
-    source = GeneratedBatches(batch_size=6, image_size=16, num_classes=7, batches_per_epoch=9, seed=1)
-    assert len(source) == 9 and source.num_samples == 54
+    source = GeneratedBatches(6, 16, 7, num_samples=57, seed=1)
+    assert len(source) == source.batches_per_epoch == 9 and source.num_samples == 57
     batches = list(source.epoch(2))
     assert len(batches) == 9
     images, labels = batches[0]
@@ -208,5 +209,21 @@ def test_generated_batches_shape_range_and_resume():
     assert labels.dtype == torch.int64 and int(labels.max()) < 7
     resumed = list(source.epoch(2, start_batch=4))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches[4:], resumed))
-    again = GeneratedBatches(6, 16, 7, 9, seed=1)
+    again = GeneratedBatches(6, 16, 7, num_samples=57, seed=1)
     assert torch.equal(next(iter(again.epoch(0)))[0], next(iter(source.epoch(0)))[0])
+
+
+def test_generated_samples_are_a_fixed_pool_by_position():
+    pool = GeneratedBatches.POOL_SIZE
+    source = GeneratedBatches(16, 4, 5, num_samples=3 * pool + 7, seed=2, drop_last=False)
+    images = torch.cat([b for b, _ in source.epoch(0)])
+    labels = torch.cat([b for _, b in source.epoch(0)])
+    assert len(images) == 3 * pool + 7
+    for position in range(len(images)):
+        assert torch.equal(images[position], images[position % pool])
+        assert labels[position] == labels[position % pool]
+    assert len({bytes(image.numpy()) for image in images[:pool]}) == pool
+    # The batches are fresh tensors: changing one changes no later batch.
+    first = next(iter(source.epoch(1)))[0]
+    first.zero_()
+    assert torch.equal(next(iter(source.epoch(1)))[0], images[:16])

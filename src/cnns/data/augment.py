@@ -7,7 +7,7 @@ Every function works on the whole batch with tensor ops: on a 2-core CPU a Pytho
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,21 +16,42 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def random_crop_flip(images: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:
-    """CIFAR augmentation: zero-pad `padding` pixels on each side, crop a random H x W window per
-    image, and flip each image horizontally with probability 0.5.
+class Augment(Protocol):
+    """A per-sample random augmentation of uint8 NHWC batches, split in two so that the random draw
+    can be made per sample, independently of how samples are batched: `draw(count, generator)`
+    returns one row of parameters per sample (a CPU tensor [count, ...]), and
+    `augment(images, params)` applies the rows to a batch, params[i] to images[i], with tensor ops
+    on the whole batch. TensorBatches draws the rows of a whole epoch at once and gathers each
+    batch's rows by the samples it holds."""
 
-    images: uint8 [N, H, W, C] on any device; returns a new uint8 [N, H, W, C] on the same device.
-    The random offsets and flips are drawn from `generator` on the generator's own device (a CPU
-    generator is fine for CUDA images: only 3N numbers are drawn, then moved), so the same seed
-    gives the same augmentation whatever device the images are on.
-    """
-    count, height, width, _ = images.shape
+    def draw(self, count: int, generator: torch.Generator) -> torch.Tensor: ...
+
+    def __call__(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor: ...
+
+
+def draw_crop_flip(count: int, padding: int, generator: torch.Generator) -> torch.Tensor:
+    """int64 [count, 3] random (row offset, column offset, flip) per image for crop_flip: offsets in
+    0..2*padding, flip 0 or 1. Drawn on the generator's own device and returned there."""
     draw_device = generator.device
     row_offsets = torch.randint(0, 2 * padding + 1, (count,), generator=generator, device=draw_device)
     col_offsets = torch.randint(0, 2 * padding + 1, (count,), generator=generator, device=draw_device)
-    flips = torch.randint(0, 2, (count,), generator=generator, device=draw_device).bool()
-    row_offsets, col_offsets, flips = (t.to(images.device) for t in (row_offsets, col_offsets, flips))
+    flips = torch.randint(0, 2, (count,), generator=generator, device=draw_device)
+    return torch.stack([row_offsets, col_offsets, flips], 1)
+
+
+def crop_flip(images: torch.Tensor, params: torch.Tensor, padding: int) -> torch.Tensor:
+    """CIFAR augmentation with given parameters: zero-pad `padding` pixels on each side, crop the
+    H x W window at (params[n, 0], params[n, 1]) of image n, and flip it horizontally if
+    params[n, 2] is 1.
+
+    images: uint8 [N, H, W, C] on any device; params: int64 [N, 3] (draw_crop_flip) on any device
+    (it is moved to the images' device: 3N small numbers). Returns a new uint8 [N, H, W, C].
+    """
+    count, height, width, _ = images.shape
+    if params.shape != (count, 3):
+        raise ValueError(f"expected crop and flip parameters of shape [{count}, 3], got {list(params.shape)}")
+    params = params.to(images.device)
+    row_offsets, col_offsets, flips = params[:, 0], params[:, 1], params[:, 2].bool()
 
     padded = F.pad(images, (0, 0, padding, padding, padding, padding)) if padding else images
     rows = row_offsets[:, None] + torch.arange(height, device=images.device)  # [N, H]
@@ -38,6 +59,16 @@ def random_crop_flip(images: torch.Tensor, padding: int, generator: torch.Genera
     # A flip of the crop is the crop read right to left.
     cols = torch.where(flips[:, None], cols.flip(1), cols) + col_offsets[:, None]
     return _gather_pixels(padded, rows, cols)
+
+
+def random_crop_flip(images: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:
+    """crop_flip with parameters drawn from `generator` for this batch (draw_crop_flip).
+
+    The draw is made on the generator's own device (a CPU generator is fine for CUDA images: only
+    3N numbers are drawn, then moved), so the same seed gives the same augmentation whatever
+    device the images are on.
+    """
+    return crop_flip(images, draw_crop_flip(len(images), padding, generator), padding)
 
 
 def _gather_pixels(images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -53,13 +84,24 @@ def _gather_pixels(images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor)
     return pixels.index_select(0, flat.reshape(-1)).view(count, rows.shape[1], cols.shape[1], channels)
 
 
-def cifar_augment(padding: int = 4) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
-    """random_crop_flip with a fixed padding, in the (images, generator) form TensorBatches calls."""
+class CropFlip:
+    """The CIFAR training augmentation (pad, random crop, random flip) in the Augment form."""
 
-    def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return random_crop_flip(images, padding, generator)
+    def __init__(self, padding: int = 4) -> None:
+        if padding < 0:
+            raise ValueError(f"padding must not be negative, got {padding}")
+        self.padding = padding
 
-    return augment
+    def draw(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        return draw_crop_flip(count, self.padding, generator)
+
+    def __call__(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        return crop_flip(images, params, self.padding)
+
+
+def cifar_augment(padding: int = 4) -> CropFlip:
+    """The CIFAR training augmentation with `padding` pixels of zero padding, for TensorBatches."""
+    return CropFlip(padding)
 
 
 def normalise(

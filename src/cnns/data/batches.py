@@ -4,20 +4,97 @@ No DataLoader and no worker processes: the dataset is one uint8 NHWC tensor, a b
 index_select, and augmentation runs on the whole batch (see augment.py). On a 2-core CPU this
 beats worker processes, which would compete with the model for the same two cores.
 
-Every order and every random draw is a pure function of (seed, epoch, batch, shard), so a run
-resumed from a checkpoint mid-epoch sees exactly the batches it would have seen.
+Every order and every random draw is a pure function of (seed, epoch, sample), never of the batch
+size, the batch or the shard, so a run resumed from a checkpoint mid-epoch sees exactly the batches
+it would have seen, and R replicas with accumulation A see in each update exactly the samples, and
+the augmentation of each, that one process with accumulation R x A sees (see ShardPlan).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from cnns.data.augment import Augment
 from cnns.errors import DataError
 
-Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+# Labels the random stream of the augmentation parameters, apart from other streams of (seed, epoch).
+_AUGMENT_STREAM = 0xA7C
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which positions of an epoch's order of `count` samples shard (rank, world) takes, and how
+    they are cut into its batches: the one rule every training and in-memory source follows.
+
+    The epoch uses its first `used` positions: all of them, or with `global_batch_size` only whole
+    global batches ((count // global_batch_size) * global_batch_size positions; the order is
+    reshuffled every epoch, so a different remainder is left out each time), and with `drop_last`
+    only whole groups of world * batch_size. Rank r takes positions r, r + world, r + 2 * world,
+    ... of those, and its k-th batch is the k-th run of batch_size of them: positions
+    k * world * batch_size + r + world * i, i = 0 .. batch_size - 1 (the last batch may be short
+    without drop_last; a rank whose share of the last, partial group is empty has one batch
+    fewer). Without drop_last every used position goes to exactly one rank: no padding, no
+    duplicates.
+
+    Why replicas equal accumulation: with global_batch_size = world * accumulation * batch_size,
+    update u consumes batches [u * A, (u + 1) * A) of every rank, i.e. its samples
+    j in [u * A * B, (u + 1) * A * B), at positions r + world * j: over all ranks exactly the
+    positions [u * G, (u + 1) * G) of the epoch's order, G = global batch, whatever the split of G
+    into world x accumulation; and every rank has (count // G) * A batches per epoch, whatever world.
+    """
+
+    count: int
+    batch_size: int
+    rank: int = 0
+    world: int = 1
+    drop_last: bool = True
+    global_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"shard rank {self.rank} is outside 0..{self.world - 1}")
+        if self.global_batch_size is not None and (
+                self.global_batch_size < 1 or self.global_batch_size % (self.world * self.batch_size)):
+            raise ValueError(f"the global batch size {self.global_batch_size} is not a multiple of "
+                             f"{self.world} shards x batch size {self.batch_size}")
+
+    @property
+    def used(self) -> int:
+        """How many positions of the epoch's order are used (by all shards together)."""
+        used = self.count
+        if self.global_batch_size is not None:
+            used -= used % self.global_batch_size
+        if self.drop_last:
+            used -= used % (self.world * self.batch_size)
+        return used
+
+    @property
+    def positions(self) -> range:
+        """This shard's positions in the epoch's order, in the order it visits them."""
+        return range(self.rank, self.used, self.world)
+
+    @property
+    def samples(self) -> int:
+        """This shard's samples per epoch."""
+        return len(self.positions)
+
+    def __len__(self) -> int:
+        """This shard's batches per epoch (the same for every epoch)."""
+        return -(-self.samples // self.batch_size)
+
+    def batch(self, index: int) -> range:
+        """The positions of this shard's `index`-th batch of an epoch."""
+        return self.positions[index * self.batch_size:(index + 1) * self.batch_size]
+
+
+def _positions_tensor(positions: range) -> torch.Tensor:
+    return torch.arange(positions.start, positions.stop, positions.step)
 
 
 class TensorBatches:
@@ -28,17 +105,17 @@ class TensorBatches:
     order. The order depends only on (seed, epoch), never on earlier epochs, so any epoch can be
     replayed on its own.
 
-    Sharding, shard=(rank, world): the epoch's order is cut into consecutive groups of
-    world * batch_size positions; from each group, rank r takes positions r, r + world,
-    r + 2 * world, ... (batch_size of them). With drop_last, only whole groups are used, so every
-    rank has the same number of full batches. Without drop_last, the last, partial group is dealt
-    out by the same rule: every sample is seen exactly once across the ranks, with no padding and
-    no duplicates; the last batch of a rank may be smaller, and a rank whose share of the partial
-    group is empty has one batch fewer than the others.
+    Sharding and batching, shard=(rank, world): by ShardPlan (rank r takes positions r, r + world,
+    ... of each group of world * batch_size positions of the order). Training passes drop_last and
+    global_batch_size (micro-batch x accumulation x replicas), so every rank has the same number
+    of full batches and an epoch is a whole number of global batches; evaluation passes neither,
+    so every sample is seen exactly once across the ranks.
 
-    Augmentation: `augment(images, generator)` is applied to each batch, with a fresh CPU
-    generator seeded from (seed, epoch, batch, rank); the images are wherever the dataset tensors
-    are (CPU, or a CUDA device if the caller put the dataset there).
+    Augmentation: an Augment (augment.py). Its per-sample parameters for epoch e are drawn for the
+    whole dataset at once, row i for sample i, from a CPU generator seeded from (seed, e), and each
+    batch applies the rows of the samples it holds: the augmentation of a sample is a function of
+    (seed, epoch, sample) alone, the same whatever the batch size, the rank or the world. The
+    images are wherever the dataset tensors are (CPU, or a CUDA device if the caller put them there).
 
     The yielded tensors are new (index_select copies), so the caller may modify them in place.
     """
@@ -54,20 +131,19 @@ class TensorBatches:
         seed: int,
         augment: Augment | None = None,
         shard: tuple[int, int] = (0, 1),
+        global_batch_size: int | None = None,
     ) -> None:
         rank, world = shard
-        if not 0 <= rank < world:
-            raise ValueError(f"shard rank {rank} is outside 0..{world - 1}")
-        if batch_size < 1:
-            raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.plan = ShardPlan(len(images), batch_size, rank, world, drop_last, global_batch_size)
         if len(images) == 0:
             raise DataError("the dataset is empty")
-        if drop_last and len(images) < world * batch_size:
+        if self.plan.used == 0:
+            whole = global_batch_size if global_batch_size is not None else world * batch_size
             raise DataError(
-                f"the dataset has {len(images)} samples, fewer than one global batch of "
-                f"{world} x {batch_size}: no batch would ever be produced"
+                f"the dataset has {len(images)} samples, fewer than one global batch of {whole} "
+                f"({world} x {whole // world}): no batch would ever be produced"
             )
         self.images = images
         self.labels = labels
@@ -80,35 +156,28 @@ class TensorBatches:
         self.world = world
         # The whole dataset (all shards) and this shard's share of one epoch.
         self.num_samples = len(images)
-        self.shard_samples = self._shard_sample_count()
+        self.shard_samples = self.plan.samples
+        self._augment_params: tuple[int, torch.Tensor] | None = None  # (epoch, rows): the last drawn
 
     def __len__(self) -> int:
         """Batches per epoch for this shard (the same for every epoch)."""
-        group = self.world * self.batch_size
-        full_groups = self.num_samples // group
-        if self.drop_last:
-            return full_groups
-        leftover = self.num_samples - full_groups * group
-        return full_groups + (1 if leftover > self.rank else 0)
-
-    def _shard_sample_count(self) -> int:
-        group = self.world * self.batch_size
-        full_groups = self.num_samples // group
-        leftover = 0 if self.drop_last else self.num_samples - full_groups * group
-        return full_groups * self.batch_size + len(range(self.rank, leftover, self.world))
+        return len(self.plan)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield this shard's batches of `epoch`, skipping the first `start_batch` (already
         consumed before a resume); the rest are identical to an uninterrupted epoch."""
         if start_batch < 0:
             raise ValueError(f"start_batch must not be negative, got {start_batch}")
-        batches = self._shard_batches(epoch)
-        for batch_index in range(start_batch, len(batches)):
-            indices = batches[batch_index].to(self.images.device)
-            images = self.images.index_select(0, indices)
-            labels = self.labels.index_select(0, indices.to(self.labels.device))
-            if self.augment is not None:
-                images = self.augment(images, self._augment_generator(epoch, batch_index))
+        order = self.order(epoch)
+        params = self.augment_params(epoch) if self.augment is not None else None
+        for batch_index in range(start_batch, len(self.plan)):
+            positions = self.plan.batch(batch_index)
+            indices = order[positions.start:positions.stop:positions.step]
+            on_device = indices.to(self.images.device)
+            images = self.images.index_select(0, on_device)
+            labels = self.labels.index_select(0, on_device.to(self.labels.device))
+            if params is not None:
+                images = self.augment(images, params.index_select(0, indices))
             yield images, labels
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -117,67 +186,69 @@ class TensorBatches:
             return torch.arange(self.num_samples)
         return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
 
-    def _shard_batches(self, epoch: int) -> list[torch.Tensor]:
-        """This shard's batches of `epoch`, as CPU index tensors, by the rule in the class docstring."""
-        order = self.order(epoch)
-        group = self.world * self.batch_size
-        full_groups = self.num_samples // group
-        # Each group viewed as [batch_size, world]: column r holds positions r, r + world, ...
-        whole = order[: full_groups * group].view(full_groups, self.batch_size, self.world)
-        batches = list(whole[:, :, self.rank].unbind(0))
-        leftover = order[full_groups * group :]
-        if not self.drop_last and len(leftover) > self.rank:
-            batches.append(leftover[self.rank :: self.world])
-        return batches
-
-    def _augment_generator(self, epoch: int, batch_index: int) -> torch.Generator:
-        return torch.Generator().manual_seed(mix_seed(self.seed, epoch, batch_index, self.rank))
+    def augment_params(self, epoch: int) -> torch.Tensor:
+        """The augmentation parameters of `epoch`, one row per sample (by dataset index), on the CPU."""
+        if self._augment_params is None or self._augment_params[0] != epoch:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, _AUGMENT_STREAM))
+            self._augment_params = (epoch, self.augment.draw(self.num_samples, generator))
+        return self._augment_params[1]
 
 
 class GeneratedBatches:
-    """Random uint8 NHWC images with random labels, made once on the host and reused.
+    """A virtual dataset of `num_samples` random uint8 NHWC images with random labels.
 
-    For measuring throughput without a dataset while still paying for the host->device copy. A
-    small pool of distinct batches is made in the constructor and cycled through, so producing a
-    batch costs nothing. The same tensors are yielded again and again: do not modify them in
-    place.
+    For measuring throughput without a dataset while still paying for a real batch on the host
+    and the host->device copy. A fixed pool of POOL_SIZE random images and labels is made once
+    from the seed; the sample at position p of every epoch is pool[p % POOL_SIZE]. Positions are
+    sharded and batched by ShardPlan like any other source, so replicas see the samples one
+    process with more accumulation sees. A batch is one index_select from the pool: a fresh
+    tensor the caller may modify.
     """
 
-    POOL_SIZE = 4
+    POOL_SIZE = 64
 
     def __init__(
         self,
         batch_size: int,
         image_size: int | tuple[int, int],
         num_classes: int,
-        batches_per_epoch: int,
+        *,
+        num_samples: int,
         seed: int,
+        drop_last: bool = True,
+        shard: tuple[int, int] = (0, 1),
+        global_batch_size: int | None = None,
     ) -> None:
-        if batch_size < 1 or batches_per_epoch < 1 or num_classes < 1:
-            raise ValueError("batch_size, batches_per_epoch and num_classes must all be at least 1")
+        if num_samples < 1 or num_classes < 1:
+            raise ValueError("num_samples and num_classes must both be at least 1")
+        rank, world = shard
+        self.plan = ShardPlan(num_samples, batch_size, rank, world, drop_last, global_batch_size)
+        if self.plan.used == 0:
+            raise DataError(f"{num_samples} generated samples are fewer than one global batch")
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
         generator = torch.Generator().manual_seed(seed)
-        pool_size = min(self.POOL_SIZE, batches_per_epoch)
-        self.pool = [
-            (
-                torch.randint(0, 256, (batch_size, height, width, 3), dtype=torch.uint8, generator=generator),
-                torch.randint(0, num_classes, (batch_size,), generator=generator),
-            )
-            for _ in range(pool_size)
-        ]
+        self.pool_images = torch.randint(0, 256, (self.POOL_SIZE, height, width, 3), dtype=torch.uint8,
+                                         generator=generator)
+        self.pool_labels = torch.randint(0, num_classes, (self.POOL_SIZE,), generator=generator)
         self.batch_size = batch_size
-        self.batches_per_epoch = batches_per_epoch
-        self.num_samples = batch_size * batches_per_epoch
-        self.shard_samples = self.num_samples
+        self.num_samples = num_samples
+        self.shard_samples = self.plan.samples
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.plan)
 
     def __len__(self) -> int:
-        return self.batches_per_epoch
+        return len(self.plan)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same batches every epoch (the virtual dataset is not shuffled)."""
+        del epoch
         if start_batch < 0:
             raise ValueError(f"start_batch must not be negative, got {start_batch}")
-        for batch_index in range(start_batch, self.batches_per_epoch):
-            yield self.pool[(epoch * self.batches_per_epoch + batch_index) % len(self.pool)]
+        for batch_index in range(start_batch, len(self.plan)):
+            slots = _positions_tensor(self.plan.batch(batch_index)) % self.POOL_SIZE
+            yield self.pool_images.index_select(0, slots), self.pool_labels.index_select(0, slots)
 
 
 def mix_seed(*parts: int) -> int:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from cnns.data.batches import mix_seed
+from cnns.data.batches import ShardPlan, mix_seed
 from cnns.data.imagefolder import ImageFolderDataset, decode_rgb, find_split_folder, list_classes
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
 from cnns.errors import ConfigError, DataError
@@ -199,14 +199,22 @@ class EvaluationSampler(Sampler[int]):
 
 class TrainingSampler(Sampler[tuple[int, int]]):
     """A fresh shuffle of `indices` each epoch, a function of (seed, epoch) only, dealt out to the
-    ranks: rank r takes positions r, r+w, r+2w, ... of the shuffled order, len(indices)//w of them,
-    so every rank has the same number of samples (a different remainder is left out each epoch).
+    ranks by cnns.data.batches.ShardPlan: rank r takes positions r, r+w, r+2w, ... of the shuffled
+    order, and its k-th batch is the k-th run of batch_size of them. Only whole groups of
+    w * batch_size positions are used, and with global_batch_size only whole global batches, so
+    every rank has the same number of samples, a multiple of batch_size (a different remainder is
+    left out each epoch). With global_batch_size = w x accumulation x batch_size, the samples of
+    update u over all ranks are positions [u * global, (u + 1) * global) of the epoch's order, as
+    for one process with w times the accumulation.
 
     Yields (dataset index, epoch): SeededSamples seeds each sample's augmentation from them."""
 
-    def __init__(self, indices: Sequence[int], shard: tuple[int, int] = (0, 1), seed: int = 0) -> None:
-        self.rank, self.world = _check_shard(shard)
+    def __init__(self, indices: Sequence[int], shard: tuple[int, int] = (0, 1), seed: int = 0, *,
+                 batch_size: int = 1, global_batch_size: int | None = None) -> None:
+        rank, world = _check_shard(shard)
         self.indices = np.asarray(indices, dtype=np.int64)
+        self.plan = ShardPlan(len(self.indices), batch_size, rank, world, True, global_batch_size)
+        self.rank, self.world = rank, world
         self.seed = seed
         self.epoch = 0
         self.start = 0
@@ -218,12 +226,13 @@ class TrainingSampler(Sampler[tuple[int, int]]):
     def __iter__(self) -> Iterator[tuple[int, int]]:
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         order = torch.randperm(len(self.indices), generator=generator).numpy()
-        mine = self.indices[order[self.rank::self.world][:self.samples_per_epoch]]
+        positions = self.plan.positions
+        mine = self.indices[order[positions.start:positions.stop:positions.step]]
         return ((int(index), self.epoch) for index in mine[self.start:])
 
     @property
     def samples_per_epoch(self) -> int:
-        return len(self.indices) // self.world
+        return self.plan.samples
 
     def __len__(self) -> int:
         return max(0, self.samples_per_epoch - self.start)
@@ -268,6 +277,7 @@ def build_imagenet_loader(
     drop_last: bool = False,
     pin_memory: bool = False,
     percentage: int = 100,
+    global_batch_size: int | None = None,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
@@ -275,14 +285,17 @@ def build_imagenet_loader(
     ``loader.sampler.set_epoch(epoch, start=samples_to_skip)`` before each epoch (training
     reshuffles; evaluation ignores the epoch). num_samples is the size of the split over all
     ranks, after `percentage` (which applies to training only). With drop_last False, evaluation
-    yields every image exactly once across the ranks.
+    yields every image exactly once across the ranks. Training batches follow TrainingSampler:
+    whole groups of shard-count x batch_size samples, and with global_batch_size (training only)
+    whole global batches per epoch.
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
     dataset, num_classes = imagenet_dataset(folder, train, ImageNetTransform(train, image_size))
     if train:
         indices = training_subset(dataset, percentage)
-        sampler: Sampler = TrainingSampler(indices, shard, seed)
+        sampler: Sampler = TrainingSampler(indices, shard, seed, batch_size=batch_size,
+                                           global_batch_size=global_batch_size)
         dataset = SeededSamples(dataset, seed)
         num_samples = len(indices)
     else:
@@ -327,8 +340,9 @@ CACHE_MEMORY_FRACTION = 0.25
 class ImageNetBatches:
     """The batch-source protocol of cnns.data.pipeline over build_imagenet_loader: len() batches
     per epoch, epoch(e, start_batch) yields (uint8 NHWC, int64) batches, num_samples, num_classes.
-    Training drops the last partial batch (every rank then runs the same number of steps);
-    evaluation keeps it, so every image is seen exactly once across ranks.
+    Training uses whole batches on every rank (every rank then runs the same number of steps), and
+    with global_batch_size whole global batches (TrainingSampler); evaluation keeps the last partial
+    batch, so every image is seen exactly once across ranks.
 
     The dataset cache (the seed's default; --no-dataset-cache turns it off): evaluation batches are
     the same at every pass (resize and centre crop are deterministic), so the first complete pass
@@ -340,16 +354,18 @@ class ImageNetBatches:
 
     def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 pin_memory: bool | None = None, cache: bool = False) -> None:
+                 pin_memory: bool | None = None, cache: bool = False, global_batch_size: int | None = None) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
-            drop_last=train, pin_memory=pin_memory, percentage=percentage)
+            drop_last=train, pin_memory=pin_memory, percentage=percentage,
+            global_batch_size=global_batch_size if train else None)
         self.batch_size = batch_size
         if train and len(self.loader) == 0:
-            raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one batch "
-                            f"of {batch_size} for each of {shard[1]} ranks")
+            whole = global_batch_size or batch_size * shard[1]
+            raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one global "
+                            f"batch of {whole} ({shard[1]} ranks x {whole // shard[1]})")
         cache_bytes = self.loader.sampler.samples_per_epoch * image_size * image_size * 3
         self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -31,17 +31,24 @@ class BatchSource(Protocol):
 
 
 class SyntheticBatches:
-    """One random batch made once on the device and yielded forever: no host input pipeline at all."""
+    """One random batch made once on the device and yielded forever: no host input pipeline at all.
 
-    def __init__(self, batch_size: int, image_size: int, num_classes: int, batches_per_epoch: int,
-                 device: torch.device, seed: int):
+    An epoch has as many batches as a real source of `num_samples` samples would have on this shard
+    (cnns.data.batches.ShardPlan), so the run's epochs count the same as with real data."""
+
+    def __init__(self, batch_size: int, image_size: int, num_classes: int, num_samples: int,
+                 device: torch.device, seed: int, *, shard: tuple[int, int] = (0, 1),
+                 global_batch_size: int | None = None):
+        from cnns.data.batches import ShardPlan
+
+        plan = ShardPlan(num_samples, batch_size, shard[0], shard[1], True, global_batch_size)
         generator = torch.Generator().manual_seed(seed)
         images = torch.randint(0, 256, (batch_size, image_size, image_size, 3), dtype=torch.uint8, generator=generator)
         labels = torch.randint(0, num_classes, (batch_size,), generator=generator)
         self.batch = (images.to(device), labels.to(device))
         self.batch[0]._cnns_resident = True  # tells the device feed to normalise it once, not every step
-        self.batches_per_epoch = batches_per_epoch
-        self.num_samples = batch_size * batches_per_epoch
+        self.batches_per_epoch = max(1, len(plan))
+        self.num_samples = num_samples
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -90,31 +97,42 @@ def resolve_dataset(cfg: DataConfig) -> tuple[str, Path | None]:
 
 def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: int, seed: int,
                   device: torch.device, shard: tuple[int, int] = (0, 1), need_eval: bool = True,
-                  need_train: bool = True) -> DataSources:
+                  need_train: bool = True, global_batch_size: int | None = None) -> DataSources:
+    """The run's training and evaluation sources for shard (replica rank, replicas).
+
+    global_batch_size (micro-batch x accumulation x replicas, a multiple of micro_batch_size x
+    replicas) makes every training epoch a whole number of global batches, the same samples for
+    any split of the global batch into replicas x accumulation (cnns.data.batches.ShardPlan);
+    None keeps whole micro-batch groups only. Evaluation ignores it: every image exactly once
+    over all the ranks, with any batch size."""
     dataset, folder = resolve_dataset(cfg)
     num_classes = {"imagenet": 1000, "cifar-100": 100}.get(dataset, 10)
     if cfg.source == "synthetic":
         image_size = cfg.image_size or 224
-        train = SyntheticBatches(micro_batch_size, image_size, num_classes,
-                                 max(1, NOMINAL_TRAIN_IMAGES[dataset] // micro_batch_size), device, seed)
-        evaluation = SyntheticBatches(eval_batch_size, image_size, num_classes,
-                                      max(1, NOMINAL_EVAL_IMAGES[dataset] // eval_batch_size), device, seed + 1)
+        train = SyntheticBatches(micro_batch_size, image_size, num_classes, NOMINAL_TRAIN_IMAGES[dataset], device,
+                                 seed, shard=shard, global_batch_size=global_batch_size)
+        evaluation = SyntheticBatches(eval_batch_size, image_size, num_classes, NOMINAL_EVAL_IMAGES[dataset], device,
+                                      seed + 1, shard=shard)
         return DataSources(dataset, num_classes, train, evaluation)
     if cfg.source == "generated":
         from cnns.data.batches import GeneratedBatches
 
         image_size = cfg.image_size or 224
-        train = GeneratedBatches(micro_batch_size, image_size, num_classes,
-                                 max(1, NOMINAL_TRAIN_IMAGES[dataset] // micro_batch_size), seed)
+        train = GeneratedBatches(micro_batch_size, image_size, num_classes, num_samples=NOMINAL_TRAIN_IMAGES[dataset],
+                                 seed=seed, shard=shard, global_batch_size=global_batch_size)
         evaluation = GeneratedBatches(eval_batch_size, image_size, num_classes,
-                                      max(1, NOMINAL_EVAL_IMAGES[dataset] // eval_batch_size), seed + 1)
+                                      num_samples=NOMINAL_EVAL_IMAGES[dataset], seed=seed + 1, drop_last=False,
+                                      shard=shard)
         return DataSources(dataset, num_classes, train, evaluation)
     if dataset == "imagenet":
-        return _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train)
-    return _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train)
+        return _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
+                                 global_batch_size)
+    return _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
+                          global_batch_size)
 
 
-def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train):
+def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
+                   global_batch_size):
     from cnns.data.augment import cifar_augment
     from cnns.data.batches import TensorBatches
     from cnns.data.cifar import load_cifar
@@ -127,11 +145,12 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
         if cfg.percentage < 100:
             keep = max(1, len(labels) * cfg.percentage // 100)
             images, labels = images[:keep], labels[:keep]
-        if len(labels) < micro_batch_size * shard[1]:
+        whole = global_batch_size or micro_batch_size * shard[1]
+        if len(labels) < whole:
             raise DataError(f"the training set in {folder} has {len(labels)} images, fewer than one batch "
-                            f"of {micro_batch_size * shard[1]}")
+                            f"of {whole}")
         train = TensorBatches(images, labels, micro_batch_size, shuffle=True, drop_last=True, seed=seed,
-                              augment=cifar_augment(4), shard=shard)
+                              augment=cifar_augment(4), shard=shard, global_batch_size=global_batch_size)
     if need_eval:
         images, labels = load_cifar(folder, file_format, train=False)
         evaluation = TensorBatches(images, labels, eval_batch_size, shuffle=False, drop_last=False, seed=seed,
@@ -139,14 +158,16 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
     return DataSources(dataset, num_classes, train, evaluation)
 
 
-def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train):
+def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
+                      global_batch_size):
     from cnns.data.imagenet import ImageNetBatches
 
     image_size = cfg.image_size or 224
     train = evaluation = None
     if need_train:
         train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, image_size=image_size,
-                                workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage)
+                                workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage,
+                                global_batch_size=global_batch_size)
     if need_eval:
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
                                      workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache)
