@@ -134,7 +134,8 @@ def test_ipu_only_options_are_named_in_one_notice():
     (["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2"], "--shards should be used in combination"),
     (["--dataset", "cifar-10", "--data-dir", "/nonexistent/folder", "--iterations", "1"], "data folder not found"),
-    (["--dataset", "cifar-10", "--data-dir", "/x", "--replicas", "2"], "not supported yet"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline"], "not supported yet"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)

@@ -340,6 +340,7 @@ class ParallelConfig:
     bn_span: int
     rts: bool
     offload_optimiser: bool
+    identical_seeding: bool  # --identical-replica-seeding
 
 
 @dataclass(frozen=True)
@@ -397,6 +398,8 @@ class LogConfig:
     wandb: bool
     wandb_project: str
     tensorboard: bool
+    all_instances: bool  # --log-all-instances: every process logs, not only rank 0
+    ckpt_all_instances: bool  # --ckpt-all-instances: every process saves checkpoints
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,7 @@ class RunConfig:
             splits=tuple(o["pipeline_splits"]) if o.get("pipeline_splits") is not None else None,
             schedule=o["pipeline_schedule"], recomputation=o["enable_recomputation"], bn_span=o["BN_span"],
             rts=o["rts"], offload_optimiser=o["offload_optimiser"],
+            identical_seeding=bool(o.get("identical_replica_seeding")),
         )
         train = TrainConfig(
             micro_batch_size=o["micro_batch_size"], grad_accum=o["gradient_accumulation_count"],
@@ -470,7 +474,9 @@ class RunConfig:
             poly_power=o["poly_lr_decay_power"], poly_end_ratio=o["poly_lr_end_ratio"],
         )
         log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
-                        wandb_project=o["wandb_project"], tensorboard=o["tensorboard"])
+                        wandb_project=o["wandb_project"], tensorboard=o["tensorboard"],
+                        all_instances=bool(o.get("log_all_instances")),
+                        ckpt_all_instances=bool(o.get("ckpt_all_instances")))
         return cls(model=model, data=data, precision=precision, parallel=parallel, train=train, optim=optim,
                    log=log, device=o.get("device"), options=dict(o))
 

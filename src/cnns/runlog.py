@@ -89,10 +89,8 @@ class RunLog:
         self.print(f"notice: {line}")
 
     def write_arguments(self, options: dict[str, Any], filename: str = "arguments.json") -> None:
-        if self.folder is None:
-            return
-        text = json.dumps(options, sort_keys=True, indent=4, separators=(",", ": "), default=str)
-        (self.folder / filename).write_text(text + "\n")
+        if self.folder is not None:
+            write_arguments(self.folder, options, filename)
 
     def _append_csv(self, filename: str, columns: tuple[str, ...], row: dict[str, Any]) -> None:
         if self.folder is None:
@@ -129,6 +127,12 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.finish()
         sys.stdout.flush()
+
+
+def write_arguments(folder: Path, options: dict[str, Any], filename: str = "arguments.json") -> None:
+    """Every resolved option, as JSON: what restore.py and validation.py read back."""
+    text = json.dumps(options, sort_keys=True, indent=4, separators=(",", ": "), default=str)
+    (Path(folder) / filename).write_text(text + "\n")
 
 
 def validated_names(folder: Path) -> set[str]:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+
+# torch's C++ side logs each failed connection attempt of a distributed rendezvous (and the like)
+# straight to stderr, before the Python exception that we turn into one line. Read when torch loads,
+# so set before anything imports it; TORCH_CPP_LOG_LEVEL=INFO (or WARNING) brings them back.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import shlex
 import sys
 from typing import Any, Callable
@@ -39,9 +44,25 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     values = vars(args)
     if values.get("print_config") is None:
         values["print_config"] = False
+    if values.get("replicas") == "auto":
+        values["replicas"] = auto_replicas(values.get("shards") or 1, values.get("device"))
     notices = _ipu_only_notice(values, ignored_config_keys)
     values["command"] = " ".join(shlex.quote(a) for a in [parser.prog, *argv])
     return values, notices
+
+
+def auto_replicas(shards: int, device: str | None) -> int:
+    """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
+    per GPU on CUDA, one per usable core on a CPU (see the README for when that pays off)."""
+    from cnns.parallel.world import launched, usable_cores
+
+    if launched():
+        return max(1, int(os.environ["WORLD_SIZE"]) // shards)
+    import torch
+
+    if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
+        return max(1, torch.cuda.device_count() // shards)
+    return max(1, usable_cores() // shards)
 
 
 def _ipu_only_notice(values: dict[str, Any], ignored_config_keys: list[str]) -> list[str]:

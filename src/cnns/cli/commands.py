@@ -13,21 +13,16 @@ from typing import Any
 from cnns.cli import parse_options, print_config, resolved_training_options
 from cnns.config import RunConfig, resolve
 from cnns.errors import CheckpointError, ConfigError
-from cnns.runlog import RunLog, new_run_folder
+from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 
 def check_supported(options: dict[str, Any]) -> None:
     """Capabilities that a later release builds: stop with one clear line rather than run half of one."""
-    if options["replicas"] > 1:
-        raise ConfigError(f"--replicas {options['replicas']}: data-parallel replicas are not supported yet; "
-                          "use --replicas 1 (and --gradient-accumulation-count for the same global batch)")
     if options["pipeline"] or options["shards"] > 1:
         raise ConfigError("--pipeline/--shards: pipelined model parallelism is not supported yet; use --shards 1 "
                           "without --pipeline (--enable-recomputation saves activation memory on one device)")
-    if options["BN_span"] > 1:
-        raise ConfigError(f"--BN-span {options['BN_span']} needs replicas, which are not supported yet")
-    if options["rts"]:
-        raise ConfigError("--rts shards optimiser state across replicas, which are not supported yet")
+    if options["BN_span"] > 1 and options["replicas"] == 1:
+        raise ConfigError(f"--BN-span {options['BN_span']} spans replicas: give --replicas (a multiple of it)")
 
 
 def _print_splits_and_exit(options: dict[str, Any]) -> int:
@@ -49,6 +44,7 @@ def _check_data_before_writing(cfg: RunConfig) -> None:
 
 def train_main(argv: list[str]) -> int:
     from cnns.engine.session import TrainingSession
+    from cnns.parallel.launch import spawn_local_workers
 
     options, notices = resolved_training_options("train", argv)
     if options["print_config"]:
@@ -65,27 +61,104 @@ def train_main(argv: list[str]) -> int:
             print(notice)
         dataset_benchmark(cfg)  # the input pipeline alone: no model, no run folder
         return 0
-    if cfg.train.compile_only:
-        folder = None
-    elif cfg.log.logs_path:
-        folder = Path(cfg.log.logs_path)
-        folder.mkdir(parents=True, exist_ok=True)
-    else:
-        folder = new_run_folder(cfg.log.log_dir, cfg.log.name)
-    log = RunLog(folder, tensorboard=cfg.log.tensorboard)
-    if folder is not None:
-        log.print(f" Saving to {folder}")
-    for notice in notices:
-        log.notice(notice)
-    if options["offload_optimiser"]:
-        log.notice("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
-    log.write_arguments(options)
-    if cfg.log.wandb:
-        log.start_wandb(cfg.log.wandb_project, cfg.log.name, options)
+    if _needs_workers(options):
+        return spawn_local_workers("train", argv, options["replicas"] * options["shards"])
+    world = _join_world(options)
     try:
-        return TrainingSession(cfg, log, folder).run()
+        cfg = RunConfig.from_options(options)  # with the seed every process agreed on
+        folder = _run_folder(cfg, world)
+        # After the launcher restarted the workers (one was lost): continue from the first attempt's
+        # newest checkpoint, if it wrote one.
+        restore = _newest_checkpoint(folder, world) if world.restart > 0 and folder is not None else None
+        log, instance_folder = _run_log(cfg, world, folder)
+        if folder is not None:
+            log.print(f" Saving to {folder}")
+        for notice in notices + _parallel_notices(options):
+            log.notice(notice)
+        log.write_arguments(options)
+        if cfg.log.wandb and world.is_writer:
+            log.start_wandb(cfg.log.wandb_project, cfg.log.name, options)
+        try:
+            return TrainingSession(cfg, log, folder, world, instance_folder).run(restore=restore)
+        finally:
+            log.close()
     finally:
-        log.close()
+        world.close()
+
+
+def _needs_workers(options: dict[str, Any]) -> bool:
+    """Several processes asked for and none started by a launcher: start them here."""
+    from cnns.parallel.world import launched
+
+    return options["replicas"] * options["shards"] > 1 and not launched()
+
+
+def _join_world(options: dict[str, Any]):
+    """This process's place among the replicas; every process then runs rank 0's seed and must have
+    been given the same options."""
+    from cnns.engine.build import resolve_device
+    from cnns.parallel.world import init_world
+
+    device = resolve_device(options.get("device"), options.get("select_ipus"))
+    world = init_world(options["replicas"], options["shards"], options["BN_span"], device)
+    try:
+        options["seed"] = world.broadcast(options["seed"])
+        world.check_same_options(options)
+    except BaseException:
+        world.close()
+        raise
+    return world
+
+
+def _run_folder(cfg: RunConfig, world) -> Path | None:
+    """The run folder, made by rank 0 and agreed by all (restarted workers get the first attempt's)."""
+    if cfg.train.compile_only:
+        return None
+
+    def make() -> str:
+        if cfg.log.logs_path:
+            Path(cfg.log.logs_path).mkdir(parents=True, exist_ok=True)
+            return cfg.log.logs_path
+        return str(new_run_folder(cfg.log.log_dir, cfg.log.name))
+
+    return Path(world.agree_on("run_folder", make))
+
+
+def _run_log(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path | None]:
+    """Rank 0 writes the run folder; another rank writes <run folder>/instance_<rank> when asked to
+    (--log-all-instances / --ckpt-all-instances) and is otherwise silent."""
+    if world.is_writer or folder is None:
+        return RunLog(folder, tensorboard=cfg.log.tensorboard), None
+    if not (cfg.log.all_instances or cfg.log.ckpt_all_instances):
+        return RunLog(None, quiet=True), None
+    instance = folder / f"instance_{world.rank}"
+    instance.mkdir(exist_ok=True)
+    if cfg.log.all_instances:
+        return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
+    write_arguments(instance, cfg.options)
+    return RunLog(None, quiet=True), instance
+
+
+def _parallel_notices(options: dict[str, Any]) -> list[str]:
+    notices = []
+    if options["offload_optimiser"]:
+        notices.append("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
+    if options["rts"] and options["replicas"] == 1:
+        notices.append("--rts shards the optimiser state over replicas: with one replica it changes nothing")
+    return notices
+
+
+def _newest_checkpoint(folder: Path, world):
+    """The newest checkpoint of the run folder, read (and so checked), or None when it has none.
+    With replicas rank 0 chooses it, so every process continues from the same one."""
+    from cnns.checkpoint import list_checkpoints, load_checkpoint
+    from cnns.engine.session import RestorePoint
+
+    checkpoints = list_checkpoints(folder) if world.is_writer else []
+    newest = world.broadcast(str(checkpoints[-1][1]) if checkpoints else None)
+    if newest is None:
+        return None
+    return RestorePoint(Path(newest), load_checkpoint(Path(newest)))
 
 
 def _run_folder_options(restore_path: Path) -> dict[str, Any]:
@@ -99,8 +172,9 @@ def _run_folder_options(restore_path: Path) -> dict[str, Any]:
 
 
 def restore_main(argv: list[str]) -> int:
-    from cnns.checkpoint import list_checkpoints, load_checkpoint
-    from cnns.engine.session import RestorePoint, TrainingSession
+    from cnns.engine.session import TrainingSession
+    from cnns.parallel.launch import spawn_local_workers
+    from cnns.parallel.world import World
 
     values, _ = parse_options("restore", argv)
     folder = Path(values["restore_path"])
@@ -109,21 +183,27 @@ def restore_main(argv: list[str]) -> int:
     options = _run_folder_options(folder)
     if values.get("print_config"):
         return print_config(options)
-    checkpoints = list_checkpoints(folder)
-    if not checkpoints:
-        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {folder}")
     # Read the checkpoint before anything is written: a corrupt one leaves the run folder as it was.
-    newest = checkpoints[-1][1]
-    restore = RestorePoint(newest, load_checkpoint(newest))
+    restore = _newest_checkpoint(folder, World())
+    if restore is None:
+        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {folder}")
     if options.get("seed") is None and "seed" in restore.state:
         options["seed"] = int(restore.state["seed"])  # the data order of the run being continued
     cfg = RunConfig.from_options(options)
     _check_data_before_writing(cfg)
-    log = RunLog(folder, tensorboard=cfg.log.tensorboard)
+    if _needs_workers(options):
+        return spawn_local_workers("restore", argv, options["replicas"] * options["shards"])
+    world = _join_world(options)
     try:
-        return TrainingSession(cfg, log, folder).run(restore=restore)
+        if world.distributed:  # every process continues from the checkpoint rank 0 chose
+            restore = _newest_checkpoint(folder, world)
+        log, instance_folder = _run_log(cfg, world, folder)
+        try:
+            return TrainingSession(cfg, log, folder, world, instance_folder).run(restore=restore)
+        finally:
+            log.close()
     finally:
-        log.close()
+        world.close()
 
 
 def _evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -172,7 +252,15 @@ def validate_main(argv: list[str]) -> int:
     check_supported(options)
     cfg = RunConfig.from_options(options)
     restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
-    return validate_command(cfg, restore_path, repeat=values.get("repeat") or 1, notices=notices)
+    if _needs_workers(options):
+        from cnns.parallel.launch import spawn_local_workers
+
+        return spawn_local_workers("validate", argv, options["replicas"] * options["shards"])
+    world = _join_world(options)
+    try:
+        return validate_command(cfg, restore_path, repeat=values.get("repeat") or 1, notices=notices, world=world)
+    finally:
+        world.close()
 
 
 def weight_avg_main(argv: list[str]) -> int:
@@ -184,6 +272,8 @@ def weight_avg_main(argv: list[str]) -> int:
         return print_config(options)
     if not values.get("restore_path"):
         raise ConfigError("weight_avg.py needs --restore-path <run folder>")
+    options["replicas"] = 1  # averaging is file work; its one validation runs in this process
+    options["BN_span"] = 1
     check_supported(options)
     cfg = RunConfig.from_options(options)
     # The training run's --no-validation does not carry over: only this command line's does.

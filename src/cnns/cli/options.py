@@ -40,15 +40,12 @@ IPU_ONLY_OPTIONS = {
     "sharding_exclude_filter": ("--sharding-exclude-filter", "list"),
     "sharding_include_filter": ("--sharding-include-filter", "list"),
     "profile_compilation": ("--profile-compilation", "flag"),
-    "identical_replica_seeding": ("--identical-replica-seeding", "flag"),
     "xla_recompute": ("--xla-recompute", "flag"),
     "on_demand": ("--on-demand", "flag"),
     "prefetch_depth": ("--prefetch-depth", "value"),
     "saturate_on_overflow": ("--saturate-on-overflow", "flag"),
     "scheduling_algorithm": ("--scheduling-algorithm", "value"),
     "offload_fp32_weight_copy": ("--offload-fp32-weight-copy", "flag"),
-    "ckpt_all_instances": ("--ckpt-all-instances", "value"),
-    "log_all_instances": ("--log-all-instances", "value"),
     "latency": ("--latency", "flag"),
     "num_inference_thread": ("--num-inference-thread", "value"),
     "tmp_execs": ("--tmp-execs", "flag"),
@@ -72,6 +69,15 @@ def _on_off(value: str) -> bool:
     if lowered in ("off", "false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected ON or OFF, got {value!r}")
+
+
+def _replicas(value: str) -> int | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of replicas or auto, got {value!r}") from None
 
 
 def _model_size(value: str) -> str:
@@ -207,7 +213,15 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
                           help="Round weight updates to nearest.")
     group.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
     group.add_argument("--select-ipus", "--select-ipu", dest="select_ipus", nargs="+", help="Seed spelling of device selection: an index selects cuda:<index>.")
-    group.add_argument("--replicas", type=int, help="Data-parallel replicas (processes).")
+    group.add_argument("--replicas", type=_replicas, help="Data-parallel replicas (processes), or auto: one per "
+                       "usable core (CPU) or GPU; alone, train.py starts them itself; under torchrun, the "
+                       "process count / --shards.")
+    group.add_argument("--identical-replica-seeding", action="store_true", default=None,
+                       help="The same random streams (mixing, dropout) on every replica.")
+    group.add_argument("--log-all-instances", type=_on_off, metavar="true|false",
+                       help="Every process (instance) logs, in <run folder>/instance_<rank>.")
+    group.add_argument("--ckpt-all-instances", type=_on_off, metavar="true|false",
+                       help="Every process (instance) saves checkpoints, in <run folder>/instance_<rank>.")
     group.add_argument("--shards", type=int, help="Pipeline stages (processes) the model is split over.")
     group.add_argument("--pipeline", action="store_true", default=None, help="Pipeline the model over --shards stages.")
     group.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="*",

@@ -108,7 +108,7 @@ def average_name(mode: str, count: int, decay: float, discard_last: int) -> str:
 def weight_avg_command(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: float | None,
                        discard_last: int, validate: bool, notices: list[str]) -> int:
     """weight_avg.py: average the chosen checkpoints, save the result, then validate it."""
-    from cnns.engine.session import build_components
+    from cnns.engine.components import build_components
     from cnns.engine.validation import check_targets_match, targets_of, validate_targets
 
     decay = 0.97 if decay is None else decay

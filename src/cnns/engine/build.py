@@ -2,8 +2,9 @@
 
 Order of model wrapping is fixed: build -> training-time norm settings -> precision -> channels_last
 -> device -> the wrappers of `cnns.engine.wrappers` (backward layouts, depthwise routing,
-recomputation) -> compilation. Checkpoints always save the plain model (`unwrap`), so their keys are those
-of a single-process run of the same model.
+recomputation) -> cross-replica batch norm (--BN-span) -> replicas (DDP, `cnns.engine.components`)
+-> compilation. Checkpoints always save the plain model (`unwrap`), so their keys are those of a
+single-process run of the same model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.errors import ConfigError
-from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
+from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
+                        parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
 from cnns.engine.wrappers import keep_gradients_channels_last, recompute_blocks, route_slow_depthwise_backward
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
@@ -91,9 +93,12 @@ def keep_freed_host_memory(device: torch.device) -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
 
 
-def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: torch.device) -> nn.Module:
-    """The plain model, on the device, with the run-time wrappers of `cnns.engine.wrappers` in their order."""
+def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: torch.device,
+                             bn_group=None) -> nn.Module:
+    """The plain model, on the device, with the run-time wrappers of `cnns.engine.wrappers` in their
+    order, and batch-norm statistics over the --BN-span group of replicas when there is one."""
     from cnns.models import build_model, recomputation_blocks
+    from cnns.parallel.batchnorm import cross_replica_batch_norm
 
     keep_freed_host_memory(device)  # before the model and the data allocate anything large
     model = build_model(cfg.model)
@@ -105,15 +110,21 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
         route_slow_depthwise_backward(model)
     if cfg.parallel.recomputation:
         recompute_blocks(model, recomputation_blocks(cfg.model, model))
+    model, _ = cross_replica_batch_norm(model, bn_group, device)
     return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under any compilation wrapper."""
-    return getattr(model, "_orig_mod", model)
+    """The plain model under any compilation and replication (DDP) wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolicy, seed: int) -> HalfPrecisionOptimiser:
+def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolicy, seed: int,
+                        shard_state: bool = False) -> HalfPrecisionOptimiser:
+    """The run's optimiser; `shard_state` (--rts with replicas): its state sharded over the replicas."""
     o = cfg.optim
     spec = OptimiserSpec(
         name=o.optimiser, lr=o.learning_rate, momentum=o.momentum, weight_decay=o.weight_decay,
@@ -122,8 +133,11 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
     )
     # One wrapper for every precision: float32 parameters are updated in place, half ones through a
     # float32 working copy rounded back (stochastically in 16.16 unless switched off).
+    # The rounding generator has the same seed on every replica: the replicas round the same update
+    # the same way, so their weights stay equal.
+    make_inner = build_sharded_optimiser if shard_state else build_optimiser
     return HalfPrecisionOptimiser(
-        parameter_groups(model, o.weight_decay), lambda groups: build_optimiser(groups, spec),
+        parameter_groups(model, o.weight_decay), lambda groups: make_inner(groups, spec),
         stochastic_rounding=cfg.precision.stochastic_rounding and policy.half_weights, seed=seed + 7,
     )
 

@@ -18,15 +18,21 @@ import torch
 from cnns.engine.build import RunLength
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import StepMetrics, TrainStep
+from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.schedules import ScheduleSpec, lr_at
 
 
 class Outfeed:
-    """Per-update metrics kept as device tensors until the next host synchronisation."""
+    """Per-update metrics kept as device tensors until the next host synchronisation.
 
-    def __init__(self):
+    With replicas the drained numbers are summed over them (one small all-reduce per
+    synchronisation), so every process logs the global batch's loss, accuracy and image count.
+    """
+
+    def __init__(self, world: World | None = None):
         self.pending: list[tuple[int, float, StepMetrics]] = []
+        self.world = world or World()
 
     def push(self, iteration: int, lr: float, metrics: StepMetrics) -> None:
         self.pending.append((iteration, lr, metrics))
@@ -35,12 +41,15 @@ class Outfeed:
         """One transfer for all pending updates: [{iteration, lr, loss, correct, samples}]."""
         if not self.pending:
             return []
-        values = torch.stack([torch.stack([m.loss_sum.float(), m.correct.float()]) for _, _, m in self.pending])
-        host = values.cpu().tolist()
+        values = torch.stack([torch.stack([m.loss_sum.float(), m.correct.float(),
+                                           torch.tensor(float(m.samples), device=m.loss_sum.device)])
+                              for _, _, m in self.pending])
+        host = self.world.sum_(values).cpu().tolist()
+        replicas = self.world.replicas
         rows = [
-            {"iteration": it, "lr": lr, "loss": loss / max(1, m_count), "correct": correct, "samples": m.samples}
-            for (it, lr, m), (loss, correct), m_count in zip(
-                self.pending, host, (len_micro(m) for _, _, m in self.pending))
+            {"iteration": it, "lr": lr, "loss": loss / max(1, len_micro(m) * replicas), "correct": correct,
+             "samples": int(samples)}
+            for (it, lr, m), (loss, correct, samples) in zip(self.pending, host)
         ]
         self.pending.clear()
         return rows
@@ -113,7 +122,7 @@ class TrainingLoop:
     def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
                  grad_accum: int, global_batch_size: int, num_train_samples: int, log: RunLog,
                  save_checkpoint: Callable[[int], None], start_iteration: int = 0,
-                 after_update: Callable[[], None] | None = None):
+                 after_update: Callable[[], None] | None = None, world: World | None = None):
         self.step = step
         self.feed = feed
         self.source = source
@@ -126,6 +135,7 @@ class TrainingLoop:
         self.save_checkpoint = save_checkpoint
         self.start_iteration = start_iteration
         self.after_update = after_update  # e.g. the moving average of the weights
+        self.world = world or World()
 
     def epoch_of(self, iteration: int) -> float:
         return self.global_batch_size * iteration / self.num_train_samples
@@ -144,8 +154,11 @@ class TrainingLoop:
         length = self.length
         # The data position: every update so far consumed `grad_accum` micro-batches.
         stream = self.feed(micro_batch_stream(self.source, self.start_iteration * self.grad_accum))
-        outfeed = Outfeed()
+        outfeed = Outfeed(self.world)
         result = LoopResult(final_iteration=self.start_iteration, interrupted_by=None)
+        # With replicas a signal may reach the processes in different updates: they agree after
+        # every update (a one-number all-reduce on the host), so all stop after the same one.
+        stopping = (lambda: self.world.any(bool(stop))) if self.world.distributed else (lambda: bool(stop))
         start_all = interval_start = time.perf_counter()
         window: list[dict] = []
         last_log = last_sync = self.start_iteration
@@ -159,10 +172,11 @@ class TrainingLoop:
             outfeed.push(iteration, lr, metrics)
             done = iteration + 1
             final = done == length.total_iterations
-            if not (done % length.sync_every == 0 or final or stop):
+            stop_now = stopping()
+            if not (done % length.sync_every == 0 or final or stop_now):
                 continue
             window.extend(outfeed.drain())  # the host synchronisation
-            if self._log_due(last_log, done) or final or stop:
+            if self._log_due(last_log, done) or final or stop_now:
                 elapsed = time.perf_counter() - interval_start
                 images = sum(r["samples"] for r in window)
                 self._log_step(window, done, elapsed, images, time.perf_counter() - start_all)
@@ -171,13 +185,13 @@ class TrainingLoop:
                 window = []
                 last_log = done
                 interval_start = time.perf_counter()
-            if self._checkpoint_due(last_sync, done) or final or stop:
+            if self._checkpoint_due(last_sync, done) or final or stop_now:
                 self.save_checkpoint(done)
                 result.checkpoints.append(done)
             last_sync = done
             result.final_iteration = done
-            if stop:
-                result.interrupted_by = stop.signal_name
+            if stop_now:
+                result.interrupted_by = stop.signal_name or "a signal to another process"
                 break
         result.seconds = time.perf_counter() - start_all
         return result

@@ -21,52 +21,17 @@ from torch import nn
 from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.averaging import training_time_averages
-from cnns.engine.build import (RunLength, build_loss_scaler, build_model_for_training, build_optimiser_for,
-                               build_schedule, resolve_device, run_seed, seed_everything, unwrap)
+from cnns.engine.build import (RunLength, build_loss_scaler, build_optimiser_for, build_schedule, unwrap)
+from cnns.engine.components import Components, build_components
 from cnns.engine.ema import WeightEma, build_ema
-from cnns.engine.feed import DeviceFeed
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
 from cnns.engine.step import TrainStep, cross_entropy_loss
-from cnns.engine.wrappers import maybe_compile
 from cnns.engine.validation import validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
-from cnns.precision import PrecisionPolicy
+from cnns.parallel.replicas import no_sync_context
+from cnns.parallel.world import World
 from cnns.runlog import RunLog
-
-
-@dataclass
-class Components:
-    """Everything built from the configuration, before training starts."""
-
-    device: torch.device
-    policy: PrecisionPolicy
-    model: nn.Module  # possibly compiled
-    plain_model: nn.Module
-    sources: Any
-    feed: DeviceFeed
-    seed: int
-
-
-def build_components(cfg: RunConfig, *, need_train: bool = True, need_eval: bool = True) -> Components:
-    from cnns.data.pipeline import build_sources
-
-    device = resolve_device(cfg.device, cfg.options.get("select_ipus"))
-    seed = run_seed(cfg)
-    seed_everything(seed)
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
-                                     avoid_emulated_half=not cfg.precision.half_dtype_given)
-    if cfg.precision.half_partials and device.type == "cuda":
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    sources = build_sources(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
-                            eval_batch_size=cfg.options.get("validation_micro_batch_size") or cfg.train.micro_batch_size,
-                            seed=seed, device=device, need_train=need_train, need_eval=need_eval)
-    plain = build_model_for_training(cfg, policy, device)
-    model = maybe_compile(plain, cfg.train.compile)
-    feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_imagenet,
-                      host_normalisation=cfg.data.host_normalisation)
-    return Components(device, policy, model, plain, sources, feed, seed)
 
 
 def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
@@ -74,7 +39,7 @@ def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
     from cnns.data.mixing import batch_mixer
 
     d = cfg.data
-    return batch_mixer(num_classes, seed + 11, mixup_alpha=d.mixup_alpha, cutmix_lambda=d.cutmix_lambda,
+    return batch_mixer(num_classes, seed, mixup_alpha=d.mixup_alpha, cutmix_lambda=d.cutmix_lambda,
                        cutmix_version=d.cutmix_version, label_smoothing=cfg.train.label_smoothing, layout="NCHW")
 
 
@@ -113,28 +78,40 @@ class TrainingParts:
 
 
 def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
+    world = c.world
     length = RunLength.resolve(cfg, c.sources.train.num_samples)
     schedule = build_schedule(cfg, length.total_iterations, length.epochs)
-    optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed)
+    optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed,
+                                    shard_state=cfg.parallel.rts and world.replicas > 1)
     scaler = build_loss_scaler(cfg, c.policy)
-    mixer = build_mixer(cfg, c.sources.num_classes, c.seed)
+    mixer = build_mixer(cfg, c.sources.num_classes, c.process_seed(11, cfg.parallel.identical_seeding))
     step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
                      cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
-                     fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
+                     fp_exceptions=cfg.train.fp_exceptions, mix=mixer, no_sync=no_sync_context(c.replicated),
+                     replicated=c.replicated is not None)
+    if c.replicated is not None and step.accumulator.enabled:
+        c.replicated.register_comm_hook(None, step.accumulator.reduce_hook(None, world.replicas))
     generators = {"mix": mixer.generator} if mixer is not None else {}
     return TrainingParts(length, schedule, optimiser, scaler, step, build_ema(c.plain_model, cfg.train.ema_decay),
                          generators)
 
 
 class TrainingSession:
-    def __init__(self, cfg: RunConfig, log: RunLog, folder: Path):
+    """One training run in one process; with replicas every process runs one, rank 0 writes the run
+    folder (`instance_folder` is where another rank writes with --log-all-instances or
+    --ckpt-all-instances)."""
+
+    def __init__(self, cfg: RunConfig, log: RunLog, folder: Path, world: World | None = None,
+                 instance_folder: Path | None = None):
         self.cfg = cfg
         self.log = log
         self.folder = folder
+        self.world = world or World()
+        self.instance_folder = instance_folder
 
     def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
-        c = build_components(cfg, need_eval=cfg.train.validation)
+        c = build_components(cfg, self.world, need_eval=cfg.train.validation)
         parts = build_training_parts(cfg, c)
         # Apply a restored state before the first printed line: a checkpoint that does not fit this
         # run fails with the run folder untouched.
@@ -142,6 +119,10 @@ class TrainingSession:
         if restore is not None:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
         print_startup(log, cfg, c.plain_model, c)
+        mine, total = parts.optimiser.owned_elements()
+        if mine != total:
+            log.print(f" Optimiser state sharded over {self.world.replicas} replicas (--rts): this process "
+                      f"owns {mine} of {total} optimiser state elements")
         if cfg.train.compile_only:
             log.print("Model, data pipeline and optimiser built (--compile-only): exiting without training.")
             return 0
@@ -162,31 +143,49 @@ class TrainingSession:
         cfg = self.cfg
         train_source = c.sources.train
 
-        def save(iteration: int) -> None:
-            save_checkpoint(checkpoint_path(self.folder, iteration), self._checkpoint_state(c, parts, iteration))
-
         def after_update() -> None:
             parts.ema.update(c.plain_model)
 
         loop = TrainingLoop(parts.step, c.feed, train_source, parts.schedule, parts.length, cfg.train.grad_accum,
-                            cfg.train.global_batch_size, train_source.num_samples, self.log, save, start_iteration,
-                            after_update=after_update if parts.ema is not None else None)
+                            cfg.train.global_batch_size, train_source.num_samples, self.log,
+                            lambda iteration: self._save(c, parts, iteration), start_iteration,
+                            after_update=after_update if parts.ema is not None else None, world=self.world)
         c.model.train()
         with StopRequest().installed() as stop, self._profiler(cfg):
             if start_iteration == 0 and cfg.train.ckpts_per_epoch:
-                save(0)  # the initial weights; a restored run has it already
+                self._save(c, parts, 0)  # the initial weights; a restored run has it already
             return loop.run(stop)
 
-    def _checkpoint_state(self, c: Components, parts: TrainingParts, iteration: int) -> dict[str, Any]:
+    def _save(self, c: Components, parts: TrainingParts, iteration: int) -> None:
+        """Called by every process: a sharded optimiser's state and every rank's random streams are
+        gathered first; rank 0 (and with --ckpt-all-instances every rank) writes."""
+        world = self.world
+        parts.optimiser.consolidate()
+        rng = capture_rng_state(parts.generators)
+        every_rng = world.gather(rng) if world.distributed else None
+        if world.is_writer:
+            state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=True)
+            if every_rng is not None:
+                state["rng_by_rank"] = every_rng
+            save_checkpoint(checkpoint_path(self.folder, iteration), state)
+        elif self.cfg.log.ckpt_all_instances and self.instance_folder is not None:
+            # A sharded optimiser's whole state exists on rank 0 only.
+            state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=not self.cfg.parallel.rts)
+            save_checkpoint(checkpoint_path(self.instance_folder, iteration), state)
+
+    def _checkpoint_state(self, c: Components, parts: TrainingParts, iteration: int, rng: dict[str, Any],
+                          with_optimiser: bool) -> dict[str, Any]:
         state = {
             "model": unwrap(c.model).state_dict(),
-            "optimiser": parts.optimiser.state_dict(),
             "loss_scaler": parts.scaler.state_dict(),
-            "rng": capture_rng_state(parts.generators),
+            "rng": rng,
             "iteration": iteration,
             "epoch": self._epoch_of(c, iteration),
             "seed": c.seed,
+            "replicas": self.world.replicas,
         }
+        if with_optimiser:
+            state["optimiser"] = parts.optimiser.state_dict()
         if parts.ema is not None:
             state["ema"] = parts.ema.state_dict()
         return state
@@ -203,7 +202,7 @@ class TrainingSession:
             unwrap(c.model).load_state_dict(state["model"])
             parts.optimiser.load_state_dict(state["optimiser"])
             parts.scaler.load_state_dict(state["loss_scaler"])
-            restore_rng_state(state["rng"], parts.generators)
+            restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
             if parts.ema is not None:
                 parts.ema.load_state_dict(state["ema"])
             return int(state["iteration"])
@@ -212,10 +211,12 @@ class TrainingSession:
             raise CheckpointError(f"{path} does not match this run's model or optimiser: {reason}") from None
 
     def _after_training(self, c: Components) -> None:
-        """The seed's end of training: weight averages, then validation of what is not validated yet."""
+        """The seed's end of training: weight averages (rank 0), then validation of what is not
+        validated yet (every process validates its share of the images)."""
         cfg = self.cfg
-        training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
-                               lambda iteration: self._epoch_of(c, iteration), self.log)
+        if self.world.is_writer:
+            training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
+                                   lambda iteration: self._epoch_of(c, iteration), self.log)
         if cfg.train.validation and c.sources.eval is not None:
             validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples)
 
@@ -230,3 +231,11 @@ class TrainingSession:
         out = cfg.train.profile_dir or str(self.folder / "profile")
         self.log.print(f"Writing a profiler trace to {out}")
         return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(out))
+
+
+def _rng_of_this_process(state: dict[str, Any], world: World) -> dict[str, Any]:
+    """This rank's random streams when the checkpoint was written by as many processes, else rank 0's."""
+    every = state.get("rng_by_rank")
+    if isinstance(every, list) and len(every) == world.size:
+        return every[world.rank]
+    return state["rng"]

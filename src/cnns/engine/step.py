@@ -7,8 +7,9 @@ never reads a value back to the host, so `--device-iterations` updates run witho
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -30,22 +31,31 @@ class StepMetrics:
 class FloatGradientAccumulator:
     """Sums half-precision micro-batch gradients in float32 (seed 002, 6.7.3).
 
-    With one micro-batch per update or float32 parameters the autograd `.grad` is used directly.
+    With replicas the sum is also all-reduced in float32: `reduce_hook` is DDP's communication hook
+    for the update's last micro-batch, which adds that micro-batch's half gradients to the float32
+    sum of the others and all-reduces the float32 sum (DDP's default would reduce the half
+    gradients of the last micro-batch alone, in half precision). With one micro-batch per update
+    on one process, or float32 parameters, the autograd `.grad` is used directly.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], enabled: bool):
         self.params = list(params)
         self.enabled = enabled
         self.buffers: list[torch.Tensor] | None = None
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._mean: list[torch.Tensor | None] | None = None  # reduce_hook's result, bucket by bucket
 
     def after_backward(self) -> None:
         if not self.enabled:
             return
-        grads = [p.grad for p in self.params]
-        if self.buffers is None:
-            self.buffers = [g.float() for g in grads]
+        if self._mean is not None:  # the synchronised micro-batch: the replicas' mean replaces the sum
+            self.buffers, self._mean = self._mean, None
         else:
-            torch._foreach_add_(self.buffers, [g.float() for g in grads])
+            grads = [p.grad for p in self.params]
+            if self.buffers is None:
+                self.buffers = [g.float() for g in grads]
+            else:
+                torch._foreach_add_(self.buffers, [g.float() for g in grads])
         for p in self.params:
             p.grad = None
 
@@ -59,12 +69,35 @@ class FloatGradientAccumulator:
             return [p.grad for p in self.params]
         return [p.grad if p.grad is None or p.grad.dtype == torch.float32 else p.grad.float() for p in self.params]
 
+    def reduce_hook(self, group, world_size: int):
+        """A DDP communication hook: float32 sum of the update, all-reduced, mean over the replicas."""
+        import torch.distributed as dist
+
+        def hook(_state, bucket):
+            params, grads = bucket.parameters(), bucket.gradients()
+            indices = [self._index[id(p)] for p in params]
+            sums = [g.float() if self.buffers is None else self.buffers[i] + g for i, g in zip(indices, grads)]
+            flat = torch.cat([s.reshape(-1) for s in sums])
+            reduced = dist.all_reduce(flat, group=group, async_op=True).get_future()
+
+            def store(future):
+                mean = future.value()[0].div_(world_size)
+                if self._mean is None:
+                    self._mean = [None] * len(self.params)
+                for i, piece in zip(indices, mean.split([g.numel() for g in grads])):
+                    self._mean[i] = piece.view(self.params[i].shape)
+                return bucket.buffer()  # what DDP writes into .grad: discarded by after_backward
+
+            return reduced.then(store)
+
+        return hook
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimiser: HalfPrecisionOptimiser, policy: PrecisionPolicy,
                  scaler: LossScaler, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  grad_accum: int, accumulate_in_float32: bool, fp_exceptions: bool = False,
-                 mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 no_sync: Callable[[], ContextManager] = contextlib.nullcontext, replicated: bool = False):
         self.model = model
         self.optimiser = optimiser
         self.policy = policy
@@ -73,9 +106,10 @@ class TrainStep:
         self.grad_accum = grad_accum
         self.params = optimiser.params
         self.accumulator = FloatGradientAccumulator(
-            self.params, enabled=accumulate_in_float32 and policy.half_weights and grad_accum > 1)
+            self.params, enabled=accumulate_in_float32 and policy.half_weights and (grad_accum > 1 or replicated))
         self.fp_exceptions = fp_exceptions
         self.mix = mix
+        self.no_sync = no_sync  # replicas: no gradient all-reduce but for the update's last micro-batch
 
     def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
         set_lr(self.optimiser, lr)
@@ -83,17 +117,19 @@ class TrainStep:
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         correct = torch.zeros((), dtype=torch.int64, device=loss_sum.device)
         samples = 0
-        for images, labels in micro_batches:
+        last = len(micro_batches) - 1
+        for index, (images, labels) in enumerate(micro_batches):
             targets = labels
             if self.mix is not None:
                 images, targets = self.mix(images, labels)
-            with self.policy.autocast():
-                logits = self.model(images)
-            # The loss is computed in float32 whatever the compute precision.
-            loss = self.loss_fn(logits.float(), targets)
-            # Each micro-batch contributes 1/A of the update, so the gradient is the global-batch mean
-            # whatever the accumulation count (and equal across replicas x accumulation splits).
-            self.scaler.scale_loss(loss / self.grad_accum).backward()
+            with self.no_sync() if index < last else contextlib.nullcontext():
+                with self.policy.autocast():
+                    logits = self.model(images)
+                # The loss is computed in float32 whatever the compute precision.
+                loss = self.loss_fn(logits.float(), targets)
+                # Each micro-batch contributes 1/A of the update, so the gradient is the global-batch
+                # mean whatever the accumulation count (and equal across replicas x accumulation splits).
+                self.scaler.scale_loss(loss / self.grad_accum).backward()
             self.accumulator.after_backward()
             loss_sum += loss.detach()
             correct += (logits.detach().argmax(dim=1) == labels).sum()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,13 +20,12 @@ import torch
 from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.build import unwrap
+from cnns.engine.components import Components, build_components
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
+from cnns.parallel.world import World
 from cnns.runlog import RunLog, validated_names
-
-if TYPE_CHECKING:
-    from cnns.engine.session import Components
 
 EMA_SUFFIX = "_ema"
 
@@ -91,17 +90,36 @@ def check_targets_match(targets: list[Target], model: torch.nn.Module, descripti
         check_matches_model(target.path, target.weights, model_state, description)
 
 
-def validate_targets(targets: list[Target], c: "Components", log: RunLog, global_batch_size: int,
+def validate_targets(targets: list[Target], c: Components, log: RunLog, global_batch_size: int,
                      num_train_samples: int, repeat: int = 1) -> list[EvalResult]:
+    rows = [(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets]
+    return _validate(rows, [t.weights for t in targets], c, log, repeat)
+
+
+def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.Tensor] | None], c: Components,
+              log: RunLog, repeat: int = 1) -> list[EvalResult]:
+    """Validate each row's weights. With replicas, rank 0 holds the weights (the others None) and
+    sends them; each process evaluates its share of the images and the counts are summed, so every
+    image is counted exactly once."""
     results = []
-    for target in targets:
-        unwrap(c.model).load_state_dict(target.weights)
+    model = unwrap(c.model)
+    for (name, iteration, epoch), state in zip(rows, weights):
+        if state is not None:
+            model.load_state_dict(state)
+        c.world.broadcast_state(model)
         for _ in range(repeat):
-            result = evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy)
-            log_validation(log, target.name, target.iteration, target.epoch(global_batch_size, num_train_samples),
-                           result)
+            result = _summed_over_processes(evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy), c)
+            log_validation(log, name, iteration, epoch, result)
             results.append(result)
     return results
+
+
+def _summed_over_processes(result: EvalResult, c: Components) -> EvalResult:
+    if not c.world.distributed:
+        return result
+    top1, top5, count = c.world.sum([result.correct_top1, result.correct_top5, result.count])
+    seconds = max(c.world.gather(result.seconds))  # the pass lasts as long as its slowest process
+    return EvalResult(int(top1), int(top5), int(count), seconds, result.latencies_ms)
 
 
 def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result: EvalResult) -> None:
@@ -112,29 +130,36 @@ def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result:
     })
 
 
-def validate_run_folder(folder: Path, c: "Components", log: RunLog, global_batch_size: int,
+def validate_run_folder(folder: Path, c: Components, log: RunLog, global_batch_size: int,
                         num_train_samples: int) -> list[EvalResult]:
     """After training: every checkpoint but the initial one, their moving averages and the weight
-    averages, except what validation.csv already holds (a restored run validates only the new ones)."""
-    done = validated_names(folder)
-    files = [path for _, path in list_checkpoints(folder)] + list_weight_averages(folder)
-    targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
-    return validate_targets(targets, c, log, global_batch_size, num_train_samples)
+    averages, except what validation.csv already holds (a restored run validates only the new ones).
+    Rank 0 reads the run folder; with replicas the others validate what it sends."""
+    targets: list[Target] = []
+    if c.world.is_writer:
+        done = validated_names(folder)
+        files = [path for _, path in list_checkpoints(folder)] + list_weight_averages(folder)
+        targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
+    rows = c.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets])
+    weights = [t.weights for t in targets] if c.world.is_writer else [None] * len(rows)
+    return _validate(rows, weights, c, log)
 
 
-def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str]) -> int:
+def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str],
+                     world: World | None = None) -> int:
+    """validation.py. With replicas every process validates its share of the images and rank 0
+    writes; each process reads the checkpoints itself (the run folder is on a shared file system)."""
+    world = world or World()
     if restore_path is None:
-        return _validate_random_model(cfg, repeat, notices)
-    from cnns.engine.session import build_components
-
+        return _validate_random_model(cfg, repeat, notices, world)
     folder, files = checkpoint_files(restore_path)
     done = validated_names(folder) if restore_path.is_dir() else set()
     targets = targets_of(files)
     todo = [t for t in targets if t.name not in done]
-    c = build_components(cfg, need_train=False)
+    c = build_components(cfg, world, need_train=False)
     check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
     # Nothing was written so far; from here on the checks have passed.
-    log = RunLog(folder)
+    log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
     for notice in notices:
         log.notice(notice)
     if c.policy.note:
@@ -155,20 +180,18 @@ def _nominal_train_images(cfg: RunConfig) -> int:
     return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
 
 
-def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str]) -> int:
+def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:
     """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
-    from cnns.engine.session import build_components
-
-    log = RunLog(None)
+    log = RunLog(None, quiet=not world.is_writer)
     for notice in notices:
         log.notice(notice)
-    c = build_components(cfg, need_train=False)
+    c = build_components(cfg, world, need_train=False)
     if c.policy.note:
         log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     total: EvalResult | None = None
     for _ in range(repeat):
-        result = evaluate(c.model, _limited(c.sources.eval, cfg), c.feed, c.policy)
+        result = _summed_over_processes(evaluate(c.model, _limited(c.sources.eval, cfg), c.feed, c.policy), c)
         log_validation(log, "random_init", -1, 0.0, result)
         total = result if total is None else total.merged(result)
     if total is not None and total.latencies_ms:

@@ -1,0 +1,1 @@
+"""Process groups, launchers and the parallel wrappers (replicas, BN spans, optimiser sharding)."""

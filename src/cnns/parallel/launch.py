@@ -1,0 +1,53 @@
+"""`train.py --replicas N` without a launcher: start the N local workers with torchrun's own agent.
+
+The seed's single command line still works (its `TestReplicatedTraining` runs exactly that), and it
+behaves as `torchrun --standalone --nproc-per-node N -m cnns train ...` would: the same agent
+(torch.distributed.launcher), the same environment in the workers, SIGTERM/SIGINT forwarded to
+every worker (each finishes its update, they agree to stop, one checkpoint is written), workers in
+sessions of their own so a terminal's Ctrl-C reaches them once, through the agent. A worker that
+fails stops the others: its own error line is the one the user sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from cnns.parallel.world import timeout_seconds
+
+# Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
+    """Run `cnns <command> <argv>` in `processes` local worker processes; their exit code."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every start and stop, and each failure again; the workers print what a user needs.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    source_root = str(Path(__file__).resolve().parents[2])  # the src/ folder: workers import this cnns
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_seconds())},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "cnns", command, *argv)
+        return 0
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal: nothing was printed by the worker itself
+            name = signal.Signals(-failure.exitcode).name
+            print(f"error: worker rank {rank} was killed by {name}; the others were stopped", file=sys.stderr)
+            return 1
+        return failure.exitcode  # the worker printed its own one-line error
+    except SignalException as exc:
+        # The agent forwarded the signal; the workers checkpointed and said how to continue.
+        return 0 if exc.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(exc.sigval)

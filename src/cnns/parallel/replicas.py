@@ -1,0 +1,40 @@
+"""Data-parallel replicas: DistributedDataParallel around the plain model, and its sync context.
+
+Gradients are all-reduced once per weight update: the step runs every micro-batch but the last
+under `no_sync()`, so DDP only reduces (bucketed, overlapped with the last backward) the sum of the
+update's micro-batch gradients. Batch-norm running statistics stay each replica's own (no broadcast
+before every forward: a collective per micro-batch); checkpoints hold replica 0's, as the seed's
+did. With --BN-span the statistics used in training are the span's anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from cnns.parallel.world import World
+
+
+def data_parallel(model: nn.Module, world: World, device: torch.device) -> nn.Module:
+    """DDP over the replicas (rank 0's initial weights broadcast to all), or the model itself."""
+    if world.replicas == 1:
+        return model
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False,  # still synchronised once at construction
+    )
+
+
+def no_sync_context(model: nn.Module) -> Callable[[], ContextManager]:
+    """The context that skips the gradient all-reduce for a micro-batch (DDP's `no_sync`)."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync
+    return contextlib.nullcontext
+
+
+def replicated(model: nn.Module) -> DistributedDataParallel | None:
+    return model if isinstance(model, DistributedDataParallel) else None

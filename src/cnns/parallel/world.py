@@ -1,0 +1,262 @@
+"""The process world: who this process is among the replicas, and the few collectives the engine needs.
+
+The world is a grid of replica groups x stage groups (stage groups have one stage until pipelines
+exist). It is built once, from the launcher's environment: torchrun's, or the one cnns's own spawn
+of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent too. Nothing else in
+the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
+
+Every collective here and in the process groups has a bounded timeout (`CNNS_DIST_TIMEOUT`
+seconds, default 600): a peer that died or never came ends the run with one line naming the
+rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from cnns.errors import CnnsError, ConfigError
+
+TIMEOUT_ENV = "CNNS_DIST_TIMEOUT"
+# Options computed from others (cnns.config): a difference in them is reported through its cause.
+DERIVED_OPTIONS = frozenset({"global_batch_size", "learning_rate", "name", "base_learning_rate_exponent",
+                             "rmsprop_decay", "poly_lr_end_ratio", "lars_weight_decay"})
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class DistributedError(CnnsError):
+    """A peer that died, never joined or disagrees: named with its rank."""
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, or cnns's own spawn) started this process as one of several."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def timeout_seconds() -> float:
+    value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ConfigError(f"{TIMEOUT_ENV} must be positive, got {value}")
+    return seconds
+
+
+@dataclass
+class World:
+    """This process's place among all of them. A single process is `World()`."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    replicas: int = 1
+    shards: int = 1
+    restart: int = 0  # torchrun's restart count: > 0 when workers were restarted after a failure
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    control: Any = None  # a gloo group for host-side agreement (stop flags, objects), whatever the device
+    store: Any = None  # the launcher's store: it outlives worker restarts
+    bn_group: Any = None  # this replica's --BN-span group (None: statistics stay local)
+    _bn_groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_writer(self) -> bool:
+        """The process that prints, writes the run folder's files and saves checkpoints."""
+        return self.rank == 0
+
+    @property
+    def replica_rank(self) -> int:
+        return self.rank // self.shards
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(replica rank, replicas): how data sources deal out samples."""
+        return self.replica_rank, self.replicas
+
+    def device(self, requested: torch.device) -> torch.device:
+        """A CUDA device without an index means this process's own GPU (cuda:LOCAL_RANK)."""
+        if requested.type == "cuda" and requested.index is None and self.distributed:
+            return torch.device("cuda", self.local_rank)
+        return requested
+
+    # -- host-side agreement (the control group) ---------------------------------------------
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when it is true on any (e.g. a stop signal seen by one of them)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([int(flag)])
+        self._collective("agree on stopping", dist.all_reduce, value, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(value.item())
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every process (pickled: only for small objects and trusted peers)."""
+        if not self.distributed:
+            return obj
+        holder = [obj if self.rank == 0 else None]
+        self._collective("receive rank 0's state", dist.broadcast_object_list, holder, src=0, group=self.control)
+        return holder[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every process's `obj`, in rank order, on every process."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        self._collective("exchange state", dist.all_gather_object, out, obj, group=self.control)
+        return out
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Host numbers summed over every process (float64: exact for counts)."""
+        if not self.distributed:
+            return list(values)
+        total = torch.tensor(values, dtype=torch.float64)
+        self._collective("sum results", dist.all_reduce, total, group=self.control)
+        return total.tolist()
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor summed in place over every process (the default group: NCCL on CUDA)."""
+        if self.distributed:
+            self._collective("sum metrics", dist.all_reduce, tensor)
+        return tensor
+
+    def broadcast_state(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers into every process's copy of `module` (same architecture)."""
+        if not self.distributed:
+            return
+        for tensor in module.state_dict().values():
+            # channels_last weights are not contiguous in torch's sense: send a contiguous copy.
+            buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self._collective("receive rank 0's weights", dist.broadcast, buffer, src=0)
+            if buffer is not tensor:
+                tensor.copy_(buffer)
+
+    def barrier(self, what: str) -> None:
+        """Wait for every process; a missing one is named (gloo's monitored barrier)."""
+        if self.distributed:
+            try:
+                dist.monitored_barrier(group=self.control, timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise DistributedError(f"rank {self.rank}: {what}: {_first_line(exc)}") from None
+
+    def agree_on(self, key: str, make: Callable[[], str]) -> str:
+        """A string every process agrees on, made once by rank 0 (e.g. the run folder's name).
+
+        Kept in the launcher's store, which survives worker restarts: restarted workers get the
+        value the first attempt made (so they continue the same run folder).
+        """
+        if not self.distributed:
+            return make()
+        full_key = f"cnns/{key}"
+        if self.rank == 0:
+            if self.restart > 0 and self.store.check([full_key]):
+                return self.store.get(full_key).decode()
+            value = make()
+            self.store.set(full_key, value)
+            return value
+        try:
+            return self.store.get(full_key).decode()
+        except RuntimeError as exc:  # the store's own timeout
+            raise DistributedError(f"rank {self.rank}: rank 0 did not publish {key} within {self.timeout_s:.0f} s "
+                                   f"({TIMEOUT_ENV}): {_first_line(exc)}") from None
+
+    def check_same_options(self, options: dict[str, Any], ignore: tuple[str, ...] = ("command",)) -> None:
+        """Every process must run the same configuration: the first difference is named with its rank."""
+        if not self.distributed:
+            return
+        mine = json.loads(json.dumps({k: v for k, v in options.items() if k not in ignore}, default=str))
+        everyone = self.gather(mine)
+        for rank, theirs in enumerate(everyone):
+            differ = [key for key in set(everyone[0]) | set(theirs) if everyone[0].get(key) != theirs.get(key)]
+            if differ:
+                # Name an option the user gave before the values derived from it.
+                key = min(differ, key=lambda k: (k in DERIVED_OPTIONS, k))
+                raise ConfigError(f"rank {rank} was started with different options than rank 0: "
+                                  f"{key} = {theirs.get(key)!r} there, {everyone[0].get(key)!r} on rank 0")
+
+    def _collective(self, what: str, function: Callable, *args, **kwargs) -> None:
+        try:
+            function(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise DistributedError(f"rank {self.rank}: a peer failed or did not answer within {self.timeout_s:.0f} s "
+                                   f"({TIMEOUT_ENV}) while trying to {what}: {_first_line(exc)}") from None
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -> World:
+    """Join the launcher's process group, or return the single-process world.
+
+    Under a launcher the process count must be replicas x shards. The process group's store is
+    prefixed per restart attempt: torchrun's agent keeps one store across restarts, and without
+    the prefix restarted gloo workers read the dead attempt's addresses and fail to connect
+    (measured with torch 2.14.1, `torchrun --max-restarts 1`).
+    """
+    if not launched():
+        if replicas * shards > 1:
+            raise ConfigError(f"--replicas {replicas} x --shards {shards} needs {replicas * shards} processes, "
+                              "but this process was not started by a launcher")
+        return World()
+    env = os.environ
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if size != replicas * shards:
+        raise ConfigError(f"rank {rank}: the launcher started {size} processes, but --replicas {replicas} x --shards "
+                          f"{shards} = {replicas * shards}; give --replicas {max(1, size // shards)} "
+                          "(or launch replicas x shards processes)")
+    if bn_span > 1 and replicas % bn_span:
+        raise ConfigError(f"--BN-span {bn_span} must divide --replicas {replicas}")
+    local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+    if device.type == "cpu":
+        # The cores are shared by the local workers: one pool each would oversubscribe them.
+        torch.set_num_threads(max(1, usable_cores() // local_size))
+    seconds = timeout_seconds()
+    timeout = datetime.timedelta(seconds=seconds)
+    endpoint = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+    try:
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+    except (RuntimeError, ValueError, dist.DistStoreError) as exc:
+        raise DistributedError(f"rank {rank}: could not reach the rendezvous at {endpoint} within {seconds:.0f} s "
+                               f"({TIMEOUT_ENV}): {_first_line(exc)}") from None
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"cnns/attempt{restart}", store), rank=rank,
+                                world_size=size, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise DistributedError(f"rank {rank}: the {size} processes did not all join at {endpoint} within "
+                               f"{seconds:.0f} s ({TIMEOUT_ENV}): {_first_line(exc)}") from None
+    world = World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", "0")), local_size=local_size,
+                  replicas=replicas, shards=shards, restart=restart, timeout_s=seconds, control=control, store=store)
+    if bn_span > 1:
+        # Every process creates every group (torch's rule); each keeps its own.
+        spans = [list(range(start, start + bn_span)) for start in range(0, replicas, bn_span)]
+        world.bn_group, world._bn_groups = dist.new_subgroups_by_enumeration(spans, timeout=timeout)
+    return world

@@ -1,0 +1,288 @@
+"""Data-parallel replicas on real processes (gloo over 127.0.0.1): replicas equal accumulation, BN
+spans equal one big batch, sharded optimiser state equals unsharded, validation counts every image
+once, torchrun (one node or two launchers), a lost worker recovered, signals, failures.
+
+Every process started here runs under a bounded timeout and its whole tree is killed on expiry.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_IMAGES, TEST_IMAGES = 512, 101  # 101: not divisible by the replicas
+TIMEOUT_S = 240
+# Ranks give up on a dead or missing peer after this many seconds: no test can wait for ever.
+ENV = {**os.environ, "CNNS_DIST_TIMEOUT": "60", "PYTHONPATH": str(ROOT / "src")}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# ResNet-8 with group norm in float32, 12 updates: the configuration of the equivalence tests.
+COMMON = ("--dataset", "cifar-10", "--model-size", "8", "--precision", "32.32", "--group-norm", "--groups", "4",
+          "--iterations", "12", "--log-freq", "6", "--ckpts-per-epoch", "5", "--seed", "5", "--optimiser", "momentum",
+          "--warmup-epochs", "0", "--base-learning-rate-exponent", "-9", "--no-validation")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cifar-10-replicas")
+    images, labels = draw_shapes(TRAIN_IMAGES + TEST_IMAGES, seed=12)
+    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers live in sessions of their own: a process group
+    kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    for pid in [*descendants(process.pid), process.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=30)
+
+
+def start(command: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, expect: int | None = 0) -> tuple[str, str]:
+    try:
+        out, err = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        pytest.fail(f"{process.args} did not finish within {TIMEOUT_S} s")
+    if expect is not None:
+        assert process.returncode == expect, out[-3000:] + err[-3000:]
+    return out, err
+
+
+def train(cwd: Path, *args: str, script: str = "train.py", expect: int | None = 0) -> tuple[str, str]:
+    return finish(start([sys.executable, str(ROOT / script), *args], cwd), expect)
+
+
+def weights(path: Path) -> torch.Tensor:
+    model = torch.load(path, weights_only=True)["model"]
+    return torch.cat([t.flatten().double() for t in model.values() if t.is_floating_point()])
+
+
+def relative_difference(a: Path, b: Path) -> float:
+    x, y = weights(a), weights(b)
+    return float((x - y).norm() / y.norm())
+
+
+def trained(tmp: Path, name: str, data_dir: Path, *args: str, validate: bool = False, norm: str = "--group-norm") -> Path:
+    folder = tmp / name
+    common = [norm if a == "--group-norm" else a for a in COMMON if not (validate and a == "--no-validation")]
+    train(tmp, *common, "--data-dir", str(data_dir), "--logs-path", str(folder), *args)
+    return folder
+
+
+@pytest.mark.parametrize("replicated, single", [
+    (("--replicas", "2", "--micro-batch-size", "16"), ("--gradient-accumulation-count", "2", "--micro-batch-size", "16")),
+    (("--replicas", "2", "--gradient-accumulation-count", "2", "--micro-batch-size", "8"),
+     ("--gradient-accumulation-count", "4", "--micro-batch-size", "8")),
+], ids=["R2xA1-vs-A2", "R2xA2-vs-A4"])
+def test_replicas_train_as_one_process_with_accumulation(data_dir, tmp_path, replicated, single):
+    r = trained(tmp_path, "replicas", data_dir, *replicated)
+    a = trained(tmp_path, "accumulation", data_dir, *single)
+    assert relative_difference(r / "ckpt-12.pt", a / "ckpt-12.pt") < 1e-4
+    arguments = json.loads((r / "arguments.json").read_text())
+    assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
+    # The printed loss is the global batch's, so it matches the single process's.
+    with open(r / "training.csv") as f, open(a / "training.csv") as g:
+        assert [round(float(x["loss_avg"]), 4) for x in csv.DictReader(f)] == \
+               [round(float(y["loss_avg"]), 4) for y in csv.DictReader(g)]
+
+
+def test_a_restored_replicated_run_continues_the_same_samples(data_dir, tmp_path):
+    whole = trained(tmp_path, "whole", data_dir, "--replicas", "2", "--micro-batch-size", "16")
+    cut = trained(tmp_path, "cut", data_dir, "--replicas", "2", "--micro-batch-size", "16")
+    # Checkpoints fall on the host synchronisations (every 6 updates here): continue from ckpt-6.
+    for later in ("ckpt-12.pt", "training.csv"):
+        (cut / later).unlink()
+    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
+    assert "Restoring training from latest checkpoint:" in out and "ckpt-6.pt" in out
+    assert relative_difference(cut / "ckpt-12.pt", whole / "ckpt-12.pt") < 1e-6
+
+
+def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(data_dir, tmp_path):
+    # Batch-norm training amplifies rounding quickly here: one process alone, run with 2 threads
+    # instead of 1, differs by 1.7e-4 after 12 updates. Three updates keep the comparison at rounding.
+    short = ("--iterations", "3", "--log-freq", "3")
+    span = trained(tmp_path, "span", data_dir, "--replicas", "2", "--micro-batch-size", "8", "--BN-span", "2",
+                   *short, norm="--batch-norm")
+    one = trained(tmp_path, "one", data_dir, "--micro-batch-size", "16", *short, norm="--batch-norm")
+    assert relative_difference(span / "ckpt-3.pt", one / "ckpt-3.pt") < 1e-4
+    a, b = (torch.load(f / "ckpt-3.pt", weights_only=True)["model"] for f in (span, one))
+    for key in ("bn1.running_mean", "bn1.running_var", "layer3.0.bn2.running_var"):  # statistics of 16 images
+        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
+
+
+def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, tmp_path):
+    sharded = trained(tmp_path, "rts", data_dir, "--replicas", "2", "--micro-batch-size", "16", "--rts",
+                      "--log-all-instances", "true")
+    plain = trained(tmp_path, "plain", data_dir, "--replicas", "2", "--micro-batch-size", "16")
+    assert relative_difference(sharded / "ckpt-12.pt", plain / "ckpt-12.pt") < 1e-6
+    owned = []
+    for log in (sharded / "log.txt", sharded / "instance_1" / "log.txt"):
+        line = re.search(r"owns (\d+) of (\d+) optimiser state elements", log.read_text())
+        owned.append((int(line.group(1)), int(line.group(2))))
+    total = owned[0][1]
+    assert sum(mine for mine, _ in owned) == total and all(0.3 * total < mine < 0.7 * total for mine, _ in owned)
+    # The checkpoint holds the whole optimiser state, in the plain optimiser's layout.
+    a, b = (torch.load(f / "ckpt-12.pt", weights_only=True)["optimiser"]["inner"] for f in (sharded, plain))
+    assert a["state"].keys() == b["state"].keys()
+    for key in b["state"]:
+        assert torch.allclose(a["state"][key]["momentum_buffer"], b["state"][key]["momentum_buffer"])
+
+
+def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
+    folder = trained(tmp_path, "val", data_dir, "--replicas", "2", "--micro-batch-size", "16", validate=True)
+    with open(folder / "validation.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["val_size"]) for row in rows] == [TEST_IMAGES] * len(rows) and rows
+    # The same checkpoint validated by one process gives the same accuracy.
+    single = tmp_path / "single"
+    single.mkdir()
+    out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), script="validation.py")
+    accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
+    assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)  # printed with 3 decimals
+
+
+def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
+    port = free_port()
+    folder = tmp_path / "two-nodes"
+    launchers = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cnns-test",
+                        str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder),
+                        "--replicas", "2", "--micro-batch-size", "16"], tmp_path) for node in (0, 1)]
+    outputs = [finish(launcher) for launcher in launchers]
+    arguments = json.loads((folder / "arguments.json").read_text())
+    assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
+    assert (folder / "ckpt-12.pt").is_file()
+    assert sum("Saving to" in out for out, _ in outputs) == 1  # rank 0 alone writes
+
+
+def test_torchrun_instances_log_and_checkpoint_with_equal_weights(data_dir, tmp_path):
+    folder = tmp_path / "instances"
+    finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *COMMON,
+                  "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2", "--micro-batch-size", "16",
+                  "--log-all-instances", "true", "--ckpt-all-instances", "true"], tmp_path))
+    instance = folder / "instance_1"
+    for place in (folder, instance):
+        assert json.loads((place / "arguments.json").read_text())["replicas"] == 2
+    assert "step:" in (instance / "log.txt").read_text()
+    assert torch.equal(weights(folder / "ckpt-12.pt"), weights(instance / "ckpt-12.pt"))
+
+
+def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int | None:
+    for pid in descendants(launcher.pid):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environment:
+            return pid
+    return None
+
+
+def test_a_worker_killed_under_torchrun_max_restarts_is_recovered(data_dir, tmp_path):
+    long_run = ("--iterations", "48", "--replicas", "2", "--micro-batch-size", "16")
+    reference = trained(tmp_path, "reference", data_dir, *long_run)
+    folder = tmp_path / "recovered"
+    launcher = start([*TORCHRUN, "--standalone", "--max-restarts", "1", "--nproc-per-node",
+                      "2", str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder),
+                      *long_run], tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (folder / "ckpt-6.pt").exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = _worker_of_rank(launcher, 1)
+    assert victim is not None and launcher.poll() is None, "the run ended before a worker could be killed"
+    os.kill(victim, signal.SIGKILL)
+    out, _ = finish(launcher)
+    assert "Restoring training from latest checkpoint:" in out
+    assert relative_difference(folder / "ckpt-48.pt", reference / "ckpt-48.pt") < 1e-6
+
+
+def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(data_dir, tmp_path):
+    folder = tmp_path / "stopped"
+    run = start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
+                 str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1",
+                 "--ckpts-per-epoch", "0"], tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (folder / "training.csv").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = descendants(run.pid)
+    run.send_signal(signal.SIGTERM)
+    out, _ = finish(run)
+    stopped_at = int(re.search(r"Training interrupted by SIGTERM at iteration (\d+)", out).group(1))
+    assert 0 < stopped_at < 400
+    assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == [f"ckpt-{stopped_at}.pt"]
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker processes left"
+    out, _ = train(tmp_path, "--restore-path", str(folder), script="restore.py")
+    assert f"ckpt-{stopped_at}.pt" in out and (folder / "ckpt-400.pt").is_file()
+
+
+def test_a_rendezvous_that_never_completes_ends_with_one_line(tmp_path):
+    env = {**ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "CNNS_DIST_TIMEOUT": "3"}
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--generated-data",
+                                "--model-size", "8", "--replicas", "2", "--iterations", "1"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = finish(process, expect=2)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "rank 1" in lines[0] and "CNNS_DIST_TIMEOUT" in lines[0], err
+
+
+def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path):
+    port = free_port()
+    launchers = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cnns-mismatch",
+                        str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
+                        str(tmp_path / "mismatch"), "--replicas", "2", "--micro-batch-size", str(16 if node == 0 else 8)],
+                       tmp_path) for node in (0, 1)]
+    outputs = [finish(launcher, expect=None) for launcher in launchers]
+    assert all(launcher.returncode != 0 for launcher in launchers)
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error:")]
+    assert errors and all("rank 1 was started with different options" in line and "micro_batch_size" in line
+                          for line in errors), errors
