@@ -187,6 +187,11 @@ def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
     out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), script="validation.py")
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)  # printed with 3 decimals
+    # validation.py itself over 2 processes (the seed runs it under poprun): the same count and accuracy.
+    out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), "--replicas", "2", script="validation.py")
+    assert f"{accuracy:6.3f}%" in out
+    with open(folder / "validation.csv") as f:
+        assert [int(row["val_size"]) for row in csv.DictReader(f)][-1] == TEST_IMAGES
 
 
 def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
@@ -286,3 +291,21 @@ def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path):
     errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error:")]
     assert errors and all("rank 1 was started with different options" in line and "micro_batch_size" in line
                           for line in errors), errors
+
+
+def test_a_worker_that_dies_stops_the_run_with_one_line_naming_it(data_dir, tmp_path):
+    folder = tmp_path / "dies"
+    run = start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
+                 str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1",
+                 "--ckpts-per-epoch", "0"], tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (folder / "training.csv").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = _worker_of_rank(run, 1)
+    assert victim is not None and run.poll() is None
+    os.kill(victim, signal.SIGKILL)
+    _, err = finish(run, expect=None)
+    assert run.returncode != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert any("rank 1" in line and "SIGKILL" in line for line in lines), err
+    assert "Traceback" not in err

@@ -259,7 +259,9 @@ def plan_entry(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> Pl
     else:
         raise ConfigError(f"benchmark {entry.name}: the plain loop knows synthetic, generated and CIFAR-10 data")
     m = cfg.model
-    batch = cfg.train.micro_batch_size  # the plain loop accumulates as many micro-batches per update
+    # The plain loop is one process: it runs the replicas' combined micro-batch (the same global
+    # batch) and accumulates as many micro-batches per update.
+    batch = cfg.train.micro_batch_size * (cfg.parallel.replicas if mode == "train" else 1)
     if mode == "train":
         if cfg.train.iterations is None:
             raise ConfigError(f"benchmark {entry.name}: training benchmarks need --iterations")

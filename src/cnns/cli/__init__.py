@@ -136,6 +136,16 @@ def run_script(command: str, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # In a multi-process run, a peer that died surfaces here as a transport error from inside a
+        # collective (often the gradient all-reduce): one line, not a traceback. Anything else is a bug.
+        from cnns.parallel.world import launched, peer_failure
+
+        line = peer_failure(exc) if launched() else None
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,6 +204,21 @@ class World:
             dist.destroy_process_group()
 
 
+# Where torch's transports name themselves in the errors they raise deep in a collective (DDP's
+# gradient all-reduce inside the backward raises a plain RuntimeError from gloo).
+_TRANSPORT_MARKERS = ("gloo", "nccl", "c10d", "connection reset", "connection closed", "broken pipe")
+
+
+def peer_failure(exc: BaseException, rank: int | None = None) -> str | None:
+    """One line for an error that a dead or unreachable peer caused inside a collective, else None."""
+    text = str(exc).lower()
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
+                                                and any(marker in text for marker in _TRANSPORT_MARKERS))):
+        return None
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    return f"rank {rank}: a peer process failed or became unreachable during a collective: {_first_line(exc)}"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
