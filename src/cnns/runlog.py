@@ -12,6 +12,7 @@ import json
 import random
 import string
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,17 @@ def new_run_folder(log_dir: str | Path, name: str) -> Path:
             continue
 
 
+def interactive() -> bool:
+    """Whether a person watches: progress bars only on a terminal, never in pipes, files or CI logs."""
+    return sys.stderr.isatty() and sys.stdout.isatty()
+
+
 class RunLog:
     """Prints lines to the screen and log.txt, and appends rows to the run's CSV files.
 
     With `folder=None` (non-zero ranks, inference benchmarks) it only prints, or stays silent when
-    `quiet`.
+    `quiet`. On a terminal, `progress` shows a bar (tqdm) under the printed lines; elsewhere only the
+    lines are printed, each flushed as it is written so a pipe shows it at once.
     """
 
     def __init__(self, folder: Path | None, quiet: bool = False, tensorboard: bool = False):
@@ -58,6 +65,7 @@ class RunLog:
         self.quiet = quiet
         self._tb = None
         self._wandb = None
+        self._bar = None
         if folder is not None and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -80,10 +88,29 @@ class RunLog:
     def print(self, line: str = "") -> None:
         if self.quiet:
             return
-        print(line, flush=True)
+        if self._bar is not None:
+            self._bar.write(line)  # above the bar, which is redrawn below it
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
         if self.folder is not None:
             with open(self.folder / "log.txt", "a") as f:
                 f.write(line + "\n")
+
+    @contextmanager
+    def progress(self, total: int, initial: int = 0, description: str = "", unit: str = "it"):
+        """A progress bar on a terminal (None elsewhere): `bar.update(n)`, `bar.set_postfix_str(...)`."""
+        if self.quiet or not interactive() or self._bar is not None:
+            yield None
+            return
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, initial=initial, desc=description, unit=unit, dynamic_ncols=True, leave=False)
+        try:
+            yield self._bar
+        finally:
+            self._bar.close()
+            self._bar = None
 
     def notice(self, line: str) -> None:
         self.print(f"notice: {line}")

@@ -22,7 +22,7 @@ from cnns.cli.options import IPU_ONLY_OPTIONS, build_parser
 from cnns.config import load_named_config, resolve
 from cnns.errors import CnnsError, ConfigError
 
-COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "bench-data", "splits")
+COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "bench-data", "splits", "plot")
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -122,6 +122,7 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
         "benchmark": commands.benchmark_main,
         "bench-data": commands.bench_data_main,
         "splits": commands.splits_main,
+        "plot": commands.plot_main,
     }[command]
 
 

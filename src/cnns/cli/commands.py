@@ -305,3 +305,9 @@ def bench_data_main(argv: list[str]) -> int:
 def splits_main(argv: list[str]) -> int:
     options, _ = resolved_training_options("train", argv)
     return _print_splits_and_exit(options)
+
+
+def plot_main(argv: list[str]) -> int:
+    from cnns.cli.plot import plot_main as plot
+
+    return plot(argv)

@@ -191,6 +191,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
+    group.add_argument("--validation-images", type=int,
+                       help="Generated/synthetic data only: images validated per checkpoint (default: as many as the "
+                            "run trained on; validation.py: 20 batches). Real data is always validated whole.")
     group.add_argument("--weight-avg-N", "--weight-avg-n", dest="weight_avg_N", type=int, nargs="+",
                        help="After training, validate the mean of the last N checkpoints.")
     group.add_argument("--weight-avg-exp", type=float, nargs="+",

@@ -151,6 +151,10 @@ class TrainingLoop:
         return self._crossed(self.length.ckpt_every, last_sync, done) and done >= self.length.ckpt_offset
 
     def run(self, stop: StopRequest) -> LoopResult:
+        with self.log.progress(self.length.total_iterations, self.start_iteration, "training", "update") as bar:
+            return self._run(stop, bar)
+
+    def _run(self, stop: StopRequest, bar) -> LoopResult:
         length = self.length
         # The data position: every update so far consumed `grad_accum` micro-batches.
         stream = self.feed(micro_batch_stream(self.source, self.start_iteration * self.grad_accum))
@@ -162,6 +166,7 @@ class TrainingLoop:
         start_all = interval_start = time.perf_counter()
         window: list[dict] = []
         last_log = last_sync = self.start_iteration
+        warmup: tuple[float, int] | None = None  # (seconds, images) of the first update
         for iteration in range(self.start_iteration, length.total_iterations):
             micro = [next(stream) for _ in range(self.grad_accum)]
             lr = lr_at(self.schedule, iteration)
@@ -170,6 +175,11 @@ class TrainingLoop:
             if self.after_update is not None:
                 self.after_update()
             outfeed.push(iteration, lr, metrics)
+            if warmup is None:
+                warmup = self._first_update_done(metrics, time.perf_counter() - interval_start)
+                interval_start = time.perf_counter()  # throughput leaves the first update out
+            if bar is not None:
+                bar.update(1)
             done = iteration + 1
             final = done == length.total_iterations
             stop_now = stopping()
@@ -178,8 +188,15 @@ class TrainingLoop:
             window.extend(outfeed.drain())  # the host synchronisation
             if self._log_due(last_log, done) or final or stop_now:
                 elapsed = time.perf_counter() - interval_start
-                images = sum(r["samples"] for r in window)
-                self._log_step(window, done, elapsed, images, time.perf_counter() - start_all)
+                images, timed = sum(r["samples"] for r in window), len(window)
+                if last_log == self.start_iteration:
+                    images, timed = images - warmup[1], timed - 1
+                    if timed == 0:  # the interval was the first update alone: count it after all
+                        elapsed, images, timed = elapsed + warmup[0], images + warmup[1], 1
+                row = self._log_step(window, done, elapsed, images, timed, time.perf_counter() - start_all)
+                if bar is not None:
+                    bar.set_postfix_str(f"epoch {row['epoch']:.2f}, loss {row['loss_avg']:.3f}, "
+                                        f"{row['img_per_sec']:.0f} img/s")
                 result.last_loss = window[-1]["loss"]
                 result.last_train_acc = 100.0 * window[-1]["correct"] / window[-1]["samples"]
                 window = []
@@ -196,15 +213,28 @@ class TrainingLoop:
         result.seconds = time.perf_counter() - start_all
         return result
 
-    def _log_step(self, rows: list[dict], done: int, elapsed: float, images: int, total_time: float) -> None:
+    def _first_update_done(self, metrics: StepMetrics, seconds: float) -> tuple[float, int]:
+        """The seed's `Compilation time:` line: the first update, which pays for any compilation,
+        kernel selection and first-touch allocation. Waits for the device this once."""
+        if metrics.loss_sum.is_cuda:
+            torch.cuda.synchronize(metrics.loss_sum.device)
+            seconds = max(seconds, 0.0)
+        self.log.print(f"Compilation time: {seconds:.3f}s.")
+        return seconds, metrics.samples * self.world.replicas
+
+    def _log_step(self, rows: list[dict], done: int, elapsed: float, images: int, timed_updates: int,
+                  total_time: float) -> dict:
+        """One step line and training.csv row; throughput and time per update over the timed updates."""
         updates = len(rows)
         loss_avg = sum(r["loss"] for r in rows) / updates
         acc_avg = 100.0 * sum(r["correct"] for r in rows) / max(1, sum(r["samples"] for r in rows))
         last = rows[-1]
-        self.log.training_step({
+        row = {
             "step": done * self.grad_accum, "iteration": done, "epoch": self.epoch_of(done), "lr": last["lr"],
             "loss_batch": last["loss"], "loss_avg": loss_avg,
             "train_acc_batch": 100.0 * last["correct"] / last["samples"], "train_acc_avg": acc_avg,
-            "it_time": elapsed / updates, "img_per_sec": images / elapsed if elapsed > 0 else 0.0,
+            "it_time": elapsed / timed_updates, "img_per_sec": images / elapsed if elapsed > 0 else 0.0,
             "total_time": total_time,
-        })
+        }
+        self.log.training_step(row)
+        return row

@@ -26,7 +26,7 @@ from cnns.engine.components import Components, build_components
 from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
 from cnns.engine.step import TrainStep, cross_entropy_loss
-from cnns.engine.validation import validate_run_folder
+from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
 from cnns.parallel.replicas import no_sync_context
@@ -124,6 +124,7 @@ class TrainingSession:
             log.print(f" Optimiser state sharded over {self.world.replicas} replicas (--rts): this process "
                       f"owns {mine} of {total} optimiser state elements")
         if cfg.train.compile_only:
+            log.print("Training graph successfully compiled")
             log.print("Model, data pipeline and optimiser built (--compile-only): exiting without training.")
             return 0
         if start_iteration >= parts.length.total_iterations:
@@ -135,8 +136,12 @@ class TrainingSession:
                       f"checkpoint saved. Continue with: python restore.py --restore-path {self.folder}")
             return 0
         start = time.perf_counter()
-        self._after_training(c)
+        self._after_training(c, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
+        if self.world.is_writer:
+            from cnns.plots import plot_training
+
+            plot_training(self.folder)  # training.png: loss, accuracy, learning rate, throughput
         return 0
 
     def _train(self, c: Components, parts: TrainingParts, start_iteration: int) -> LoopResult:
@@ -164,10 +169,16 @@ class TrainingSession:
         rng = capture_rng_state(parts.generators)
         every_rng = world.gather(rng) if world.distributed else None
         if world.is_writer:
+            start = time.perf_counter()
             state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=True)
             if every_rng is not None:
                 state["rng_by_rank"] = every_rng
-            save_checkpoint(checkpoint_path(self.folder, iteration), state)
+            path = checkpoint_path(self.folder, iteration)
+            save_checkpoint(path, state)
+            if iteration == 0:
+                self.log.print(f"Saved initial checkpoint to {path}")
+            else:
+                self.log.print(f"Saved checkpoint to {path} in {time.perf_counter() - start:.3f}s")
         elif self.cfg.log.ckpt_all_instances and self.instance_folder is not None:
             # A sharded optimiser's whole state exists on rank 0 only.
             state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=not self.cfg.parallel.rts)
@@ -210,15 +221,18 @@ class TrainingSession:
             reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
             raise CheckpointError(f"{path} does not match this run's model or optimiser: {reason}") from None
 
-    def _after_training(self, c: Components) -> None:
+    def _after_training(self, c: Components, trained_images: int) -> None:
         """The seed's end of training: weight averages (rank 0), then validation of what is not
-        validated yet (every process validates its share of the images)."""
+        validated yet (every process validates its share of the images; of generated data, as many
+        images as this run trained on)."""
         cfg = self.cfg
         if self.world.is_writer:
             training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
                                    lambda iteration: self._epoch_of(c, iteration), self.log)
         if cfg.train.validation and c.sources.eval is not None:
-            validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples)
+            batches = generated_validation_limit(cfg, c, self.log, trained_images)
+            validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples,
+                                batches)
 
     def _profiler(self, cfg: RunConfig):
         import contextlib

@@ -10,6 +10,7 @@ folder as it was.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,17 +91,39 @@ def check_targets_match(targets: list[Target], model: torch.nn.Module, descripti
         check_matches_model(target.path, target.weights, model_state, description)
 
 
+# validation.py on generated or synthetic data, without --validation-images: batches per pass.
+DEFAULT_GENERATED_BATCHES = 20
+
+
+def generated_validation_limit(cfg: RunConfig, c: Components, log: RunLog, trained_images: int | None) -> int | None:
+    """How many batches each process validates per checkpoint: all of real data; of generated or
+    synthetic data (random pixels: the accuracy is chance whatever the count) --validation-images,
+    else as many images as the run trained on, else DEFAULT_GENERATED_BATCHES batches. Says so."""
+    if cfg.data.source == "files":
+        return None
+    source, replicas = c.sources.eval, c.world.replicas
+    batch = len(next(iter(source.epoch(0)))[1])
+    asked = cfg.options.get("validation_images")
+    images = asked or trained_images or DEFAULT_GENERATED_BATCHES * batch * replicas
+    batches = max(1, min(len(source), -(-images // (batch * replicas))))
+    why = ("--validation-images" if asked else "as many as the run trained on" if trained_images
+           else f"{DEFAULT_GENERATED_BATCHES} batches")
+    log.print(f"Validating {batches * batch * replicas} of the {source.num_samples} {cfg.data.source} images per "
+              f"checkpoint ({why}); --validation-images N sets how many")
+    return batches
+
+
 def validate_targets(targets: list[Target], c: Components, log: RunLog, global_batch_size: int,
-                     num_train_samples: int, repeat: int = 1) -> list[EvalResult]:
+                     num_train_samples: int, repeat: int = 1, batches: int | None = None) -> list[EvalResult]:
     rows = [(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets]
-    return _validate(rows, [t.weights for t in targets], c, log, repeat)
+    return _validate(rows, [t.weights for t in targets], c, log, repeat, batches)
 
 
 def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.Tensor] | None], c: Components,
-              log: RunLog, repeat: int = 1) -> list[EvalResult]:
-    """Validate each row's weights. With replicas, rank 0 holds the weights (the others None) and
-    sends them; each process evaluates its share of the images and the counts are summed, so every
-    image is counted exactly once."""
+              log: RunLog, repeat: int = 1, batches: int | None = None) -> list[EvalResult]:
+    """Validate each row's weights over the first `batches` batches of each process (None: all).
+    With replicas, rank 0 holds the weights (the others None) and sends them; each process evaluates
+    its share of the images and the counts are summed, so every image is counted exactly once."""
     results = []
     model = unwrap(c.model)
     for (name, iteration, epoch), state in zip(rows, weights):
@@ -108,7 +131,10 @@ def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.
             model.load_state_dict(state)
         c.world.broadcast_state(model)
         for _ in range(repeat):
-            result = _summed_over_processes(evaluate(c.model, c.sources.eval.epoch(0), c.feed, c.policy), c)
+            data = c.sources.eval.epoch(0)
+            if batches is not None:
+                data = itertools.islice(data, batches)
+            result = _summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
             log_validation(log, name, iteration, epoch, result)
             results.append(result)
     return results
@@ -131,7 +157,7 @@ def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result:
 
 
 def validate_run_folder(folder: Path, c: Components, log: RunLog, global_batch_size: int,
-                        num_train_samples: int) -> list[EvalResult]:
+                        num_train_samples: int, batches: int | None = None) -> list[EvalResult]:
     """After training: every checkpoint but the initial one, their moving averages and the weight
     averages, except what validation.csv already holds (a restored run validates only the new ones).
     Rank 0 reads the run folder; with replicas the others validate what it sends."""
@@ -142,7 +168,7 @@ def validate_run_folder(folder: Path, c: Components, log: RunLog, global_batch_s
         targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
     rows = c.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets])
     weights = [t.weights for t in targets] if c.world.is_writer else [None] * len(rows)
-    return _validate(rows, weights, c, log)
+    return _validate(rows, weights, c, log, batches=batches)
 
 
 def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str],
@@ -168,7 +194,8 @@ def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, not
     for target in targets:
         if target.name in done:
             log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
-    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat)
+    batches = generated_validation_limit(cfg, c, log, None)
+    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat, batches)
     log.close()
     return 0
 
@@ -190,19 +217,15 @@ def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], worl
         log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     total: EvalResult | None = None
+    batches = generated_validation_limit(cfg, c, log, None)
     for _ in range(repeat):
-        result = _summed_over_processes(evaluate(c.model, _limited(c.sources.eval, cfg), c.feed, c.policy), c)
+        data = c.sources.eval.epoch(0)
+        if batches is not None:
+            data = itertools.islice(data, batches)
+        result = _summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
         log_validation(log, "random_init", -1, 0.0, result)
         total = result if total is None else total.merged(result)
     if total is not None and total.latencies_ms:
         # Drop the first pass's first batch: it includes one-off warm-up.
         log.print(latency_line(total.latencies_ms[1:] or total.latencies_ms))
     return 0
-
-
-def _limited(source, cfg: RunConfig):
-    """Generated/synthetic data: a bounded number of batches per pass (an epoch of 50k is not needed)."""
-    if cfg.data.source == "files":
-        return source.epoch(0)
-    limit = min(len(source), 20)
-    return (batch for _, batch in zip(range(limit), source.epoch(0)))

@@ -1,0 +1,122 @@
+"""What a user sees: the seed's printed lines in order, a progress bar only on a terminal, lines that
+reach a pipe as they are printed, training.png, and validation of random data that stays bounded."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+# ResNet-8 on generated CIFAR-sized data: no dataset to write, a few seconds of training.
+QUICK = ("--generated-data", "--dataset", "cifar-10", "--model-size", "8", "--micro-batch-size", "16",
+         "--log-freq", "10", "--seed", "1")
+
+
+def run(cwd: Path, script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def run_folder(stdout: str) -> Path:
+    return Path(re.search(r"^ Saving to (.+)$", stdout, re.MULTILINE).group(1))
+
+
+def test_the_seed_lines_in_their_order_and_training_png(tmp_path):
+    out = run(tmp_path, "train.py", *QUICK, "--iterations", "20", "--ckpts-per-epoch", "1000")
+    folder = tmp_path / run_folder(out)
+    lines = out.splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    assert first("Total Parameters:") < first("Saved initial checkpoint to ") < first("Compilation time: ") \
+        < first("step: ") < first("Saved checkpoint to ") < first("Validation top-1 accuracy:") \
+        < first("Time to train: ")
+    assert re.search(r"^Saved checkpoint to \S+ckpt-20\.pt in [\d.]+s$", out, re.MULTILINE)
+    assert re.search(r"^Compilation time: [\d.]+s\.$", out, re.MULTILINE)
+    png = (folder / "training.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_compile_only_says_the_graph_is_compiled_and_trains_nothing(tmp_path):
+    out = run(tmp_path, "train.py", *QUICK, "--iterations", "5", "--compile-only")
+    assert "Training graph successfully compiled" in out and "Total Parameters:" in out
+    assert "step:" not in out and not (tmp_path / "logs").exists()
+
+
+def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path):
+    args = [sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "30", "--no-validation",
+            "--ckpts-per-epoch", "0"]
+    master, slave = pty.openpty()
+    # A new pseudo-terminal is 0 x 0 characters; a real one has a size, and tqdm fits the bar to it.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    process = subprocess.Popen(args, cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the terminal closed: the process ended
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif process.poll() is not None:
+            break
+    os.close(master)
+    process.wait(timeout=30)
+    assert process.returncode == 0, seen[-2000:]
+    terminal = seen.decode(errors="replace")
+    assert "update/s" in terminal or "s/update" in terminal, terminal[-2000:]  # tqdm's rate
+    assert "step:     30" in terminal  # the seed's lines still printed, above the bar
+    piped = run(tmp_path, "train.py", *QUICK, "--iterations", "30", "--no-validation", "--ckpts-per-epoch", "0")
+    assert "update/s" not in piped and "s/update" not in piped and "\r" not in piped
+
+
+def test_lines_reach_a_pipe_while_the_run_goes_on(tmp_path):
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "400",
+                                "--no-validation", "--ckpts-per-epoch", "0"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        line = ""
+        while not line.startswith("step:") and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            assert line, "the run ended without a step line"
+        assert process.poll() is None  # the first step line arrived while training went on
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_the_seed_resnet50_line_validates_a_bounded_number_of_generated_images(tmp_path):
+    # The seed's own test line, as written: 10 updates of one image, then validation of the run.
+    out = run(tmp_path, "train.py", "--generated-data", "--dataset", "ImageNet", "--model-size", "50",
+              "--micro-batch-size", "1", "--iterations", "10", "--device-iterations", "10")
+    assert "Validating 10 of the 50000 generated images per checkpoint (as many as the run trained on)" in out
+    import csv
+
+    with open(tmp_path / run_folder(out) / "validation.csv") as f:
+        assert [int(row["val_size"]) for row in csv.DictReader(f)] == [10]
+
+
+def test_the_seed_restore_test_as_written(tmp_path):
+    out = run(tmp_path, "train.py", *QUICK, "--iterations", "10", "--device-iterations", "10")
+    assert "Saved initial checkpoint to" in out and "ckpt" in out
+    restored = run(tmp_path, "restore.py", "--restore-path", str(tmp_path / run_folder(out)))
+    assert "Restoring training from latest checkpoint:" in restored
