@@ -120,3 +120,34 @@ def test_the_seed_restore_test_as_written(tmp_path):
     assert "Saved initial checkpoint to" in out and "ckpt" in out
     restored = run(tmp_path, "restore.py", "--restore-path", str(tmp_path / run_folder(out)))
     assert "Restoring training from latest checkpoint:" in restored
+
+
+def test_fp_exceptions_names_the_iteration_and_the_first_parameter_that_is_not_finite():
+    import pytest
+    import torch
+    from torch import nn
+
+    from cnns.engine.step import NonFiniteError, TrainStep, cross_entropy_loss
+    from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
+    from cnns.precision import LossScaler, PrecisionPolicy
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[3].bias.register_hook(lambda grad: grad * float("nan"))  # the loss stays finite
+    optimiser = HalfPrecisionOptimiser(parameter_groups(model, 0.0),
+                                       lambda groups: build_optimiser(groups, OptimiserSpec("SGD", lr=0.1)),
+                                       stochastic_rounding=False, seed=0)
+    policy = PrecisionPolicy.resolve("32.32", "bfloat16", torch.device("cpu"))
+    step = TrainStep(model, optimiser, policy, LossScaler(1.0, dynamic=False), cross_entropy_loss(0.0), 1,
+                     accumulate_in_float32=True, fp_exceptions=True)
+    batch = [(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))]
+    with pytest.raises(NonFiniteError, match=r"the gradient of 3\.bias is NaN or Inf"):
+        step(batch, 0.1)
+
+
+def test_fp_exceptions_in_a_run_is_one_line_with_the_iteration(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "5", "--precision", "32.32",
+                          "--abs-learning-rate", "1e30", "--fp-exceptions", "--no-validation"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: floating-point exception at iteration 2: the loss is NaN or Inf (--fp-exceptions)"], out.stderr

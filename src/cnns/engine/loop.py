@@ -17,7 +17,7 @@ import torch
 
 from cnns.engine.build import RunLength
 from cnns.engine.feed import DeviceFeed
-from cnns.engine.step import StepMetrics, TrainStep
+from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.schedules import ScheduleSpec, lr_at
@@ -170,7 +170,11 @@ class TrainingLoop:
         for iteration in range(self.start_iteration, length.total_iterations):
             micro = [next(stream) for _ in range(self.grad_accum)]
             lr = lr_at(self.schedule, iteration)
-            metrics = self.step(micro, lr)
+            try:
+                metrics = self.step(micro, lr)
+            except NonFiniteError as exc:
+                raise NonFiniteError(f"floating-point exception at iteration {iteration + 1}: {exc} "
+                                     "(--fp-exceptions)") from None
             metrics.micro_batches = len(micro)
             if self.after_update is not None:
                 self.after_update()

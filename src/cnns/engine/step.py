@@ -110,6 +110,9 @@ class TrainStep:
         self.fp_exceptions = fp_exceptions
         self.mix = mix
         self.no_sync = no_sync  # replicas: no gradient all-reduce but for the update's last micro-batch
+        # Parameter names in the optimiser's order, for --fp-exceptions messages.
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
 
     def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
         set_lr(self.optimiser, lr)
@@ -136,19 +139,24 @@ class TrainStep:
             samples += labels.shape[0]
         grads = self.accumulator.gradients(to_float32=self.scaler.active)
         if self.fp_exceptions:
-            self._raise_on_non_finite(loss_sum, grads)
+            self._raise_on_non_finite(loss_sum, grads, self.param_names)
         present = [g for g in grads if g is not None]
         if self.scaler.unscale_(present):
             self.optimiser.step(grads)
         return StepMetrics(loss_sum, correct, samples)
 
     @staticmethod
-    def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None]) -> None:
+    def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+        """--fp-exceptions: the first tensor that is not finite, by name (reads values back: a debug mode)."""
         if not torch.isfinite(loss):
-            raise CnnsError("floating-point exception: the loss is NaN or Inf (--fp-exceptions)")
-        for g in grads:
+            raise NonFiniteError("the loss is NaN or Inf")
+        for name, g in zip(names, grads):
             if g is not None and not torch.isfinite(g).all():
-                raise CnnsError("floating-point exception: a gradient is NaN or Inf (--fp-exceptions)")
+                raise NonFiniteError(f"the gradient of {name} is NaN or Inf")
+
+
+class NonFiniteError(CnnsError):
+    """--fp-exceptions found a NaN or Inf; the training loop adds the iteration to the message."""
 
 
 def cross_entropy_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
