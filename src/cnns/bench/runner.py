@@ -43,6 +43,7 @@ import torch
 
 from cnns.errors import ConfigError
 from cnns.precision import cpu_half_is_emulated
+from cnns.runlog import RunLog
 
 THROUGHPUT = re.compile(r"throughput:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*samples/sec")
 SCRIPTS = {"train.py": "train", "validation.py": "validate"}
@@ -303,7 +304,10 @@ def run_and_read(argv: list[str], timeout: float, log_path: Path | None) -> tupl
 
 
 def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_baseline: bool,
-              logs: Path | None) -> Result:
+              logs: Path | None, log: RunLog | None = None, bar=None) -> Result:
+    """Both sides of one entry, `repeats` times, alternating; `bar` (a terminal's progress bar)
+    advances by one per run."""
+    log = log or RunLog(None)
     ours_argv = command_argv(plan.script, plan.argv, spec_dir)
     plain_argv = [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plan.baseline)]
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
@@ -319,14 +323,16 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
         this_repeat = {}
         for side, argv, runs in sides:
             log_path = logs / f"{entry.name}-{side}-{r + 1}.log" if logs else None
-            print(f"  [{entry.name}] {side} run {r + 1}/{repeats} ...", flush=True)
+            log.print(f"  [{entry.name}] {side} run {r + 1}/{repeats} ...")
             value, error = run_and_read(argv, entry.timeout, log_path)
+            if bar is not None:
+                bar.update(1)
             if value is None:
                 errors.append(f"{side}: {error}")
             else:
                 runs.append(value)
                 this_repeat[side] = value
-                print(f"  [{entry.name}] {side}: {value:.2f} images/s", flush=True)
+                log.print(f"  [{entry.name}] {side}: {value:.2f} images/s")
         if this_repeat.get("plain") and "cnns" in this_repeat:
             result.pair_ratios.append(this_repeat["cnns"] / this_repeat["plain"])
     if errors:
@@ -482,9 +488,13 @@ def benchmark_command(argv: list[str]) -> int:
     print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s "
           f"on {torch.get_num_threads()} threads", flush=True)
     results = []
-    for entry, plan in plans:
-        print(f"{entry.name}: {entry.command}", flush=True)
-        results.append(run_entry(entry, plan, spec_path.resolve().parent, repeats, not args.no_baseline, logs))
+    log = RunLog(None)
+    runs = sum(repeats * (2 if not args.no_baseline and entry.baseline else 1) for entry, _ in plans)
+    with log.progress(runs, description="benchmark", unit="run") as bar:
+        for entry, plan in plans:
+            log.print(f"{entry.name}: {entry.command}")
+            results.append(run_entry(entry, plan, spec_path.resolve().parent, repeats, not args.no_baseline, logs,
+                                     log, bar))
     # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
     peak = max(peak, peak_rate()[0])
     for result in results:

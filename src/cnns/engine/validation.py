@@ -134,10 +134,19 @@ def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.
             data = c.sources.eval.epoch(0)
             if batches is not None:
                 data = itertools.islice(data, batches)
-            result = _summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
+            with log.progress(batches or len(c.sources.eval), description=f"validating {name}", unit="batch") as bar:
+                result = _summed_over_processes(evaluate(c.model, _advancing(data, bar), c.feed, c.policy), c)
             log_validation(log, name, iteration, epoch, result)
             results.append(result)
     return results
+
+
+def _advancing(batches, bar):
+    """The batches, moving a terminal's progress bar (None: no bar) as each is taken."""
+    for batch in batches:
+        yield batch
+        if bar is not None:
+            bar.update(1)
 
 
 def _summed_over_processes(result: EvalResult, c: Components) -> EvalResult:
