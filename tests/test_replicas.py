@@ -249,14 +249,20 @@ def test_a_worker_killed_under_torchrun_max_restarts_is_recovered(data_dir, tmp_
     assert relative_difference(folder / "ckpt-48.pt", reference / "ckpt-48.pt") < 1e-6
 
 
-def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(data_dir, tmp_path):
-    folder = tmp_path / "stopped"
+def started_long_run(folder: Path, data_dir: Path, cwd: Path) -> subprocess.Popen:
+    """A self-spawned 2-replica run of 400 updates, returned once its first step line is written."""
     run = start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
                  str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1",
-                 "--ckpts-per-epoch", "0"], tmp_path)
+                 "--ckpts-per-epoch", "0"], cwd)
     deadline = time.monotonic() + TIMEOUT_S
     while not (folder / "training.csv").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    return run
+
+
+def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(data_dir, tmp_path):
+    folder = tmp_path / "stopped"
+    run = started_long_run(folder, data_dir, tmp_path)
     workers = descendants(run.pid)
     run.send_signal(signal.SIGTERM)
     out, _ = finish(run)
@@ -295,12 +301,7 @@ def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path):
 
 def test_a_worker_that_dies_stops_the_run_with_one_line_naming_it(data_dir, tmp_path):
     folder = tmp_path / "dies"
-    run = start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
-                 str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1",
-                 "--ckpts-per-epoch", "0"], tmp_path)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (folder / "training.csv").exists() and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run = started_long_run(folder, data_dir, tmp_path)
     victim = _worker_of_rank(run, 1)
     assert victim is not None and run.poll() is None
     os.kill(victim, signal.SIGKILL)
