@@ -134,7 +134,7 @@ def test_ipu_only_options_are_named_in_one_notice():
     (["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2"], "--shards should be used in combination"),
     (["--dataset", "cifar-10", "--data-dir", "/nonexistent/folder", "--iterations", "1"], "data folder not found"),
-    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline"], "not supported yet"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline"], "--shards 2: pipelined model parallelism is not supported yet"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
@@ -155,3 +155,15 @@ def test_help_is_grouped_like_the_seed():
 def test_run_name_pipeline_and_replica_tags():
     options, _ = resolved_training_options("train", ["--config", "resnet50_bn_16ipus", "--data-dir", "/x/imagenet"])
     assert run_name(options) == "RN50_bs16x4rx256p_BN_16.32"
+
+
+def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
+    """resnet50_bn_16ipus sets pipeline and 4 shards; with --shards 1 and --replicas it runs as data
+    parallelism (here: one update of generated data, to show it gets past option checks and trains)."""
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet50_bn_16ipus", "--shards", "1",
+                          "--replicas", "1", "--generated-data", "--dataset", "imagenet", "--model-size", "18",
+                          "--image-size", "64", "--micro-batch-size", "2", "--gradient-accumulation-count", "1",
+                          "--iterations", "1", "--no-validation", "--log-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--pipeline with --shards 1" in out.stdout and "step:" in out.stdout

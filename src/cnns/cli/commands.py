@@ -18,9 +18,9 @@ from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 def check_supported(options: dict[str, Any]) -> None:
     """Capabilities that a later release builds: stop with one clear line rather than run half of one."""
-    if options["pipeline"] or options["shards"] > 1:
-        raise ConfigError("--pipeline/--shards: pipelined model parallelism is not supported yet; use --shards 1 "
-                          "without --pipeline (--enable-recomputation saves activation memory on one device)")
+    if options["shards"] > 1:
+        raise ConfigError(f"--shards {options['shards']}: pipelined model parallelism is not supported yet; use "
+                          "--shards 1 (--enable-recomputation saves activation memory on one device)")
     if options["BN_span"] > 1 and options["replicas"] == 1:
         raise ConfigError(f"--BN-span {options['BN_span']} spans replicas: give --replicas (a multiple of it)")
 
@@ -143,6 +143,9 @@ def _parallel_notices(options: dict[str, Any]) -> list[str]:
     notices = []
     if options["offload_optimiser"]:
         notices.append("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
+    if options["pipeline"] and options["shards"] == 1:
+        notices.append("--pipeline with --shards 1: one stage, nothing to pipeline; the whole model runs in each "
+                       "process (the configuration's --pipeline-splits are not used)")
     if options["rts"] and options["replicas"] == 1:
         notices.append("--rts shards the optimiser state over replicas: with one replica it changes nothing")
     return notices
@@ -162,13 +165,36 @@ def _newest_checkpoint(folder: Path, world):
 
 
 def _run_folder_options(restore_path: Path) -> dict[str, Any]:
+    """The run's options from its arguments.json; CheckpointError naming the file when it is missing,
+    unreadable, not a JSON object, or not the options of a cnns run (a missing option, a value of the
+    wrong type)."""
+    from cnns.config import check_option_types
+
     arguments = restore_path / "arguments.json"
     if not arguments.is_file():
         raise CheckpointError(f"{restore_path} has no arguments.json: not a cnns run folder")
     try:
-        return json.loads(arguments.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{arguments} is not valid JSON: {exc}") from None
+        options = json.loads(arguments.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {arguments}: {exc.strerror or exc}") from None
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError for absurdly deep nesting.
+    except (ValueError, RecursionError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{arguments} is not valid JSON: {reason[:200]}") from None
+    if not isinstance(options, dict):
+        raise CheckpointError(f"{arguments} is not a JSON object of options: not a cnns run folder")
+    try:
+        check_option_types(options, str(arguments), strings_are_parsed=False)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:  # every option a run needs is there (a KeyError otherwise) and of a usable kind
+        RunConfig.from_options(options)
+    except KeyError as exc:
+        raise CheckpointError(f"{arguments} lacks the option {exc.args[0]!r}: not the arguments of a cnns run") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{arguments} holds options that do not make a run: {reason[:200]}") from None
+    return options
 
 
 def restore_main(argv: list[str]) -> int:
