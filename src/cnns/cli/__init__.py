@@ -22,7 +22,8 @@ from cnns.cli.options import IPU_ONLY_OPTIONS, build_parser
 from cnns.config import load_named_config, resolve
 from cnns.errors import CnnsError, ConfigError
 
-COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "bench-data", "splits", "plot")
+COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "bench-data", "splits", "plot",
+            "predict", "export")
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -123,6 +124,8 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
         "bench-data": commands.bench_data_main,
         "splits": commands.splits_main,
         "plot": commands.plot_main,
+        "predict": commands.predict_main,
+        "export": commands.export_main,
     }[command]
 
 

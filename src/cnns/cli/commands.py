@@ -337,3 +337,15 @@ def plot_main(argv: list[str]) -> int:
     from cnns.cli.plot import plot_main as plot
 
     return plot(argv)
+
+
+def predict_main(argv: list[str]) -> int:
+    from cnns.inference.predict import predict_main as predict
+
+    return predict(argv)
+
+
+def export_main(argv: list[str]) -> int:
+    from cnns.inference.export import export_main as export
+
+    return export(argv)

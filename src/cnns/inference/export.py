@@ -1,0 +1,227 @@
+"""`cnns export`: a trained run's model as a portable file, for use outside cnns.
+
+```
+cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q --format onnx --out rn8.onnx
+cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 --eight-bit-io \
+    --batch-size 16 --out rn8.pt2
+```
+
+* **Which weights.** `--restore-path` as for `cnns predict` (a run folder: its newest checkpoint; or
+  one checkpoint or weight-average file), `--weights raw|ema`; the model is rebuilt from the run's
+  arguments.json (`cnns.inference.predict.restore_model`).
+* **Precision.** Always float32, whatever the training precision: a 16.16 run's bfloat16 (or float16)
+  weights are converted to float32 (exactly), so the file runs on any CPU or GPU runtime, and its
+  results do not depend on a half type the target may only emulate.
+* **Input.** By default ``images``: float32 NCHW, RGB, already normalised as training normalises
+  (``(pixel / 255 - mean) / std`` with the run's constants, printed). With ``--eight-bit-io``:
+  uint8 NHWC RGB pixels 0..255, the normalisation folded into the graph (as
+  `cnns.engine.embedded.NormalisedClassifier`, the seed's 8-bit I/O). Images must already be
+  image_size x image_size (resized and cropped as `cnns predict` does). The output ``logits`` is
+  float32 [batch, classes]: softmax gives probabilities.
+* **Batch size.** ``--batch-size dynamic`` (the default) exports the batch dimension as a
+  `torch.export.Dim` (any size from 1); ``--batch-size N`` fixes it to N.
+* **Formats.**
+  ``onnx``: torch's dynamo exporter (``torch.onnx.export(..., dynamo=True)``) at ONNX opset 18,
+  the opset of the ONNX functions (onnxscript's torchlib) that it translates ATen operators to, so
+  no version conversion is applied; one self-contained file (weights inside). Runs in onnxruntime.
+  ``pt2``: ``torch.export`` then AOTInductor (``torch._inductor.aoti_compile_and_package``), as
+  ``inference_embedded.py`` compiles: a package of compiled native code for this machine's kind of
+  device (``--device``, CPU by default). Loading it needs PyTorch
+  (``torch._inductor.aoti_load_package``) but not cnns; compilation takes tens of seconds on a CPU.
+* The file is written under a temporary name in the destination folder and renamed, so `--out`
+  never holds a partial file; an existing file of that name is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cnns.errors import ConfigError
+from cnns.inference.predict import WEIGHT_CHOICES, RestoredModel, restore_model
+
+ONNX_OPSET = 18
+INPUT_NAME = "images"
+OUTPUT_NAME = "logits"
+# The example batch traced for a dynamic batch dimension: 0 and 1 would be specialised by torch.export.
+DYNAMIC_EXAMPLE_BATCH = 2
+
+
+class FloatClassifier(nn.Module):
+    """float32 NCHW normalised images -> float32 logits (names the graph's input "images")."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images).float()
+
+
+def exportable_module(restored: RestoredModel, eight_bit_io: bool) -> nn.Module:
+    """The module to export: the float32 model, behind the 8-bit normalisation when asked."""
+    if not eight_bit_io:
+        return FloatClassifier(restored.model).eval()
+    from cnns.data.augment import IMAGENET_MEAN, normalise
+    from cnns.engine.embedded import NormalisedClassifier
+
+    # NormalisedClassifier subtracts the ImageNet mean, as the device feed always does.
+    if restored.mean != tuple(float(v) for v in IMAGENET_MEAN):
+        raise ConfigError(f"{restored.checkpoint}: the run's input mean {restored.mean} is not the ImageNet mean "
+                          "that the 8-bit graph subtracts")
+    # normalise() caches its constants per device: make them here, outside tracing, so that the
+    # traced graph and later eager calls both see real tensors.
+    normalise(torch.zeros(1, 1, 1, 3, dtype=torch.uint8, device=restored.device), restored.mean, restored.std,
+              torch.float32)
+    return NormalisedClassifier(restored.model, restored.std, torch.float32).eval()
+
+
+def example_input(restored: RestoredModel, batch: int, eight_bit_io: bool) -> torch.Tensor:
+    size = restored.image_size
+    generator = torch.Generator().manual_seed(0)
+    if eight_bit_io:
+        images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, generator=generator)
+    else:
+        images = torch.randn(batch, 3, size, size, generator=generator)
+    return images.to(restored.device)
+
+
+def _dynamic_shapes(dynamic: bool):
+    if not dynamic:
+        return None
+    return ({0: torch.export.Dim("batch", min=1)},)
+
+
+def _temporary_path(out: Path, suffix: str) -> Path:
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp{suffix}")
+
+
+def export_onnx(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Path) -> int:
+    """Write the ONNX graph to `out` (atomically); returns its default-domain opset."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, (example,), dynamo=True, opset_version=ONNX_OPSET,
+                                    input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                                    dynamic_shapes=_dynamic_shapes(dynamic), verbose=False)
+    temporary = _temporary_path(out, ".onnx")
+    try:
+        program.save(str(temporary), external_data=False)
+        os.replace(temporary, out)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return next(entry.version for entry in program.model_proto.opset_import if entry.domain in ("", "ai.onnx"))
+
+
+def export_pt2(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Path) -> None:
+    """torch.export + AOTInductor into a .pt2 package at `out` (atomically)."""
+    temporary = _temporary_path(out, ".pt2")  # aoti_compile_and_package wants the .pt2 suffix
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(module, (example,), dynamic_shapes=_dynamic_shapes(dynamic))
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary))
+        os.replace(temporary, out)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def input_spec_lines(restored: RestoredModel, batch: int | None, eight_bit_io: bool) -> list[str]:
+    size = restored.image_size
+    batch_text = "batch" if batch is None else str(batch)
+    dynamic = " (batch dynamic: any size from 1)" if batch is None else ""
+    mean = ", ".join(f"{v:g}" for v in restored.mean)
+    std = ", ".join(f"{v:g}" for v in restored.std)
+    if eight_bit_io:
+        first = (f"input  {INPUT_NAME}: uint8 [{batch_text}, {size}, {size}, 3]{dynamic}, layout NHWC, RGB pixels "
+                 f"0..255, {size}x{size} (normalised inside the graph: (x/255 - mean)/std, mean ({mean}), "
+                 f"std ({std}))")
+    else:
+        first = (f"input  {INPUT_NAME}: float32 [{batch_text}, 3, {size}, {size}]{dynamic}, layout NCHW, RGB, "
+                 f"{size}x{size}, normalised: (x/255 - mean)/std for pixels x in 0..255, mean ({mean}), std ({std})")
+    return [first, f"output {OUTPUT_NAME}: float32 [{batch_text}, {restored.num_classes}] (logits; softmax for "
+                   "probabilities)"]
+
+
+def usage_line(fmt: str, out: Path) -> str:
+    if fmt == "onnx":
+        return (f"import onnxruntime as ort; logits = ort.InferenceSession({str(out)!r}, "
+                f"providers=['CPUExecutionProvider']).run(None, {{{INPUT_NAME!r}: images}})[0]  "
+                "# images: a numpy array as above")
+    return (f"import torch; logits = torch._inductor.aoti_load_package({str(out)!r})(images)  "
+            "# images: a torch tensor as above, on the package's device")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cnns export",
+        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32).")
+    parser.add_argument("--restore-path", required=True,
+                        help="A run folder (its newest ckpt-N.pt) or one checkpoint file in it "
+                             "(ckpt-N.pt, weight_avg_*.pt).")
+    parser.add_argument("--format", required=True, choices=("onnx", "pt2"),
+                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package.")
+    parser.add_argument("--out", required=True, help="The file to write (replaced if it exists).")
+    parser.add_argument("--batch-size", default="dynamic",
+                        help="A fixed batch size N, or dynamic (the default): any batch size.")
+    parser.add_argument("--eight-bit-io", action="store_true",
+                        help="Take uint8 NHWC images 0..255 and normalise inside the graph (default: float32 NCHW, "
+                             "already normalised).")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw",
+                        help="raw: the checkpoint's weights; ema: its moving average (--ema-decay runs).")
+    parser.add_argument("--device", default="cpu",
+                        help="pt2 only: the device the package is compiled for (cpu, cuda, cuda:N; default cpu). "
+                             "An ONNX graph is device-independent and is exported on the CPU.")
+    return parser
+
+
+def _batch_size(value: str) -> int | None:
+    """None for dynamic, else the fixed batch size."""
+    if value.strip().lower() == "dynamic":
+        return None
+    try:
+        batch = int(value)
+    except ValueError:
+        raise ConfigError(f"--batch-size must be a positive integer or dynamic, got {value!r}") from None
+    if batch < 1:
+        raise ConfigError(f"--batch-size must be a positive integer or dynamic, got {value!r}")
+    return batch
+
+
+def export_main(argv: list[str]) -> int:
+    from cnns.engine.build import resolve_device
+
+    args = build_parser().parse_args(argv)
+    batch = _batch_size(args.batch_size)
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
+    device = resolve_device(args.device) if args.format == "pt2" else torch.device("cpu")
+    restored = restore_model(args.restore_path, args.weights, device)
+    module = exportable_module(restored, args.eight_bit_io)
+    example = example_input(restored, batch or DYNAMIC_EXAMPLE_BATCH, args.eight_bit_io)
+    dynamic = batch is None
+    if args.format == "onnx":
+        opset = export_onnx(module, example, dynamic, out)
+        what = f"ONNX, opset {opset} (torch.onnx.export dynamo=True)"
+    else:
+        export_pt2(module, example, dynamic, out)
+        what = f"AOTInductor .pt2 package for {device.type} (loads with torch, not cnns)"
+    print(f"Exported {restored.checkpoint} ({restored.weights} weights, {restored.description}) to {out}: {what}")
+    if restored.trained_precision == "32.32":
+        print("weights: float32 (the run trained in 32.32)")
+    else:
+        print(f"weights: float32, converted from the half-precision weights of the {restored.trained_precision} run")
+    for line in input_spec_lines(restored, batch, args.eight_bit_io):
+        print(line)
+    print(f"run: {usage_line(args.format, out)}")
+    return 0
+
+
+__all__ = ["export_main", "export_onnx", "export_pt2", "exportable_module", "ONNX_OPSET"]

@@ -1,0 +1,399 @@
+"""`cnns predict`: classify image files with a trained run's model.
+
+```
+cnns predict --restore-path logs/RN8_bs32_BN_16.16_X7Q photo.jpg more-photos/ [--top-k 5] [--json]
+             [--weights raw|ema] [--batch-size 64] [--device cpu|cuda]
+```
+
+What it does, step by step:
+
+* **Model.** `--restore-path` is a run folder (its newest ``ckpt-<iteration>.pt``) or one checkpoint
+  file of a run folder (``ckpt-N.pt``, or a weight average ``weight_avg_*.pt``). The model is rebuilt
+  from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
+  (`cnns.cli.commands._evaluation_options` + `RunConfig.from_options`), the checkpoint's ``"model"``
+  entry (or with ``--weights ema`` its ``"ema"`` entry, the float32 moving average of ``--ema-decay``)
+  is loaded, and the model runs in **float32** in eval mode whatever the training precision: a 16.16
+  checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
+  the same answer on every CPU and GPU (the validation after training computes in the half type, so
+  its probabilities can differ from ours in the third decimal).
+* **Images.** Each argument is an image file (JPEG, PNG, WebP, GIF, BMP; decoded by
+  ``torchvision.io.decode_image`` to RGB, PIL for the rest, via `cnns.data.imagefolder.decode_rgb`)
+  or a folder, which means every image file under it (by extension, recursively, hidden entries
+  skipped), sorted by path. A missing path, or a folder without images, stops the command before
+  anything runs (`CnnsError`). A file that cannot be read or decoded is named on stderr in one line
+  (``error: cannot decode <path>: <reason>``), the other images are still predicted, and the exit
+  code is 1 (0 when every image was predicted).
+* **Preprocessing.** As the run's evaluation data is prepared:
+  ImageNet-sized models get `cnns.data.imagenet.evaluation_transform` (short side resized to
+  image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
+  CIFAR-10/100 and the built-in dataset take a 32x32 image as it is; any other size is brought to
+  32x32 by resizing its short side to 32 (antialiased) and cropping the centre 32x32 square: the
+  aspect ratio is kept (a circle stays a circle; a plain resize would squash it), and no margin is
+  cropped away, because CIFAR objects fill the frame. Then the uint8 NHWC batch is normalised as
+  training normalises it on the device (`cnns.engine.feed.DeviceFeed`'s constants through
+  `cnns.data.augment.normalise`): minus the ImageNet mean, divided by the ImageNet std with
+  ``--normalise-input`` and by 1 without it (the seed's mean subtraction).
+* **Output.** Per image, in order, one line ``path: label (p), label (p), ...`` with the top-k
+  classes and their softmax probabilities (4 decimals), or with ``--json`` one JSON object per line:
+  ``{"path": ..., "top_k": [{"class": index, "label": name, "probability": p}, ...]}``. A line on
+  stderr says which checkpoint and weights were used and where the class names come from.
+* **Class names**, in the dataset's class-index order: CIFAR-10's ``batches.meta.txt`` and CIFAR-100's
+  ``fine_label_names.txt`` (one name a line, as the official binary archives ship them) from the run's
+  data folder or its archive subfolder; the built-in dataset's shape names; an ImageNet JPEG tree's
+  class folder names (sorted: the dataset's class index). ImageNet TFRecords carry no class list that
+  the reader exposes, and a file with the wrong number of names is not trusted: then, and when the
+  run's data folder is not there, the class index is the label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from cnns.errors import CheckpointError, CnnsError, ConfigError, DataError
+
+WEIGHT_CHOICES = ("raw", "ema")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rebuilding a run's model (shared with cnns export)
+
+
+@dataclass
+class RestoredModel:
+    """A run's model with one checkpoint's weights, float32, eval mode, on `device`."""
+
+    cfg: object  # cnns.config.RunConfig
+    model: nn.Module
+    checkpoint: Path
+    weights: str  # "raw" or "ema"
+    trained_precision: str  # e.g. "16.16 (bfloat16)"
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    device: torch.device
+
+    @property
+    def description(self) -> str:
+        from cnns.models.spec import display_name
+
+        return display_name(self.cfg.model)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.cfg.model.image_size)
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.cfg.model.num_classes)
+
+
+def resolve_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
+    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
+    from cnns.checkpoint import list_checkpoints
+
+    path = Path(restore_path)
+    if path.is_dir():
+        checkpoints = list_checkpoints(path)
+        if not checkpoints:
+            raise CheckpointError(f"--restore-path {path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
+        return path, checkpoints[-1][1]
+    if path.is_file():
+        return path.parent, path
+    raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
+
+
+def run_config(folder: Path, checkpoint: Path):
+    """The run's RunConfig, rebuilt from its arguments.json as validation.py does."""
+    from cnns.cli import parse_options
+    from cnns.cli.commands import _evaluation_options
+    from cnns.config import RunConfig
+
+    if not (folder / "arguments.json").is_file():
+        raise CheckpointError(f"{folder} has no arguments.json: cannot tell which model {checkpoint.name} holds "
+                              "(--restore-path must be a cnns run folder or a checkpoint inside one)")
+    values, _ = parse_options("validate", ["--restore-path", str(checkpoint)])
+    options, _ = _evaluation_options(values)
+    return RunConfig.from_options(options)
+
+
+def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) on the 0..1 scale, as the device feed normalises training and validation batches."""
+    from cnns.engine.feed import DeviceFeed
+
+    feed = DeviceFeed(torch.device("cpu"), torch.float32, imagenet_normalisation=cfg.data.normalise_imagenet)
+    return tuple(float(v) for v in feed.mean), tuple(float(v) for v in feed.std)
+
+
+def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.device | str = "cpu") -> RestoredModel:
+    """Rebuild the run's model and load a checkpoint's raw or EMA weights, in float32, eval mode.
+
+    CheckpointError (one line, naming the file) for a missing or foreign checkpoint, a run folder
+    without arguments.json, weights that do not fit the model, or --weights ema on a checkpoint
+    that holds no moving average."""
+    from cnns.checkpoint import check_matches_model, load_checkpoint
+    from cnns.models import build_model
+
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
+    device = torch.device(device)
+    folder, checkpoint = resolve_checkpoint(restore_path)
+    cfg = run_config(folder, checkpoint)
+    state = load_checkpoint(checkpoint)
+    if weights == "ema":
+        if "ema" not in state:
+            raise CheckpointError(f"{checkpoint} holds no moving average ('ema' entry): the run was trained "
+                                  "without --ema-decay; use --weights raw")
+        state_dict = state["ema"]
+    else:
+        state_dict = state["model"]
+    model = build_model(cfg.model)
+    description = f"{cfg.model.arch}-{cfg.model.size}"
+    check_matches_model(checkpoint, state_dict, model.state_dict(), description)
+    model.load_state_dict(state_dict)  # half-precision tensors are converted to the float32 parameters
+    model = model.float().to(device).eval()
+    precision = cfg.precision.precision
+    trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
+    mean, std = input_normalisation(cfg)
+    return RestoredModel(cfg, model, checkpoint, weights, trained, mean, std, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Class names
+
+
+def data_folder(cfg, run_folder: Path | None = None) -> Path | None:
+    """The run's data folder, if it is still there. arguments.json keeps --data-dir as it was given:
+    a relative one is tried from here, then from where training ran (the run folder is
+    <training directory>/<--log-dir>/<run name> unless --logs-path placed it elsewhere)."""
+    if cfg.data.source != "files" or not cfg.data.data_dir:
+        return None
+    folder = Path(cfg.data.data_dir)
+    candidates = [folder]
+    log_dir = Path(cfg.log.log_dir) if cfg.log.log_dir else None
+    if (not folder.is_absolute() and run_folder is not None and log_dir is not None and not log_dir.is_absolute()
+            and not cfg.log.logs_path):
+        up = len(log_dir.parts) + 1
+        parents = run_folder.resolve().parents
+        if up <= len(parents) - 1:
+            candidates.append(parents[up - 1] / folder)
+    return next((candidate for candidate in candidates if candidate.is_dir()), None)
+
+
+def class_names(cfg, run_folder: Path | None = None) -> tuple[list[str] | None, str]:
+    """(names in class-index order or None, where they come from)."""
+    from cnns.data.builtin import BUILTIN_CLASSES
+
+    count = int(cfg.model.num_classes)
+    dataset = cfg.data.dataset
+    if dataset == "builtin":
+        return list(BUILTIN_CLASSES), "the built-in dataset"
+    folder = data_folder(cfg, run_folder)
+    if folder is None:
+        return None, "none (class indices)"
+    found: tuple[list[str], str] | None = None
+    if dataset in ("cifar-10", "cifar-100"):
+        found = _cifar_names(folder, dataset)
+    elif dataset == "imagenet":
+        found = _jpeg_tree_names(folder)
+    if found is None:
+        return None, "none (class indices)"
+    names, source = found
+    if len(names) != count:
+        print(f"notice: {source} lists {len(names)} class names for a {count}-class model: "
+              "printing class indices instead", file=sys.stderr)
+        return None, "none (class indices)"
+    return names, source
+
+
+def _cifar_names(folder: Path, dataset: str) -> tuple[list[str], str] | None:
+    filename, subfolder = (("batches.meta.txt", "cifar-10-batches-bin") if dataset == "cifar-10"
+                           else ("fine_label_names.txt", "cifar-100-binary"))
+    for place in (folder, folder / subfolder):
+        path = place / filename
+        if path.is_file():
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                return None
+            # The archives end the list with blank lines (and some copies with trailing spaces).
+            return [line.strip() for line in text.splitlines() if line.strip()], str(path)
+    return None
+
+
+def _jpeg_tree_names(folder: Path) -> tuple[list[str], str] | None:
+    from cnns.data.imagefolder import find_split_folder, list_classes
+
+    # The dataset numbers classes by the training folder's sub-folders when there is one.
+    for split in ("train", "validation"):
+        split_folder = find_split_folder(folder, split)
+        if split_folder is not None:
+            names = list_classes(split_folder)
+            if names:
+                return names, f"the class folders of {split_folder}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Images
+
+
+def image_files(arguments: Sequence[str]) -> list[Path]:
+    """The files to predict: files as given, folders as their image files (recursive, sorted)."""
+    from cnns.data.imagefolder import IMAGE_EXTENSIONS
+
+    files: list[Path] = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            found = sorted(
+                entry for entry in path.rglob("*")
+                if entry.suffix.lower() in IMAGE_EXTENSIONS and entry.is_file()
+                and not any(part.startswith(".") for part in entry.relative_to(path).parts)
+            )
+            if not found:
+                raise DataError(f"{path}: no image files ({', '.join(sorted(IMAGE_EXTENSIONS))}) in the folder "
+                                "or its sub-folders")
+            files.extend(found)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise DataError(f"image not found: {path}")
+    return files
+
+
+def evaluation_transform(cfg):
+    """uint8 [3, H, W] -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring)."""
+    from torchvision.transforms import v2
+
+    from cnns.config import CIFAR_LIKE
+
+    size = int(cfg.model.image_size)
+    if cfg.data.dataset in CIFAR_LIKE:
+        fit = v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+        def cifar(image: torch.Tensor) -> torch.Tensor:
+            if tuple(image.shape[1:]) != (size, size):
+                image = fit(image)
+            return image.permute(1, 2, 0)
+
+        return cifar
+    from cnns.data.imagenet import evaluation_transform as imagenet_evaluation
+
+    imagenet = imagenet_evaluation(size)
+
+    def transform(image: torch.Tensor) -> torch.Tensor:
+        return imagenet(image).permute(1, 2, 0)
+
+    return transform
+
+
+def _failure_reason(error: Exception, path: Path) -> str:
+    """decode_rgb's message without its leading "<path>: cannot decode image (...)" frame."""
+    text = str(error)
+    prefix = f"{path}: cannot decode image ("
+    if text.startswith(prefix) and text.endswith(")"):
+        return text[len(prefix):-1]
+    return text
+
+
+def decoded_images(files: Sequence[Path], transform) -> Iterator[tuple[Path, torch.Tensor | None]]:
+    """(path, uint8 HWC image) per file, or (path, None) after naming the failure on stderr."""
+    from cnns.data.imagefolder import decode_rgb
+
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            print(f"error: cannot read {path}: {error.strerror or error}", file=sys.stderr)
+            yield path, None
+            continue
+        try:
+            image = decode_rgb(data, str(path))
+        except DataError as error:
+            print(f"error: cannot decode {path}: {_failure_reason(error, path)}", file=sys.stderr)
+            yield path, None
+            continue
+        yield path, transform(image).contiguous()
+
+
+def _batches(items: Iterator[tuple[Path, torch.Tensor | None]], size: int):
+    batch: list[tuple[Path, torch.Tensor]] = []
+    for path, image in items:
+        if image is None:
+            continue
+        batch.append((path, image))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cnns predict",
+        description="Classify image files with a trained run's model: top-k labels and probabilities per image.")
+    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
+                        help="Image files (JPEG, PNG, ...) or folders of them (searched recursively).")
+    parser.add_argument("--restore-path", required=True,
+                        help="A run folder (its newest ckpt-N.pt) or one checkpoint file in it "
+                             "(ckpt-N.pt, weight_avg_*.pt).")
+    parser.add_argument("--top-k", type=int, default=5, help="Classes printed per image (default 5).")
+    parser.add_argument("--json", action="store_true", help="One JSON object per image and line.")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw",
+                        help="raw: the checkpoint's weights; ema: its moving average (--ema-decay runs).")
+    parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+    return parser
+
+
+def predict_main(argv: list[str]) -> int:
+    from cnns.data.augment import normalise
+    from cnns.engine.build import resolve_device
+
+    args = build_parser().parse_args(argv)
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    files = image_files(args.images)
+    device = resolve_device(args.device)
+    restored = restore_model(args.restore_path, args.weights, device)
+    names, names_source = class_names(restored.cfg, restored.checkpoint.parent)
+    top_k = min(args.top_k, restored.num_classes)
+    print(f"predict: {restored.checkpoint} ({restored.weights} weights), {restored.description}, "
+          f"{restored.num_classes} classes, names from {names_source}", file=sys.stderr)
+    transform = evaluation_transform(restored.cfg)
+    failures = len(files)
+    for batch in _batches(decoded_images(files, transform), args.batch_size):
+        images = torch.stack([image for _, image in batch]).to(device)
+        with torch.inference_mode():
+            logits = restored.model(normalise(images, restored.mean, restored.std, torch.float32)).float()
+            probabilities = torch.softmax(logits, dim=1)
+            values, indices = probabilities.topk(top_k, dim=1)
+        for (path, _), row_values, row_indices in zip(batch, values.tolist(), indices.tolist()):
+            failures -= 1
+            labels = [names[i] if names is not None else str(i) for i in row_indices]
+            if args.json:
+                print(json.dumps({"path": str(path), "top_k": [
+                    {"class": index, "label": label, "probability": value}
+                    for index, label, value in zip(row_indices, labels, row_values)]}))
+            else:
+                print(f"{path}: " + ", ".join(f"{label} ({value:.4f})" for label, value in zip(labels, row_values)))
+        sys.stdout.flush()
+    return 1 if failures else 0
+
+
+__all__ = ["predict_main", "restore_model", "RestoredModel", "class_names", "evaluation_transform",
+           "image_files", "input_normalisation", "CnnsError"]

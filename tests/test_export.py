@@ -1,0 +1,171 @@
+"""cnns export: ONNX (onnxruntime) and AOTInductor .pt2 files of a 16.16-trained checkpoint compute the
+eager float32 model's logits, for float NCHW and for uint8 NHWC (--eight-bit-io) input."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from cnns.checkpoint import list_checkpoints
+from cnns.data.augment import IMAGENET_MEAN, normalise
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+from cnns.errors import CnnsError
+from cnns.inference.export import ONNX_OPSET, export_main
+from cnns.models import ModelSpec, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIT_STD = (1.0, 1.0, 1.0)  # the run trains without --normalise-input: mean subtraction only
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A ResNet-8 trained in 16.16 with bfloat16 weights (2 epochs of 640 drawn shapes)."""
+    root = tmp_path_factory.mktemp("export")
+    images, labels = draw_shapes(672, seed=8)
+    write_cifar10(root / "data", (images[:640], labels[:640]), (images[640:], labels[640:]))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(root / "data"),
+         "--model-size", "8", "--precision", "16.16", "--half-dtype", "bfloat16", "--epochs", "2",
+         "--ckpts-per-epoch", "0", "--seed", "1", "--no-validation", "--log-dir", str(root / "logs")],
+        capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    folder = Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+    return list_checkpoints(folder)[-1][1]
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoint) -> torch.nn.Module:
+    """The reference: the checkpoint's weights in a float32 ResNet-8, built here from the model code."""
+    state = torch.load(checkpoint, weights_only=True)["model"]
+    assert state["conv1.weight"].dtype == torch.bfloat16  # 16.16 really saved half-precision weights
+    model = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
+    model.load_state_dict(state)
+    return model.float().eval()
+
+
+def eager_logits(model: torch.nn.Module, images: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        if images.dtype == torch.uint8:
+            images = normalise(images, IMAGENET_MEAN, UNIT_STD, torch.float32)
+        return model(images).numpy()
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Within 1e-4 of the eager logits, relative to their scale (absolute below 1)."""
+    assert actual.shape == expected.shape and actual.dtype == np.float32
+    scale = max(1.0, float(np.abs(expected).max()))
+    error = float(np.abs(actual - expected).max())
+    print(f"max |logit difference| {error:.2e} (logit scale {scale:.1f})")
+    assert error <= 1e-4 * scale, (error, scale)
+
+
+def export(capsys, *argv: str) -> str:
+    assert export_main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def float_images(batch: int, seed: int) -> torch.Tensor:
+    """Normalised-looking input: uint8 pixels minus the ImageNet mean, as the run trains on."""
+    pixels = torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return normalise(pixels, IMAGENET_MEAN, UNIT_STD, torch.float32).contiguous()
+
+
+def uint8_images(batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def onnx_session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_onnx_float_input_with_a_dynamic_batch_computes_the_eager_logits(checkpoint, eager, tmp_path, capsys):
+    path = tmp_path / "model.onnx"
+    out = export(capsys, "--restore-path", str(checkpoint), "--format", "onnx", "--batch-size", "dynamic",
+                 "--out", str(path))
+    printed_opset = int(re.search(r"opset (\d+)", out).group(1))
+    model_opset = next(entry.version for entry in onnx.load(str(path)).opset_import if entry.domain in ("", "ai.onnx"))
+    assert printed_opset == model_opset == ONNX_OPSET == 18, (printed_opset, model_opset)
+    assert "float32 [batch, 3, 32, 32]" in out and "NCHW" in out and "mean (0.485, 0.456, 0.406), std (1, 1, 1)" in out
+    assert "converted from the half-precision weights of the 16.16 (bfloat16) run" in out
+    assert "onnxruntime" in out
+    session = onnx_session(path)
+    [graph_input] = session.get_inputs()
+    assert graph_input.name == "images" and graph_input.type == "tensor(float)"
+    assert isinstance(graph_input.shape[0], str) and graph_input.shape[1:] == [3, 32, 32]  # symbolic batch
+    for batch, seed in ((1, 1), (5, 2)):
+        images = float_images(batch, seed)
+        [logits] = session.run(None, {"images": images.numpy()})
+        assert_close(logits, eager_logits(eager, images))
+
+
+def test_onnx_eight_bit_input_computes_the_eager_logits_at_two_batch_sizes(checkpoint, eager, tmp_path, capsys):
+    path = tmp_path / "model-u8.onnx"
+    out = export(capsys, "--restore-path", str(checkpoint), "--format", "onnx", "--eight-bit-io", "--out", str(path))
+    assert "uint8 [batch, 32, 32, 3]" in out and "NHWC" in out and "0..255" in out
+    session = onnx_session(path)
+    assert session.get_inputs()[0].type == "tensor(uint8)"
+    for batch, seed in ((2, 3), (7, 4)):
+        images = uint8_images(batch, seed)
+        [logits] = session.run(None, {"images": images.numpy()})
+        assert_close(logits, eager_logits(eager, images))
+
+
+def test_onnx_fixed_batch(checkpoint, eager, tmp_path, capsys):
+    path = tmp_path / "model-b4.onnx"
+    out = export(capsys, "--restore-path", str(checkpoint), "--format", "onnx", "--batch-size", "4", "--out", str(path))
+    assert "float32 [4, 3, 32, 32]" in out
+    session = onnx_session(path)
+    assert session.get_inputs()[0].shape == [4, 3, 32, 32]
+    images = float_images(4, 5)
+    assert_close(session.run(None, {"images": images.numpy()})[0], eager_logits(eager, images))
+
+
+@pytest.fixture(scope="module")
+def pt2_package(checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """One AOTInductor compilation (tens of seconds): uint8 NHWC input, dynamic batch."""
+    path = tmp_path_factory.mktemp("pt2") / "model.pt2"
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert export_main(["--restore-path", str(checkpoint), "--format", "pt2", "--eight-bit-io",
+                            "--out", str(path)]) == 0
+    return path, printed.getvalue()
+
+
+def test_pt2_package_computes_the_eager_logits(pt2_package, eager):
+    path, out = pt2_package
+    assert "aoti_load_package" in out and "uint8 [batch, 32, 32, 3]" in out
+    assert not list(path.parent.glob(".*tmp*"))  # written under a temporary name, then renamed
+    runner = torch._inductor.aoti_load_package(str(path))
+    for batch, seed in ((1, 6), (6, 7)):
+        images = uint8_images(batch, seed)
+        logits = runner(images)
+        assert logits.dtype == torch.float32
+        assert_close(logits.numpy(), eager_logits(eager, images))
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batch-size", "many"], "--batch-size"),
+    (["--out", "/nonexistent-folder/model.onnx"], "/nonexistent-folder"),
+])
+def test_bad_options_are_one_line_errors(checkpoint, tmp_path, argv, text):
+    base = {"--format": "onnx", "--out": str(tmp_path / "m.onnx")}
+    for key, value in zip(argv[::2], argv[1::2]):
+        base[key] = value
+    flat = [item for pair in base.items() for item in pair]
+    with pytest.raises(CnnsError, match=re.escape(text)) as raised:
+        export_main(["--restore-path", str(checkpoint), *flat])
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "m.onnx").exists()

@@ -1,0 +1,244 @@
+"""cnns predict: a trained run's model classifies image files (PNG, JPEG, folders), top-k with names."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchvision.io import encode_jpeg, encode_png
+
+from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
+from cnns.data.cifar import write_cifar10
+from cnns.errors import CnnsError
+from cnns.inference.predict import predict_main
+
+ROOT = Path(__file__).resolve().parents[1]
+HELD_OUT = 100
+# torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+LINE = re.compile(r"^(?P<path>.+?): (?P<entries>.+)$")
+ENTRY = re.compile(r"^(?P<label>.+) \((?P<p>[0-9.]+)\)$")
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory) -> Path:
+    """A ResNet-8 trained for 10 epochs on 2000 drawn-shape images in CIFAR-10 format, with a
+    moving average of its weights (--ema-decay 0.9). About 89% on its 200 test images."""
+    root = tmp_path_factory.mktemp("predict")
+    data = root / "cifar-10"
+    images, labels = draw_shapes(2200, seed=4)
+    write_cifar10(data, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
+    # The class names as the CIFAR-10 binary archive ships them: one a line, then a blank line.
+    (data / "batches.meta.txt").write_text("\n".join(BUILTIN_CLASSES) + "\n\n")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
+         "--precision", "32.32", "--epochs", "10", "--warmup-epochs", "1", "--lr-schedule", "cosine",
+         "--optimiser", "momentum", "--base-learning-rate-exponent", "-8", "--ckpts-per-epoch", "0",
+         "--logs-per-epoch", "1", "--seed", "1", "--ema-decay", "0.9", "--no-validation",
+         "--log-dir", str(root / "logs")],
+        capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> tuple[Path, list[str]]:
+    """100 new drawings (a seed training never saw) as PNG files, and their true class names."""
+    folder = tmp_path_factory.mktemp("held-out")
+    images, labels = draw_shapes(HELD_OUT, seed=12345)
+    names = []
+    for index in range(HELD_OUT):
+        (folder / f"{index:03d}.png").write_bytes(encode_png(images[index].permute(2, 0, 1).contiguous()).numpy())
+        names.append(BUILTIN_CLASSES[int(labels[index])])
+    return folder, names
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """scikit-learn's two sample photographs (427 x 640), each as JPEG and as PNG."""
+    from sklearn.datasets import load_sample_images
+
+    folder = tmp_path_factory.mktemp("photos")
+    sample = load_sample_images()
+    for filename, array in zip(sample.filenames, sample.images):
+        stem = Path(filename).stem
+        chw = torch.from_numpy(np.array(array)).permute(2, 0, 1).contiguous()
+        (folder / f"{stem}.jpg").write_bytes(encode_jpeg(chw, quality=90).numpy())
+        (folder / f"{stem}.png").write_bytes(encode_png(chw).numpy())
+    return folder
+
+
+def predict(capsys, *argv: str) -> tuple[int, str, str]:
+    code = predict_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def parse_lines(out: str) -> dict[str, list[tuple[str, float]]]:
+    """{path: [(label, probability), ...]} from the plain output."""
+    parsed = {}
+    for line in out.splitlines():
+        match = LINE.match(line)
+        assert match, line
+        entries = []
+        for entry in match["entries"].split(", "):
+            found = ENTRY.match(entry)
+            assert found, line
+            entries.append((found["label"], float(found["p"])))
+        parsed[match["path"]] = entries
+    return parsed
+
+
+def accuracy(parsed: dict[str, list[tuple[str, float]]], folder: Path, names: list[str]) -> float:
+    correct = sum(parsed[str(folder / f"{i:03d}.png")][0][0] == names[i] for i in range(len(names)))
+    return correct / len(names)
+
+
+def test_held_out_drawings_are_mostly_predicted_correctly_with_the_runs_class_names(run_folder, held_out, capsys):
+    folder, names = held_out
+    code, out, err = predict(capsys, "--restore-path", str(run_folder), str(folder))
+    assert code == 0, err
+    parsed = parse_lines(out)
+    assert len(parsed) == HELD_OUT  # every file of the folder, once
+    assert list(parsed) == sorted(parsed)  # in path order
+    for entries in parsed.values():
+        assert len(entries) == 5 and all(label in BUILTIN_CLASSES for label, _ in entries)
+        probabilities = [p for _, p in entries]
+        assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0 + 5e-4
+    top1 = accuracy(parsed, folder, names)
+    print(f"held-out top-1 accuracy (raw weights): {top1:.0%}")
+    # Measured 89% (the run's own validation: 89%); chance is 10%, an untrained ResNet-8 ~10%.
+    assert top1 > 0.6, top1
+    assert "batches.meta.txt" in err  # where the names came from
+
+
+def test_moving_average_weights_predict_as_well(run_folder, held_out, capsys):
+    folder, names = held_out
+    code, out, err = predict(capsys, "--restore-path", str(run_folder), "--weights", "ema", "--top-k", "1",
+                             str(folder))
+    assert code == 0, err
+    parsed = parse_lines(out)
+    assert all(len(entries) == 1 for entries in parsed.values())
+    top1 = accuracy(parsed, folder, names)
+    print(f"held-out top-1 accuracy (EMA weights): {top1:.0%}")
+    assert top1 > 0.6, top1
+
+
+def test_a_checkpoint_file_gives_the_same_predictions_as_its_run_folder(run_folder, held_out, capsys):
+    folder, _ = held_out
+    files = [str(folder / f"{i:03d}.png") for i in range(8)]
+    newest = list_checkpoints(run_folder)[-1][1]
+    _, by_folder, _ = predict(capsys, "--restore-path", str(run_folder), "--json", "--batch-size", "3", *files)
+    _, by_file, _ = predict(capsys, "--restore-path", str(newest), "--json", *files)
+    assert by_folder == by_file
+
+
+def test_photographs_in_jpeg_and_png_get_top_k_lines(run_folder, photos, capsys):
+    code, out, err = predict(capsys, "--restore-path", str(run_folder), "--top-k", "3", str(photos))
+    assert code == 0, err
+    parsed = parse_lines(out)
+    assert sorted(Path(path).name for path in parsed) == ["china.jpg", "china.png", "flower.jpg", "flower.png"]
+    for entries in parsed.values():
+        assert len(entries) == 3 and all(label in BUILTIN_CLASSES for label, _ in entries)
+        assert 0.0 < sum(p for _, p in entries) <= 1.0 + 5e-4
+    # Bringing a photo to 32 x 32 (short side to 32, centre crop) does not depend on its file format
+    # beyond JPEG's loss: the same photo gets the same top class from its PNG and its JPEG.
+    for stem in ("china", "flower"):
+        assert parsed[str(photos / f"{stem}.png")][0][0] == parsed[str(photos / f"{stem}.jpg")][0][0]
+
+
+def test_json_lines_parse(run_folder, photos, capsys):
+    code, out, _ = predict(capsys, "--restore-path", str(run_folder), "--json", "--top-k", "10",
+                           str(photos / "china.jpg"), str(photos / "flower.png"))
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [record["path"] for record in records] == [str(photos / "china.jpg"), str(photos / "flower.png")]
+    for record in records:
+        top = record["top_k"]
+        assert len(top) == 10 and sorted(entry["class"] for entry in top) == list(range(10))
+        for entry in top:
+            assert entry["label"] == BUILTIN_CLASSES[entry["class"]] and 0.0 <= entry["probability"] <= 1.0
+        assert abs(sum(entry["probability"] for entry in top) - 1.0) < 1e-4  # all ten classes: the whole softmax
+
+
+def test_a_corrupt_image_is_named_and_the_others_are_still_predicted(run_folder, held_out, tmp_path, capsys):
+    source, _ = held_out
+    folder = tmp_path / "mixed"
+    (folder / "sub").mkdir(parents=True)
+    for index in range(3):
+        (folder / f"{index}.png").write_bytes((source / f"{index:03d}.png").read_bytes())
+    (folder / "sub" / "3.png").write_bytes((source / "003.png").read_bytes())
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    (folder / "notes.txt").write_text("not an image file: skipped by extension")
+    code, out, err = predict(capsys, "--restore-path", str(run_folder), str(folder))
+    assert code == 1
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: cannot decode {folder / 'broken.png'}: "), err
+    assert sorted(parse_lines(out)) == sorted(str(p) for p in [folder / "0.png", folder / "1.png", folder / "2.png",
+                                                              folder / "sub" / "3.png"])
+
+
+def one_image(folder: Path) -> Path:
+    image = folder / "one.png"
+    images, _ = draw_shapes(1, seed=3)
+    image.write_bytes(encode_png(images[0].permute(2, 0, 1).contiguous()).numpy())
+    return image
+
+
+def test_ema_weights_of_a_checkpoint_without_them_is_one_line_error(run_folder, tmp_path, capsys):
+    newest = list_checkpoints(run_folder)[-1][1]
+    state = load_checkpoint(newest)
+    del state["ema"]
+    copy = tmp_path / "no-ema"
+    copy.mkdir()
+    (copy / "arguments.json").write_text((run_folder / "arguments.json").read_text())
+    save_checkpoint(copy / newest.name, state)
+    image = one_image(tmp_path)
+    with pytest.raises(CnnsError) as raised:
+        predict_main(["--restore-path", str(copy), "--weights", "ema", str(image)])
+    message = str(raised.value)
+    assert "\n" not in message and str(copy / newest.name) in message and "--ema-decay" in message
+    # The raw weights of that checkpoint still predict.
+    assert predict(capsys, "--restore-path", str(copy), str(image))[0] == 0
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--top-k", "0", "x.png"], "--top-k"),
+    (["missing-image.png"], "missing-image.png"),
+])
+def test_bad_input_is_a_one_line_error(run_folder, argv, text):
+    with pytest.raises(CnnsError, match=re.escape(text)):
+        predict_main(["--restore-path", str(run_folder), *argv])
+
+
+def test_an_empty_folder_and_a_folder_without_arguments_json_are_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CnnsError, match="no image files"):
+        predict_main(["--restore-path", str(tmp_path), str(tmp_path / "empty")])
+    (tmp_path / "ckpt-1.pt").write_bytes(b"")
+    with pytest.raises(CnnsError, match="arguments.json"):
+        predict_main(["--restore-path", str(tmp_path), str(one_image(tmp_path))])
+
+
+def test_a_relative_data_dir_is_found_from_where_training_ran(run_folder, tmp_path, capsys):
+    """arguments.json keeps --data-dir as given; a run folder copied with its data keeps its names."""
+    copy = tmp_path / "logs" / run_folder.name
+    copy.mkdir(parents=True)
+    newest = list_checkpoints(run_folder)[-1][1]
+    (copy / newest.name).write_bytes(newest.read_bytes())
+    arguments = json.loads((run_folder / "arguments.json").read_text())
+    arguments.update(data_dir="shapes", log_dir="logs")
+    (copy / "arguments.json").write_text(json.dumps(arguments))
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "batches.meta.txt").write_text("\n".join(n.upper() for n in BUILTIN_CLASSES) + "\n")
+    code, out, err = predict(capsys, "--restore-path", str(copy), str(one_image(tmp_path)))
+    assert code == 0, err
+    labels = [label for label, _ in parse_lines(out)[str(tmp_path / "one.png")]]
+    assert labels and all(label in [n.upper() for n in BUILTIN_CLASSES] for label in labels)
