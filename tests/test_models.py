@@ -248,7 +248,7 @@ def test_splits_out_of_order_are_rejected():
     [
         ("resnet", "21", CIFAR, "unknown ResNet size 21 for CIFAR.*valid sizes: 8, 14, 20"),
         ("resnet", "18", CIFAR, "unknown ResNet size 18"),
-        ("resnet", "20", IMAGENET, "valid sizes: 18, 34, 50, 101, 152"),
+        ("resnet", "20", IMAGENET, "valid sizes: 10, 14, 18, 26, 34, 50, 101, 152"),
         ("resnext", "50", CIFAR, "unknown ResNeXt size 50"),
         ("efficientnet", "B9", IMAGENET, "unknown EfficientNet size B9"),
         ("vgg", "16", IMAGENET, "unknown model 'vgg'"),
@@ -296,9 +296,36 @@ def test_run_name_prefix(arch, size, image_size, prefix):
 
 def test_valid_sizes():
     assert valid_sizes("resnet", cifar=True) == ["8", "14", "20", "32", "44", "56", "110", "11", "29", "38", "47", "65"]
-    assert valid_sizes("resnet", cifar=False) == ["18", "34", "50", "101", "152"]
+    assert valid_sizes("resnet", cifar=False) == ["10", "14", "18", "26", "34", "50", "101", "152"]
     assert "29" in valid_sizes("resnext", cifar=True)
-    assert valid_sizes("resnext", cifar=False) == ["50", "101"]
+    assert valid_sizes("resnext", cifar=False) == ["14", "26", "50", "101", "152"]
     assert valid_sizes("efficientnet", cifar=False)[:8] == [f"B{i}" for i in range(8)]
     with pytest.raises(ModelError):
         valid_sizes("alexnet", cifar=False)
+
+
+@pytest.mark.parametrize("arch, size, parameters", [
+    ("resnext", "14", 9_411_880),  # the seed's pipelining tests print 9,415,016 with a 4th stem input channel
+    ("resnext", "26", 15_389_480),
+    ("resnet", "10", 5_418_792),
+    ("resnet", "14", 10_064_936),
+    ("resnet", "26", 15_995_176),
+])
+def test_the_seed_only_imagenet_depths(arch, size, parameters):
+    from cnns.models import ModelSpec, build_model, count_parameters
+
+    spec = ModelSpec(arch=arch, size=size, num_classes=1000, image_size=224, norm="batch", groups=32,
+                     convolution_groups=32, group_width=4)
+    model = build_model(spec)
+    assert count_parameters(model) == parameters
+    # depth = 2 (stem, classifier) + convolutions per unit x units
+    convs_per_unit = 2 if size == "10" else 3
+    assert 2 + convs_per_unit * sum(len(getattr(model, f"layer{i}")) for i in range(1, 5)) == int(size)
+
+
+def test_resnext_152_has_the_seed_units():
+    from cnns.models import ModelSpec, build_model
+
+    model = build_model(ModelSpec(arch="resnext", size="152", num_classes=10, image_size=224, norm="batch",
+                                  groups=32, convolution_groups=32, group_width=4))
+    assert [len(getattr(model, f"layer{i}")) for i in range(1, 5)] == [3, 8, 36, 3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import timm
 import torch
-from timm.models.resnet import Bottleneck, ResNet
+from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from torch import nn
 
 from .norms import norm_layer
@@ -16,8 +16,21 @@ CIFAR_RESNEXT_PLANES = (64, 128, 256)  # timm's Bottleneck expands each by 4
 CIFAR_STEM_WIDTH = 64  # Xie et al.'s stem; also the width timm's single-conv stem hands to layer1
 
 
+# The seed's shallow ImageNet depths, which timm has no named model for: units per stage of basic
+# (2 convolutions) or bottleneck (3) blocks, depth = convolutions per unit x units + stem + classifier.
+# Every stage's first unit has a projection shortcut, as in timm's ResNet (ResNeXt-14: 9,411,880
+# parameters, the seed's count less its 4th stem input channel).
+SEED_ONLY_DEPTHS = {"10": (BasicBlock, (1, 1, 1, 1)), "14": (Bottleneck, (1, 1, 1, 1)),
+                    "26": (Bottleneck, (2, 2, 2, 2))}
+
+
 def imagenet_resnet(spec: ModelSpec) -> ResNet:
-    """timm's resnet{18,34,50,101,152}: the torchvision layout, so standard weights load."""
+    """timm's resnet{18,34,50,101,152}: the torchvision layout, so standard weights load; ResNet-10/14/26
+    (the seed's) from timm's ResNet with the seed's unit counts."""
+    if spec.size in SEED_ONLY_DEPTHS:
+        block, layers = SEED_ONLY_DEPTHS[spec.size]
+        return ResNet(block=block, layers=layers, num_classes=spec.num_classes,
+                      norm_layer=norm_layer(spec.norm, spec.groups))
     return timm.create_model(
         f"resnet{spec.size}",
         pretrained=False,
@@ -27,7 +40,13 @@ def imagenet_resnet(spec: ModelSpec) -> ResNet:
 
 
 def imagenet_resnext(spec: ModelSpec) -> ResNet:
-    """timm's resnext{50,101}_32x4d with the cardinality and group width of the spec (32 and 4 by default)."""
+    """timm's resnext{50,101}_32x4d (and the seed's 14, 26 and 152 with timm's ResNet and the same
+    bottleneck units: 152 has 3/8/36/3 of them) with the spec's cardinality and group width (32, 4)."""
+    if spec.size in ("14", "26", "152"):
+        layers = {"14": (1, 1, 1, 1), "26": (2, 2, 2, 2), "152": (3, 8, 36, 3)}[spec.size]
+        return ResNet(block=Bottleneck, layers=layers, num_classes=spec.num_classes,
+                      cardinality=spec.convolution_groups, base_width=spec.group_width,
+                      norm_layer=norm_layer(spec.norm, spec.groups))
     return timm.create_model(
         f"resnext{spec.size}_32x4d",
         pretrained=False,

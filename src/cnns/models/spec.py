@@ -17,10 +17,10 @@ CIFAR_MAX_IMAGE_SIZE = 32
 # He et al. 2015: 6n+2 layers with basic blocks, 9n+2 with bottleneck blocks.
 CIFAR_RESNET_BASIC_SIZES = ("8", "14", "20", "32", "44", "56", "110")
 CIFAR_RESNET_BOTTLENECK_SIZES = ("11", "29", "38", "47", "65")
-IMAGENET_RESNET_SIZES = ("18", "34", "50", "101", "152")
+IMAGENET_RESNET_SIZES = ("10", "14", "18", "26", "34", "50", "101", "152")
 # ResNeXt-29 is Xie et al.'s; the seed also built the other 9n+2 depths (its default was 11).
 CIFAR_RESNEXT_SIZES = ("11", "29", "38", "47", "56", "65")
-IMAGENET_RESNEXT_SIZES = ("50", "101")
+IMAGENET_RESNEXT_SIZES = ("14", "26", "50", "101", "152")
 EFFICIENTNET_SIZES = tuple(f"B{i}" for i in range(8)) + ("cifar",)
 
 _DISPLAY_NAMES = {"resnet": "ResNet", "resnext": "ResNeXt", "efficientnet": "EfficientNet"}
