@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,31 +61,71 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict[str, Any]:
-    """Load with weights_only=True; a missing, truncated or foreign file is a CheckpointError.
+    """Load with weights_only=True; a missing, truncated, corrupt or foreign file is a CheckpointError.
 
-    `mmap=True` maps the tensors instead of reading them: a cheap way to check, before a command
-    writes anything, that a file is a whole checkpoint (a truncated zip has no central directory)
-    and to compare its keys and shapes with a model.
+    The zip records' CRCs are checked first (torch.load does not), so damaged bytes inside a tensor
+    are an error rather than wrong weights. `mmap=True` maps the tensors instead of reading them: a
+    cheap way to check, before a command writes anything, that a file is a whole checkpoint and to
+    compare its keys and shapes with a model.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    whole_archive = _check_records(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt files; all mean the same to a user
-        raise CheckpointError(f"cannot read checkpoint {path}: {_unreadable_reason(exc)}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {_unreadable_reason(exc, whole_archive)}") from None
     if not isinstance(state, dict) or not _is_state_dict(state.get("model")):
         raise CheckpointError(f"{path} is not a cnns checkpoint (no 'model' state dict)")
+    for key, kinds in _ENTRY_TYPES.items():
+        if key in state and not (isinstance(state[key], kinds) and not isinstance(state[key], bool)):
+            raise CheckpointError(f"{path} is not a cnns checkpoint: its {key!r} entry is a "
+                                  f"{type(state[key]).__name__}, not {' or '.join(k.__name__ for k in kinds)}")
+    if "ema" in state and not _is_state_dict(state["ema"]):
+        raise CheckpointError(f"{path} is not a cnns checkpoint: its 'ema' entry is not a state dict")
     return state
 
 
-def _unreadable_reason(exc: Exception) -> str:
+# The other entries that restore.py and validation.py read, when present, and their types.
+_ENTRY_TYPES: dict[str, tuple[type, ...]] = {
+    "iteration": (int,), "epoch": (int, float), "seed": (int,), "replicas": (int,),
+    "optimiser": (dict,), "loss_scaler": (dict,), "rng": (dict,),
+}
+
+
+def _check_records(path: Path) -> bool:
+    """torch.load does not check the CRC-32 that a checkpoint's zip archive keeps of each record, so
+    bytes damaged inside a tensor would load as wrong weights: check them (~40 ms per 200 MB).
+    Returns whether the file is a whole zip archive; one that is not (truncated, random bytes, the
+    legacy format) is left to torch.load."""
+    # zipfile, like torch.load, raises many types for damaged bytes (BadZipFile, zlib.error, EOFError,
+    # NotImplementedError for a flipped compression method, RuntimeError for a flipped encryption flag).
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # noqa: BLE001 - not a readable zip archive
+        return False
+    with archive:
+        try:
+            damaged = archive.testzip()  # the first record whose bytes do not match their CRC
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read checkpoint {path}: the file is corrupt "
+                                  f"({_unreadable_reason(exc, True)})") from None
+    if damaged is not None:
+        raise CheckpointError(f"cannot read checkpoint {path}: the file is corrupt "
+                              f"(record {damaged!r} does not match its CRC)")
+    return True
+
+
+def _unreadable_reason(exc: Exception, whole_archive: bool) -> str:
     """torch's messages for a damaged file are long and internal; say what they mean."""
     text = str(exc).strip()
-    if "central directory" in text or "zip archive" in text or "mmap can only be used" in text:
-        return "the file is truncated or is not a PyTorch checkpoint"
     if "Weights only load failed" in text:
         return "it holds objects other than tensors, refused by weights_only loading"
+    if not whole_archive or "central directory" in text or "zip archive" in text or "mmap can only be used" in text:
+        # torch's own words for these vary: "failed finding central directory", "[Errno 22] Invalid
+        # argument" (a third of a file), "invalid load key" (random bytes read as a legacy pickle).
+        return "the file is truncated or is not a PyTorch checkpoint"
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 

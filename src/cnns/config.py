@@ -10,9 +10,12 @@ which is all the rest of the package sees.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +44,139 @@ def default_configs_path() -> Path:
 
 
 def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The options of configuration `name`, YAML merge keys resolved."""
+    """The options of configuration `name`, YAML merge keys resolved.
+
+    ConfigError, naming the file, when it cannot be read, is not YAML, is not a mapping of
+    configuration names to mappings of options, or gives an option a value of the wrong type."""
     path = Path(path) if path else default_configs_path()
     try:
-        configs = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"configuration file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"configuration file {path} is not valid YAML: {exc}".splitlines()[0]) from None
-    if not isinstance(configs, dict) or name not in configs:
-        available = ", ".join(sorted(configs)) if isinstance(configs, dict) else "none"
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"configuration file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        configs = yaml.safe_load(text)
+    # PyYAML raises YAMLError for most bad text, but ValueError, TypeError or RecursionError from its
+    # constructors for some (an impossible date, a too deeply nested value): all mean "not valid YAML".
+    except Exception as exc:  # noqa: BLE001
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"configuration file {path} is not valid YAML: {reason}") from None
+    if not isinstance(configs, dict):
+        raise ConfigError(f"configuration file {path} does not map configuration names to options")
+    if name not in configs:
+        available = ", ".join(sorted(str(key) for key in configs)) or "none"
         raise ConfigError(f"unknown config {name!r} in {path}; available configs: {available}")
-    return dict(configs[name])
+    config = configs[name]
+    where = f"config {name!r} in {path}"
+    if not isinstance(config, dict) or not all(isinstance(key, str) for key in config):
+        raise ConfigError(f"{where} is not a mapping of option names to values")
+    for first, second in (("batch_size", "micro_batch_size"), ("epochs", "iterations"),
+                          ("epochs_per_ckpt", "ckpts_per_epoch")):
+        if config.get(first) is not None and config.get(second) is not None:
+            raise ConfigError(f"{where} gives both {first} and {second}: keep one of them")
+    check_option_types(config, where, strings_are_parsed=True)
+    return dict(config)
+
+
+def check_option_types(values: dict[str, Any], where: str, strings_are_parsed: bool) -> None:
+    """ConfigError naming `where` and the option when a value has a type its option cannot take: an
+    integer option given a list, a flag given a number, a value outside an option's choices.
+
+    For configs.yml (`strings_are_parsed`), a string is left to the argument parser, which converts
+    it as it would on the command line; in a run's arguments.json values are already typed. None
+    (unset) is accepted everywhere; options the parsers do not declare are not checked, except the
+    few values that resolution derives (global batch size, learning rate, seed, ...)."""
+    actions = _option_actions()
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in _DERIVED_TYPES:
+            kinds = _DERIVED_TYPES[key]
+            if isinstance(value, bool) != (kinds == (bool,)) or not isinstance(value, kinds):
+                raise ConfigError(f"{where}: {key} must be {_kind_name(kinds)}, got {_shown(value)}")
+            continue
+        action = actions.get(_CONFIG_ALIASES.get(key, key))
+        if action is None:
+            continue
+        problem = _option_value_problem(action, value, strings_are_parsed)
+        if problem:
+            raise ConfigError(f"{where}: {key} must be {problem}, got {_shown(value)}")
+
+
+# configs.yml keys that are another option's (the seed's deprecated spelling, see cnns.cli.parse_options).
+_CONFIG_ALIASES = {"batch_size": "micro_batch_size"}
+# Values that resolve() derives, as arguments.json holds them.
+_DERIVED_TYPES: dict[str, tuple[type, ...]] = {
+    "global_batch_size": (int,), "learning_rate": (int, float), "seed_specified": (bool,),
+    "half_dtype_given": (bool,), "name": (str,), "command": (str,),
+}
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    return " or ".join(dict.fromkeys(names.get(kind, kind.__name__) for kind in kinds))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _option_value_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
+    """What `value` should be for the parser action, or None when it fits."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return None if isinstance(value, bool) else "true or false"
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        from cnns.cli.options import IPU_ONLY_OPTIONS
+
+        if not isinstance(value, list) and action.dest not in IPU_ONLY_OPTIONS:  # those are ignored anyway
+            return "a list"
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            problem = _scalar_problem(action, item, strings_are_parsed=False)
+            if problem:
+                return f"a list of {problem.removeprefix('a ').removeprefix('an ')}s"
+        return None
+    return _scalar_problem(action, value, strings_are_parsed)
+
+
+def _scalar_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
+    if not isinstance(value, (str, int, float, bool)):
+        return "a single value"
+    parsed_string = isinstance(value, str) and strings_are_parsed
+    if not parsed_string:  # a string for configs.yml is converted (or refused) by the parser itself
+        if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+            return "an integer"
+        if action.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return "a number"
+    if action.choices is not None:
+        candidate = value
+        if parsed_string and callable(action.type):
+            try:
+                candidate = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                pass
+        if isinstance(candidate, bool) or candidate not in action.choices:
+            return "one of " + ", ".join(repr(choice) for choice in action.choices)
+    return None
+
+
+@lru_cache(maxsize=None)
+def _option_actions() -> dict[str, Any]:
+    """argparse actions by destination, over the scripts that take training options."""
+    from cnns.cli.options import build_parser  # cnns.cli imports this module: import when first used
+
+    actions: dict[str, Any] = {}
+    for script in ("train", "validate", "weight-avg", "infer"):
+        for action in build_parser(script)._actions:
+            if action.dest != "help":
+                # The first action of a destination is the option's own (--stochastic-rounding ON|OFF),
+                # whose type the parser uses for a default; later ones are its --no-... spellings.
+                actions.setdefault(action.dest, action)
+    return actions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,22 +338,43 @@ def _precision_defaults(o: dict[str, Any]) -> None:
     _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
 
 
+def _power_of_two(exponent: float, option: str) -> float:
+    try:
+        return 2.0 ** exponent
+    except OverflowError:
+        raise ConfigError(f"{option} {exponent} is too large: 2^{exponent} overflows") from None
+
+
 def _training_defaults(o: dict[str, Any]) -> None:
     o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
     if o.get("abs_learning_rate") is not None:
+        if o["abs_learning_rate"] <= 0:
+            raise ConfigError(f"--abs-learning-rate must be positive, got {o['abs_learning_rate']}")
         o["base_learning_rate_exponent"] = math.log2(o["abs_learning_rate"] / o["global_batch_size"])
         o["learning_rate"] = float(o["abs_learning_rate"])
     else:
-        o["learning_rate"] = 2.0 ** o["base_learning_rate_exponent"] * o["global_batch_size"]
+        exponent = o["base_learning_rate_exponent"]
+        power = _power_of_two(exponent, "--base-learning-rate-exponent")
+        o["learning_rate"] = power * o["global_batch_size"]
+        if power == 0 or not math.isfinite(o["learning_rate"]):
+            raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
+                              f"{o['learning_rate']}: choose one between about -1000 and 1000")
     if o.get("rmsprop_base_decay_exp") is not None and o.get("rmsprop_decay") is None:
-        o["rmsprop_decay"] = 1 - 2.0 ** o["rmsprop_base_decay_exp"] * o["global_batch_size"]
+        o["rmsprop_decay"] = 1 - _power_of_two(o["rmsprop_base_decay_exp"], "--rmsprop-base-decay-exp") * \
+            o["global_batch_size"]
     _set_if_unset(o, "rmsprop_decay", 0.9)
     if o["optimiser"] == "LARS" and not o.get("lars_weight_decay"):
         o["lars_weight_decay"] = o["weight_decay"]
+    for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
+        if o.get(key) is not None and o[key] < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
     if o.get("epochs_per_ckpt"):
-        if o["ckpts_per_epoch"] != 1:
+        per_epoch = 1.0 / o["epochs_per_ckpt"]
+        # A run's arguments.json (read again by validation.py) holds both, the second derived from the first.
+        given = o["ckpts_per_epoch"] != 1 or "--ckpts-per-epoch" in _spelled_options(o)
+        if given and not math.isclose(o["ckpts_per_epoch"], per_epoch):
             raise ConfigError("cannot use --epochs-per-ckpt and --ckpts-per-epoch together")
-        o["ckpts_per_epoch"] = 1.0 / o["epochs_per_ckpt"]
+        o["ckpts_per_epoch"] = per_epoch
     if o["lr_schedule"] == "polynomial_decay_lr":
         o["lr_schedule"] = "polynomial"
     if o["lr_schedule"] == "polynomial" and o.get("abs_end_learning_rate") is not None:
@@ -241,6 +386,61 @@ def _training_defaults(o: dict[str, Any]) -> None:
         o["warmup_epochs"] = 0.0  # seed: warm-up is defined in epochs and needs --epochs
     _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
     _set_if_unset(o, "pipeline_num_parallel", 2)
+
+
+# The same option under two spellings, or two ways of saying one thing: never both on one command line
+# (whatever the values: the parser keeps only the last, so a user giving both cannot tell which one counts).
+_CONTRADICTORY_SPELLINGS = (
+    ("--batch-size", "--micro-batch-size", "--batch-size is the seed's spelling of --micro-batch-size: give one of them"),
+    ("--epochs-per-ckpt", "--ckpts-per-epoch", "cannot use --epochs-per-ckpt and --ckpts-per-epoch together"),
+)  # (--epochs with --iterations: the parsers hold them in a mutually exclusive group, and refuse both)
+_SCRIPTS = {"train.py": "train", "validation.py": "validate", "weight_avg.py": "weight-avg",
+            "inference_embedded.py": "infer"}
+
+
+def _check_contradictions(o: dict[str, Any]) -> None:
+    """Options that contradict each other, and numbers that are not finite, before anything uses them."""
+    spelled = _spelled_options(o)
+    for first, second, message in _CONTRADICTORY_SPELLINGS:
+        if first in spelled and second in spelled:
+            raise ConfigError(message)
+    for key, action in _option_actions().items():
+        value = o.get(key)
+        if action.type is float and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{action.option_strings[0]} must be a finite number, got {value}")
+
+
+def _spelled_options(o: dict[str, Any]) -> set[str]:
+    """The options a command line spelled out (--batch-size, --micro-batch-size, ...), argparse's
+    abbreviations expanded. Two spellings of one option reach the parsed values as one value, so
+    the command line itself (kept under "command") is what tells them apart. Empty when the options
+    did not come from a command line."""
+    command = o.get("command")
+    try:
+        words = shlex.split(command) if isinstance(command, str) else []
+    except ValueError:
+        return set()
+    if not words or words[0] not in _SCRIPTS:
+        return set()
+    known = _option_strings(_SCRIPTS[words[0]])
+    spelled = set()
+    for word in words[1:]:
+        if word == "--":
+            break
+        if not word.startswith("--"):
+            continue
+        flag = word.split("=", 1)[0]
+        matches = [flag] if flag in known else [option for option in known if option.startswith(flag)]
+        if len(matches) == 1:
+            spelled.add(matches[0])
+    return spelled
+
+
+@lru_cache(maxsize=None)
+def _option_strings(script: str) -> frozenset[str]:
+    from cnns.cli.options import build_parser
+
+    return frozenset(option for action in build_parser(script)._actions for option in action.option_strings)
 
 
 def _validate(o: dict[str, Any]) -> None:
@@ -285,6 +485,7 @@ def run_name(o: dict[str, Any]) -> str:
 def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
     """Fill every option: generic defaults, dataset/model defaults, derived values. Pure: no I/O."""
     o = dict(cli_values)
+    _check_contradictions(o)
     for key, value in GENERIC_DEFAULTS.items():
         _set_if_unset(o, key, value)
     _dataset_defaults(o)
@@ -419,7 +620,9 @@ class RunConfig:
         from cnns.models import ModelSpec  # models are optional for pure option handling
 
         dataset = o["dataset"]
-        cifar = dataset in CIFAR_LIKE
+        # None: a folder whose name and contents show no dataset (missing or empty, reported when the
+        # data is read); the model defaults were CIFAR's (_model_defaults), so the model is built so too.
+        cifar = dataset in CIFAR_LIKE or dataset is None
         source = "synthetic" if o["synthetic_data"] else ("generated" if o["generated_data"] else "files")
         image_size = 32 if cifar else o.get("image_size")
         model = ModelSpec(

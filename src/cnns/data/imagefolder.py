@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import struct
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -30,28 +32,99 @@ SPLIT_FOLDERS = {"train": ("train",), "validation": ("validation", "val")}
 ImageTransform = Callable[[bytes, str], torch.Tensor]
 
 
+# The largest image decoded: PIL's own decompression-bomb limit (twice Image.MAX_IMAGE_PIXELS), about
+# 13400 x 13400, 537 MB of RGB pixels. ImageNet's largest photos are under a tenth of it; a corrupt
+# header can declare 65535 x 65535 (12.9 GB), which the decoders would allocate before failing.
+MAX_IMAGE_PIXELS = 178_956_970
+
+
 def decode_rgb(data: bytes, source: str) -> torch.Tensor:
     """Encoded image bytes -> uint8 [3, H, W]. torchvision's decoder converts grayscale, CMYK JPEGs
     and PNG bytes (whatever the file's extension) to RGB itself; PIL is the fallback for formats it
-    does not read. DataError naming `source` when neither can decode the bytes."""
+    does not read. DataError naming `source` when neither can decode the bytes, or when the header
+    declares more than MAX_IMAGE_PIXELS pixels."""
+    size = declared_size(data)
+    if size is not None and size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise DataError(f"{source}: cannot decode image (its header declares {size[0]} x {size[1]} pixels, "
+                        f"more than the limit of {MAX_IMAGE_PIXELS}: corrupt, or not a photo)")
     try:
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError) as torchvision_error:
         return _decode_rgb_with_pil(data, source, torchvision_error)
     if image.dim() == 4:  # an animated GIF: its first frame
         image = image[0]
+    if image.dtype != torch.uint8:  # a 16-bit PNG (torchvision keeps 16 bits): scale to 8
+        image = (image.to(torch.int32) >> 8).to(torch.uint8)
     return image
 
 
 def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> torch.Tensor:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as image:
             array = np.array(image.convert("RGB"))
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as error:
-        raise DataError(f"{source}: cannot decode image ({first_error}; PIL: {error})") from None
+    # PIL's format plugins raise many types for corrupt bytes (OSError, SyntaxError, ValueError,
+    # struct.error, IndexError, DecompressionBombError, ...): every one means "not a decodable image".
+    except Exception as error:  # noqa: BLE001
+        raise DataError(f"{source}: cannot decode image ({_reason(first_error)}; PIL: {_reason(error)})") from None
     return torch.from_numpy(array).permute(2, 0, 1)  # HWC in memory, like torchvision's decoder
+
+
+def _reason(error: Exception) -> str:
+    """The first line of a decoder's message, without torchvision's C++ source location
+    ("decode_jpeg, /path/decode_jpeg.cpp:171, ...") or PIL's object address."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\w+, \S+\.(?:cpp|h):\d+, ", "", text)
+    text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", text)
+    return text.split(". ")[0][:200]  # the first sentence: torchvision's go on to suggest other APIs
+
+
+def declared_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the header of JPEG, PNG, GIF or WebP bytes, without decoding; None when
+    the format is another or the header cannot be read (the decoder then reports the problem)."""
+    if data[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and len(data) >= 30:
+        chunk = data[12:16]
+        if chunk == b"VP8X":
+            return (int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1)
+        if chunk == b"VP8 ":
+            width, height = struct.unpack("<HH", data[26:30])
+            return width & 0x3FFF, height & 0x3FFF
+        if chunk == b"VP8L":
+            bits = int.from_bytes(data[21:25], "little")
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    return None
+
+
+# Start-of-frame markers, which hold the image size: C0-CF except DHT (C4), JPG (C8) and DAC (CC).
+_JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """Walk the JPEG segments up to the first start-of-frame (a few header segments in)."""
+    position = 2
+    for _ in range(256):
+        while position < len(data) and data[position] == 0xFF:  # a marker, after any fill bytes
+            position += 1
+        if position + 7 > len(data) or data[position - 1] != 0xFF:
+            return None
+        marker = data[position]
+        if marker in _JPEG_FRAME_MARKERS:
+            height, width = struct.unpack(">HH", data[position + 4:position + 8])
+            return width, height
+        if marker == 0xD9 or marker == 0xDA:  # end of image, or scan data before any frame: no size
+            return None
+        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # standalone markers, no length
+            position += 1
+            continue
+        position += 1 + struct.unpack(">H", data[position + 1:position + 3])[0]
+    return None
 
 
 def find_split_folder(root: str | os.PathLike, split: str) -> Path | None:

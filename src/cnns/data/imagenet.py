@@ -31,7 +31,7 @@ from torchvision.transforms.v2 import functional as F
 from cnns.data.batches import ShardPlan, mix_seed
 from cnns.data.imagefolder import ImageFolderDataset, decode_rgb, find_split_folder, list_classes
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
-from cnns.errors import ConfigError, DataError
+from cnns.errors import CnnsError, ConfigError, DataError
 
 # The seed's training crop (sample_distorted_bounding_box without boxes): area and aspect ranges.
 CROP_AREA = (0.05, 1.0)
@@ -317,6 +317,24 @@ def build_imagenet_loader(
     return loader, num_samples, num_classes
 
 
+def worker_error_as_raised(error: CnnsError) -> CnnsError:
+    """The error as the worker raised it. torch re-raises an exception from a DataLoader worker as the
+    same type, but with "Caught DataError in DataLoader worker process N." and the worker's whole
+    traceback as its message (torch.utils.data._utils.ExceptionWrapper.reraise); the original message
+    is the end of that traceback, after "cnns.errors.DataError: ". Other errors are returned as they are."""
+    text = str(error)
+    if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
+        return error
+    kind = type(error)
+    prefixes = (f"{kind.__module__}.{kind.__qualname__}: ", f"{kind.__qualname__}: ")
+    lines = text.rstrip("\n").splitlines()
+    for index in range(len(lines) - 1, 0, -1):
+        for prefix in prefixes:
+            if lines[index].startswith(prefix):
+                return kind("\n".join([lines[index][len(prefix):], *lines[index + 1:]]))
+    return kind(lines[-1])
+
+
 def _private_copy(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache holds ordinary copies: a batch from a worker lives in its own shared-memory mapping
     (kept by the thousand, they would count against the kernel's limit on mappings) and a pinned
@@ -386,7 +404,14 @@ class ImageNetBatches:
         keep = [] if self.caching and start_batch == 0 else None
         self.loader.sampler.set_epoch(epoch, start=start_batch * self.batch_size)
         try:
-            for batch in self.loader:
+            batches = iter(self.loader)
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except CnnsError as error:  # a bad file met in a worker process: one line, as in this one
+                    raise worker_error_as_raised(error) from None
                 if keep is not None:
                     keep.append(_private_copy(batch))
                 yield batch

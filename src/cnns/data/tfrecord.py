@@ -294,6 +294,8 @@ def _feature_values(feature: memoryview) -> list:
             values: list = []
             for number, wire, v in _fields(payload):
                 if number == 1 and wire in (_LENGTH_DELIMITED, _FIXED32):
+                    if len(v) % 4:
+                        raise _WireError(f"packed float list of {len(v)} bytes, not a multiple of 4")
                     values.extend(np.frombuffer(v, dtype="<f4").tolist())
             return values
         if kind == 3:  # Int64List, packed or not
@@ -347,8 +349,9 @@ def parse_imagenet_example(record: bytes, source: str) -> tuple[bytes, int]:
         raise DataError(f"{source}: tf.train.Example has no bytes feature {_IMAGE_KEY!r}")
     if not labels or not isinstance(labels[0], int):
         raise DataError(f"{source}: tf.train.Example has no int64 feature {_LABEL_KEY!r}")
-    if labels[0] < 1:
-        raise DataError(f"{source}: {_LABEL_KEY} is {labels[0]}, expected a 1-based class label")
+    if not 1 <= labels[0] <= IMAGENET_CLASSES:
+        raise DataError(f"{source}: {_LABEL_KEY} is {labels[0]}, expected a 1-based class label "
+                        f"in 1..{IMAGENET_CLASSES}")
     return images[0], labels[0] - 1
 
 

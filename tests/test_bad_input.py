@@ -1,0 +1,400 @@
+"""Bad input through the real root scripts (SPEC 8): each ends with exit code 2 and exactly one line on
+stderr naming the problem and the file, option or value, never a traceback; a run folder given to
+validation.py or restore.py is left byte for byte as it was.
+
+Cases that tests/test_cli.py, test_validation.py and test_data_cifar.py already run are not repeated
+here (an unknown config name, a missing CIFAR folder, a truncated or pickled checkpoint run in-process,
+another model's checkpoint to validation.py).
+
+A new interpreter costs ~4 s here (train.py imports torch and the engine before parsing), so the
+cases where the process itself matters (DataLoader worker processes, C libraries writing to stderr,
+each script's own entry) run the root script in a subprocess; the others run the same command in
+this process through cnns.cli.run_script (what the root scripts call), with stderr captured at the
+file-descriptor level, so that a C library's message would still show.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cnns.cli import run_script as run_command
+from cnns.data.builtin import draw_shapes
+from cnns.data.cifar import write_cifar10
+from cnns.errors import DataError
+
+from test_tfrecord import colour_jpeg, colour_of, frame, imagenet_example
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 180
+CIFAR_RUN = ["--dataset", "cifar-10", "--model-size", "8", "--micro-batch-size", "4", "--iterations", "1",
+             "--no-validation"]
+# 64 px: at 32 px and below the models take their CIFAR form, which has no ResNet-18.
+IMAGENET_RUN = ["--dataset", "imagenet", "--model-size", "18", "--image-size", "64", "--micro-batch-size", "2",
+                "--iterations", "1", "--pipeline-num-parallel", "1", "--seed", "1"]
+
+
+def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=TIMEOUT_S)
+
+
+COMMANDS = {"train.py": "train", "validation.py": "validate", "restore.py": "restore"}
+
+
+def run_in_process(capfd, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The script's command run here: its exit code (an argparse error's too) and what reached fds 1 and 2."""
+    previous = os.getcwd()
+    os.chdir(cwd)
+    capfd.readouterr()
+    try:
+        try:
+            code = run_command(COMMANDS[script], list(args))
+        except SystemExit as exit_:  # the argument parser's one-line errors
+            code = exit_.code
+    finally:
+        os.chdir(previous)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([script, *args], code, out, err)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2 and one stderr line `error: ...` (`<script>: error: ...` from the argument parser)
+    holding every fragment."""
+    shown = f"exit {out.returncode}\nstdout: {out.stdout[-1500:]}\nstderr: {out.stderr[-3000:]}"
+    assert out.returncode == 2, shown
+    assert "Traceback" not in out.stderr, shown
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, shown
+    line = lines[0]
+    assert line.startswith("error: ") or line.split(": ", 1)[-1].startswith("error: "), shown
+    for fragment in fragments:
+        assert fragment in line, shown
+    return line
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under a folder, by relative path, with a hash of its bytes."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR files and data folders
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cifar-10-bad-input")
+    images, labels = draw_shapes(40, seed=3)
+    write_cifar10(folder, (images[:30], labels[:30]), (images[30:], labels[30:]))
+    return folder
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_truncated_cifar_file(cifar, tmp_path):
+    data = copy_of(cifar, tmp_path)
+    path = data / "data_batch_3.bin"
+    path.write_bytes(path.read_bytes()[:-1000])
+    out = run_script("train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path)
+    assert_one_line_error(out, str(path), "truncated", "3073-byte record")
+
+
+def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
+    data = copy_of(cifar, tmp_path)
+    path = data / "data_batch_2.bin"
+    path.write_bytes(bytes(3074 * 6))  # six CIFAR-100 records in a CIFAR-10 folder
+    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path)
+    assert_one_line_error(out, str(path), "not a multiple of the 3073-byte record")
+
+
+@pytest.mark.parametrize("dataset, message", [
+    (None, "cannot infer the dataset in {folder}; name it with --dataset"),
+    ("cifar-10", "no cifar-10 binary files found in {folder}"),
+    ("imagenet", "no ImageNet TFRecords (train-*-of-*) or JPEG folders (train/<class>/) found in {folder}"),
+])
+def test_empty_data_folder(tmp_path, capfd, dataset, message):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    out = run_in_process(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
+                     "--iterations", "1", cwd=tmp_path)
+    assert_one_line_error(out, message.format(folder=folder))
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("dataset", [None, "imagenet"])
+def test_missing_data_folder(tmp_path, capfd, dataset):
+    folder = tmp_path / "no-such-folder"
+    out = run_in_process(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
+                     "--iterations", "1", cwd=tmp_path)
+    assert_one_line_error(out, f"data folder not found: {folder}")
+    assert not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Unknown names and contradictory options
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--dataset", "cifar-11"], ["--dataset", "'cifar-11'"]),
+    (["--model", "vgg"], ["--model", "'vgg'"]),
+    (["--dataset", "cifar-10", "--model-size", "7"], ["7"]),
+    (["--dataset", "imagenet", "--model", "efficientnet", "--model-size", "B9"], ["B9"]),
+    (["--optimiser", "adam"], ["--optimiser", "'adam'"]),
+    # Two spellings of one option, two ways of giving one length or one checkpoint interval.
+    (["--dataset", "cifar-10", "--batch-size", "8", "--micro-batch-size", "16"], ["--batch-size", "--micro-batch-size"]),
+    (["--dataset", "cifar-10", "--batch-size", "8", "--micro-batch-size", "8"], ["--batch-size", "--micro-batch-size"]),
+    (["--dataset", "cifar-10", "--epochs", "1", "--iterations", "5"], ["--epochs", "--iterations"]),
+    (["--dataset", "cifar-10", "--epoch", "1", "--iterations", "5"], ["--epoch", "--iterations"]),
+    (["--dataset", "cifar-10", "--epochs-per-ckpt", "2", "--ckpts-per-epoch", "4"],
+     ["--epochs-per-ckpt", "--ckpts-per-epoch"]),
+    (["--dataset", "cifar-10", "--epochs-per-ckpt", "2", "--ckpts-per-epoch", "1"],
+     ["--epochs-per-ckpt", "--ckpts-per-epoch"]),
+    (["--dataset", "cifar-10", "--epochs", "nan"], ["--epochs must be a finite number, got nan"]),
+    (["--dataset", "cifar-10", "--abs-learning-rate", "0"], ["--abs-learning-rate must be positive"]),
+    (["--dataset", "cifar-10", "--base-learning-rate-exponent", "5000"], ["--base-learning-rate-exponent 5000"]),
+])
+def test_unknown_names_and_contradictory_options(cifar, tmp_path, capfd, argv, fragments):
+    out = run_in_process(capfd, "train.py", "--data-dir", str(cifar), *argv, cwd=tmp_path)
+    assert_one_line_error(out, *fragments)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_unknown_config_in_a_given_configs_file(tmp_path, capfd):
+    path = tmp_path / "mine.yml"
+    path.write_text("small:\n  model_size: 8\n")
+    out = run_in_process(capfd, "train.py", "--config", "large", "--config-path", str(path), cwd=tmp_path)
+    assert_one_line_error(out, "unknown config 'large'", str(path), "available configs: small")
+
+
+def test_config_with_an_option_of_the_wrong_type(tmp_path, capfd):
+    path = tmp_path / "mine.yml"
+    path.write_text("small:\n  model_size: 8\n  micro_batch_size: [8, 16]\n")
+    out = run_in_process(capfd, "train.py", "--config", "small", "--config-path", str(path), cwd=tmp_path)
+    assert_one_line_error(out, "config 'small'", str(path), "micro_batch_size must be a single value, got [8, 16]")
+
+
+# ---------------------------------------------------------------------------------------------
+# TFRecords and JPEG trees (ImageNet layouts)
+# ---------------------------------------------------------------------------------------------
+
+
+def shard(path: Path, first: int, count: int) -> list[int]:
+    """A TFRecord shard of `count` 24x16 JPEG records (labels 1..3); the offset of each record."""
+    offsets, blob = [], b""
+    for index in range(first, first + count):
+        offsets.append(len(blob))
+        blob += frame(imagenet_example(colour_jpeg(colour_of(index)), index % 3 + 1))
+    path.write_bytes(blob)
+    return offsets
+
+
+@pytest.fixture
+def tfrecords(tmp_path) -> Path:
+    root = tmp_path / "imagenet"
+    root.mkdir()
+    shard(root / "train-00000-of-00001", 0, 4)
+    shard(root / "validation-00000-of-00001", 4, 4)
+    return root
+
+
+def test_tfrecord_with_a_bad_data_crc_met_while_training(tfrecords, tmp_path):
+    path = tfrecords / "train-00000-of-00001"
+    offsets = shard(path, 0, 4)
+    blob = bytearray(path.read_bytes())
+    blob[offsets[1] + 12 + 100] ^= 0xFF  # inside the second record's data: found when it is read
+    path.write_bytes(bytes(blob))
+    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(tfrecords),
+                     cwd=tmp_path)
+    assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[1]} (data CRC mismatch)")
+
+
+def test_tfrecord_with_a_bad_length_crc(tfrecords, tmp_path, capfd):
+    path = tfrecords / "train-00000-of-00001"
+    offsets = shard(path, 0, 4)
+    blob = bytearray(path.read_bytes())
+    blob[offsets[2] + 1] ^= 0x01  # the third record's length: found when the shard is indexed
+    path.write_bytes(bytes(blob))
+    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[2]} (length CRC mismatch)")
+
+
+def test_truncated_tfrecord(tfrecords, tmp_path, capfd):
+    path = tfrecords / "train-00000-of-00001"
+    offsets = shard(path, 0, 4)
+    path.write_bytes(path.read_bytes()[:-30])
+    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    assert_one_line_error(out, f"{path}: truncated TFRecord at byte offset {offsets[3]}")
+
+
+def test_corrupt_validation_tfrecord_read_in_a_worker_process_is_one_line(tfrecords, tmp_path):
+    """The error is raised in a DataLoader worker; torch re-raises it with the worker's traceback in
+    its message, which must reach the user as the worker's own one line."""
+    path = tfrecords / "validation-00000-of-00001"
+    offsets = shard(path, 4, 4)
+    blob = bytearray(path.read_bytes())
+    middle = offsets[2] + 12 + 200  # four bytes in the middle of the file, inside the third record's JPEG
+    blob[middle:middle + 4] = b"\x00\x01\x02\x03"
+    path.write_bytes(bytes(blob))
+    out = run_script("train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[2]} (data CRC mismatch)")
+    assert "Caught DataError" not in out.stderr
+
+
+def test_worker_errors_are_given_back_as_raised(tfrecords):
+    """In-process, with a worker: the same error type and the worker's one-line message."""
+    from cnns.data.imagenet import ImageNetBatches
+
+    path = tfrecords / "validation-00000-of-00001"
+    offsets = shard(path, 4, 4)
+    blob = bytearray(path.read_bytes())
+    blob[offsets[1] + 12 + 200] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    batches = ImageNetBatches(tfrecords, train=False, batch_size=2, image_size=16, workers=1)
+    with pytest.raises(DataError) as error:
+        list(batches.epoch(0))
+    message = str(error.value)
+    assert message.startswith(f"{path}: corrupt TFRecord at byte offset ") and "\n" not in message
+
+
+def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path):
+    root = tmp_path / "imagenet-tree"
+    for split, count in (("train", 4), ("validation", 2)):
+        for index in range(count):
+            path = root / split / f"n0000000{index % 2}" / f"{split}_{index}.JPEG"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(colour_jpeg(colour_of(index)))
+    bad = root / "train" / "n00000001" / "train_3.JPEG"
+    bad.write_bytes(bad.read_bytes()[:50])
+    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(root),
+                     "--no-validation", cwd=tmp_path)
+    assert_one_line_error(out, f"{bad}: cannot decode image")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and run folders given to validation.py and restore.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(cifar, tmp_path_factory) -> Path:
+    """Two updates of ResNet-8, a checkpoint after each, trained in this process (no interpreter start-up)."""
+    folder = tmp_path_factory.mktemp("bad-input-runs") / "run"
+    assert run_command("train", [*CIFAR_RUN, "--iterations", "2", "--data-dir", str(cifar), "--seed", "4",
+                                 "--ckpts-per-epoch", "1000000", "--device-iterations", "1",
+                                 "--logs-path", str(folder)]) == 0
+    assert (folder / "ckpt-2.pt").is_file() and (folder / "arguments.json").is_file()
+    return folder
+
+
+def corrupt(path: Path) -> None:
+    """Four bytes overwritten in the middle of the file: the zip's record of the tensors no longer matches."""
+    blob = bytearray(path.read_bytes())
+    middle = len(blob) // 2
+    blob[middle:middle + 4] = bytes(4)
+    path.write_bytes(bytes(blob))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def foreign(path: Path) -> None:
+    """Another program's weights: a plain state dict, not a cnns checkpoint."""
+    torch.save({"conv1.weight": torch.zeros(8, 3, 3, 3), "fc.bias": torch.zeros(10)}, path)
+
+
+def mistyped(path: Path) -> None:
+    """A cnns checkpoint whose iteration is not a number."""
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "iteration": "two"}, path)
+
+
+CORRUPT = ["cannot read checkpoint", "the file is corrupt", "does not match its CRC"]
+TRUNCATED = ["cannot read checkpoint", "truncated"]
+FOREIGN = ["is not a cnns checkpoint (no 'model' state dict)"]
+MISTYPED = ["is not a cnns checkpoint: its 'iteration' entry is a str, not int"]
+
+
+# (tests/test_validation.py runs validation.py on a truncated checkpoint.)
+@pytest.mark.parametrize("script, damage, fragments, real", [
+    ("validation.py", corrupt, CORRUPT, True),
+    ("restore.py", corrupt, CORRUPT, True),
+    ("validation.py", foreign, FOREIGN, True),
+    ("restore.py", foreign, FOREIGN, False),
+    ("restore.py", truncate, TRUNCATED, True),
+    ("validation.py", mistyped, MISTYPED, False),
+    ("restore.py", mistyped, MISTYPED, False),
+], ids=lambda value: value.__name__ if callable(value) else value if isinstance(value, str) else "")
+def test_damaged_checkpoint_is_one_line_and_leaves_the_run_folder_alone(trained_run, tmp_path, capfd, script, damage,
+                                                                        fragments, real):
+    folder = copy_of(trained_run, tmp_path)
+    damage(folder / "ckpt-2.pt")
+    before = digest(folder)
+    args = ("--restore-path", str(folder))
+    out = run_script(script, *args, cwd=tmp_path) if real else run_in_process(capfd, script, *args, cwd=tmp_path)
+    assert_one_line_error(out, str(folder / "ckpt-2.pt"), *fragments)
+    assert digest(folder) == before
+
+
+def test_damaged_checkpoint_file_given_to_validation_py(trained_run, tmp_path, capfd):
+    folder = copy_of(trained_run, tmp_path)
+    corrupt(folder / "ckpt-1.pt")
+    before = digest(folder)
+    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder / "ckpt-1.pt"), cwd=tmp_path)
+    assert_one_line_error(out, str(folder / "ckpt-1.pt"), *CORRUPT)
+    assert digest(folder) == before
+
+
+@pytest.mark.parametrize("content, fragments, real", [
+    (None, ["has no arguments.json: not a cnns run folder"], True),
+    (b"{\"model\": \"resnet\",", ["arguments.json is not valid JSON"], False),
+    (b"[1, 2]", ["arguments.json is not a JSON object of options"], False),
+    (b"{\"model\": \"resnet\"}", ["arguments.json lacks the option"], False),
+])
+def test_run_folder_with_bad_arguments_json_given_to_restore_py(trained_run, tmp_path, capfd, content, fragments,
+                                                                real):
+    folder = copy_of(trained_run, tmp_path)
+    if content is None:
+        (folder / "arguments.json").unlink()
+    else:
+        (folder / "arguments.json").write_bytes(content)
+    before = digest(folder)
+    args = ("--restore-path", str(folder))
+    out = run_script("restore.py", *args, cwd=tmp_path) if real else run_in_process(capfd, "restore.py", *args,
+                                                                                    cwd=tmp_path)
+    assert_one_line_error(out, str(folder), *fragments)
+    assert digest(folder) == before
+
+
+def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
+    """arguments.json then holds both --epochs-per-ckpt and the --ckpts-per-epoch derived from it; reading
+    it back (validation.py resolves the run's options again) is not a contradiction."""
+    from cnns.cli import resolved_training_options
+    from cnns.cli.commands import _evaluation_options
+    from cnns.runlog import write_arguments
+
+    options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", str(cifar),
+                                                     "--epochs-per-ckpt", "2"])
+    assert options["ckpts_per_epoch"] == 0.5
+    write_arguments(tmp_path, options)
+    from cnns.cli import parse_options
+
+    values, _ = parse_options("validate", ["--restore-path", str(tmp_path)])
+    resolved, _ = _evaluation_options(values)
+    assert resolved["ckpts_per_epoch"] == 0.5 and resolved["epochs_per_ckpt"] == 2.0
+    np.testing.assert_equal(resolved["micro_batch_size"], options["micro_batch_size"])
