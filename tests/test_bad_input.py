@@ -398,3 +398,28 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     resolved, _ = _evaluation_options(values)
     assert resolved["ckpts_per_epoch"] == 0.5 and resolved["epochs_per_ckpt"] == 2.0
     np.testing.assert_equal(resolved["micro_batch_size"], options["micro_batch_size"])
+
+
+def test_a_disk_that_fills_while_a_checkpoint_is_written_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+
+    from cnns.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+    from cnns.errors import CheckpointError
+
+    previous = checkpoint_path(tmp_path, 5)
+    save_checkpoint(previous, {"model": {"w": torch.ones(3)}, "iteration": 5})
+    before = previous.read_bytes()
+
+    def full_disk(state, file):
+        file.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*ckpt-10\.pt: No space left on device"):
+        save_checkpoint(checkpoint_path(tmp_path, 10), {"model": {"w": torch.zeros(3)}, "iteration": 10})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-5.pt"]  # no partial file, no temporary
+    assert previous.read_bytes() == before
+    monkeypatch.undo()
+    assert load_checkpoint(previous)["iteration"] == 5

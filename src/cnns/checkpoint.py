@@ -33,13 +33,20 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     A crash mid-write leaves at worst a stray temporary file, never a truncated ``ckpt-*``.
     """
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
+    except OSError as exc:  # a full disk, a quota, a vanished folder: the previous checkpoints stay
+        Path(tmp_name).unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}; "
+                              "the previous checkpoints are intact") from None
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise

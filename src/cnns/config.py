@@ -451,6 +451,8 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
     if o.get("iterations") is not None and o["iterations"] < 1:
         raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
+    if o["BN_span"] > 1 and isinstance(o["replicas"], int) and o["replicas"] > 1 and o["replicas"] % o["BN_span"]:
+        raise ConfigError(f"--BN-span {o['BN_span']} must divide --replicas {o['replicas']}")
     if o["shards"] > 1 and not o["pipeline"]:
         raise ConfigError("--shards should be used in combination with --pipeline")
     if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
