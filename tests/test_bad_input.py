@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -283,6 +284,12 @@ def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path):
     out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(root),
                      "--no-validation", cwd=tmp_path)
     assert_one_line_error(out, f"{bad}: cannot decode image")
+    # --skip-corrupt-images: the run goes on without it and says how many were dropped.
+    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "2", "--data-dir", str(root),
+                     "--no-validation", "--skip-corrupt-images", "--iterations", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"^Skipped [12] images? that could not be decoded \(--skip-corrupt-images\)$", out.stdout,
+                     re.MULTILINE), out.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Dataset")
+    group.add_argument("--skip-corrupt-images", action="store_true", default=None,
+                       help="ImageNet: drop images that cannot be decoded and count them, instead of stopping.")
     group.add_argument("--dataset", choices=DATASETS, type=str.lower,
                        help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")

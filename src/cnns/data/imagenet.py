@@ -87,14 +87,32 @@ class ImageNetTransform:
     Called by the datasets as transform(data, source), source naming the file for errors. A plain
     picklable class, so spawned DataLoader workers can receive it."""
 
-    def __init__(self, train: bool, image_size: int) -> None:
+    def __init__(self, train: bool, image_size: int, skip_corrupt: bool = False) -> None:
         self.train = train
         self.image_size = image_size
         self.augment = training_transform(image_size) if train else evaluation_transform(image_size)
+        self.skip_corrupt = skip_corrupt  # --skip-corrupt-images: an undecodable image becomes None
 
-    def __call__(self, data: bytes, source: str) -> torch.Tensor:
-        image = self.augment(decode_rgb(data, source))
+    def __call__(self, data: bytes, source: str) -> torch.Tensor | None:
+        try:
+            decoded = decode_rgb(data, source)
+        except DataError:
+            if self.skip_corrupt:
+                return None  # dropped and counted by collate_skipping_corrupt
+            raise
+        image = self.augment(decoded)
         return image.permute(1, 2, 0).contiguous()  # a no-op when the image is HWC in memory
+
+
+def collate_skipping_corrupt(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """--skip-corrupt-images: the batch without the images that could not be decoded, and their count
+    (it travels with the batch, so worker processes can report it)."""
+    kept = [(image, label) for image, label in samples if image is not None]
+    skipped = len(samples) - len(kept)
+    if not kept:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), skipped
+    images, labels = torch.utils.data.default_collate(kept)
+    return images, labels, skipped
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +296,7 @@ def build_imagenet_loader(
     pin_memory: bool = False,
     percentage: int = 100,
     global_batch_size: int | None = None,
+    skip_corrupt: bool = False,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
@@ -291,7 +310,7 @@ def build_imagenet_loader(
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
-    dataset, num_classes = imagenet_dataset(folder, train, ImageNetTransform(train, image_size))
+    dataset, num_classes = imagenet_dataset(folder, train, ImageNetTransform(train, image_size, skip_corrupt))
     if train:
         indices = training_subset(dataset, percentage)
         sampler: Sampler = TrainingSampler(indices, shard, seed, batch_size=batch_size,
@@ -310,6 +329,7 @@ def build_imagenet_loader(
         drop_last=drop_last,
         # Workers stay up between epochs: restarting them would stall the start of every epoch.
         persistent_workers=workers > 0,
+        collate_fn=collate_skipping_corrupt if skip_corrupt else None,
         # Its own generator for the workers' base seeds, which would otherwise be drawn from (and
         # advance) the caller's global RNG; augmentation itself is seeded per sample.
         generator=torch.Generator().manual_seed(mix_seed(seed, shard[0])),
@@ -372,13 +392,16 @@ class ImageNetBatches:
 
     def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 pin_memory: bool | None = None, cache: bool = False, global_batch_size: int | None = None) -> None:
+                 pin_memory: bool | None = None, cache: bool = False, global_batch_size: int | None = None,
+                 skip_corrupt: bool = False) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
-            global_batch_size=global_batch_size if train else None)
+            global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt)
+        self.skip_corrupt = skip_corrupt
+        self.skipped_images = 0  # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none)
         self.batch_size = batch_size
         if train and len(self.loader) == 0:
             whole = global_batch_size or batch_size * shard[1]
@@ -412,6 +435,11 @@ class ImageNetBatches:
                     break
                 except CnnsError as error:  # a bad file met in a worker process: one line, as in this one
                     raise worker_error_as_raised(error) from None
+                if self.skip_corrupt:
+                    *batch, skipped = batch
+                    self.skipped_images += skipped
+                    if len(batch[1]) == 0:
+                        continue  # every image of this batch was corrupt
                 if keep is not None:
                     keep.append(_private_copy(batch))
                 yield batch

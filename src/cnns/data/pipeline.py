@@ -167,9 +167,10 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
     if need_train:
         train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, image_size=image_size,
                                 workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage,
-                                global_batch_size=global_batch_size)
+                                global_batch_size=global_batch_size, skip_corrupt=cfg.skip_corrupt)
     if need_eval:
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
-                                     workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache)
+                                     workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache,
+                                     skip_corrupt=cfg.skip_corrupt)
     num_classes = (train or evaluation).num_classes
     return DataSources("imagenet", num_classes, train, evaluation)

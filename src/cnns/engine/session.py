@@ -137,6 +137,9 @@ class TrainingSession:
             return 0
         start = time.perf_counter()
         self._after_training(c, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
+        skipped = sum(getattr(source, "skipped_images", 0) for source in (c.sources.train, c.sources.eval))
+        if skipped:
+            log.print(f"Skipped {skipped} images that could not be decoded (--skip-corrupt-images)")
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
         if self.world.is_writer:
             from cnns.plots import plot_training
