@@ -138,6 +138,7 @@ class TrainingSession:
         start = time.perf_counter()
         self._after_training(c, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
         skipped = sum(getattr(source, "skipped_images", 0) for source in (c.sources.train, c.sources.eval))
+        skipped = int(self.world.sum([skipped])[0])  # every process's share of the data
         if skipped:
             log.print(f"Skipped {skipped} images that could not be decoded (--skip-corrupt-images)")
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
