@@ -132,11 +132,20 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
                    "efficientnet-b4-train-synthetic", "resnet20-cifar10-train", "resnet50-infer-synthetic",
                    "resnet50-infer-generated"):
         assert wanted in names
-    from cnns.bench.runner import plan_entry
+    from cnns.bench.runner import BACKENDS_KIND, plan_backends, plan_entry
 
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
+        if entry.kind == BACKENDS_KIND:
+            continue
         plan = plan_entry(entry, {"cifar10": "/nonexistent"}, Path("/tmp/unused"))
         assert plan.baseline["batch_size"] == plan.batch_size > 0
+    # The issue's backend comparison: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
+    backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
+    assert {(p.model_spec.arch, p.model_spec.size, p.batch_size, p.model_spec.image_size)
+            for p in backends.values()} == {("resnet", "50", 1, 224), ("resnet", "50", 32, 224),
+                                            ("efficientnet", "B0", 1, 224), ("efficientnet", "B0", 32, 224)}
+    for plan in backends.values():
+        assert {"eager", "aoti", "onnxruntime", "eager-bf16"} <= set(plan.spec["backends"])
 
 
 def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, monkeypatch):
@@ -156,3 +165,182 @@ def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, 
     assert result.ratio == pytest.approx(405 / 357)
     assert result.cnns_images_per_sec == 468.0 and result.plain_images_per_sec == 367.0
     assert result.error == "cnns: exit 1: boom"
+
+
+# ------------------------------------------------------------------------------------------------
+# inference backends: eager vs AOTInductor vs onnxruntime (cnns.bench.backends, kind: inference-backends)
+
+TINY_BACKENDS = ("eager", "eager-bf16", "aoti", "onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def backend_folder(tmp_path_factory):
+    """One folder for the module: the runner test below finds the tiny model's compiled artefacts in its
+    backend-cache, made by the measurement test (when both run in the same process)."""
+    return tmp_path_factory.mktemp("backends")
+
+
+def _tiny_spec():
+    from cnns.models import ModelSpec
+
+    return ModelSpec("resnet", "8", 10, 32)
+
+
+def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_folder):
+    import torch
+
+    from cnns.bench.backends import cache_key, float32_module, load_artefact, measure_backends
+    from cnns.precision import cpu_half_is_emulated
+
+    lines = []
+    results = measure_backends(_tiny_spec(), 2, backends=TINY_BACKENDS, warmup=1, iterations=4, threads=2,
+                               cache_dir=backend_folder / "backend-cache", rounds=2, log=lines.append)
+    assert [r.backend for r in results] == list(TINY_BACKENDS)
+    emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
+    for r in results:
+        assert r.error is None, r.error
+        if r.backend == "eager-bf16" and emulated:
+            assert r.skipped and r.images_per_sec is None
+            continue
+        assert r.iterations == 4 and r.threads == 2 and r.batch_size == 2
+        assert r.images_per_sec > 0 and 0 < r.latency_avg_ms <= r.latency_max_ms and r.latency_p99_ms > 0
+        assert r.ratio_vs_eager > 0
+    by_name = {r.backend: r for r in results}
+    assert by_name["eager"].ratio_vs_eager == 1.0 and by_name["eager"].compile_s is None
+    for name in ("aoti", "onnxruntime"):
+        assert by_name[name].compile_s > 0 and not by_name[name].cached and by_name[name].max_abs_diff <= 1e-4
+        assert by_name[name].max_rel_diff <= 1e-3
+    # The comparison is fair only if the three float32 backends compute the same function: check the
+    # cached files again, independently, on a fresh batch.
+    folder = backend_folder / "backend-cache" / cache_key(_tiny_spec(), 2, 0)
+    images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eager = float32_module(_tiny_spec(), seed=0)(images)
+    for backend, file in (("aoti", "aoti.pt2"), ("onnxruntime", "model.onnx")):
+        logits = load_artefact(backend, folder / file, threads=2)(images)
+        assert logits.shape == eager.shape == (2, 10)
+        assert torch.allclose(logits, eager, atol=1e-4, rtol=0), backend
+    assert any("images/s" in line for line in lines)
+
+
+def test_a_backend_that_computes_something_else_is_an_error_and_the_others_still_count(backend_folder, monkeypatch):
+    import torch
+
+    from cnns.bench import backends
+
+    real = backends.load_artefact
+    monkeypatch.setattr(backends, "load_artefact",
+                        lambda backend, path, threads: (lambda images: real(backend, path, threads)(images) + 0.5))
+    eager, onnx = backends.measure_backends(_tiny_spec(), 2, backends=("eager", "onnxruntime"), warmup=0, iterations=2,
+                                            cache_dir=backend_folder / "backend-cache")
+    assert eager.error is None and eager.images_per_sec > 0 and eager.max_rel_diff == 0.0
+    assert onnx.images_per_sec is None and "not the same computation" in onnx.error
+    assert onnx.max_abs_diff == pytest.approx(0.5) and not onnx.cached  # a cached file that disagrees is made again
+    assert torch.get_num_threads() > 0
+
+
+def test_an_unknown_backend_is_refused():
+    from cnns.bench.backends import measure_backends
+
+    with pytest.raises(ValueError, match="unknown backend tensorrt"):
+        measure_backends(_tiny_spec(), 2, backends=("eager", "tensorrt"))
+
+
+def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(backend_folder, capsys, monkeypatch):
+    from cnns.bench import runner
+
+    monkeypatch.setattr(runner, "peak_rate", lambda: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
+    spec = _write_spec(backend_folder / "tiny-backends.yml", """\
+        benchmarks:
+          - name: tiny-resnet8-backends
+            kind: inference-backends
+            model: resnet
+            model_size: 8
+            image_size: 32
+            num_classes: 10
+            batch_size: 2
+            warmup: 1
+            iterations: 3
+            threads: 2
+            backends: [eager, aoti, onnxruntime]
+        """)
+    code = benchmark_command(["--spec", str(spec), "--output-dir", str(backend_folder)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "cnns img/s" not in printed  # no command entries: only the backends table
+    for words in ("backend", "latency avg ms", "p99 ms", "vs eager", "compile s", "eager float32",
+                  "AOTInductor float32", "onnxruntime float32", "tiny-resnet8-backends: fastest"):
+        assert words in printed, words
+    [json_path] = backend_folder.glob("tiny-backends-*/results.json")
+    [row] = json.loads(json_path.read_text())["results"]
+    assert row["kind"] == "inference-backends" and row["error"] is None and row["batch_size"] == 2
+    assert [b["backend"] for b in row["backends"]] == ["eager", "aoti", "onnxruntime"]
+    for b in row["backends"]:
+        assert b["images_per_sec"] > 0 and b["latency_p99_ms"] > 0 and b["runs"] == [b["images_per_sec"]]
+        assert b["backend"] == "eager" or b["max_abs_diff"] <= 1e-4
+    with open(json_path.parent / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["name"], r["backend"]) for r in rows] == [("tiny-resnet8-backends", b)
+                                                         for b in ("eager", "aoti", "onnxruntime")]
+    assert all(float(r["images_per_sec"]) > 0 and r["kind"] == "inference-backends" for r in rows)
+    assert (json_path.parent / "logs" / "tiny-resnet8-backends-backends-1.log").is_file()
+    # The compiled artefacts are kept in <output-dir>/backend-cache and a second run loads them.
+    assert list((backend_folder / "backend-cache").glob("resnet8-32px-bs2-*/aoti.pt2"))
+
+
+def test_inference_backends_entries_are_checked_before_anything_runs(tmp_path):
+    from cnns.bench.runner import plan_backends
+
+    spec = _write_spec(tmp_path / "b.yml", """\
+        defaults:
+          timeout: 99
+        benchmarks:
+          - {name: ok, kind: inference-backends, model: resnet, model_size: 8, image_size: 32, batch_size: 2}
+          - {name: typo, kind: inference-backends, model: resnet, model_size: 8, image_size: 32, batch_size: 2,
+             iteration: 3}
+        """)
+    with pytest.raises(ConfigError, match="typo: iteration not understood"):
+        load_spec(spec)
+    spec.write_text(spec.read_text().replace("iteration: 3", "backends: [eager, tensorrt]"))
+    entries, _ = load_spec(spec)
+    assert entries[0].timeout == 99 and entries[0].kind == "inference-backends" and not entries[0].baseline
+    plan = plan_backends(entries[0], tmp_path)
+    assert plan.spec["backends"] == ["eager", "aoti", "onnxruntime"] and plan.model_spec.image_size == 32
+    with pytest.raises(ConfigError, match="unknown backend tensorrt"):
+        plan_backends(entries[1], tmp_path)
+    for bad, message in (("{name: m, kind: inference-backends, model: resnet}", "needs model_size, batch_size"),
+                         ("{name: s, kind: inference-backends, model: resnet, model_size: 7, batch_size: 1}", "s:"),
+                         ("{name: k, kind: nonsense, command: x}", "valid kinds")):
+        spec.write_text(f"benchmarks:\n  - {bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            entries, _ = load_spec(spec)
+            plan_backends(entries[0], tmp_path)
+
+
+def test_backend_repeats_keep_the_best_run_and_the_median_ratio():
+    from cnns.bench.runner import combine_backend_runs, entry_failed, format_backends_table
+
+    def row(backend, ips, ratio, compile_s=None, cached=False, **extra):
+        return {"backend": backend, "label": backend, "images_per_sec": ips,
+                "latency_avg_ms": 1000 / ips if ips else None, "latency_p99_ms": 2000 / ips if ips else None, "ratio_vs_eager": ratio, "compile_s": compile_s,
+                "cached": cached, "max_abs_diff": 0.0, "error": None, "skipped": None, **extra}
+
+    runs = [{"eager": row("eager", 10.0, 1.0), "aoti": row("aoti", 12.0, 1.2, 30.0, False),
+             "eager-bf16": row("eager-bf16", None, None, skipped="emulated")},
+            {"eager": row("eager", 8.0, 1.0), "aoti": row("aoti", 11.0, 1.375, 30.0, True),
+             "eager-bf16": row("eager-bf16", None, None, skipped="emulated")},
+            {"eager": row("eager", 9.0, 1.0), "aoti": row("aoti", 9.9, 1.1, 30.0, True),
+             "eager-bf16": row("eager-bf16", None, None, skipped="emulated")}]
+    eager, aoti, bf16 = combine_backend_runs(["eager", "aoti", "eager-bf16"], runs)
+    assert eager["images_per_sec"] == 10.0 and eager["runs"] == [10.0, 8.0, 9.0]
+    assert aoti["images_per_sec"] == 12.0 and aoti["ratio_vs_eager"] == 1.2 and aoti["ratios"] == [1.2, 1.375, 1.1]
+    assert aoti["compile_s"] == 30.0 and aoti["cached"] is False
+    assert bf16["images_per_sec"] is None and bf16["skipped"] == "emulated"
+    result = Result("rb", "python -m cnns.bench.backends {}", model="resnet-8 32px", mode="infer", batch_size=2,
+                    kind="inference-backends", backends=[eager, aoti, bf16])
+    table = format_backends_table([result])
+    assert "vs eager per repeat" in table and "1.20 1.38 1.10" in table and "skipped" in table
+    assert "rb: fastest aoti (12.00 img/s, 1.20x eager float32)" in table
+    assert not entry_failed(result)  # skipped is not failed
+    result.backends[1] = {**aoti, "error": "RuntimeError: boom"}
+    assert entry_failed(result) and "rb: aoti: RuntimeError: boom" in format_backends_table([result])

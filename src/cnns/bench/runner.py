@@ -17,6 +17,12 @@ For every entry the runner
 
 Results go to the screen as a table and to ``benchmark-results/<spec>-<time>.{csv,json}``.
 
+An entry with ``kind: inference-backends`` has no command line: it names a model, batch and image size, and
+the runner runs ``python -m cnns.bench.backends '<json>'`` (`cnns.bench.backends`), which measures eager
+PyTorch, an AOTInductor package and onnxruntime on the same model and input in one process; those entries
+get a table of their own (images/s, latency avg and p99, ratio to eager float32, compile seconds) and one
+CSV row per backend. Their compiled artefacts are kept in ``<output-dir>/backend-cache`` and reused.
+
 A command may say ``{cifar10}``: the runner writes a CIFAR-10-format folder of drawn shapes
 (`cnns.data.builtin.draw_shapes` + `cnns.data.cifar.write_cifar10`; ``cifar10_images:`` in the spec,
 10,000 by default) once and substitutes its path. Nothing is ever downloaded.
@@ -52,6 +58,16 @@ CIFAR_IMAGES = 10_000
 INFERENCE_BATCHES_PER_PASS = 20
 
 
+COMMAND_KIND = "command"
+BACKENDS_KIND = "inference-backends"
+KINDS = (COMMAND_KIND, BACKENDS_KIND)
+# The keys of a `kind: inference-backends` entry (besides name, kind, description, timeout), and the
+# cnns.bench.backends.BackendsSpec field each one fills.
+BACKENDS_KEYS = {"model": "arch", "model_size": "size", "batch_size": "batch_size", "image_size": "image_size",
+                 "num_classes": "num_classes", "norm": "norm", "backends": "backends", "warmup": "warmup",
+                 "iterations": "iterations", "rounds": "rounds", "threads": "threads", "seed": "seed"}
+
+
 @dataclass
 class Entry:
     name: str
@@ -59,6 +75,8 @@ class Entry:
     baseline: bool = True
     description: str = ""
     timeout: float = 1800.0
+    kind: str = COMMAND_KIND
+    settings: dict[str, Any] = field(default_factory=dict)  # an inference-backends entry's BACKENDS_KEYS
 
 
 @dataclass
@@ -83,6 +101,10 @@ class Result:
     pair_ratios: list[float] = field(default_factory=list)
     baseline_command: str = ""
     error: str | None = None
+    kind: str = COMMAND_KIND
+    # inference-backends entries: one dict per backend (cnns.bench.backends.BackendResult's fields, the best
+    # repeat's), plus "runs" (images/s per repeat) and "ratios" (over eager float32, per repeat)
+    backends: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,15 +140,55 @@ def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
     defaults = document.get("defaults") or {}
     entries = []
     for item in raw:
+        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) == BACKENDS_KIND:
+            entries.append(backends_entry(path, item, defaults))
+            continue
+        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) not in KINDS:
+            raise ConfigError(f"{path}: benchmark {item.get('name')!r} has kind {item['kind']!r}; "
+                              f"valid kinds: {', '.join(KINDS)}")
         if not isinstance(item, dict) or "name" not in item or "command" not in item:
             raise ConfigError(f"{path}: every benchmark needs a name and a command, got {item!r}")
-        known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__}
+        known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__ and k != "settings"}
         entries.append(Entry(**known))
     names = [e.name for e in entries]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"{path}: duplicate benchmark names {', '.join(duplicates)}")
     return entries, document
+
+
+def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -> Entry:
+    """A `kind: inference-backends` entry: no command line, the model and batch as keys (BACKENDS_KEYS)."""
+    name = item.get("name")
+    if not name:
+        raise ConfigError(f"{path}: every benchmark needs a name, got {item!r}")
+    common = {"name", "kind", "description", "timeout"}
+    unknown = sorted(k for k in item if k not in common and k not in BACKENDS_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: benchmark {name}: {', '.join(unknown)} not understood by a {BACKENDS_KIND} "
+                          f"entry; its keys: {', '.join(sorted(BACKENDS_KEYS))}")
+    missing = [k for k in ("model", "model_size", "batch_size") if k not in item]
+    if missing:
+        raise ConfigError(f"{path}: benchmark {name}: a {BACKENDS_KIND} entry needs {', '.join(missing)}")
+    settings = {k: item[k] for k in BACKENDS_KEYS if k in item}
+    backends = settings.get("backends")
+    if backends is not None and (not isinstance(backends, list) or not backends):
+        raise ConfigError(f"{path}: benchmark {name}: backends must be a list, got {backends!r}")
+    timeout = item.get("timeout", defaults.get("timeout", Entry.timeout))
+    from cnns.models.spec import normalise_size
+
+    size = normalise_size(str(settings["model"]).lower(), settings["model_size"])
+    summary = (f"{BACKENDS_KIND} {settings['model']}-{size} "
+               f"{settings.get('image_size', 224)}px batch {settings['batch_size']}: "
+               + ", ".join(backends or _default_backends()))
+    return Entry(name=str(name), command=summary, baseline=False, description=str(item.get("description", "")),
+                 timeout=float(timeout), kind=BACKENDS_KIND, settings=settings)
+
+
+def _default_backends() -> tuple[str, ...]:
+    from cnns.bench.backends import DEFAULT_BACKENDS
+
+    return DEFAULT_BACKENDS
 
 
 def select(entries: list[Entry], names: list[str] | None) -> list[Entry]:
@@ -241,6 +303,8 @@ def plan_entry(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> Pl
     from cnns.cli import parse_options
     from cnns.config import RunConfig, resolve
 
+    if entry.kind == BACKENDS_KIND:
+        raise ConfigError(f"benchmark {entry.name}: a {BACKENDS_KIND} entry is planned by plan_backends")
     words = shlex.split(entry.command.format(**substitutions))
     if not words or Path(words[0]).name not in SCRIPTS:
         raise ConfigError(f"benchmark {entry.name}: the command must start with train.py or validation.py")
@@ -284,6 +348,39 @@ def plan_entry(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> Pl
     }
     label = f"{m.arch}-{m.size}" + (f" {m.image_size}px" if m.image_size != 32 else " 32px")
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline)
+
+
+@dataclass
+class BackendsPlan:
+    """An inference-backends entry resolved: the JSON for `cnns.bench.backends` (its BackendsSpec) and the model."""
+
+    spec: dict[str, Any]
+    model_spec: Any
+    model_label: str
+    batch_size: int
+
+
+def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
+    from cnns.bench.backends import BACKENDS, BackendsSpec
+    from cnns.errors import CnnsError
+
+    values = {BACKENDS_KEYS[k]: v for k, v in entry.settings.items()}
+    values["arch"], values["size"] = str(values["arch"]), str(values["size"])
+    try:
+        spec = BackendsSpec(**values, cache_dir=str(cache_dir))
+        model_spec = spec.model_spec()
+    except (TypeError, ValueError, CnnsError) as exc:
+        raise ConfigError(f"benchmark {entry.name}: {exc}") from None
+    unknown = [b for b in spec.backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"benchmark {entry.name}: unknown backend {', '.join(map(str, unknown))}; "
+                          f"valid backends: {', '.join(BACKENDS)}")
+    for key in ("batch_size", "iterations", "rounds"):
+        if not isinstance(getattr(spec, key), int) or getattr(spec, key) < 1:
+            raise ConfigError(f"benchmark {entry.name}: {key} must be a positive integer, got {getattr(spec, key)!r}")
+    m = model_spec
+    label = f"{m.arch}-{m.size} {m.image_size}px"
+    return BackendsPlan(asdict(spec), model_spec, label, spec.batch_size)
 
 
 def run_and_read(argv: list[str], timeout: float, log_path: Path | None) -> tuple[float | None, str]:
@@ -349,6 +446,97 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
     return result
 
 
+def run_backends_process(argv: list[str], timeout: float, log_path: Path | None,
+                         result_path: Path) -> tuple[list[dict[str, Any]], str]:
+    """Run one `cnns.bench.backends` process; (its per-backend rows, error or '').
+
+    The process exits 1 when a backend failed but still writes the others' results, so the JSON is read
+    whatever the exit status."""
+    result_path.unlink(missing_ok=True)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout:.0f}s"
+    if log_path is not None:
+        log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
+    try:
+        rows = json.loads(result_path.read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        tail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["(no output)"])[-1]
+        return [], f"exit {out.returncode}: {tail[:300]}"
+    return rows, ""
+
+
+def combine_backend_runs(backends: list[str], runs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per backend over the repeats: the fields of its fastest run, its images/s per repeat ("runs"),
+    and as ratio_vs_eager the median of its per-repeat ratios to eager float32 in the same process."""
+    rows = []
+    for backend in backends:
+        candidates = [run[backend] for run in runs if backend in run]
+        if not candidates:
+            continue
+        measured = [c for c in candidates if c.get("images_per_sec")]
+        row = dict(max(measured, key=lambda c: c["images_per_sec"]) if measured else candidates[-1])
+        row["runs"] = [c["images_per_sec"] for c in measured]
+        row["ratios"] = [c["ratio_vs_eager"] for c in measured if c.get("ratio_vs_eager")]
+        row["ratio_vs_eager"] = statistics.median(row["ratios"]) if row["ratios"] else None
+        made = [c for c in candidates if c.get("compile_s") is not None and not c.get("cached")]
+        if made:  # the time it took when this invocation made the artefact
+            row["compile_s"], row["cached"] = made[0]["compile_s"], False
+        errors = list(dict.fromkeys(c["error"] for c in candidates if c.get("error")))
+        row["error"] = "; ".join(errors) or None
+        rows.append(row)
+    return rows
+
+
+def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, logs: Path | None,
+                       log: RunLog | None = None, bar=None) -> Result:
+    """An inference-backends entry, `repeats` processes, each measuring every backend (the order reversed
+    on every other repeat)."""
+    import tempfile
+
+    log = log or RunLog(None)
+    shown = {k: v for k, v in plan.spec.items() if k != "result_path"}
+    result = Result(entry.name, shlex.join(["python", "-m", "cnns.bench.backends", json.dumps(shown)]),
+                    model=plan.model_label, mode="infer", data="synthetic uint8", batch_size=plan.batch_size,
+                    kind=BACKENDS_KIND)
+    runs: list[dict[str, dict[str, Any]]] = []
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="cnns-backends-") as scratch:
+        for r in range(repeats):
+            order = list(plan.spec["backends"])
+            if r % 2 == 1:
+                order.reverse()
+            folder = logs or Path(scratch)
+            result_path = folder / f"{entry.name}-backends-{r + 1}.json"
+            log_path = logs / f"{entry.name}-backends-{r + 1}.log" if logs else None
+            argv = [sys.executable, "-m", "cnns.bench.backends",
+                    json.dumps({**plan.spec, "backends": order, "result_path": str(result_path)})]
+            log.print(f"  [{entry.name}] backends run {r + 1}/{repeats} ({', '.join(order)}) ...")
+            rows, error = run_backends_process(argv, entry.timeout, log_path, result_path)
+            if bar is not None:
+                bar.update(1)
+            if error:
+                errors.append(f"run {r + 1}: {error}")
+            if rows:
+                runs.append({row["backend"]: row for row in rows})
+                for row in rows:
+                    if row.get("images_per_sec"):
+                        log.print(f"  [{entry.name}] {row['label']}: {row['images_per_sec']:.2f} images/s")
+    result.backends = combine_backend_runs(list(plan.spec["backends"]), runs)
+    if errors:
+        result.error = "; ".join(errors)
+    return result
+
+
+def entry_failed(result: Result) -> bool:
+    """A command entry failed when our side gave no throughput; an inference-backends entry when any backend
+    (or the process) failed. A backend skipped on this machine (bfloat16 where it is emulated) is no failure."""
+    if result.kind == BACKENDS_KIND:
+        return bool(result.error) or not result.backends or any(b.get("error") for b in result.backends)
+    return result.cnns_images_per_sec is None
+
+
 def paired_ratio(result: Result) -> float | None:
     """The median of the per-repeat ratios: on a shared host whose speed drifts within minutes, the two
     runs of a repeat see the same machine, while the best run of each side may come from different moments
@@ -404,9 +592,79 @@ def format_table(results: list[Result], peak_gflops: float) -> str:
     return "\n".join(lines)
 
 
+def _compile_cell(row: dict[str, Any]) -> str:
+    if row.get("compile_s") is None:
+        return "-"
+    return f"{row['compile_s']:.1f}" + (" (cached)" if row.get("cached") else "")
+
+
+def format_backends_table(results: list[Result]) -> str:
+    """The inference-backends entries: one line per backend, and which was fastest in each entry."""
+    repeated = any(len(b.get("runs", [])) > 1 for r in results for b in r.backends)
+    header = ["benchmark", "model", "batch", "backend", "img/s", "latency avg ms", "p99 ms", "vs eager",
+              "compile s", "rel diff"] + (["vs eager per repeat"] if repeated else [])
+    rows = []
+    for r in results:
+        for b in r.backends:
+            measured = b.get("images_per_sec") is not None
+            state = "skipped" if b.get("skipped") else "error"
+            row = [r.name, r.model, str(r.batch_size), b["label"],
+                   _fmt(b.get("images_per_sec"), "{:.2f}") if measured else state,
+                   _fmt(b.get("latency_avg_ms"), "{:.2f}"), _fmt(b.get("latency_p99_ms"), "{:.2f}"),
+                   _fmt(b.get("ratio_vs_eager"), "{:.2f}x"), _compile_cell(b), _fmt(b.get("max_rel_diff"), "{:.1e}")]
+            if repeated:
+                row.append(" ".join(f"{v:.2f}" for v in b.get("ratios", [])) or "-")
+            rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.append("All on the same random uint8 NHWC batch, normalisation inside the model, one process per run, "
+                 "the same threads; latency per batch (p99: numpy percentile of the timed batches, warm-up "
+                 "excluded); vs eager: images/s over eager float32's in the same process"
+                 + (" (median of the repeats)" if repeated else "") + "; compile s: export + compilation, "
+                 "not timed (cached: made by an earlier run); rel diff: the largest |logit - eager float32's| over the largest |logit|.")
+    for r in results:
+        measured = [b for b in r.backends if b.get("images_per_sec")]
+        if measured:
+            # By the ratio to eager in the same process where there is one (its median over repeats pairs
+            # runs of the same moment); the best runs of two backends may come from different moments.
+            paired = all(b.get("ratio_vs_eager") for b in measured)
+            fastest = max(measured, key=lambda b: b["ratio_vs_eager"] if paired else b["images_per_sec"])
+            quickest = min(measured, key=lambda b: b["latency_avg_ms"])
+            lines.append(f"{r.name}: fastest {fastest['label']} ({fastest['images_per_sec']:.2f} img/s"
+                         + (f", {fastest['ratio_vs_eager']:.2f}x eager float32" if fastest.get("ratio_vs_eager")
+                            else "") + f"); lowest latency {quickest['label']} ({quickest['latency_avg_ms']:.2f} ms)")
+        for b in r.backends:
+            if b.get("skipped"):
+                lines.append(f"{r.name}: {b['label']} skipped: {b['skipped']}")
+            if b.get("error"):
+                lines.append(f"{r.name}: {b['label']}: {b['error']}")
+        if r.error:
+            lines.append(f"{r.name}: {r.error}")
+    return "\n".join(lines)
+
+
 CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
                "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
-               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error")
+               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error",
+               # inference-backends entries: one row per backend
+               "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
+               "compile_s", "max_abs_diff", "max_rel_diff")
+
+
+def _backend_csv_rows(r: Result) -> list[dict[str, Any]]:
+    rows = []
+    for b in r.backends:
+        row = {key: getattr(r, key) for key in ("name", "model", "mode", "data", "batch_size", "grad_accum",
+                                                "command", "kind")}
+        row.update({key: b.get(key) for key in ("backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms",
+                                                "ratio_vs_eager", "compile_s", "max_abs_diff", "max_rel_diff")})
+        row["cnns_runs"] = " ".join(f"{v:.3f}" for v in b.get("runs", []))
+        row["pair_ratios"] = " ".join(f"{v:.3f}" for v in b.get("ratios", []))
+        problems = [f"skipped: {b['skipped']}" if b.get("skipped") else None, b.get("error"), r.error]
+        row["error"] = "; ".join(p for p in problems if p) or None
+        rows.append(row)
+    return rows
 
 
 def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
@@ -416,6 +674,9 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for r in results:
+            if r.kind == BACKENDS_KIND:
+                writer.writerows(_backend_csv_rows(r))
+                continue
             row = asdict(r)
             row["cnns_runs"] = " ".join(f"{v:.3f}" for v in r.cnns_runs)
             row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
@@ -483,7 +744,9 @@ def benchmark_command(argv: list[str]) -> int:
         images = int(document.get("cifar10_images", CIFAR_IMAGES))
         folder = Path(args.data_dir) if args.data_dir else out_dir / "data" / f"cifar10-{images}"
         substitutions["cifar10"] = str(ensure_cifar10(folder, images))
-    plans = [(e, plan_entry(e, substitutions, run_dir / "runs")) for e in chosen]  # option errors before any run
+    cache = out_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
+    plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, substitutions, run_dir / "runs"))
+             for e in chosen]  # option errors before any run
     peak, rates = peak_rate()
     print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s "
           f"on {torch.get_num_threads()} threads", flush=True)
@@ -493,6 +756,9 @@ def benchmark_command(argv: list[str]) -> int:
     with log.progress(runs, description="benchmark", unit="run") as bar:
         for entry, plan in plans:
             log.print(f"{entry.name}: {entry.command}")
+            if isinstance(plan, BackendsPlan):
+                results.append(run_backends_entry(entry, plan, repeats, logs, log, bar))
+                continue
             results.append(run_entry(entry, plan, spec_path.resolve().parent, repeats, not args.no_baseline, logs,
                                      log, bar))
     # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
@@ -505,7 +771,14 @@ def benchmark_command(argv: list[str]) -> int:
     csv_path, json_path = write_results(results, meta, run_dir, "results")
     if not args.keep_runs:
         shutil.rmtree(run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
+    commands = [r for r in results if r.kind != BACKENDS_KIND]
+    backends = [r for r in results if r.kind == BACKENDS_KIND]
     print()
-    print(format_table(results, peak))
+    if commands or not backends:
+        print(format_table(commands, peak))
+    if backends:
+        if commands:
+            print()
+        print(format_backends_table(backends))
     print(f"results: {csv_path} {json_path}")
-    return 1 if any(r.cnns_images_per_sec is None for r in results) else 0
+    return 1 if any(entry_failed(r) for r in results) else 0

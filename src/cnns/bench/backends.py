@@ -1,0 +1,427 @@
+"""Inference backends side by side: eager PyTorch, an AOTInductor package and onnxruntime.
+
+`measure_backends` runs one model on one batch through each backend, in one process, one after the
+other, and times them the same way:
+
+* **The same model and input.** `cnns.models.build_model` (random initialisation from a fixed seed)
+  behind `cnns.engine.embedded.NormalisedClassifier`, so every backend takes the same random uint8 NHWC
+  batch and normalises it itself, as ``inference_embedded.py`` and ``cnns export --eight-bit-io`` do.
+  The logits of every backend on that batch are compared with eager float32's (``max_abs_diff``, and
+  ``max_rel_diff``: over the largest |logit|, since randomly initialised EfficientNets give logits of
+  about 1e-5); a float32 backend that disagrees by more than `AGREEMENT_TOLERANCE` relative is reported
+  as an error, since its speed would not be comparable.
+* **Precision.** ``eager``, ``aoti`` and ``onnxruntime`` all run float32 (channels_last weights; the
+  AOTInductor package and the ONNX graph are exported from that same float32 module, as
+  ``cnns export`` writes them). Two optional rows add bfloat16 where the CPU computes it natively
+  (`cnns.precision.cpu_half_is_emulated`): ``eager-bf16`` is cnns's own eager inference at 16.16
+  (bfloat16 weights, normalisation layers kept float32, `PrecisionPolicy.apply_to_model`), and
+  ``aoti-bf16`` is what ``inference_embedded.py`` compiles at its default precision 16.16 (the whole
+  module in bfloat16). On a CPU that would only emulate bfloat16 they are skipped, with the reason.
+* **Threads.** ``torch.set_num_threads(threads)`` for eager and AOTInductor, ``intra_op_num_threads =
+  threads`` (one inter-op thread, sequential execution) for onnxruntime; ``threads`` defaults to the
+  cores this process may run on.
+* **Timing.** Each backend first runs ``warmup`` batches (excluded), then ``iterations`` timed batches,
+  each timed alone with ``time.perf_counter``: latency per batch avg and p99 (numpy's percentile),
+  throughput = images / the timed seconds. With ``rounds`` > 1 the timed batches are split into rounds
+  that visit the backends in alternating order, so that a shared machine's drift reaches all of them.
+* **Compilation** (``torch.export`` + AOTInductor; the dynamo ONNX exporter at opset 18) is timed
+  separately and never counted; the artefacts are kept in ``cache_dir`` under a key of model, image
+  size, batch, seed and library versions, so a repeat (or a later run) loads them instead. The table
+  then shows the time the artefact took when it was made.
+
+Run as ``python -m cnns.bench.backends '<json>'``: `cnns benchmark` does that for a ``kind:
+inference-backends`` entry of benchmarks.yml and reads the JSON written to ``result_path``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")
+DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")
+LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
+          "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
+DTYPES = {"eager": "float32", "eager-bf16": "bfloat16", "aoti": "float32", "aoti-bf16": "bfloat16",
+          "onnxruntime": "float32"}
+# A float32 backend may differ from eager float32 by this much, relative to the largest |logit|: different
+# kernels sum in different orders (1e-7..1e-6 relative measured), a wrong graph differs by O(1).
+AGREEMENT_TOLERANCE = 1e-3
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class BackendResult:
+    backend: str  # one of BACKENDS
+    label: str
+    dtype: str
+    batch_size: int
+    iterations: int = 0  # timed batches
+    images_per_sec: float | None = None
+    latency_avg_ms: float | None = None
+    latency_p50_ms: float | None = None
+    latency_p99_ms: float | None = None
+    latency_max_ms: float | None = None
+    ratio_vs_eager: float | None = None  # images/s over eager float32's, in the same process
+    compile_s: float | None = None  # export + compilation of the artefact (None for eager)
+    cached: bool = False  # the artefact came from the cache (compile_s is then the time it took when made)
+    load_s: float | None = None  # loading the package / creating the onnxruntime session
+    max_abs_diff: float | None = None  # largest |logit - eager float32 logit| on the measured batch
+    max_rel_diff: float | None = None  # max_abs_diff over the largest |eager float32 logit|
+    threads: int = 0
+    skipped: str | None = None  # why the backend did not run on this machine (not an error)
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# the module every backend runs
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def float32_module(model_spec, seed: int) -> nn.Module:
+    """uint8 NHWC -> float32 logits, float32 channels_last weights, the same for every seed."""
+    from cnns.engine.embedded import NormalisedClassifier
+    from cnns.models import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(model_spec).to(memory_format=torch.channels_last).eval()
+    return NormalisedClassifier(model, IMAGENET_STD, torch.float32).eval()
+
+
+def bf16_eager_module(reference: nn.Module) -> nn.Module:
+    """cnns's eager 16.16 inference: bfloat16 weights, normalisation layers in float32 (mixed-type kernels)."""
+    from cnns.engine.embedded import NormalisedClassifier
+    from cnns.precision import PrecisionPolicy
+
+    model = copy.deepcopy(reference.model)
+    PrecisionPolicy.resolve("16.16", "bfloat16", torch.device("cpu")).apply_to_model(model)
+    model.to(memory_format=torch.channels_last)
+    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
+
+
+def bf16_embedded_module(reference: nn.Module) -> nn.Module:
+    """What inference_embedded.py compiles at 16.16: the whole model in bfloat16 (its build_inference_model)."""
+    from cnns.engine.embedded import NormalisedClassifier
+
+    model = copy.deepcopy(reference.model).to(dtype=torch.bfloat16, memory_format=torch.channels_last).eval()
+    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
+
+
+def cache_key(model_spec, batch_size: int, seed: int) -> str:
+    """A folder name for one model at one batch size: readable, plus a hash of everything that shapes the artefact."""
+    import onnx
+
+    identity = json.dumps({"spec": repr(model_spec), "batch": batch_size, "seed": seed, "torch": torch.__version__,
+                           "onnx": onnx.__version__}, sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{model_spec.arch}{model_spec.size}-{model_spec.image_size}px-bs{batch_size}-{digest}"
+
+
+# ------------------------------------------------------------------------------------------------
+# artefacts
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    temporary = folder / f".meta.{os.getpid()}.json"
+    temporary.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(temporary, folder / "meta.json")
+
+
+def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder: Path,
+                  force: bool = False) -> tuple[Path, float, bool]:
+    """The backend's compiled file in `folder` (made unless there): (path, seconds it took to make, cached)."""
+    from cnns.inference.export import export_onnx, export_pt2
+
+    path = folder / ("model.onnx" if backend == "onnxruntime" else f"{backend}.pt2")
+    meta = _read_meta(folder)
+    if path.is_file() and not force and backend in meta:
+        return path, float(meta[backend]), True
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if backend == "onnxruntime":
+        export_onnx(module, example, False, path)
+    else:
+        export_pt2(module, example, False, path)
+    seconds = time.perf_counter() - start
+    _write_meta(folder, {**_read_meta(folder), backend: seconds})
+    return path, seconds, False
+
+
+def load_artefact(backend: str, path: Path, threads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A call images -> logits (a torch tensor) for the compiled file."""
+    if backend == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+
+        def run_onnx(images: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(session.run(None, {name: images.numpy()})[0])
+
+        return run_onnx
+    runner = torch._inductor.aoti_load_package(str(path))
+    return lambda images: runner(images)
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement
+
+
+def _finish(result: BackendResult, latencies_ms: list[float], seconds: float) -> None:
+    values = np.asarray(latencies_ms, dtype=np.float64)
+    result.iterations = len(values)
+    result.images_per_sec = result.batch_size * len(values) / seconds
+    result.latency_avg_ms = float(values.mean())
+    result.latency_p50_ms = float(np.percentile(values, 50))
+    result.latency_p99_ms = float(np.percentile(values, 99))
+    result.latency_max_ms = float(values.max())
+
+
+def _compare(result: BackendResult, logits: torch.Tensor, reference: torch.Tensor) -> None:
+    result.max_abs_diff = float((logits.float() - reference).abs().max())
+    scale = float(reference.abs().max())
+    result.max_rel_diff = result.max_abs_diff / scale if scale > 0 else (0.0 if result.max_abs_diff == 0 else None)
+
+
+def _agreement_error(result: BackendResult) -> str | None:
+    if result.dtype != "float32" or result.max_abs_diff is None:
+        return None
+    if result.max_rel_diff is None or result.max_rel_diff > AGREEMENT_TOLERANCE:
+        return (f"logits differ from eager float32 by {result.max_abs_diff:.3g} (relative "
+                f"{result.max_rel_diff if result.max_rel_diff is not None else float('inf'):.3g}): "
+                "not the same computation")
+    return None
+
+
+def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
+                     backends: tuple[str, ...] | list[str] = DEFAULT_BACKENDS, warmup: int = 3, iterations: int = 20,
+                     threads: int | None = None, cache_dir: str | Path | None = None, seed: int = 0,
+                     rounds: int = 1, log: Callable[[str], None] | None = None) -> list[BackendResult]:
+    """One `BackendResult` per backend, in the order asked (see the module docstring for what each does).
+
+    ``image_size`` overrides ``model_spec.image_size``; ``cache_dir`` keeps the compiled artefacts
+    (default: a temporary folder, removed at the end); ``log`` receives one line per step.
+    """
+    import tempfile
+
+    from cnns.precision import cpu_half_is_emulated
+
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ValueError(f"unknown backend {', '.join(unknown) or '(none)'}; valid backends: {', '.join(BACKENDS)}")
+    if batch_size < 1 or iterations < 1 or warmup < 0 or rounds < 1:
+        raise ValueError("batch_size, iterations and rounds must be at least 1, warmup at least 0")
+    say = log or (lambda line: None)
+    if image_size is not None and image_size != model_spec.image_size:
+        model_spec = replace(model_spec, image_size=image_size)
+    threads = threads or default_threads()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    temporary = None
+    if cache_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="cnns-backends-")
+        cache_dir = temporary.name
+    folder = Path(cache_dir) / cache_key(model_spec, batch_size, seed)
+    size = model_spec.image_size
+    images = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(seed))
+    results = {b: BackendResult(b, LABELS[b], DTYPES[b], batch_size, threads=threads) for b in backends}
+    emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
+    try:
+        # Built and first called outside inference mode: torch.export refuses inference tensors. The eager
+        # call comes before any export, so that normalise()'s cached constants are made outside tracing.
+        reference_module = float32_module(model_spec, seed)
+        with torch.no_grad():
+            reference = reference_module(images)
+        calls: dict[str, Callable[[], torch.Tensor]] = {}
+        for backend in backends:
+            result = results[backend]
+            if result.dtype == "bfloat16" and emulated:
+                result.skipped = "this CPU has no bfloat16 arithmetic (no AVX512-BF16 or AMX): bfloat16 is emulated"
+                say(f"{result.label}: skipped, {result.skipped}")
+                continue
+            try:
+                call = _prepare(backend, result, reference_module, images, folder, threads, reference, say)
+            except Exception as exc:  # one backend failing must not lose the others' measurements
+                first = (str(exc).strip().splitlines() or [""])[0][:300]
+                result.error = f"{type(exc).__name__}: {first}"
+                say(f"{result.label}: {result.error}")
+                continue
+            calls[backend] = call
+        _time_all(calls, results, batch_size, warmup, iterations, rounds, say)
+    finally:
+        torch.set_num_threads(previous_threads)
+        if temporary is not None:
+            temporary.cleanup()
+    eager = results.get("eager")
+    for result in results.values():
+        if eager is not None and eager.images_per_sec and result.images_per_sec:
+            result.ratio_vs_eager = result.images_per_sec / eager.images_per_sec
+    return [results[b] for b in backends]
+
+
+def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, images: torch.Tensor, folder: Path,
+             threads: int, reference: torch.Tensor, say) -> Callable[[], torch.Tensor]:
+    """Build (or load) the backend, check its logits against eager float32, and return its call."""
+    if backend == "eager":
+        module = reference_module
+    elif backend == "eager-bf16":
+        module = bf16_eager_module(reference_module)
+    else:
+        module = None
+    if module is not None:
+        def eager_call() -> torch.Tensor:
+            with torch.inference_mode():
+                return module(images)
+
+        _compare(result, eager_call(), reference)
+        return eager_call
+
+    source = bf16_embedded_module(reference_module) if backend == "aoti-bf16" else reference_module
+    for attempt in range(2):  # a cached artefact that disagrees (made by other code) is made again, once
+        path, seconds, cached = make_artefact(backend, source, images, folder, force=attempt > 0)
+        result.compile_s, result.cached = seconds, cached
+        say(f"{result.label}: {'cached ' if cached else ''}artefact {path} ({seconds:.1f} s to make)")
+        start = time.perf_counter()
+        run = load_artefact(backend, path, threads)
+        result.load_s = time.perf_counter() - start
+        with torch.inference_mode():
+            logits = run(images)
+        _compare(result, logits, reference)
+        problem = _agreement_error(result)
+        if problem is None or not cached:
+            break
+        say(f"{result.label}: the cached artefact disagrees ({problem}); compiling it again")
+    problem = _agreement_error(result)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+    def compiled_call() -> torch.Tensor:
+        with torch.inference_mode():
+            return run(images)
+
+    return compiled_call
+
+
+def _time_all(calls: dict[str, Callable[[], torch.Tensor]], results: dict[str, BackendResult], batch_size: int,
+              warmup: int, iterations: int, rounds: int, say) -> None:
+    """Warm up each backend, then time them in `rounds` rounds of alternating order."""
+    order = list(calls)
+    failed: set[str] = set()
+
+    def fail(backend: str, exc: Exception) -> None:  # e.g. out of memory at a large batch: the others still count
+        failed.add(backend)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        results[backend].error = f"{type(exc).__name__}: {first}"
+        say(f"{results[backend].label}: {results[backend].error}")
+
+    for backend in order:
+        try:
+            for _ in range(warmup):
+                calls[backend]()
+        except Exception as exc:
+            fail(backend, exc)
+    latencies: dict[str, list[float]] = {b: [] for b in order}
+    seconds = dict.fromkeys(order, 0.0)
+    per_round = [iterations // rounds + (1 if r < iterations % rounds else 0) for r in range(rounds)]
+    for r, count in enumerate(per_round):
+        for backend in (order if r % 2 == 0 else order[::-1]):
+            if backend in failed:
+                continue
+            call = calls[backend]
+            start = time.perf_counter()
+            try:
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    call()
+                    latencies[backend].append(1000.0 * (time.perf_counter() - t0))
+            except Exception as exc:
+                fail(backend, exc)
+            seconds[backend] += time.perf_counter() - start
+    for backend in order:
+        result = results[backend]
+        if latencies[backend] and backend not in failed:
+            _finish(result, latencies[backend], seconds[backend])
+            say(f"{result.label}: {result.images_per_sec:.2f} images/s, latency avg {result.latency_avg_ms:.2f} ms, "
+                f"p99 {result.latency_p99_ms:.2f} ms over {result.iterations} batches of {batch_size}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the subprocess that `cnns benchmark` runs
+
+
+@dataclass
+class BackendsSpec:
+    """What one ``kind: inference-backends`` entry measures (the JSON the runner passes)."""
+
+    arch: str
+    size: str
+    batch_size: int
+    image_size: int = 224
+    num_classes: int = 1000
+    norm: str = "batch"
+    backends: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    warmup: int = 3
+    iterations: int = 20
+    rounds: int = 1
+    threads: int | None = None
+    seed: int = 0
+    cache_dir: str | None = None
+    result_path: str | None = None
+
+    def model_spec(self):
+        from cnns.models import ModelSpec
+
+        return ModelSpec(self.arch, self.size, self.num_classes, self.image_size, norm=self.norm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cnns.engine.build import keep_freed_host_memory
+
+    argv = sys.argv[1:] if argv is None else argv
+    spec = BackendsSpec(**json.loads(argv[0]))
+    keep_freed_host_memory(torch.device("cpu"))  # as cnns's own runs do; the same for every backend here
+    results = measure_backends(spec.model_spec(), spec.batch_size, spec.image_size, tuple(spec.backends),
+                               warmup=spec.warmup, iterations=spec.iterations, threads=spec.threads,
+                               cache_dir=spec.cache_dir, seed=spec.seed, rounds=spec.rounds,
+                               log=lambda line: print(line, flush=True))
+    document = {"spec": asdict(spec), "torch": torch.__version__, "results": [asdict(r) for r in results]}
+    text = json.dumps(document, indent=2) + "\n"
+    if spec.result_path:
+        Path(spec.result_path).write_text(text)
+    else:
+        print(text)
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
