@@ -35,6 +35,3 @@ def no_sync_context(model: nn.Module) -> Callable[[], ContextManager]:
         return model.no_sync
     return contextlib.nullcontext
 
-
-def replicated(model: nn.Module) -> DistributedDataParallel | None:
-    return model if isinstance(model, DistributedDataParallel) else None

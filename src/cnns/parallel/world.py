@@ -149,14 +149,6 @@ class World:
             if buffer is not tensor:
                 tensor.copy_(buffer)
 
-    def barrier(self, what: str) -> None:
-        """Wait for every process; a missing one is named (gloo's monitored barrier)."""
-        if self.distributed:
-            try:
-                dist.monitored_barrier(group=self.control, timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise DistributedError(f"rank {self.rank}: {what}: {_first_line(exc)}") from None
-
     def agree_on(self, key: str, make: Callable[[], str]) -> str:
         """A string every process agrees on, made once by rank 0 (e.g. the run folder's name).
 
