@@ -310,3 +310,20 @@ def test_a_worker_that_dies_stops_the_run_with_one_line_naming_it(data_dir, tmp_
     lines = [line for line in err.splitlines() if line.strip()]
     assert any("rank 1" in line and "SIGKILL" in line for line in lines), err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_to_torchrun_reaches_every_worker_and_leaves_one_checkpoint(data_dir, tmp_path):
+    folder = tmp_path / "interrupted"
+    launcher = start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *COMMON,
+                      "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2",
+                      "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1", "--ckpts-per-epoch", "0"],
+                     tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (folder / "training.csv").exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = descendants(launcher.pid)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = finish(launcher, expect=None)
+    stopped_at = int(re.search(r"Training interrupted by SIGINT at iteration (\d+)", out).group(1))
+    assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == [f"ckpt-{stopped_at}.pt"]
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker processes left"
