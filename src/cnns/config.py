@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -370,9 +369,9 @@ def _training_defaults(o: dict[str, Any]) -> None:
             raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
     if o.get("epochs_per_ckpt"):
         per_epoch = 1.0 / o["epochs_per_ckpt"]
-        # A run's arguments.json (read again by validation.py) holds both, the second derived from the first.
-        given = o["ckpts_per_epoch"] != 1 or "--ckpts-per-epoch" in _spelled_options(o)
-        if given and not math.isclose(o["ckpts_per_epoch"], per_epoch):
+        # Both on one command line are refused by the parser. A run's arguments.json (read again by
+        # validation.py) holds both, the second derived from the first.
+        if o["ckpts_per_epoch"] != 1 and not math.isclose(o["ckpts_per_epoch"], per_epoch):
             raise ConfigError("cannot use --epochs-per-ckpt and --ckpts-per-epoch together")
         o["ckpts_per_epoch"] = per_epoch
     if o["lr_schedule"] == "polynomial_decay_lr":
@@ -388,59 +387,12 @@ def _training_defaults(o: dict[str, Any]) -> None:
     _set_if_unset(o, "pipeline_num_parallel", 2)
 
 
-# The same option under two spellings, or two ways of saying one thing: never both on one command line
-# (whatever the values: the parser keeps only the last, so a user giving both cannot tell which one counts).
-_CONTRADICTORY_SPELLINGS = (
-    ("--batch-size", "--micro-batch-size", "--batch-size is the seed's spelling of --micro-batch-size: give one of them"),
-    ("--epochs-per-ckpt", "--ckpts-per-epoch", "cannot use --epochs-per-ckpt and --ckpts-per-epoch together"),
-)  # (--epochs with --iterations: the parsers hold them in a mutually exclusive group, and refuse both)
-_SCRIPTS = {"train.py": "train", "validation.py": "validate", "weight_avg.py": "weight-avg",
-            "inference_embedded.py": "infer"}
-
-
-def _check_contradictions(o: dict[str, Any]) -> None:
-    """Options that contradict each other, and numbers that are not finite, before anything uses them."""
-    spelled = _spelled_options(o)
-    for first, second, message in _CONTRADICTORY_SPELLINGS:
-        if first in spelled and second in spelled:
-            raise ConfigError(message)
+def _check_finite(o: dict[str, Any]) -> None:
+    """Numbers that are not finite (--epochs nan), before anything uses them."""
     for key, action in _option_actions().items():
         value = o.get(key)
         if action.type is float and isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{action.option_strings[0]} must be a finite number, got {value}")
-
-
-def _spelled_options(o: dict[str, Any]) -> set[str]:
-    """The options a command line spelled out (--batch-size, --micro-batch-size, ...), argparse's
-    abbreviations expanded. Two spellings of one option reach the parsed values as one value, so
-    the command line itself (kept under "command") is what tells them apart. Empty when the options
-    did not come from a command line."""
-    command = o.get("command")
-    try:
-        words = shlex.split(command) if isinstance(command, str) else []
-    except ValueError:
-        return set()
-    if not words or words[0] not in _SCRIPTS:
-        return set()
-    known = _option_strings(_SCRIPTS[words[0]])
-    spelled = set()
-    for word in words[1:]:
-        if word == "--":
-            break
-        if not word.startswith("--"):
-            continue
-        flag = word.split("=", 1)[0]
-        matches = [flag] if flag in known else [option for option in known if option.startswith(flag)]
-        if len(matches) == 1:
-            spelled.add(matches[0])
-    return spelled
-
-
-@lru_cache(maxsize=None)
-def _option_strings(script: str) -> frozenset[str]:
-    from cnns.cli.options import build_parser
-
-    return frozenset(option for action in build_parser(script)._actions for option in action.option_strings)
 
 
 def _validate(o: dict[str, Any]) -> None:
@@ -487,7 +439,7 @@ def run_name(o: dict[str, Any]) -> str:
 def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
     """Fill every option: generic defaults, dataset/model defaults, derived values. Pure: no I/O."""
     o = dict(cli_values)
-    _check_contradictions(o)
+    _check_finite(o)
     for key, value in GENERIC_DEFAULTS.items():
         _set_if_unset(o, key, value)
     _dataset_defaults(o)

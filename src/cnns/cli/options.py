@@ -150,8 +150,12 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Training")
-    group.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
+    # The seed's two spellings of one option, as two mutually exclusive arguments: the parser refuses
+    # both on one command line (it would keep only the last, silently).
+    batch = group.add_mutually_exclusive_group()
+    batch.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
                        help="Samples per forward/backward pass on one replica.")
+    batch.add_argument("--batch-size", dest="micro_batch_size", type=int, help="The seed's spelling of --micro-batch-size.")
     group.add_argument("--gradient-accumulation-count", type=int,
                        help="Micro-batches whose gradients are summed before one weight update (default 1).")
     group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
@@ -188,8 +192,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,
                        help="Dynamic loss scaling: back off on overflow and skip that update.")
     group.add_argument("--seed", type=int, help="Seed for a reproducible run.")
-    group.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch (default 1; 0 = only the last).")
-    group.add_argument("--epochs-per-ckpt", type=float, help="Epochs between checkpoints (alternative to --ckpts-per-epoch).")
+    cadence = group.add_mutually_exclusive_group()
+    cadence.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch (default 1; 0 = only the last).")
+    cadence.add_argument("--epochs-per-ckpt", type=float, help="Epochs between checkpoints (instead of --ckpts-per-epoch).")
     group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
