@@ -180,7 +180,7 @@ class TrainingLoop:
                 self.after_update()
             outfeed.push(iteration, lr, metrics)
             if warmup is None:
-                warmup = self._first_update_done(metrics, time.perf_counter() - interval_start)
+                warmup = self._first_update_done(metrics, interval_start)
                 interval_start = time.perf_counter()  # throughput leaves the first update out
             if bar is not None:
                 bar.update(1)
@@ -217,12 +217,12 @@ class TrainingLoop:
         result.seconds = time.perf_counter() - start_all
         return result
 
-    def _first_update_done(self, metrics: StepMetrics, seconds: float) -> tuple[float, int]:
+    def _first_update_done(self, metrics: StepMetrics, started: float) -> tuple[float, int]:
         """The seed's `Compilation time:` line: the first update, which pays for any compilation,
         kernel selection and first-touch allocation. Waits for the device this once."""
         if metrics.loss_sum.is_cuda:
             torch.cuda.synchronize(metrics.loss_sum.device)
-            seconds = max(seconds, 0.0)
+        seconds = time.perf_counter() - started
         self.log.print(f"Compilation time: {seconds:.3f}s.")
         return seconds, metrics.samples * self.world.replicas
 
