@@ -134,7 +134,10 @@ def test_ipu_only_options_are_named_in_one_notice():
     (["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2"], "--shards should be used in combination"),
     (["--dataset", "cifar-10", "--data-dir", "/nonexistent/folder", "--iterations", "1"], "data folder not found"),
-    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline"], "--shards 2: pipelined model parallelism is not supported yet"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline", "--pipeline-splits", "stage9/unit1/relu"],
+     "unknown pipeline split stage9/unit1/relu"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "3", "--pipeline", "--pipeline-splits", "stage2/unit1/relu"],
+     "--shards 3 needs 2 --pipeline-splits, got 1 (stage2/unit1/relu); valid splits: stage1/unit1/relu (b1/0/relu"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):

@@ -17,6 +17,7 @@ from cnns.models import (
     split_points,
     valid_sizes,
 )
+from cnns.models.splits import model_pieces, stage_pieces
 from cnns.models.cifar_resnet import ZeroPadShortcut
 from cnns.models.norms import fitted_groups
 
@@ -197,7 +198,7 @@ def test_every_seed_split_resolves_to_a_module(model_name, names):
     modules = resolve_splits(spec, model, names)
     assert len(modules) == len(names)
     for module in modules:
-        model.get_submodule(module)
+        model.get_submodule(module.split("@")[0])  # "<block>@<child>": a cut inside that block
 
 
 def test_seed_split_names_old_and_new_name_the_same_cut():
@@ -213,10 +214,42 @@ def test_efficientnet_split_names():
     spec = ModelSpec("efficientnet", "B4", 1000, IMAGENET)
     points = split_points(spec, build_model(spec))
     assert points["block0"] == "bn1"
-    assert points["block1a"] == "blocks.0.0"
+    assert points["block1a"] == "blocks.0.0"  # depthwise separable: no expansion to cut after
+    assert points["block1a/b"] == "blocks.0.0@se"
     assert points["block2c"] == "blocks.1.2"
     assert points["block7b"] == "blocks.6.1"  # B4 stages: 2, 4, 4, 6, 6, 8, 2 blocks
-    assert list(points)[:3] == ["block0", "block1a", "blocks.0.0"]
+    assert list(points)[:4] == ["block0", "block1a/b", "block1a", "block1a/c"]
+    # The seed's sub-block cuts of a block without a skip connection (each stage's first).
+    assert points["block2a"] == "blocks.1.0@bn1"  # after the expansion
+    assert points["block2a/b"] == "blocks.1.0@se"  # after depthwise + squeeze-excitation
+    assert points["block2a/c"] == points["blocks.1.0"] == "blocks.1.0"  # after the projection
+    assert "block2b/b" not in points  # a block with a skip connection is cut whole only
+
+
+@pytest.mark.parametrize("model_name, image_size, names", [
+    (("resnet", "20"), CIFAR, ["stage2/unit1/relu"]),
+    (("resnext", "29"), CIFAR, ["stage1/unit3/relu", "stage3/unit1/relu"]),
+    (("resnext", "14"), IMAGENET, ["stage2/unit1/relu"]),
+    (("efficientnet", "B0"), IMAGENET, ["block1a/b", "block2a", "block2a/b", "block3b", "block4a/c"]),
+])
+def test_pieces_in_order_are_the_model(model_name, image_size, names):
+    spec = ModelSpec(*model_name, num_classes=10, image_size=image_size)
+    model = build_model(spec).eval()
+    cuts = resolve_splits(spec, model, names)
+    stages = stage_pieces(model_pieces(spec, model, cuts), cuts)
+    assert len(stages) == len(names) + 1 and all(stages)
+    assert [stage[-1].cut for stage in stages[:-1]] == cuts
+    x = torch.randn(2, 3, max(image_size, 32), max(image_size, 32))
+    with torch.no_grad():
+        expected, y = model(x), x
+        for piece in (piece for stage in stages for piece in stage):
+            y = piece.run(y)
+    assert torch.equal(y, expected)
+    # Every parameter belongs to exactly one stage.
+    owned = [name for stage in stages for piece in stage for name in piece.modules]
+    params = {name for name, _ in model.named_parameters()}
+    claimed = [p for p in params if any(p.startswith(m + ".") for m in owned)]
+    assert sorted(claimed) == sorted(params)
 
 
 def test_cifar_resnet_splits_cover_three_stages():

@@ -286,7 +286,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "replicas": 1,
     "shards": 1,
     "pipeline": False,
-    "pipeline_schedule": "Interleaved",
+    "pipeline_schedule": "Grouped",  # the seed's default
     "enable_recomputation": False,
     "precision": "16.16",
     "stochastic_rounding": True,

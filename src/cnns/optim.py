@@ -96,6 +96,13 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def parameter_names(model: nn.Module) -> list[str]:
+    """The names of the parameters an optimiser over `parameter_groups(model)` holds, in its order
+    (how its state dict numbers them)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [names[id(param)] for group in parameter_groups(model, 0.0) for param in group["params"]]
+
+
 def build_optimiser(params_or_groups: Iterable, spec: OptimiserSpec) -> torch.optim.Optimizer:
     """The optimiser ``spec`` names, over ``params_or_groups``.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -154,17 +155,20 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.active else loss
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+    def unscale_(self, grads: list[torch.Tensor], all_finite: Callable[[bool], bool] | None = None) -> bool:
         """Divide the gradients by the scale in place; with dynamic scaling, report whether to step.
 
         Only dynamic scaling reads a value back to the host (one sync per update); static scaling
-        never does.
+        never does. `all_finite` turns this process's verdict into everyone's (pipeline stages hold
+        different gradients, and all of them skip an update or none).
         """
         if self.active and grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
         if not self.dynamic:
             return True
         finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if all_finite is not None:
+            finite = all_finite(finite)
         if finite:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:

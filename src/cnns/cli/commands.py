@@ -17,21 +17,37 @@ from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 
 def check_supported(options: dict[str, Any]) -> None:
-    """Capabilities that a later release builds: stop with one clear line rather than run half of one."""
+    """Combinations that cannot run, found before any worker starts: one clear line each."""
     if options["shards"] > 1:
-        raise ConfigError(f"--shards {options['shards']}: pipelined model parallelism is not supported yet; use "
-                          "--shards 1 (--enable-recomputation saves activation memory on one device)")
+        _check_pipeline_splits(options)
     if options["BN_span"] > 1 and options["replicas"] == 1:
         raise ConfigError(f"--BN-span {options['BN_span']} spans replicas: give --replicas (a multiple of it)")
 
 
-def _print_splits_and_exit(options: dict[str, Any]) -> int:
-    from cnns.models import build_model, split_points
+def _check_pipeline_splits(options: dict[str, Any]) -> None:
+    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again)."""
+    from cnns.models import ModelError, build_model, describe_split_points, resolve_splits, split_points
 
     cfg = RunConfig.from_options(options)
-    names = list(split_points(cfg.model, build_model(cfg.model)))
-    print(f"--pipeline-splits needs {options['shards'] - 1} of these split names for {cfg.model.arch}-{cfg.model.size}:")
-    print(" ".join(names))
+    model = build_model(cfg.model)
+    splits, shards = list(options["pipeline_splits"]), options["shards"]
+    try:
+        resolve_splits(cfg.model, model, splits)
+    except ModelError as error:
+        raise ConfigError(str(error)) from None
+    if len(splits) != shards - 1:
+        raise ConfigError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(splits)} "
+                          f"({' '.join(splits)}); valid splits: {describe_split_points(split_points(cfg.model, model))}")
+
+
+def _print_splits_and_exit(options: dict[str, Any]) -> int:
+    from cnns.models import build_model, describe_split_points, split_points
+
+    cfg = RunConfig.from_options(options)
+    points = split_points(cfg.model, build_model(cfg.model))
+    print(f"--pipeline-splits needs {max(1, options['shards'] - 1)} of these split names for "
+          f"{cfg.model.arch}-{cfg.model.size} (aliases in brackets):")
+    print(describe_split_points(points))
     return 0
 
 
@@ -49,7 +65,7 @@ def train_main(argv: list[str]) -> int:
     options, notices = resolved_training_options("train", argv)
     if options["print_config"]:
         return print_config(options)
-    if options.get("pipeline_splits") == []:
+    if options.get("pipeline_splits") == [] or (options["shards"] > 1 and not options.get("pipeline_splits")):
         return _print_splits_and_exit(options)
     check_supported(options)
     cfg = RunConfig.from_options(options)

@@ -115,16 +115,21 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under any compilation and replication (DDP) wrapper."""
+    """The plain model under any compilation and replication (DDP) wrapper; of a pipeline stage, the
+    part of the model it holds (under the whole model's names)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from cnns.parallel.pipeline import StageModule
+
     model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    return model.model if isinstance(model, StageModule) else model
 
 
 def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolicy, seed: int,
-                        shard_state: bool = False) -> HalfPrecisionOptimiser:
-    """The run's optimiser; `shard_state` (--rts with replicas): its state sharded over the replicas."""
+                        shard_state: bool = False, replica_group=None) -> HalfPrecisionOptimiser:
+    """The run's optimiser; `shard_state` (--rts with replicas): its state sharded over the replicas
+    (the processes of `replica_group`, every process when None)."""
     o = cfg.optim
     spec = OptimiserSpec(
         name=o.optimiser, lr=o.learning_rate, momentum=o.momentum, weight_decay=o.weight_decay,
@@ -135,7 +140,11 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
     # float32 working copy rounded back (stochastically in 16.16 unless switched off).
     # The rounding generator has the same seed on every replica: the replicas round the same update
     # the same way, so their weights stay equal.
-    make_inner = build_sharded_optimiser if shard_state else build_optimiser
+    if shard_state:
+        def make_inner(groups, spec):
+            return build_sharded_optimiser(groups, spec, group=replica_group)
+    else:
+        make_inner = build_optimiser
     return HalfPrecisionOptimiser(
         parameter_groups(model, o.weight_decay), lambda groups: make_inner(groups, spec),
         stochastic_rounding=cfg.precision.stochastic_rounding and policy.half_weights, seed=seed + 7,

@@ -16,7 +16,9 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.engine.build import build_model_for_training, resolve_device, run_seed, seed_everything
 from cnns.engine.feed import DeviceFeed
+from cnns.engine.stages import Stage, build_stage
 from cnns.engine.wrappers import maybe_compile
+from cnns.models import count_parameters
 from cnns.parallel.replicas import data_parallel
 from cnns.parallel.world import World
 from cnns.precision import PrecisionPolicy
@@ -35,6 +37,8 @@ class Components:
     seed: int
     world: World = field(default_factory=World)
     replicated: nn.Module | None = None  # the DistributedDataParallel wrapper, with replicas
+    stage: Stage | None = None  # with pipelining: this process's stage (`model` runs it)
+    total_parameters: int = 0  # of the whole model, whatever part of it this process holds
 
     def process_seed(self, offset: int, identical_replicas: bool) -> int:
         """A seed for a per-process random stream: the same on every replica only when asked
@@ -61,9 +65,16 @@ def build_components(cfg: RunConfig, world: World | None = None, *, need_train: 
                             seed=seed, device=device, shard=world.shard, need_train=need_train, need_eval=need_eval,
                             global_batch_size=cfg.train.global_batch_size)
     plain = build_model_for_training(cfg, policy, device, world.bn_group)
-    replicated = data_parallel(plain, world, device)
-    model = maybe_compile(replicated, cfg.train.compile)
+    total_parameters = count_parameters(plain)
     feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_imagenet,
                       host_normalisation=cfg.data.host_normalisation)
+    if world.shards > 1:
+        # Pipelined: the stage replaces the model; its gradients are averaged over the replicas by
+        # the pipelined step (not DDP: see cnns.engine.step.PipelinedTrainStep).
+        stage = build_stage(cfg, plain, world, device, policy)
+        return Components(device, policy, stage.module, stage.module.model, sources, feed, seed, world,
+                          stage=stage, total_parameters=total_parameters)
+    replicated = data_parallel(plain, world, device)
+    model = maybe_compile(replicated, cfg.train.compile)
     return Components(device, policy, model, plain, sources, feed, seed, world,
-                      replicated if replicated is not plain else None)
+                      replicated if replicated is not plain else None, total_parameters=total_parameters)

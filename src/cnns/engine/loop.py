@@ -27,7 +27,8 @@ class Outfeed:
     """Per-update metrics kept as device tensors until the next host synchronisation.
 
     With replicas the drained numbers are summed over them (one small all-reduce per
-    synchronisation), so every process logs the global batch's loss, accuracy and image count.
+    synchronisation), so every process logs the global batch's loss, accuracy and image count. With
+    pipeline stages only the last stage's count (the stage that computes loss and accuracy).
     """
 
     def __init__(self, world: World | None = None):
@@ -44,6 +45,8 @@ class Outfeed:
         values = torch.stack([torch.stack([m.loss_sum.float(), m.correct.float(),
                                            torch.tensor(float(m.samples), device=m.loss_sum.device)])
                               for _, _, m in self.pending])
+        if not self.world.is_last_stage:
+            values.zero_()  # a pipeline's metrics are its last stage's
         host = self.world.sum_(values).cpu().tolist()
         replicas = self.world.replicas
         rows = [

@@ -24,8 +24,9 @@ from cnns.engine.averaging import training_time_averages
 from cnns.engine.build import (RunLength, build_loss_scaler, build_optimiser_for, build_schedule, unwrap)
 from cnns.engine.components import Components, build_components
 from cnns.engine.ema import WeightEma, build_ema
+from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
-from cnns.engine.step import TrainStep, cross_entropy_loss
+from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
@@ -53,7 +54,7 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
     log.print(f" Batch Size: {o['global_batch_size']} (micro-batch {o['micro_batch_size']}"
               f" x accumulation {o['gradient_accumulation_count']} x replicas {o['replicas']})")
     log.print(f" Learning Rate: {o['learning_rate']:.6g} ({o['lr_schedule']}, {o['optimiser']})")
-    log.print(f"Total Parameters:{count_parameters(model)}")
+    log.print(f"Total Parameters:{c.total_parameters or count_parameters(model)}")
 
 
 @dataclass
@@ -72,7 +73,7 @@ class TrainingParts:
     schedule: Any
     optimiser: Any
     scaler: Any
-    step: TrainStep
+    step: TrainStep | PipelinedTrainStep
     ema: WeightEma | None
     generators: dict[str, torch.Generator]  # random streams beyond the global ones, saved by name
 
@@ -82,18 +83,24 @@ def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
     length = RunLength.resolve(cfg, c.sources.train.num_samples)
     schedule = build_schedule(cfg, length.total_iterations, length.epochs)
     optimiser = build_optimiser_for(c.plain_model, cfg, c.policy, c.seed,
-                                    shard_state=cfg.parallel.rts and world.replicas > 1)
+                                    shard_state=cfg.parallel.rts and world.replicas > 1,
+                                    replica_group=world.replica_group)
     scaler = build_loss_scaler(cfg, c.policy)
     mixer = build_mixer(cfg, c.sources.num_classes, c.process_seed(11, cfg.parallel.identical_seeding))
+    generators = {"mix": mixer.generator} if mixer is not None else {}
+    ema = build_ema(c.plain_model, cfg.train.ema_decay)
+    if c.stage is not None:
+        step = PipelinedTrainStep(c.stage, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
+                                  cfg.train.grad_accum, cfg.precision.grad_accum_dtype == "float32", world,
+                                  fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
+        return TrainingParts(length, schedule, optimiser, scaler, step, ema, generators)
     step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
                      cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
                      fp_exceptions=cfg.train.fp_exceptions, mix=mixer, no_sync=no_sync_context(c.replicated),
                      replicated=c.replicated is not None)
     if c.replicated is not None and step.accumulator.enabled:
         c.replicated.register_comm_hook(None, step.accumulator.reduce_hook(None, world.replicas))
-    generators = {"mix": mixer.generator} if mixer is not None else {}
-    return TrainingParts(length, schedule, optimiser, scaler, step, build_ema(c.plain_model, cfg.train.ema_decay),
-                         generators)
+    return TrainingParts(length, schedule, optimiser, scaler, step, ema, generators)
 
 
 class TrainingSession:
@@ -138,7 +145,8 @@ class TrainingSession:
         start = time.perf_counter()
         self._after_training(c, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
         skipped = sum(getattr(source, "skipped_images", 0) for source in (c.sources.train, c.sources.eval))
-        skipped = int(self.world.sum([skipped])[0])  # every process's share of the data
+        # Every replica's share of the data (each stage of a replica reads the same).
+        skipped = int(self.world.sum([skipped])[0]) // self.world.shards
         if skipped:
             log.print(f"Skipped {skipped} images that could not be decoded (--skip-corrupt-images)")
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
@@ -172,9 +180,12 @@ class TrainingSession:
         parts.optimiser.consolidate()
         rng = capture_rng_state(parts.generators)
         every_rng = world.gather(rng) if world.distributed else None
+        stage_parts = self._gather_stages(c, parts) if c.stage is not None else None
         if world.is_writer:
             start = time.perf_counter()
             state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=True)
+            if stage_parts is not None:
+                state.update(whole_from_parts(c.stage, stage_parts))
             if every_rng is not None:
                 state["rng_by_rank"] = every_rng
             path = checkpoint_path(self.folder, iteration)
@@ -183,10 +194,16 @@ class TrainingSession:
                 self.log.print(f"Saved initial checkpoint to {path}")
             else:
                 self.log.print(f"Saved checkpoint to {path} in {time.perf_counter() - start:.3f}s")
-        elif self.cfg.log.ckpt_all_instances and self.instance_folder is not None:
+        elif self.cfg.log.ckpt_all_instances and self.instance_folder is not None and c.stage is None:
             # A sharded optimiser's whole state exists on rank 0 only.
             state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=not self.cfg.parallel.rts)
             save_checkpoint(checkpoint_path(self.instance_folder, iteration), state)
+
+    def _gather_stages(self, c: Components, parts: TrainingParts) -> list | None:
+        """Replica 0's stages send their parts of the model, optimiser and average to the writer."""
+        part = stage_part(c.stage, self.world, c.plain_model.state_dict(), parts.optimiser.state_dict(),
+                          parts.ema.state_dict() if parts.ema is not None else None)
+        return self.world.gather_to_writer(part)
 
     def _checkpoint_state(self, c: Components, parts: TrainingParts, iteration: int, rng: dict[str, Any],
                           with_optimiser: bool) -> dict[str, Any]:
@@ -214,12 +231,17 @@ class TrainingSession:
             raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
                                   f"arguments.json says {c.seed}: it belongs to another run")
         try:
-            unwrap(c.model).load_state_dict(state["model"])
-            parts.optimiser.load_state_dict(state["optimiser"])
+            model, optimiser, ema = state["model"], state["optimiser"], state.get("ema")
+            if c.stage is not None:  # a whole-model checkpoint dealt out to this stage
+                model = stage_model_state(c.stage, model)
+                optimiser = stage_optimiser_state(c.stage, optimiser, self.world)
+                ema = stage_model_state(c.stage, ema) if parts.ema is not None else None
+            unwrap(c.model).load_state_dict(model)
+            parts.optimiser.load_state_dict(optimiser)
             parts.scaler.load_state_dict(state["loss_scaler"])
             restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
             if parts.ema is not None:
-                parts.ema.load_state_dict(state["ema"])
+                parts.ema.load_state_dict(state["ema"] if c.stage is None else ema)
             return int(state["iteration"])
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
@@ -234,6 +256,8 @@ class TrainingSession:
             training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
                                    lambda iteration: self._epoch_of(c, iteration), self.log)
         if cfg.train.validation and c.sources.eval is not None:
+            if c.stage is not None:  # every process validates its share of the images with the whole model
+                c = build_components(cfg, self.world.without_stages(), need_train=False)
             batches = generated_validation_limit(cfg, c, self.log, trained_images)
             validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples,
                                 batches)

@@ -8,6 +8,7 @@ never reads a value back to the host, so `--device-iterations` updates run witho
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
 
@@ -44,6 +45,22 @@ class FloatGradientAccumulator:
         self.buffers: list[torch.Tensor] | None = None
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._mean: list[torch.Tensor | None] | None = None  # reduce_hook's result, bucket by bucket
+
+    def accumulate_as_computed(self) -> None:
+        """For backward passes run by someone else (a pipeline schedule): each parameter's half
+        gradient joins the float32 sum as soon as autograd has accumulated it, and `.grad` is freed."""
+        if not self.enabled:
+            return
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(functools.partial(self._add, index))
+
+    def _add(self, index: int, param: nn.Parameter) -> None:
+        if self.buffers is None:
+            self.buffers = [None] * len(self.params)
+        grad = param.grad.float()
+        current = self.buffers[index]
+        self.buffers[index] = grad if current is None else current.add_(grad)
+        param.grad = None
 
     def after_backward(self) -> None:
         if not self.enabled:
@@ -153,6 +170,80 @@ class TrainStep:
         for name, g in zip(names, grads):
             if g is not None and not torch.isfinite(g).all():
                 raise NonFiniteError(f"the gradient of {name} is NaN or Inf")
+
+
+class PipelinedTrainStep:
+    """One weight update of one pipeline stage.
+
+    The schedule (`cnns.parallel.pipeline.build_schedule`) runs the update's micro-batches through the
+    stages: the first stage feeds the images, the last computes the loss (in float32, divided by the
+    micro-batch count as one process's accumulation does) and the metrics; gradients accumulate in each
+    stage. Then each stage averages its gradients over its replicas (one all-reduce of the update's sum,
+    float32 with half weights) and steps its own optimiser. Every stage process reads the same
+    micro-batches (the mixing draws stay in step on all of them).
+    """
+
+    def __init__(self, stage, optimiser: HalfPrecisionOptimiser, policy: PrecisionPolicy, scaler: LossScaler,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad_accum: int,
+                 accumulate_in_float32: bool, world, fp_exceptions: bool = False,
+                 mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
+        from cnns.parallel.pipeline import build_schedule
+
+        self.optimiser = optimiser
+        self.scaler = scaler
+        self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.world = world
+        self.fp_exceptions = fp_exceptions
+        self.mix = mix
+        self.params = optimiser.params
+        self.accumulator = FloatGradientAccumulator(
+            self.params, enabled=accumulate_in_float32 and policy.half_weights and grad_accum > 1)
+        self.accumulator.accumulate_as_computed()
+        self.schedule = build_schedule(stage.schedule, stage.pipeline_stage, grad_accum, self._loss)
+        names = dict(zip(map(id, stage.module.model.parameters()),
+                         (name for name, _ in stage.module.model.named_parameters())))
+        self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
+        self._losses: list[torch.Tensor] = []
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits.float(), targets)
+        self._losses.append(loss.detach())
+        return self.scaler.scale_loss(loss / self.grad_accum)
+
+    def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
+        from cnns.parallel.replicas import average_gradients
+
+        world = self.world
+        set_lr(self.optimiser, lr)
+        self.optimiser.zero_grad(set_to_none=True)
+        images, targets = [], []
+        for x, y in micro_batches:
+            images.append(x)
+            targets.append(y)
+            if self.mix is not None:
+                images[-1], targets[-1] = self.mix(x, y)
+        inputs = {"arg_mbs": [(x,) for x in images]} if world.is_first_stage else {}
+        if world.is_last_stage:
+            inputs["target_mbs"] = targets
+        logits = self.schedule.step(**inputs, return_outputs=world.is_last_stage)
+        device = micro_batches[0][0].device
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        if world.is_last_stage:
+            loss_sum = torch.stack(self._losses).sum()
+            correct = (logits.detach().argmax(dim=1) == torch.cat([y for _, y in micro_batches])).sum()
+        self._losses.clear()
+        grads = self.accumulator.gradients(to_float32=self.scaler.active)
+        if world.replicas > 1:
+            average_gradients(grads, world.replica_group, world.replicas)
+        if self.fp_exceptions:
+            TrainStep._raise_on_non_finite(loss_sum, grads, self.param_names)
+        present = [g for g in grads if g is not None]
+        # With dynamic loss scaling every stage skips the update when any stage overflowed.
+        if self.scaler.unscale_(present, all_finite=lambda finite: not world.any(not finite)):
+            self.optimiser.step(grads)
+        return StepMetrics(loss_sum, correct, sum(y.shape[0] for _, y in micro_batches))
 
 
 class NonFiniteError(CnnsError):

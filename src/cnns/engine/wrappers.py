@@ -167,13 +167,22 @@ def _batch_norm_statistics_kept(module: nn.Module):
                 buffer.copy_(value)
 
 
+def recomputed(function, owner: nn.Module):
+    """`function` (a part of `owner`'s computation) with its activations recomputed in the backward
+    pass when `owner` trains; batch-norm statistics of `owner` are updated once."""
+
+    def run(*args, **kwargs):
+        if not (owner.training and torch.is_grad_enabled()):
+            return function(*args, **kwargs)
+        # context_fn: nothing around the first forward, statistics restored around the recomputation.
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(owner)), **kwargs)
+
+    return run
+
+
 def _recomputed_forward(self: nn.Module, *args, **kwargs):
-    forward = type(self).forward.__get__(self)
-    if not (self.training and torch.is_grad_enabled()):
-        return forward(*args, **kwargs)
-    # context_fn: nothing around the first forward, statistics restored around the recomputation.
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(self)), **kwargs)
+    return recomputed(type(self).forward.__get__(self), self)(*args, **kwargs)
 
 
 def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:

@@ -161,4 +161,8 @@ class CifarResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act1(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))
+        return self.forward_head(x)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooling and classifier (timm's name, so pipeline stages cut every model the same way)."""
         return self.fc(torch.flatten(self.global_pool(x), 1))

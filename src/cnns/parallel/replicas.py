@@ -35,3 +35,24 @@ def no_sync_context(model: nn.Module) -> Callable[[], ContextManager]:
         return model.no_sync
     return contextlib.nullcontext
 
+
+
+def average_gradients(grads: list[torch.Tensor | None], group, replicas: int) -> None:
+    """Average an update's gradients over the replicas in place: one all-reduce per dtype.
+
+    For pipeline stages, whose schedule runs the backward passes itself (DDP's reducer would only
+    see the last micro-batch's half gradients; the accumulated sum, float32 with half weights, is
+    what has to be averaged).
+    """
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=group)
+        flat.div_(replicas)
+        for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(piece.view(tensor.shape))

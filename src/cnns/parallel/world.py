@@ -1,7 +1,9 @@
 """The process world: who this process is among the replicas, and the few collectives the engine needs.
 
-The world is a grid of replica groups x stage groups (stage groups have one stage until pipelines
-exist). It is built once, from the launcher's environment: torchrun's, or the one cnns's own spawn
+The world is a grid: `replicas` copies of a pipeline of `shards` stages. Rank r is stage r % shards of
+replica r // shards; the stages of one replica form its pipeline group (activations and gradients
+pass between them), the processes running the same stage form that stage's replica group (its
+gradients are averaged there). It is built once, from the launcher's environment: torchrun's, or the one cnns's own spawn
 of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent too. Nothing else in
 the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -72,7 +74,9 @@ class World:
     control: Any = None  # a gloo group for host-side agreement (stop flags, objects), whatever the device
     store: Any = None  # the launcher's store: it outlives worker restarts
     bn_group: Any = None  # this replica's --BN-span group (None: statistics stay local)
-    _bn_groups: list = field(default_factory=list, repr=False)
+    pipeline_group: Any = None  # this replica's stages (with shards > 1)
+    replica_group: Any = None  # the processes running this process's stage (None: every process)
+    _groups: list = field(default_factory=list, repr=False)  # every subgroup made, kept alive
 
     @property
     def distributed(self) -> bool:
@@ -86,6 +90,27 @@ class World:
     @property
     def replica_rank(self) -> int:
         return self.rank // self.shards
+
+    @property
+    def stage(self) -> int:
+        """This process's pipeline stage (0 without pipelining)."""
+        return self.rank % self.shards
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The stage that computes the loss and the metrics."""
+        return self.stage == self.shards - 1
+
+    def without_stages(self) -> "World":
+        """The same processes as data-parallel replicas of a whole model each: validation after a
+        pipelined run, where every process checks its share of the images with the whole model."""
+        if self.shards == 1:
+            return self
+        return replace(self, replicas=self.size, shards=1, bn_group=None, pipeline_group=None, replica_group=None)
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -122,6 +147,14 @@ class World:
             return [obj]
         out: list[Any] = [None] * self.size
         self._collective("exchange state", dist.all_gather_object, out, obj, group=self.control)
+        return out
+
+    def gather_to_writer(self, obj: Any) -> list[Any] | None:
+        """Every process's `obj`, in rank order, on the writer (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.is_writer else None
+        self._collective("send state to rank 0", dist.gather_object, obj, out, dst=0, group=self.control)
         return out
 
     def sum(self, values: list[float]) -> list[float]:
@@ -262,8 +295,18 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
                                f"{seconds:.0f} s ({TIMEOUT_ENV}): {_first_line(exc)}") from None
     world = World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", "0")), local_size=local_size,
                   replicas=replicas, shards=shards, restart=restart, timeout_s=seconds, control=control, store=store)
+    # Every process creates every group (torch's rule); each keeps its own.
+    def subgroups(rank_lists: list[list[int]]):
+        mine, every = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
+        world._groups.extend(every)
+        return mine
+
+    if shards > 1:
+        world.pipeline_group = subgroups([[r * shards + s for s in range(shards)] for r in range(replicas)])
+        if replicas > 1:
+            world.replica_group = subgroups([[r * shards + s for r in range(replicas)] for s in range(shards)])
     if bn_span > 1:
-        # Every process creates every group (torch's rule); each keeps its own.
-        spans = [list(range(start, start + bn_span)) for start in range(0, replicas, bn_span)]
-        world.bn_group, world._bn_groups = dist.new_subgroups_by_enumeration(spans, timeout=timeout)
+        # A span is bn_span replicas of the same stage.
+        world.bn_group = subgroups([[r * shards + s for r in range(start, start + bn_span)]
+                                    for s in range(shards) for start in range(0, replicas, bn_span)])
     return world
