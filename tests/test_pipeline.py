@@ -1,0 +1,84 @@
+"""Pipelined model parallelism on real processes (gloo over 127.0.0.1): a 2-stage ResNet-20 computes
+the same updates as one process with the same micro-batches under every schedule, checkpoints hold
+the whole model and restore at any stage count, the seed's pipelining command lines run, stages x
+replicas run as 4 processes.
+
+Every process runs under a bounded timeout (test_replicas's helpers) and is killed on expiry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_replicas import ENV, ROOT, data_dir, finish, relative_difference, train  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.multiprocess
+
+# The issue's configuration: ResNet-20, 4 micro-batches per update, 32.32, --seed, 6 updates.
+PIPELINE = ("--dataset", "cifar-10", "--model-size", "20", "--precision", "32.32", "--micro-batch-size", "8",
+            "--gradient-accumulation-count", "4", "--iterations", "6", "--log-freq", "3", "--ckpts-per-epoch", "0",
+            "--seed", "3", "--optimiser", "momentum", "--warmup-epochs", "0", "--no-validation")
+TWO_STAGES = ("--shards", "2", "--pipeline", "--pipeline-splits", "stage2/unit1/relu")
+VARIANTS = {
+    "group-norm": ("--group-norm", "--groups", "4"),
+    "group-norm-recomputed": ("--group-norm", "--groups", "4", "--enable-recomputation"),
+    "batch-norm-recomputed": ("--batch-norm", "--enable-recomputation"),
+}
+
+
+def stage_threads() -> int:
+    """What each of two local stage processes computes with (cnns.parallel.world: cores / workers)."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def one_process(tmp_path, data_dir, name, *args):
+    """The reference run, with the threads of one stage process: CPU kernels sum in an order that
+    depends on the thread count (1 vs 2 threads: 3e-4 apart after 6 group-norm updates)."""
+    folder = tmp_path / name
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "--data-dir", str(data_dir),
+                                "--logs-path", str(folder)], cwd=tmp_path,
+                               env={**ENV, "OMP_NUM_THREADS": str(stage_threads())},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finish(process)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def references(data_dir, tmp_path_factory):  # noqa: F811
+    """One process with accumulation 4, per variant (recomputation changes no number: one reference)."""
+    tmp = tmp_path_factory.mktemp("pipeline-references")
+    return {
+        "group-norm": one_process(tmp, data_dir, "gn", *PIPELINE, *VARIANTS["group-norm"]),
+        "batch-norm": one_process(tmp, data_dir, "bn", *PIPELINE, "--batch-norm"),
+    }
+
+
+@pytest.mark.parametrize("schedule", ["Grouped", "Interleaved", "Sequential"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_stages_update_as_one_process_with_accumulation(data_dir, references, tmp_path, schedule, variant):  # noqa: F811
+    folder = tmp_path / "pipelined"
+    out, _ = train(tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule", schedule,
+                   "--data-dir", str(data_dir), "--logs-path", str(folder))
+    reference = references[variant.replace("-recomputed", "")]
+    assert relative_difference(folder / "ckpt-6.pt", reference / "ckpt-6.pt") < 1e-4
+    mine, theirs = (torch.load(f / "ckpt-6.pt", weights_only=True) for f in (folder, reference))
+    assert list(mine["model"]) == list(theirs["model"])  # the whole model, in the model's order
+    for key, value in theirs["model"].items():
+        if not value.is_floating_point():  # batch-norm counts: 24 micro-batches, each counted once
+            assert torch.equal(mine["model"][key], value), key
+    # The optimiser state has one process's layout: momentum of every parameter, the same groups.
+    assert mine["optimiser"]["inner"]["param_groups"] == theirs["optimiser"]["inner"]["param_groups"]
+    for index, state in theirs["optimiser"]["inner"]["state"].items():
+        buffer = mine["optimiser"]["inner"]["state"][index]["momentum_buffer"]
+        assert torch.allclose(buffer, state["momentum_buffer"], rtol=1e-4, atol=1e-6)
+    # The printed loss is the whole batch's, as one process prints it.
+    losses = [re.findall(r"loss: +([\d.]+)", text) for text in (out, (reference / "log.txt").read_text())]
+    assert losses[0] and losses[0] == losses[1]
+    assert " Batch Size: 32 (micro-batch 8 x accumulation 4 x replicas 1)" in out
+    assert "Total Parameters:269722" in out  # ResNet-20 (group norm or batch norm: the same count)
