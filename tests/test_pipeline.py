@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -82,3 +83,26 @@ def test_two_stages_update_as_one_process_with_accumulation(data_dir, references
     assert losses[0] and losses[0] == losses[1]
     assert " Batch Size: 32 (micro-batch 8 x accumulation 4 x replicas 1)" in out
     assert "Total Parameters:269722" in out  # ResNet-20 (group norm or batch norm: the same count)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
+    """A 2-stage run of 6 updates with a checkpoint every 3 (16 updates an epoch, 5 checkpoints)."""
+    tmp = tmp_path_factory.mktemp("pipeline-uninterrupted")
+    train(tmp, *PIPELINE, *VARIANTS["group-norm"], *TWO_STAGES, "--ckpts-per-epoch", "5", "--data-dir", str(data_dir),
+          "--logs-path", str(tmp / "run"))
+    return tmp / "run"
+
+
+@pytest.mark.parametrize("layout", [(), ("--shards", "1")], ids=["two-stages", "one-process"])
+def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, layout):
+    cut = tmp_path / "cut"
+    shutil.copytree(uninterrupted, cut)
+    for later in ("ckpt-6.pt", "training.csv"):  # as the run folder was after update 3
+        (cut / later).unlink()
+    process = subprocess.Popen([sys.executable, str(ROOT / "restore.py"), "--restore-path", str(cut), *layout],
+                               cwd=tmp_path, env={**ENV, "OMP_NUM_THREADS": str(stage_threads())},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, _ = finish(process)
+    assert "Restoring training from latest checkpoint:" in out and "ckpt-3.pt" in out
+    assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") < 1e-6

@@ -180,6 +180,30 @@ def _newest_checkpoint(folder: Path, world):
     return RestorePoint(Path(newest), load_checkpoint(Path(newest)))
 
 
+def _with_pipeline_layout(options: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The run's options with the stage layout restore.py was given: checkpoints hold the whole model,
+    and pipelines compute the same updates whatever the stage count, so a run continues on more or
+    fewer devices."""
+    if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
+        return options
+    options = dict(options)
+    if values.get("pipeline_schedule"):
+        options["pipeline_schedule"] = values["pipeline_schedule"]
+    if values.get("shards") is not None:
+        if values["shards"] < 1:
+            raise ConfigError(f"--shards must be at least 1, got {values['shards']}")
+        options["shards"] = values["shards"]
+        options["pipeline_splits"] = values.get("pipeline_splits") if values["shards"] > 1 else None
+        options["pipeline"] = options["pipeline"] or values["shards"] > 1
+    elif values.get("pipeline_splits") is not None:
+        options["pipeline_splits"] = values["pipeline_splits"]
+    if options["shards"] > 1:
+        if not options.get("pipeline_splits"):
+            raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
+        _check_pipeline_splits(options)
+    return options
+
+
 def _run_folder_options(restore_path: Path) -> dict[str, Any]:
     """The run's options from its arguments.json; CheckpointError naming the file when it is missing,
     unreadable, not a JSON object, or not the options of a cnns run (a missing option, a value of the
@@ -222,7 +246,7 @@ def restore_main(argv: list[str]) -> int:
     folder = Path(values["restore_path"])
     if not folder.is_dir():
         raise CheckpointError(f"--restore-path {folder} is not a run folder")
-    options = _run_folder_options(folder)
+    options = _with_pipeline_layout(_run_folder_options(folder), values)
     if values.get("print_config"):
         return print_config(options)
     # Read the checkpoint before anything is written: a corrupt one leaves the run folder as it was.

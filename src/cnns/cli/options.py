@@ -307,6 +307,12 @@ def build_parser(script: str) -> SeedArgumentParser:
     if script == "restore":
         parser.add_argument("--restore-path", required=True, help="The run folder to continue.")
         parser.add_argument("--print-config", action="store_true", help="Print the resolved options and exit.")
+        # The pipeline's layout may change (the same updates on another device count); nothing else.
+        layout = parser.add_argument_group("Continue with another pipeline layout")
+        layout.add_argument("--shards", type=int, help="Pipeline stages from now on (1: the whole model per process).")
+        layout.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="+",
+                            help="Split points for the new --shards (one fewer than the shards).")
+        layout.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="Grouped, Interleaved or Sequential.")
         return parser
     _add_config_options(parser)
     _add_model_options(parser)
