@@ -8,16 +8,19 @@ Every process runs under a bounded timeout (test_replicas's helpers) and is kill
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_replicas import ENV, ROOT, data_dir, finish, relative_difference, train  # noqa: F401  (a fixture)
+from test_replicas import data_dir, relative_difference  # noqa: F401  (data_dir: a fixture)
+from test_replicas import train as train_with
+
+# CPU kernels sum in an order that depends on their thread count (one process, 1 vs 2 threads: 3e-4
+# apart after 6 group-norm updates): every process here computes with one thread, so the layouts
+# compared do the same arithmetic.
+ONE_THREAD = {"CNNS_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,20 +36,13 @@ VARIANTS = {
 }
 
 
-def stage_threads() -> int:
-    """What each of two local stage processes computes with (cnns.parallel.world: cores / workers)."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+def train(cwd, *args: str, script: str = "train.py"):
+    return train_with(cwd, *args, script=script, env=ONE_THREAD)
 
 
-def one_process(tmp_path, data_dir, name, *args):
-    """The reference run, with the threads of one stage process: CPU kernels sum in an order that
-    depends on the thread count (1 vs 2 threads: 3e-4 apart after 6 group-norm updates)."""
+def one_process(tmp_path, data_dir, name, *args):  # noqa: F811
     folder = tmp_path / name
-    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "--data-dir", str(data_dir),
-                                "--logs-path", str(folder)], cwd=tmp_path,
-                               env={**ENV, "OMP_NUM_THREADS": str(stage_threads())},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    finish(process)
+    train(tmp_path, *args, "--data-dir", str(data_dir), "--logs-path", str(folder))
     return folder
 
 
@@ -100,9 +96,26 @@ def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, la
     shutil.copytree(uninterrupted, cut)
     for later in ("ckpt-6.pt", "training.csv"):  # as the run folder was after update 3
         (cut / later).unlink()
-    process = subprocess.Popen([sys.executable, str(ROOT / "restore.py"), "--restore-path", str(cut), *layout],
-                               cwd=tmp_path, env={**ENV, "OMP_NUM_THREADS": str(stage_threads())},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, _ = finish(process)
+    out, _ = train(tmp_path, "--restore-path", str(cut), *layout, script="restore.py")
     assert "Restoring training from latest checkpoint:" in out and "ckpt-3.pt" in out
     assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") < 1e-6
+
+
+@pytest.mark.parametrize("norm, extra, single", [
+    (VARIANTS["group-norm"], (), ("--gradient-accumulation-count", "4")),
+    # Batch-norm statistics over the two replicas of each stage; the optimiser state sharded over
+    # them. The reference is the same two replicas without stages (test_replicas checks those
+    # against one process).
+    (("--batch-norm",), ("--BN-span", "2", "--rts"), ("--replicas", "2", "--gradient-accumulation-count", "2",
+                                                       "--BN-span", "2", "--rts")),
+], ids=["group-norm", "batch-norm-spans-and-sharded-state"])
+def test_two_stages_by_two_replicas_update_as_the_model_whole(data_dir, tmp_path, norm, extra, single):  # noqa: F811
+    grid = tmp_path / "grid"
+    out, _ = train(tmp_path, *PIPELINE, *norm, *TWO_STAGES, "--replicas", "2", "--gradient-accumulation-count", "2",
+                   *extra, "--data-dir", str(data_dir), "--logs-path", str(grid))
+    reference = one_process(tmp_path, data_dir, "whole", *PIPELINE, *norm, *single)
+    # Replicas sum their accumulated gradients in another order than one process: rounding only.
+    assert relative_difference(grid / "ckpt-6.pt", reference / "ckpt-6.pt") < 1e-4
+    assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
+    if "--rts" in extra:
+        assert "Optimiser state sharded over 2 replicas (--rts)" in out

@@ -81,8 +81,9 @@ def kill_tree(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-def start(command: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=cwd, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def finish(process: subprocess.Popen, expect: int | None = 0) -> tuple[str, str]:
@@ -96,8 +97,9 @@ def finish(process: subprocess.Popen, expect: int | None = 0) -> tuple[str, str]
     return out, err
 
 
-def train(cwd: Path, *args: str, script: str = "train.py", expect: int | None = 0) -> tuple[str, str]:
-    return finish(start([sys.executable, str(ROOT / script), *args], cwd), expect)
+def train(cwd: Path, *args: str, script: str = "train.py", expect: int | None = 0,
+          env: dict[str, str] | None = None) -> tuple[str, str]:
+    return finish(start([sys.executable, str(ROOT / script), *args], cwd, env), expect)
 
 
 def weights(path: Path) -> torch.Tensor:

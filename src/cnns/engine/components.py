@@ -72,6 +72,7 @@ def build_components(cfg: RunConfig, world: World | None = None, *, need_train: 
         # Pipelined: the stage replaces the model; its gradients are averaged over the replicas by
         # the pipelined step (not DDP: see cnns.engine.step.PipelinedTrainStep).
         stage = build_stage(cfg, plain, world, device, policy)
+        world.broadcast_state(stage.module.model, among_replicas=True)  # replicas start equal (as DDP does)
         return Components(device, policy, stage.module, stage.module.model, sources, feed, seed, world,
                           stage=stage, total_parameters=total_parameters)
     replicated = data_parallel(plain, world, device)

@@ -201,8 +201,10 @@ class TrainingSession:
 
     def _gather_stages(self, c: Components, parts: TrainingParts) -> list | None:
         """Replica 0's stages send their parts of the model, optimiser and average to the writer."""
-        part = stage_part(c.stage, self.world, c.plain_model.state_dict(), parts.optimiser.state_dict(),
-                          parts.ema.state_dict() if parts.ema is not None else None)
+        part = None
+        if self.world.replica_rank == 0:  # (a sharded optimiser's state is whole there only)
+            part = stage_part(c.stage, c.plain_model.state_dict(), parts.optimiser.state_dict(),
+                              parts.ema.state_dict() if parts.ema is not None else None)
         return self.world.gather_to_writer(part)
 
     def _checkpoint_state(self, c: Components, parts: TrainingParts, iteration: int, rng: dict[str, Any],

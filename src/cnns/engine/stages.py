@@ -77,11 +77,8 @@ def _optimiser_on_host(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "state": {k: _on_host(v) for k, v in state["state"].items()}}
 
 
-def stage_part(stage: Stage, world: World, model_state: dict, optimiser_state: dict | None,
-               ema_state: dict | None) -> dict | None:
-    """What this process contributes to the whole checkpoint (replica 0's stages only)."""
-    if world.replica_rank != 0:
-        return None
+def stage_part(stage: Stage, model_state: dict, optimiser_state: dict | None, ema_state: dict | None) -> dict:
+    """What a stage of replica 0 contributes to the whole checkpoint, on the host."""
     part = {"model": _on_host(model_state), "ema": _on_host(ema_state) if ema_state is not None else None}
     if optimiser_state is not None:
         inner = optimiser_state_by_name(optimiser_state["inner"], stage.stage_parameter_names)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from cnns.errors import CnnsError, ConfigError
 
 TIMEOUT_ENV = "CNNS_DIST_TIMEOUT"
+THREADS_ENV = "CNNS_THREADS"  # threads per worker process, when several share a machine
 # Options computed from others (cnns.config): a difference in them is reported through its cause.
 DERIVED_OPTIONS = frozenset({"global_batch_size", "learning_rate", "name", "base_learning_rate_exponent",
                              "rmsprop_decay", "poly_lr_end_ratio", "lars_weight_decay"})
@@ -46,6 +47,16 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def threads_per_worker(local_workers: int) -> int:
+    """CPU threads of each local worker: CNNS_THREADS when set, else the cores shared out evenly."""
+    value = os.environ.get(THREADS_ENV)
+    if value is None:
+        return max(1, usable_cores() // local_workers)
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{THREADS_ENV}={value!r} is not a positive number of threads")
+    return int(value)
 
 
 def timeout_seconds() -> float:
@@ -171,14 +182,16 @@ class World:
             self._collective("sum metrics", dist.all_reduce, tensor)
         return tensor
 
-    def broadcast_state(self, module: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers into every process's copy of `module` (same architecture)."""
-        if not self.distributed:
+    def broadcast_state(self, module: torch.nn.Module, among_replicas: bool = False) -> None:
+        """Rank 0's parameters and buffers into every process's copy of `module` (same architecture);
+        `among_replicas`: replica 0's into the other replicas' copies of this process's stage."""
+        if not self.distributed or (among_replicas and self.replicas == 1):
             return
+        group, source = (self.replica_group, self.stage) if among_replicas else (None, 0)
         for tensor in module.state_dict().values():
             # channels_last weights are not contiguous in torch's sense: send a contiguous copy.
             buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
-            self._collective("receive rank 0's weights", dist.broadcast, buffer, src=0)
+            self._collective(f"receive rank {source}'s weights", dist.broadcast, buffer, src=source, group=group)
             if buffer is not tensor:
                 tensor.copy_(buffer)
 
@@ -273,7 +286,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
     local_size = int(env.get("LOCAL_WORLD_SIZE", size))
     if device.type == "cpu":
         # The cores are shared by the local workers: one pool each would oversubscribe them.
-        torch.set_num_threads(max(1, usable_cores() // local_size))
+        torch.set_num_threads(threads_per_worker(local_size))
     seconds = timeout_seconds()
     timeout = datetime.timedelta(seconds=seconds)
     endpoint = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
