@@ -119,3 +119,41 @@ def test_two_stages_by_two_replicas_update_as_the_model_whole(data_dir, tmp_path
     assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
     if "--rts" in extra:
         assert "Optimiser state sharded over 2 replicas (--rts)" in out
+
+
+# The seed's pipelining tests (one update each, generated ImageNet). The seed counted a 4th stem input
+# channel (its --fused-preprocessing padded images to 4 channels); with 3 channels these are the counts.
+SEED_PIPELINES = {
+    "resnext14-2-stages": (("--model", "resnext", "--model-size", "14", "--shards", "2",
+                            "--pipeline-splits", "stage3/unit1/relu", "--micro-batch-size", "2",
+                            "--gradient-accumulation-count", "2"), ["Total Parameters:9411880"]),
+    # Batch 512 as the seed's; at 96x96 (not 224) so that one update takes seconds, not a minute.
+    "efficientnet-b0-2-stages": (("--model", "efficientnet", "--model-size", "B0", "--group-norm", "--shards", "2",
+                                  "--pipeline-splits", "block3b", "--micro-batch-size", "16",
+                                  "--gradient-accumulation-count", "32", "--image-size", "96"),
+                                 ["Total Parameters:5288548", " Batch Size: 512 "]),
+    "efficientnet-b1-4-stages": (("--model", "efficientnet", "--model-size", "B1", "--shards", "4",
+                                  "--pipeline-splits", "block2a/c", "block4a", "block5c", "--micro-batch-size", "2",
+                                  "--gradient-accumulation-count", "4"),
+                                 ["Total Parameters:7794184", "240x240"]),
+    "resnet50-2-stages-x-2-replicas": (("--model", "resnet", "--model-size", "50", "--shards", "2", "--replicas", "2",
+                                        "--pipeline-splits", "b3/3/relu", "--pipeline-schedule", "Grouped",
+                                        "--micro-batch-size", "2", "--gradient-accumulation-count", "2"),
+                                       ["Total Parameters:25557032", " Batch Size: 8 "]),
+}
+
+
+@pytest.mark.parametrize("name", list(SEED_PIPELINES))
+def test_the_seed_pipelining_command_lines_train(tmp_path, name):
+    args, expected = SEED_PIPELINES[name]
+    out, err = train_with(tmp_path, "--dataset", "imagenet", "--generated-data", "--pipeline", "--no-validation",
+                          "--enable-recomputation", "--iterations", "1", *args, "--log-dir", str(tmp_path / "logs"))
+    for line in expected:
+        assert line in out, out
+    (folder,) = (tmp_path / "logs").iterdir()  # named as the seed names runs (..._240x240 for B1)
+    assert re.search(r"loss: +\d+\.\d+", out)
+    assert "Traceback" not in err
+    # The checkpoint holds the whole model, as one process's would.
+    checkpoint = torch.load(folder / "ckpt-1.pt", weights_only=True)
+    assert sum(t.numel() for k, t in checkpoint["model"].items() if "running" not in k and t.is_floating_point()) \
+        == int(re.search(r"Total Parameters:(\d+)", out).group(1))
