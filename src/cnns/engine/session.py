@@ -138,6 +138,8 @@ class TrainingSession:
             log.print(f"Training already complete at iteration {start_iteration}.")
         result = self._train(c, parts, start_iteration)
         log.print(f"Training loop completed in {result.seconds:.3f}s.")
+        if c.stage is not None:
+            self._report_stage_times(parts)
         if result.interrupted_by:
             log.print(f"Training interrupted by {result.interrupted_by} at iteration {result.final_iteration}; "
                       f"checkpoint saved. Continue with: python restore.py --restore-path {self.folder}")
@@ -198,6 +200,15 @@ class TrainingSession:
             # A sharded optimiser's whole state exists on rank 0 only.
             state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=not self.cfg.parallel.rts)
             save_checkpoint(checkpoint_path(self.instance_folder, iteration), state)
+
+    def _report_stage_times(self, parts: TrainingParts) -> None:
+        """Where a pipelined run's time went, stage by stage (replica 0's stages)."""
+        from cnns.parallel.pipeline import time_report
+
+        every = self.world.gather_to_writer(parts.step.clock.totals())
+        if every is not None:
+            for line in time_report(every[:self.world.shards], self.cfg.parallel.schedule, self.cfg.train.grad_accum):
+                self.log.print(line)
 
     def _gather_stages(self, c: Components, parts: TrainingParts) -> list | None:
         """Replica 0's stages send their parts of the model, optimiser and average to the writer."""

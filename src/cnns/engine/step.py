@@ -187,7 +187,7 @@ class PipelinedTrainStep:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad_accum: int,
                  accumulate_in_float32: bool, world, fp_exceptions: bool = False,
                  mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
-        from cnns.parallel.pipeline import build_schedule
+        from cnns.parallel.pipeline import StageClock, build_schedule
 
         self.optimiser = optimiser
         self.scaler = scaler
@@ -201,6 +201,7 @@ class PipelinedTrainStep:
             self.params, enabled=accumulate_in_float32 and policy.half_weights and grad_accum > 1)
         self.accumulator.accumulate_as_computed()
         self.schedule = build_schedule(stage.schedule, stage.pipeline_stage, grad_accum, self._loss)
+        self.clock = StageClock(stage.pipeline_stage, stage.pipeline_stage.device)
         names = dict(zip(map(id, stage.module.model.parameters()),
                          (name for name, _ in stage.module.model.named_parameters())))
         self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
@@ -226,7 +227,9 @@ class PipelinedTrainStep:
         inputs = {"arg_mbs": [(x,) for x in images]} if world.is_first_stage else {}
         if world.is_last_stage:
             inputs["target_mbs"] = targets
-        logits = self.schedule.step(**inputs, return_outputs=world.is_last_stage)
+        with self.clock.measure("schedule"):
+            logits = self.schedule.step(**inputs, return_outputs=world.is_last_stage)
+        self.clock.updates += 1
         device = micro_batches[0][0].device
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), dtype=torch.int64, device=device)

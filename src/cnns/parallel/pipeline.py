@@ -17,6 +17,7 @@ needs contiguous memory) and the next stage gets channels_last activations back 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -191,3 +192,75 @@ def merge_optimiser_states(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for group, theirs in zip(merged["param_groups"], part["param_groups"]):
             group["params"].extend(theirs["params"])
     return merged
+
+
+# ------------------------------------------------------------------------------------------------
+# Where the time goes
+
+
+class StageClock:
+    """Seconds one stage computes (its forward and backward chunks) against its time in the schedule.
+
+    The rest of the schedule's time is waiting: the pipeline's bubble (stages idle while it fills
+    and drains), transfers between stages and imbalance between them. The chunks are timed by
+    wrapping the PipelineStage's two chunk methods; on CUDA with events (read once, at the end),
+    so timing never synchronises the device during training.
+    """
+
+    def __init__(self, stage: PipelineStage, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = {"forward": 0.0, "backward": 0.0, "schedule": 0.0}
+        self._events: dict[str, list] = {"forward": [], "backward": [], "schedule": []}
+        self.updates = 0
+        for kind, name in (("forward", "forward_one_chunk"), ("backward", "backward_one_chunk")):
+            setattr(stage, name, self._timed(kind, getattr(stage, name)))
+
+    def _timed(self, kind: str, function: Callable) -> Callable:
+        def run(*args, **kwargs):
+            with self.measure(kind):
+                return function(*args, **kwargs)
+
+        return run
+
+    @contextlib.contextmanager
+    def measure(self, kind: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events[kind].append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.seconds[kind] += time.perf_counter() - began
+
+    def totals(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for kind, pairs in self._events.items():
+                self.seconds[kind] += sum(start.elapsed_time(end) for start, end in pairs) / 1000.0
+                pairs.clear()
+        return {**self.seconds, "updates": float(self.updates)}
+
+
+def time_report(totals: Sequence[dict[str, float]], schedule: str, micro_batches: int) -> list[str]:
+    """Lines for the log: per stage its compute (forward, backward) and waiting share of the schedule,
+    and the bubble an ideal pipeline of equal stages would have (GPipe and 1F1B: (S-1)/(M+S-1))."""
+    stages = len(totals)
+    lines = [f"Pipeline time by stage ({schedule}, {stages} stages, {micro_batches} micro-batches per update, "
+             f"{int(totals[0]['updates'])} updates):"]
+    for index, t in enumerate(totals):
+        compute = t["forward"] + t["backward"]
+        waiting = max(0.0, t["schedule"] - compute)
+        share = waiting / t["schedule"] if t["schedule"] > 0 else 0.0
+        lines.append(f"  stage {index}: compute {compute:.3f}s (forward {t['forward']:.3f}s, backward "
+                     f"{t['backward']:.3f}s), waiting {waiting:.3f}s ({100 * share:.0f}% of {t['schedule']:.3f}s: "
+                     f"bubble, transfers, imbalance)")
+    bubble = 1.0 if schedule == "Sequential" else (stages - 1) / (micro_batches + stages - 1)
+    if schedule == "Sequential":
+        lines.append("  Sequential runs one stage at a time: each stage waits while the others compute")
+    else:
+        lines.append(f"  an ideal pipeline of {stages} equal stages would wait {100 * bubble:.0f}% of the time "
+                     f"(bubble (S-1)/(M+S-1))")
+    return lines
