@@ -148,13 +148,14 @@ def _gradients(model, step):
     return [torch.randn(p.shape, generator=generator) * 0.01 for p in model.parameters()]
 
 
-def _make_half_optimiser(model, seed):
+def _make_half_optimiser(model, seed, offload_to=None):
     spec = OptimiserSpec("momentum", lr=0.05, momentum=0.9, weight_decay=1e-3)
     return HalfPrecisionOptimiser(
         parameter_groups(model, spec.weight_decay),
         lambda groups: build_optimiser(groups, spec),
         stochastic_rounding=True,
         seed=seed,
+        offload_to=offload_to,
     )
 
 
@@ -190,6 +191,23 @@ def test_state_dict_round_trip_continues_bitwise_identically():
     # The check has teeth: without the momentum and generator state the runs diverge.
     fresh = restored_run(load_optimiser_state=False)
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offloaded_optimiser_state_updates_the_weights_identically(dtype):
+    """--offload-optimiser: working copies and state in host memory, weights copied back. Offloading
+    to the host from the host exercises every copy that a GPU's parameters go through."""
+    plain, offloaded = (_half_model(seed=0).to(dtype) for _ in range(2))
+    kept = _make_half_optimiser(plain, seed=11)
+    moved = _make_half_optimiser(offloaded, seed=11, offload_to=torch.device("cpu"))
+    assert moved.offloaded and all(w is not p for w, p in zip(moved._working, moved.params))
+    _train(plain, kept, range(4))
+    _train(offloaded, moved, range(4))
+    for a, b in zip(plain.parameters(), offloaded.parameters()):
+        assert torch.equal(a, b)
+    state = moved.state_dict()["inner"]["state"]
+    assert all(s["momentum_buffer"].device.type == "cpu" and s["momentum_buffer"].dtype == torch.float32
+               for s in state.values())
 
 
 def test_set_lr_reaches_the_inner_optimiser():

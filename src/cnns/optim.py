@@ -295,6 +295,7 @@ class HalfPrecisionOptimiser:
         *,
         stochastic_rounding: bool,
         seed: int,
+        offload_to: torch.device | None = None,
     ) -> None:
         groups = _as_groups(half_params_or_groups)
         self.params: list[Tensor] = [p for group in groups for p in group["params"]]
@@ -306,16 +307,23 @@ class HalfPrecisionOptimiser:
         if len(devices) > 1:
             raise ConfigError(f"half-precision parameters must share one device, found {sorted(map(str, devices))}")
         device = devices.pop() if devices else torch.device("cpu")
-        # Flat layout: the half parameters grouped by dtype, in parameter order within each dtype, so
+        # --offload-optimiser: every parameter gets a float32 working copy in host memory, where the
+        # inner optimiser and its state live; gradients come over, updated weights go back.
+        self.offloaded = offload_to is not None
+        copied = (*_HALF_TYPES, torch.float32) if self.offloaded else _HALF_TYPES
+        if self.offloaded:
+            device = offload_to
+        # Flat layout: the copied parameters grouped by dtype, in parameter order within each dtype, so
         # any run of consecutive parameters is one stretch of the buffer per dtype.
         self._offsets: dict[int, int] = {}
         offset = 0
-        for dtype in _HALF_TYPES:
+        for dtype in copied:
             for i, param in enumerate(self.params):
                 if param.dtype == dtype:
                     self._offsets[i] = offset
                     offset += param.numel()
-        self._flat = torch.empty(offset, dtype=torch.float32, device=device)
+        self._flat = torch.empty(offset, dtype=torch.float32, device=device,
+                                 pin_memory=self.offloaded and device.type == "cpu" and torch.cuda.is_available())
         self._flat_grad: Tensor | None = None  # made on first use: callers passing float32 gradients never need it
         self._working: list[Tensor] = list(self.params)  # float32 tensor the inner optimiser updates
         for i, start in self._offsets.items():
@@ -326,7 +334,7 @@ class HalfPrecisionOptimiser:
         working_groups = [{**group, "params": [by_param[id(p)] for p in group["params"]]} for group in groups]
         # One stretch of the buffer per half dtype: (dtype, parameter indices in order, start, end).
         self._segments: list[tuple[torch.dtype, list[int], int, int]] = []
-        for dtype in _HALF_TYPES:
+        for dtype in copied:
             indices = [i for i in self._offsets if self.params[i].dtype == dtype]
             if indices:
                 end = self._offsets[indices[-1]] + self.params[indices[-1]].numel()
@@ -354,7 +362,7 @@ class HalfPrecisionOptimiser:
             grad = param.grad if grads is None else grads[i]
             if working is param:
                 param.grad = grad
-            elif grad is None or grad.dtype == torch.float32:
+            elif grad is None or (grad.dtype == torch.float32 and grad.device == working.device):
                 working.grad = grad
             else:
                 working.grad = self._grad_view(i)
@@ -362,7 +370,9 @@ class HalfPrecisionOptimiser:
                 convert_from.append(grad)
         if convert_to:
             torch._foreach_copy_(convert_to, convert_from)
-        for _, indices, _, _ in self._segments:
+        for dtype, indices, _, _ in self._segments:
+            if dtype == torch.float32:
+                continue  # an offloaded float32 weight: the host copy is the truth, the device's a copy of it
             # The half weight is the truth: drop the previous update's rounding residue.
             torch._foreach_copy_([self._working[i] for i in indices], [self.params[i] for i in indices])
         self.inner.step()

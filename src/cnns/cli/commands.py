@@ -155,9 +155,15 @@ def _run_log(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path |
     return RunLog(None, quiet=True), instance
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _parallel_notices(options: dict[str, Any]) -> list[str]:
     notices = []
-    if options["offload_optimiser"]:
+    if options["offload_optimiser"] and not str(options.get("device") or _default_device()).startswith("cuda"):
         notices.append("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
     if options["pipeline"] and options["shards"] == 1:
         notices.append("--pipeline with --shards 1: one stage, nothing to pipeline; the whole model runs in each "

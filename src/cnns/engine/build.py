@@ -145,9 +145,12 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
             return build_sharded_optimiser(groups, spec, group=replica_group)
     else:
         make_inner = build_optimiser
+    # --offload-optimiser: on an accelerator the optimiser's state and working copies stay in host memory.
+    on_accelerator = next((p.device.type != "cpu" for p in model.parameters()), False)
     return HalfPrecisionOptimiser(
         parameter_groups(model, o.weight_decay), lambda groups: make_inner(groups, spec),
         stochastic_rounding=cfg.precision.stochastic_rounding and policy.half_weights, seed=seed + 7,
+        offload_to=torch.device("cpu") if cfg.parallel.offload_optimiser and on_accelerator else None,
     )
 
 
