@@ -18,7 +18,8 @@ from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 def check_supported(options: dict[str, Any]) -> None:
     """Combinations that cannot run, found before any worker starts: one clear line each."""
-    if options["shards"] > 1:
+    if options["shards"] > 1 or (options["pipeline"] and options.get("pipeline_splits")
+                                 and options["enable_recomputation"]):  # stages, or recomputation points
         _check_pipeline_splits(options)
     if options["BN_span"] > 1 and options["replicas"] == 1:
         raise ConfigError(f"--BN-span {options['BN_span']} spans replicas: give --replicas (a multiple of it)")
@@ -35,7 +36,7 @@ def _check_pipeline_splits(options: dict[str, Any]) -> None:
         resolve_splits(cfg.model, model, splits)
     except ModelError as error:
         raise ConfigError(str(error)) from None
-    if len(splits) != shards - 1:
+    if shards > 1 and len(splits) != shards - 1:
         raise ConfigError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(splits)} "
                           f"({' '.join(splits)}); valid splits: {describe_split_points(split_points(cfg.model, model))}")
 
@@ -166,8 +167,12 @@ def _parallel_notices(options: dict[str, Any]) -> list[str]:
     if options["offload_optimiser"] and not str(options.get("device") or _default_device()).startswith("cuda"):
         notices.append("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
     if options["pipeline"] and options["shards"] == 1:
-        notices.append("--pipeline with --shards 1: one stage, nothing to pipeline; the whole model runs in each "
-                       "process (the configuration's --pipeline-splits are not used)")
+        if options.get("pipeline_splits") and options["enable_recomputation"]:
+            notices.append("--pipeline with --shards 1: one stage; its --pipeline-splits are the recomputation "
+                           "points (only the input of each segment between them is kept for the backward pass)")
+        else:
+            notices.append("--pipeline with --shards 1: one stage, nothing to pipeline; the whole model runs in "
+                           "each process (the --pipeline-splits are not used)")
     if options["rts"] and options["replicas"] == 1:
         notices.append("--rts shards the optimiser state over replicas: with one replica it changes nothing")
     return notices

@@ -24,7 +24,8 @@ from cnns.errors import ConfigError
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.engine.wrappers import keep_gradients_channels_last, recompute_blocks, route_slow_depthwise_backward
+from cnns.engine.wrappers import (keep_gradients_channels_last, recompute_between_splits, recompute_blocks,
+                                  route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
 
@@ -108,10 +109,27 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     keep_gradients_channels_last(model)
     if device.type == "cpu" and policy.weight_dtype == torch.bfloat16:
         route_slow_depthwise_backward(model)
-    if cfg.parallel.recomputation:
+    if cfg.parallel.recomputation and recomputation_points(cfg):
+        recompute_between_splits(model, recomputation_segments(cfg, model))
+    elif cfg.parallel.recomputation:
         recompute_blocks(model, recomputation_blocks(cfg.model, model))
     model, _ = cross_replica_batch_norm(model, bn_group, device)
     return model
+
+
+def recomputation_points(cfg: RunConfig) -> bool:
+    """Whether --pipeline-splits mark recomputation points on one device, as the seed's single-IPU
+    pipeline did (`--pipeline --shards 1 --pipeline-splits ... --enable-recomputation`)."""
+    p = cfg.parallel
+    return p.pipeline and p.shards == 1 and bool(p.splits) and p.recomputation
+
+
+def recomputation_segments(cfg: RunConfig, model: nn.Module) -> list:
+    from cnns.models import resolve_splits
+    from cnns.models.splits import model_pieces, stage_pieces
+
+    cuts = resolve_splits(cfg.model, model, list(cfg.parallel.splits))
+    return stage_pieces(model_pieces(cfg.model, model, cuts), cuts)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -5,7 +5,8 @@ or which parameters and state-dict keys it has, so checkpoints always hold the p
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed)
-3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory)
+3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
+   or ``recompute_between_splits``   per segment between the seed's recomputation points (--shards 1 splits)
 4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
 
 The first three patch module instances (hooks, bound methods); the last returns a new module whose
@@ -198,6 +199,31 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
         module = model.get_submodule(name)
         module.forward = types.MethodType(_recomputed_forward, module)
     return len(blocks)
+
+
+def recompute_between_splits(model: nn.Module, segments: list) -> int:
+    """The seed's recomputation points on one device (`--pipeline --shards 1 --pipeline-splits ...
+    --enable-recomputation`): the model runs as its segments between the splits (lists of
+    `cnns.models.splits.Piece`), and only each segment's input is kept for the backward pass;
+    everything inside a segment is recomputed. Returns the number of segments."""
+
+    def segment(pieces):
+        def run(x):
+            for piece in pieces:
+                x = piece.run(x)
+            return x
+
+        return recomputed(run, model)
+
+    runs = [segment(pieces) for pieces in segments]
+
+    def forward(self, x):
+        for run in runs:
+            x = run(x)
+        return x
+
+    model.forward = types.MethodType(forward, model)
+    return len(runs)
 
 
 # ------------------------------------------------------------------------------------------------
