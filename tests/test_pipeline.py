@@ -157,3 +157,14 @@ def test_the_seed_pipelining_command_lines_train(tmp_path, name):
     checkpoint = torch.load(folder / "ckpt-1.pt", weights_only=True)
     assert sum(t.numel() for k, t in checkpoint["model"].items() if "running" not in k and t.is_floating_point()) \
         == int(re.search(r"Total Parameters:(\d+)", out).group(1))
+
+
+def test_pipeline_splits_auto_takes_the_measured_proposal_on_every_stage(data_dir, tmp_path):  # noqa: F811
+    import json
+
+    folder = tmp_path / "auto"
+    out, _ = train(tmp_path, *PIPELINE, *VARIANTS["group-norm"], "--shards", "2", "--pipeline", "--pipeline-splits",
+                   "auto", "--iterations", "2", "--data-dir", str(data_dir), "--logs-path", str(folder))
+    chosen = re.search(r"--pipeline-splits auto: (\S+) \(measured", out).group(1)
+    assert json.loads((folder / "arguments.json").read_text())["pipeline_splits"] == [chosen]
+    assert chosen.startswith("stage") and "Pipeline time by stage (Grouped, 2 stages" in out

@@ -1,4 +1,4 @@
-"""`python -m cnns.bench.splits --model resnet --size 50 --shards 4`: where to cut a model into pipeline stages.
+"""`cnns splits --model resnet --model-size 50 --shards 4`: where to cut a model into pipeline stages.
 
 A pipeline runs as fast as its slowest stage, and the seed's split names say nothing about how much
 work lies between them. This profiles the model as the pieces a pipeline stage is made of
@@ -13,7 +13,6 @@ and bubbles, and one process measures them, so on a CPU stages that later share 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import statistics
@@ -134,7 +133,7 @@ def profile_cuts(spec: ModelSpec, model: nn.Module, micro_batch: int, device: to
     model.zero_grad(set_to_none=True)
 
     costs = []
-    for index, piece in enumerate(pieces):
+    for index, (piece, params) in enumerate(zip(pieces, _piece_parameters(model, pieces))):
         times = []
         for _ in range(repeats):
             _sync(device)
@@ -146,15 +145,14 @@ def profile_cuts(spec: ModelSpec, model: nn.Module, micro_batch: int, device: to
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)  # training starts every step without gradients
             inputs[index].grad = None
-        costs.append(PieceCost(piece.cut, 0, saved[index], statistics.median(times),
+        costs.append(PieceCost(piece.cut, params, saved[index], statistics.median(times),
                                outputs[index].numel() * outputs[index].element_size()))
-    costs = [PieceCost(c.cut, params, c.activation_bytes, c.seconds, c.output_bytes)
-             for c, params in zip(costs, _piece_parameters(model, pieces))]
 
-    names = dict(zip(cut_ids, main_split_names(spec, model)))
+    names = dict(zip(cut_ids, main_split_names(spec, model)))  # both in model order, one per cut
     rows, params, activations, seconds = [], 0, 0, 0.0
     for index, cost in enumerate(costs):
-        params, activations, seconds = params + cost.params, activations + cost.activation_bytes, seconds + cost.seconds
+        params, activations = params + cost.params, activations + cost.activation_bytes
+        seconds += cost.seconds
         if cost.cut in names:
             rows.append(CutCost(names[cost.cut], cost.cut, index, params, activations, seconds, cost.output_bytes))
     context = autocast()
@@ -207,8 +205,9 @@ def balanced_cuts(piece_seconds: Sequence[float], allowed: Sequence[int], stages
         raise ValueError(f"cut indices must lie in 0..{n - 2} (after a piece other than the last): {list(allowed)}")
     positions = sorted(set(allowed))
     if len(positions) < stages - 1:
-        raise ConfigError(f"cannot cut the model into {stages} stages: it has only {len(positions)} places "
-                          f"to cut, so at most {len(positions) + 1} stages")
+        places = f"{len(positions)} place" + ("" if len(positions) == 1 else "s")
+        raise ConfigError(f"cannot cut the model into {stages} stages: it has only {places} to cut, "
+                          f"so at most {len(positions) + 1} stages")
     if stages == 1:
         return []
     prefix = [0.0, *itertools.accumulate(piece_seconds)]
@@ -268,7 +267,7 @@ def _bytes(count: int) -> str:
 def format_report(proposal: Proposal) -> str:
     """The table of cuts (what lies before each, what crosses it) and the proposed --pipeline-splits."""
     profile = proposal.profile
-    width = max(len("cut"), *(len(row.name) for row in profile.rows))
+    width = max(len("whole model"), *(len(row.name) for row in profile.rows))
     header = f"{'cut':<{width}}  {'params':>9}  {'activations':>12}  {'fwd+bwd':>10}  {'crosses':>11}"
     lines = [profile.title, "what lies before each cut, and the tensor a stage sends across it per micro-batch:",
              header]
@@ -286,28 +285,3 @@ def format_report(proposal: Proposal) -> str:
     balance = proposal.stage_seconds[slowest] / mean if mean > 0 else 1.0
     lines.append(f"Predicted fwd+bwd per stage and micro-batch (ms): {times}; balance {balance:.2f} (slowest / mean)")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cnns.bench.splits", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet", choices=("resnet", "resnext", "efficientnet"))
-    parser.add_argument("--size", default="50")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--classes", type=int, default=1000)
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--precision", default="32.32", choices=("32.32", "16.32", "16.16"))
-    parser.add_argument("--half-dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    spec = ModelSpec(args.model, args.size, args.classes, args.image_size)
-    device = torch.device(args.device)
-    model, policy = prepare_model(spec, device, args.precision, args.half_dtype)
-    proposal = propose(spec, model, args.shards, args.micro_batch, device, policy.autocast, args.repeats)
-    print(format_report(proposal))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -26,12 +26,17 @@ def check_supported(options: dict[str, Any]) -> None:
 
 
 def _check_pipeline_splits(options: dict[str, Any]) -> None:
-    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again)."""
+    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again), or
+    `auto` for more than one stage."""
     from cnns.models import ModelError, build_model, describe_split_points, resolve_splits, split_points
 
+    splits, shards = list(options["pipeline_splits"]), options["shards"]
+    if splits == ["auto"]:
+        if shards < 2:
+            raise ConfigError("--pipeline-splits auto chooses where to cut stages: it needs --shards 2 or more")
+        return
     cfg = RunConfig.from_options(options)
     model = build_model(cfg.model)
-    splits, shards = list(options["pipeline_splits"]), options["shards"]
     try:
         resolve_splits(cfg.model, model, splits)
     except ModelError as error:
@@ -80,7 +85,7 @@ def train_main(argv: list[str]) -> int:
         return 0
     if _needs_workers(options):
         return spawn_local_workers("train", argv, options["replicas"] * options["shards"])
-    world = _join_world(options)
+    world = _join_world(options, notices)
     try:
         cfg = RunConfig.from_options(options)  # with the seed every process agreed on
         folder = _run_folder(cfg, world)
@@ -110,9 +115,9 @@ def _needs_workers(options: dict[str, Any]) -> bool:
     return options["replicas"] * options["shards"] > 1 and not launched()
 
 
-def _join_world(options: dict[str, Any]):
-    """This process's place among the replicas; every process then runs rank 0's seed and must have
-    been given the same options."""
+def _join_world(options: dict[str, Any], notices: list[str] | None = None):
+    """This process's place among the replicas; every process then runs rank 0's seed (and rank 0's
+    choice of --pipeline-splits auto) and must have been given the same options."""
     from cnns.engine.build import resolve_device
     from cnns.parallel.world import init_world
 
@@ -120,6 +125,7 @@ def _join_world(options: dict[str, Any]):
     world = init_world(options["replicas"], options["shards"], options["BN_span"], device)
     try:
         options["seed"] = world.broadcast(options["seed"])
+        _resolve_auto_splits(options, world, notices if notices is not None else [])
         world.check_same_options(options)
     except BaseException:
         world.close()
@@ -380,8 +386,43 @@ def bench_data_main(argv: list[str]) -> int:
 
 
 def splits_main(argv: list[str]) -> int:
+    """`cnns splits`: every cut of the model with what lies before it (parameters, activations, time
+    of one micro-batch forward and backward) and the cuts that balance --shards stages (default 2)."""
+    from cnns.bench.splits import format_report
+
+    # The model's shape is all it needs: no data folder (ImageNet-sized unless --dataset says otherwise).
+    if not any(a.startswith(("--data-dir", "--synthetic-data", "--generated-data")) for a in argv):
+        argv = [*argv, "--synthetic-data"] + ([] if any(a.startswith("--dataset") for a in argv) else
+                                              ["--dataset", "imagenet"])
+    argv = argv if "--pipeline" in argv else [*argv, "--pipeline"]
     options, _ = resolved_training_options("train", argv)
-    return _print_splits_and_exit(options)
+    cfg = RunConfig.from_options(options)
+    print(format_report(_split_proposal(cfg, stages=max(2, options["shards"]))))
+    return 0
+
+
+def _split_proposal(cfg: RunConfig, stages: int):
+    """The profiled, balanced proposal for the run's model, micro-batch, precision and device."""
+    from cnns.bench.splits import prepare_model, propose
+    from cnns.engine.build import resolve_device
+
+    device = resolve_device(cfg.device, cfg.options.get("select_ipus"))
+    model, policy = prepare_model(cfg.model, device, cfg.precision.precision, cfg.precision.half_dtype)
+    return propose(cfg.model, model, stages, cfg.train.micro_batch_size, device, policy.autocast)
+
+
+def _resolve_auto_splits(options: dict[str, Any], world, notices: list[str]) -> None:
+    """--pipeline-splits auto: rank 0 profiles the model and every process takes its proposal."""
+    if options.get("pipeline_splits") != ["auto"]:
+        return
+    names = None
+    if world.is_writer:
+        proposal = _split_proposal(RunConfig.from_options(options), options["shards"])
+        names = proposal.names
+        times = ", ".join(f"{1000 * t:.1f}" for t in proposal.stage_seconds)
+        notices.append(f"--pipeline-splits auto: {' '.join(names)} (measured forward + backward per stage and "
+                       f"micro-batch: {times} ms; `cnns splits` shows every cut)")
+    options["pipeline_splits"] = world.broadcast(names)
 
 
 def plot_main(argv: list[str]) -> int:
