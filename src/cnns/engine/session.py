@@ -24,8 +24,8 @@ from cnns.engine.averaging import training_time_averages
 from cnns.engine.build import (RunLength, build_loss_scaler, build_optimiser_for, build_schedule, unwrap)
 from cnns.engine.components import Components, build_components
 from cnns.engine.ema import WeightEma, build_ema
-from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
+from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CheckpointError
@@ -185,8 +185,8 @@ class TrainingSession:
         stage_parts = self._gather_stages(c, parts) if c.stage is not None else None
         if world.is_writer:
             start = time.perf_counter()
-            state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=True)
-            if stage_parts is not None:
+            state = self._checkpoint_state(c, parts, iteration, rng, with_optimiser=stage_parts is None)
+            if stage_parts is not None:  # the whole model, optimiser and average from the stages
                 state.update(whole_from_parts(c.stage, stage_parts))
             if every_rng is not None:
                 state["rng_by_rank"] = every_rng
@@ -244,17 +244,18 @@ class TrainingSession:
             raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
                                   f"arguments.json says {c.seed}: it belongs to another run")
         try:
-            model, optimiser, ema = state["model"], state["optimiser"], state.get("ema")
+            model, optimiser = state["model"], state["optimiser"]
+            ema = state["ema"] if parts.ema is not None else None
             if c.stage is not None:  # a whole-model checkpoint dealt out to this stage
                 model = stage_model_state(c.stage, model)
                 optimiser = stage_optimiser_state(c.stage, optimiser, self.world)
-                ema = stage_model_state(c.stage, ema) if parts.ema is not None else None
+                ema = stage_model_state(c.stage, ema) if ema is not None else None
             unwrap(c.model).load_state_dict(model)
             parts.optimiser.load_state_dict(optimiser)
             parts.scaler.load_state_dict(state["loss_scaler"])
             restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
-            if parts.ema is not None:
-                parts.ema.load_state_dict(state["ema"] if c.stage is None else ema)
+            if ema is not None:
+                parts.ema.load_state_dict(ema)
             return int(state["iteration"])
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]

@@ -17,7 +17,8 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.engine.wrappers import recomputed
-from cnns.models import resolve_splits
+from cnns.errors import ConfigError
+from cnns.models import ModelError, resolve_splits
 from cnns.models.splits import model_pieces, stage_pieces
 from cnns.optim import parameter_names
 from cnns.parallel.pipeline import (StageModule, merge_optimiser_states, optimiser_state_by_index,
@@ -40,9 +41,6 @@ class Stage:
 def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.device,
                 policy: PrecisionPolicy) -> Stage:
     """Cut the whole, wrapped `model` at the run's --pipeline-splits and keep this process's stage."""
-    from cnns.models.spec import ModelError
-    from cnns.errors import ConfigError
-
     splits = list(cfg.parallel.splits or [])
     try:
         cuts = resolve_splits(cfg.model, model, splits)

@@ -3,7 +3,7 @@
 Every process builds the whole model the same way (same seed: identical initial weights), cuts it
 into the pieces of `cnns.models.splits.model_pieces`, and keeps only its stage's pieces: the other
 modules are removed, so the stage's state dict is the matching part of the whole model's, under
-the same keys. Checkpoints merge the stages' parts back into the whole model (`whole_state`).
+the same keys. Checkpoints merge the stages' parts back into the whole model (`cnns.engine.stages`).
 
 The schedules are torch's, under the seed's names: Grouped is `ScheduleGPipe` (all forwards, then
 all backwards), Interleaved is `Schedule1F1B`; Sequential (one micro-batch through every stage,
