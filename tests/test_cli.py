@@ -161,12 +161,14 @@ def test_run_name_pipeline_and_replica_tags():
 
 
 def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
-    """resnet50_bn_16ipus sets pipeline and 4 shards; with --shards 1 and --replicas it runs as data
-    parallelism (here: one update of generated data, to show it gets past option checks and trains)."""
+    """resnet50_bn_16ipus sets pipeline, 4 shards, 3 splits and recomputation; with --shards 1 its splits
+    are the recomputation points of one process (here: one update of generated data, to show it gets
+    past option checks and trains)."""
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet50_bn_16ipus", "--shards", "1",
-                          "--replicas", "1", "--generated-data", "--dataset", "imagenet", "--model-size", "18",
+                          "--replicas", "1", "--generated-data", "--dataset", "imagenet",
                           "--image-size", "64", "--micro-batch-size", "2", "--gradient-accumulation-count", "1",
                           "--iterations", "1", "--no-validation", "--log-dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "--pipeline with --shards 1" in out.stdout and "step:" in out.stdout
+    assert "--pipeline with --shards 1: one stage; its --pipeline-splits are the recomputation points" in out.stdout
+    assert "step:" in out.stdout

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from test_replicas import data_dir, relative_difference  # noqa: F401  (data_dir: a fixture)
+from test_replicas import ROOT, TORCHRUN, data_dir, finish, relative_difference, start  # noqa: F401  (a fixture)
 from test_replicas import train as train_with
 
 # CPU kernels sum in an order that depends on their thread count (one process, 1 vs 2 threads: 3e-4
@@ -101,24 +101,27 @@ def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, la
     assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") < 1e-6
 
 
-@pytest.mark.parametrize("norm, extra, single", [
-    (VARIANTS["group-norm"], (), ("--gradient-accumulation-count", "4")),
-    # Batch-norm statistics over the two replicas of each stage; the optimiser state sharded over
-    # them. The reference is the same two replicas without stages (test_replicas checks those
-    # against one process).
-    (("--batch-norm",), ("--BN-span", "2", "--rts"), ("--replicas", "2", "--gradient-accumulation-count", "2",
-                                                       "--BN-span", "2", "--rts")),
-], ids=["group-norm", "batch-norm-spans-and-sharded-state"])
-def test_two_stages_by_two_replicas_update_as_the_model_whole(data_dir, tmp_path, norm, extra, single):  # noqa: F811
+def test_torchrun_runs_two_stages_by_two_replicas_as_one_process(data_dir, references, tmp_path):  # noqa: F811
+    """Under torchrun the world is stages x replicas: 4 processes, rank r stage r % 2 of replica r // 2."""
     grid = tmp_path / "grid"
-    out, _ = train(tmp_path, *PIPELINE, *norm, *TWO_STAGES, "--replicas", "2", "--gradient-accumulation-count", "2",
-                   *extra, "--data-dir", str(data_dir), "--logs-path", str(grid))
-    reference = one_process(tmp_path, data_dir, "whole", *PIPELINE, *norm, *single)
+    out, _ = finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "train.py"), *PIPELINE,
+                           *VARIANTS["group-norm"], *TWO_STAGES, "--replicas", "2", "--gradient-accumulation-count", "2",
+                           "--data-dir", str(data_dir), "--logs-path", str(grid)], tmp_path, ONE_THREAD))
     # Replicas sum their accumulated gradients in another order than one process: rounding only.
-    assert relative_difference(grid / "ckpt-6.pt", reference / "ckpt-6.pt") < 1e-4
+    assert relative_difference(grid / "ckpt-6.pt", references["group-norm"] / "ckpt-6.pt") < 1e-4
     assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
-    if "--rts" in extra:
-        assert "Optimiser state sharded over 2 replicas (--rts)" in out
+
+
+def test_stages_by_replicas_with_batch_norm_spans_and_sharded_state_equal_the_replicas_alone(data_dir, tmp_path):  # noqa: F811
+    """Batch-norm statistics over the two replicas of each stage, the optimiser state of each stage
+    sharded over its replicas: the weights of the same two replicas without stages (test_replicas
+    checks those against one process)."""
+    spans = ("--batch-norm", "--replicas", "2", "--gradient-accumulation-count", "2", "--BN-span", "2", "--rts")
+    grid = tmp_path / "grid"
+    out, _ = train(tmp_path, *PIPELINE, *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid))
+    reference = one_process(tmp_path, data_dir, "replicas", *PIPELINE, *spans)
+    assert relative_difference(grid / "ckpt-6.pt", reference / "ckpt-6.pt") < 1e-6
+    assert "Optimiser state sharded over 2 replicas (--rts)" in out
 
 
 # The seed's pipelining tests (one update each, generated ImageNet). The seed counted a 4th stem input
@@ -168,3 +171,22 @@ def test_pipeline_splits_auto_takes_the_measured_proposal_on_every_stage(data_di
     chosen = re.search(r"--pipeline-splits auto: (\S+) \(measured", out).group(1)
     assert json.loads((folder / "arguments.json").read_text())["pipeline_splits"] == [chosen]
     assert chosen.startswith("stage") and "Pipeline time by stage (Grouped, 2 stages" in out
+
+
+def test_validation_after_a_pipelined_run_counts_every_image_once_with_the_whole_model(data_dir, tmp_path):  # noqa: F811
+    """After training each of the 2 processes validates its share of the 101 test images with the whole
+    model; the accuracy is that of one process validating the same checkpoint."""
+    import csv
+
+    from test_replicas import TEST_IMAGES
+
+    folder = tmp_path / "validated"
+    args = [a for a in PIPELINE if a != "--no-validation"]
+    train(tmp_path, *args, *VARIANTS["group-norm"], *TWO_STAGES, "--iterations", "2", "--data-dir", str(data_dir),
+          "--logs-path", str(folder))
+    with open(folder / "validation.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and [int(row["val_size"]) for row in rows] == [TEST_IMAGES] * len(rows)
+    out, _ = train(tmp_path, "--restore-path", str(folder / "ckpt-2.pt"), script="validation.py")
+    accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
+    assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)

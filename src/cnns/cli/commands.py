@@ -179,6 +179,9 @@ def _parallel_notices(options: dict[str, Any]) -> list[str]:
         else:
             notices.append("--pipeline with --shards 1: one stage, nothing to pipeline; the whole model runs in "
                            "each process (the --pipeline-splits are not used)")
+    if options["shards"] > 1 and options.get("ckpt_all_instances"):
+        notices.append("--ckpt-all-instances with pipeline stages: each process holds a part of the model, so only "
+                       "rank 0 writes checkpoints (of the whole model, gathered from the stages)")
     if options["rts"] and options["replicas"] == 1:
         notices.append("--rts shards the optimiser state over replicas: with one replica it changes nothing")
     return notices
