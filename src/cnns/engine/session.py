@@ -270,11 +270,11 @@ class TrainingSession:
             training_time_averages(self.folder, cfg.train.weight_avg_N, cfg.train.weight_avg_exp,
                                    lambda iteration: self._epoch_of(c, iteration), self.log)
         if cfg.train.validation and c.sources.eval is not None:
+            train_samples = c.sources.train.num_samples
             if c.stage is not None:  # every process validates its share of the images with the whole model
                 c = build_components(cfg, self.world.without_stages(), need_train=False)
             batches = generated_validation_limit(cfg, c, self.log, trained_images)
-            validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, c.sources.train.num_samples,
-                                batches)
+            validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, train_samples, batches)
 
     def _profiler(self, cfg: RunConfig):
         import contextlib
