@@ -187,3 +187,16 @@ def test_splits_auto_then_validation_with_the_whole_model_counting_every_image_o
     out, _ = train(tmp_path, "--restore-path", str(folder / "ckpt-2.pt"), script="validation.py")
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)
+
+
+def test_half_weights_accumulate_in_float32_across_the_stages_as_in_one_process(data_dir, tmp_path):  # noqa: F811
+    """16.16 (bfloat16 weights, round to nearest so both sides round alike): each stage sums its
+    micro-batch gradients in float32 as autograd produces them, as one process sums them."""
+    half = (*VARIANTS["group-norm"], "--precision", "16.16", "--half-dtype", "bfloat16", "--no-stochastic-rounding",
+            "--iterations", "3")
+    pipelined = tmp_path / "pipelined"
+    train(tmp_path, *PIPELINE, *half, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(pipelined))
+    reference = one_process(tmp_path, data_dir, "one", *PIPELINE, *half)
+    mine, theirs = (torch.load(f / "ckpt-3.pt", weights_only=True)["model"] for f in (pipelined, reference))
+    assert mine["conv1.weight"].dtype == torch.bfloat16
+    assert relative_difference(pipelined / "ckpt-3.pt", reference / "ckpt-3.pt") < 1e-4

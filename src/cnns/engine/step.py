@@ -109,7 +109,32 @@ class FloatGradientAccumulator:
 
         return hook
 
-class TrainStep:
+
+class _OptimiserStep:
+    """How every step ends: the optimiser step on the update's gradients. Subclasses set `optimiser`,
+    `scaler`, `fp_exceptions` and `param_names` (the parameters' names in the optimiser's order)."""
+
+    def _update(self, grads: list[torch.Tensor | None], loss_sum: torch.Tensor,
+                all_finite: Callable[[bool], bool] | None = None) -> None:
+        """The optimiser step on the update's gradients: checked (--fp-exceptions), unscaled, and
+        skipped when dynamic loss scaling found an overflow (everywhere, with `all_finite`)."""
+        if self.fp_exceptions:
+            self._raise_on_non_finite(loss_sum, grads, self.param_names)
+        present = [g for g in grads if g is not None]
+        if self.scaler.unscale_(present, all_finite=all_finite):
+            self.optimiser.step(grads)
+
+    @staticmethod
+    def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+        """--fp-exceptions: the first tensor that is not finite, by name (reads values back: a debug mode)."""
+        if not torch.isfinite(loss):
+            raise NonFiniteError("the loss is NaN or Inf")
+        for name, g in zip(names, grads):
+            if g is not None and not torch.isfinite(g).all():
+                raise NonFiniteError(f"the gradient of {name} is NaN or Inf")
+
+
+class TrainStep(_OptimiserStep):
     def __init__(self, model: nn.Module, optimiser: HalfPrecisionOptimiser, policy: PrecisionPolicy,
                  scaler: LossScaler, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  grad_accum: int, accumulate_in_float32: bool, fp_exceptions: bool = False,
@@ -155,24 +180,11 @@ class TrainStep:
             correct += (logits.detach().argmax(dim=1) == labels).sum()
             samples += labels.shape[0]
         grads = self.accumulator.gradients(to_float32=self.scaler.active)
-        if self.fp_exceptions:
-            self._raise_on_non_finite(loss_sum, grads, self.param_names)
-        present = [g for g in grads if g is not None]
-        if self.scaler.unscale_(present):
-            self.optimiser.step(grads)
+        self._update(grads, loss_sum)
         return StepMetrics(loss_sum, correct, samples)
 
-    @staticmethod
-    def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
-        """--fp-exceptions: the first tensor that is not finite, by name (reads values back: a debug mode)."""
-        if not torch.isfinite(loss):
-            raise NonFiniteError("the loss is NaN or Inf")
-        for name, g in zip(names, grads):
-            if g is not None and not torch.isfinite(g).all():
-                raise NonFiniteError(f"the gradient of {name} is NaN or Inf")
 
-
-class PipelinedTrainStep:
+class PipelinedTrainStep(_OptimiserStep):
     """One weight update of one pipeline stage.
 
     The schedule (`cnns.parallel.pipeline.build_schedule`) runs the update's micro-batches through the
@@ -240,12 +252,8 @@ class PipelinedTrainStep:
         grads = self.accumulator.gradients(to_float32=self.scaler.active)
         if world.replicas > 1:
             average_gradients(grads, world.replica_group, world.replicas)
-        if self.fp_exceptions:
-            TrainStep._raise_on_non_finite(loss_sum, grads, self.param_names)
-        present = [g for g in grads if g is not None]
         # With dynamic loss scaling every stage skips the update when any stage overflowed.
-        if self.scaler.unscale_(present, all_finite=lambda finite: not world.any(not finite)):
-            self.optimiser.step(grads)
+        self._update(grads, loss_sum, all_finite=lambda finite: not world.any(not finite))
         return StepMetrics(loss_sum, correct, sum(y.shape[0] for _, y in micro_batches))
 
 
