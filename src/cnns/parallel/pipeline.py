@@ -28,9 +28,6 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from cnns.errors import ConfigError
 from cnns.models.splits import Piece
 
-SCHEDULES = ("Grouped", "Interleaved", "Sequential")
-
-
 class StageModule(nn.Module):
     """The pieces of one stage, run in order; ``model`` is the whole model less the other stages'
     modules (its state-dict keys are the whole model's)."""
@@ -153,7 +150,7 @@ def build_schedule(name: str, stage: PipelineStage, micro_batches: int, loss_fn:
     micro-batch count (as one process's accumulation does), so the schedule leaves gradients as they are."""
     kinds = {"Grouped": ScheduleGPipe, "Interleaved": Schedule1F1B, "Sequential": ScheduleSequential}
     if name not in kinds:
-        raise ConfigError(f"unknown --pipeline-schedule {name}; choose one of {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown --pipeline-schedule {name}; choose one of {', '.join(kinds)}")
     if name == "Interleaved" and micro_batches < stage.num_stages:
         raise ConfigError(f"--pipeline-schedule Interleaved needs at least as many micro-batches per update as "
                           f"stages: --gradient-accumulation-count {micro_batches} < --shards {stage.num_stages}")
@@ -257,10 +254,10 @@ def time_report(totals: Sequence[dict[str, float]], schedule: str, micro_batches
         lines.append(f"  stage {index}: compute {compute:.3f}s (forward {t['forward']:.3f}s, backward "
                      f"{t['backward']:.3f}s), waiting {waiting:.3f}s ({100 * share:.0f}% of {t['schedule']:.3f}s: "
                      f"bubble, transfers, imbalance)")
-    bubble = 1.0 if schedule == "Sequential" else (stages - 1) / (micro_batches + stages - 1)
     if schedule == "Sequential":
         lines.append("  Sequential runs one stage at a time: each stage waits while the others compute")
     else:
+        bubble = (stages - 1) / (micro_batches + stages - 1)
         lines.append(f"  an ideal pipeline of {stages} equal stages would wait {100 * bubble:.0f}% of the time "
                      f"(bubble (S-1)/(M+S-1))")
     return lines
