@@ -138,6 +138,8 @@ def test_ipu_only_options_are_named_in_one_notice():
      "unknown pipeline split stage9/unit1/relu"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "3", "--pipeline", "--pipeline-splits", "stage2/unit1/relu"],
      "--shards 3 needs 2 --pipeline-splits, got 1 (stage2/unit1/relu); valid splits: stage1/unit1/relu (b1/0/relu"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline", "--pipeline-splits", "stage2/unit1/relu",
+      "--compile"], "--compile with pipeline stages (--shards > 1) is not supported yet"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):

@@ -3,9 +3,9 @@
 The world is a grid: `replicas` copies of a pipeline of `shards` stages. Rank r is stage r % shards of
 replica r // shards; the stages of one replica form its pipeline group (activations and gradients
 pass between them), the processes running the same stage form that stage's replica group (its
-gradients are averaged there). It is built once, from the launcher's environment: torchrun's, or the one cnns's own spawn
-of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent too. Nothing else in
-the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
+gradients are averaged there). It is built once, from the launcher's environment: torchrun's, or the
+one cnns's own spawn of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent
+too. Nothing else in the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
 
 Every collective here and in the process groups has a bounded timeout (`CNNS_DIST_TIMEOUT`
 seconds, default 600): a peer that died or never came ends the run with one line naming the
