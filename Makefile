@@ -6,9 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: train test venv benchmark clean
 
-$(STAMP): pyproject.toml
+# torch first, then the package without build isolation: setup.py compiles the fused CPU kernels
+# (src/cnns/kernels) against the venv's own torch instead of a second copy in a build environment.
+$(STAMP): pyproject.toml setup.py src/cnns/kernels/norm_act.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet 'setuptools>=68' wheel torch==2.14.1
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -3,6 +3,9 @@
 Models know nothing of training; everything here changes how a model runs, never what it computes
 or which parameters and state-dict keys it has, so checkpoints always hold the plain model's state:
 
+0. ``fuse_norm_activations``         CPU: norm + activation (+ residual) in fused passes (speed;
+                                     `cnns.engine.fusion`)
+
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed)
 3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
@@ -182,8 +185,6 @@ def recomputed(function, owner: nn.Module):
     return run
 
 
-def _recomputed_forward(self: nn.Module, *args, **kwargs):
-    return recomputed(type(self).forward.__get__(self), self)(*args, **kwargs)
 
 
 def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
@@ -197,7 +198,8 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
     """
     for name in blocks:
         module = model.get_submodule(name)
-        module.forward = types.MethodType(_recomputed_forward, module)
+        # The block's forward as it is now (the class's, or the fused one of `cnns.engine.fusion`).
+        module.forward = recomputed(module.forward, module)
     return len(blocks)
 
 

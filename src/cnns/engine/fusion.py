@@ -1,0 +1,156 @@
+"""Training on a CPU with the fused normalisation + activation (+ residual) passes of `cnns.kernels`.
+
+Applied to a built model by `cnns.engine.build` (the first of `cnns.engine.wrappers`' run-time changes):
+module instances get new ``forward`` methods, nothing else, so parameters, buffers and state-dict keys
+stay the plain model's and checkpoints written before or after load alike. Three patterns are fused:
+
+- a norm followed by its activation (``bn1``/``act1`` of ResNet units and stems, timm's
+  ``BatchNormAct2d``/``GroupNormAct`` of EfficientNet): the norm computes ``act(norm(x))``, the
+  activation module becomes the identity;
+- a residual unit's last norm, the addition of the shortcut and the final ReLU (timm's and the CIFAR
+  ResNets' basic and bottleneck units): one pass instead of three;
+- nothing else: squeeze-excitation, pooling and the head keep torch's kernels.
+
+In evaluation, or for a tensor the passes do not take (CUDA, float16, not 4-d), the patched forwards
+compute the same thing with torch's functions, so one patched model serves training and validation.
+Only exact classes are patched (a cross-replica batch norm or an unknown block keeps torch's modules).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+from timm.layers import BatchNormAct2d, GroupNormAct
+from timm.models import resnet as timm_resnet
+from torch import nn
+
+from cnns.kernels import norm_act as kernels
+from cnns.models import cifar_resnet
+
+_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "none"}
+_PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
+
+
+def fusion_enabled(device: torch.device) -> bool:
+    """Fused passes for a CPU run when they are built and ``CNNS_FUSED_NORM=1`` asks for them.
+
+    Off by default: on the one CPU they have been measured on (AMD EPYC, AVX-512-BF16, 2 cores) ATen's
+    own channels_last batch norm, ReLU and add already run near the memory bandwidth and the fused passes
+    were slower end to end (README, Performance). They are for the CPUs where ATen's are not (the AMX
+    Xeon of issue 17 measured 41 ms for a batch norm + ReLU forward that takes 6 ms here), once measured there.
+    """
+    return device.type == "cpu" and kernels.available() and os.environ.get("CNNS_FUSED_NORM", "0") == "1"
+
+
+def _activation(module: nn.Module) -> str | None:
+    return _ACTIVATIONS.get(type(module))
+
+
+def norm_act(norm: nn.Module, x: torch.Tensor, act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(norm(x) [+ residual])`` with `norm` a BatchNorm2d, GroupNorm or timm's norm+act (its own
+    activation not applied here): fused in training where the passes take the tensor, torch otherwise."""
+    batch_norm = isinstance(norm, nn.BatchNorm2d)
+    fused = norm.training and kernels.supports(x) and (residual is None or residual.shape == x.shape)
+    if fused and batch_norm:
+        tracking = norm.track_running_stats
+        momentum = norm.momentum
+        return kernels.batch_norm_act(x, norm.weight, norm.bias, norm.running_mean if tracking else None,
+                                      norm.running_var if tracking else None,
+                                      norm.num_batches_tracked if tracking else None, momentum, norm.eps, act,
+                                      residual)
+    if fused:
+        return kernels.group_norm_act(x, norm.num_groups, norm.weight, norm.bias, norm.eps, act, residual)
+    if batch_norm:
+        y = nn.BatchNorm2d.forward(norm, x)
+    else:
+        y = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+    if residual is not None:
+        y = y + residual
+    return _PLAIN_ACT[act](y)
+
+
+def _identity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fuse_pair(norm: nn.Module, act_module: nn.Module) -> bool:
+    """norm then act_module -> norm computes both; act_module passes its input on."""
+    act = _activation(act_module)
+    if act is None or type(norm) not in (nn.BatchNorm2d, nn.GroupNorm) or "forward" in vars(norm):
+        return False
+    norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act), norm)
+    act_module.forward = types.MethodType(_identity, act_module)
+    return True
+
+
+def _fuse_norm_act_module(module: nn.Module) -> bool:
+    """timm's BatchNormAct2d / GroupNormAct (EfficientNet) with a ReLU, SiLU or no activation, no dropout."""
+    act = _activation(module.act)
+    if act is None or not isinstance(module.drop, nn.Identity):
+        return False
+    module.forward = types.MethodType(lambda self, x: norm_act(self, x, act), module)
+    return True
+
+
+# Residual units: the attribute names of (norm, activation) pairs, and of the last norm and final ReLU that
+# take the shortcut. Everything else in the unit must be absent for its forward to be replaced.
+_UNITS = {
+    timm_resnet.BasicBlock: ((("bn1", "act1"),), ("conv2", "bn2", "act2")),
+    timm_resnet.Bottleneck: ((("bn1", "act1"), ("bn2", "act2")), ("conv3", "bn3", "act3")),
+    cifar_resnet.BasicBlock: ((("bn1", "act1"),), ("conv2", "bn2", "act2")),
+    cifar_resnet.Bottleneck: ((("bn1", "act1"), ("bn2", "act2")), ("conv3", "bn3", "act3")),
+}
+
+
+def _plain_timm_unit(unit: nn.Module) -> bool:
+    """No drop-block, anti-aliasing, squeeze-excitation or drop-path: the forward is convolutions and norms."""
+    extras = [getattr(unit, name, None) for name in ("drop_block", "aa")]
+    return (all(e is None or isinstance(e, nn.Identity) for e in extras)
+            and getattr(unit, "se", None) is None and getattr(unit, "drop_path", None) is None)
+
+
+def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str):
+    conv_last, norm_last, act_last = last
+    convs = [name.replace("bn", "conv") for name, _ in pairs]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut_module = getattr(self, shortcut_name)
+        shortcut = x if shortcut_module is None else shortcut_module(x)
+        out = x
+        for conv, (norm, act) in zip(convs, pairs):
+            out = getattr(self, act)(getattr(self, norm)(getattr(self, conv)(out)))
+        return norm_act(getattr(self, norm_last), getattr(self, conv_last)(out), "relu", residual=shortcut)
+
+    return forward
+
+
+def _fuse_unit(unit: nn.Module) -> bool:
+    pairs, last = _UNITS[type(unit)]
+    timm_unit = type(unit) in (timm_resnet.BasicBlock, timm_resnet.Bottleneck)
+    if timm_unit and not _plain_timm_unit(unit):
+        return False
+    norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
+    if type(norm_last) not in (nn.BatchNorm2d, nn.GroupNorm) or type(act_last) is not nn.ReLU:
+        return False
+    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act)) for norm, act in pairs):
+        return False
+    unit.forward = types.MethodType(_unit_forward(pairs, last, "downsample" if timm_unit else "shortcut"), unit)
+    return True
+
+
+def fuse_norm_activations(model: nn.Module) -> int:
+    """Give the model's norm+activation(+residual) patterns the fused passes; returns how many were fused."""
+    fused = 0
+    for module in list(model.modules()):
+        if type(module) in _UNITS:
+            fused += _fuse_unit(module)
+        elif type(module) in (BatchNormAct2d, GroupNormAct):
+            fused += _fuse_norm_act_module(module)
+    # The ResNets' stem: conv1, bn1, act1 on the model itself (a unit's own pairs are fused above).
+    for owner in model.modules():
+        if type(owner) not in _UNITS and hasattr(owner, "bn1") and hasattr(owner, "act1"):
+            fused += _fuse_pair(owner.bn1, owner.act1)
+    return fused

@@ -1,0 +1,356 @@
+// Fused normalisation + activation (+ residual) passes for channels_last CPU training.
+//
+// Written by hand because no library has them: ATen's batch norm, ReLU, SiLU and add each make their own
+// pass over memory (forward: statistics, normalise, activate, add; backward: activation gradient, two
+// reductions, input gradient), and on CPUs whose bfloat16 matrix units make the convolutions fast those
+// passes are most of a training step (cnns issue 17). Here a training norm+act is three passes forward
+// (moments, one apply) and two backward (one reduction that also writes the pre-activation gradient, one
+// apply), each at memory speed.
+//
+// Every kernel sees a channels_last activation as a (G, R, C) row-major array: G independent groups of
+// statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
+// per-channel arithmetic is plain float loops over C that the compiler vectorises (setup.py builds with
+// x86-64-v3 where the machine is x86); threads split rows with at::parallel_for, so torch.set_num_threads
+// governs them. Statistics and coefficients are float32 or float64 (G, C) tensors computed by the caller.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Act : int64_t { kNone = 0, kRelu = 1, kSilu = 2 };
+
+// Element access by storage type: float, or the bits of a bfloat16 (uint16_t, so that the compiler sees plain
+// integers it can vectorise; c10::BFloat16's struct and its NaN branch kept the loops scalar, 5-10x slower).
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T> inline T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline uint16_t from_float<uint16_t>(float v) {
+  // Round to nearest even, as c10::BFloat16's constructor and every ATen kernel do; NaN stays a NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return v != v ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+// The storage type behind a tensor's data: bfloat16 as its bits.
+template <typename T> inline T* data_of(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, uint16_t>) return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
+  else return t.data_ptr<T>();
+}
+
+// exp for the sigmoid, written so that the compiler vectorises it (std::exp stays a scalar libm call):
+// Cephes' expf, 2^n times a degree-7 polynomial of the remainder, within 2 float ulps over the clamped range.
+inline float exp_vectorisable(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float sigmoid(float z) { return 1.0f / (1.0f + exp_vectorisable(-z)); }
+
+// Rows per block: a block's float sums stay short (float error grows with the terms added) before they are
+// added into double accumulators; small enough that a (G, R) of one sample still splits over threads.
+constexpr int64_t kBlockRows = 256;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.is_contiguous(), name, " must be a contiguous (G, R, C) tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+void check_coefficients(const at::Tensor& t, const at::Tensor& x, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
+              " must be a contiguous float32 (G, C) tensor");
+  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(2), name, " must be (G, C) of the input");
+}
+
+// Per (group, channel): the mean and the sum of squared deviations (M2), float64.
+// Each block of rows sums x - K and (x - K)^2 in float, K being the group's first row (the shifted-data
+// algorithm: exact enough when the mean is far larger than the spread), and the blocks are added in double.
+template <typename T>
+std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
+  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  const T* __restrict__ data = data_of<T>(x);
+  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
+  auto opts = x.options().dtype(at::kDouble);
+  at::Tensor s1 = at::zeros({G * blocks, C}, opts), s2 = at::zeros({G * blocks, C}, opts);
+  double* p1 = s1.data_ptr<double>();
+  double* p2 = s2.data_ptr<double>();
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(C), b(C), shift(C);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / blocks, block = task % blocks;
+      const T* first = data + g * R * C;
+      for (int64_t c = 0; c < C; ++c) { shift[c] = to_float(first[c]); a[c] = 0.f; b[c] = 0.f; }
+      const int64_t r_end = std::min(R, (block + 1) * kBlockRows);
+      for (int64_t r = block * kBlockRows; r < r_end; ++r) {
+        const T* __restrict__ row = first + r * C;
+        float* __restrict__ sa = a.data();
+        float* __restrict__ sb = b.data();
+        const float* __restrict__ k = shift.data();
+        for (int64_t c = 0; c < C; ++c) {
+          const float d = to_float(row[c]) - k[c];
+          sa[c] += d;
+          sb[c] += d * d;
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) { p1[task * C + c] = a[c]; p2[task * C + c] = b[c]; }
+    }
+  });
+  at::Tensor mean = at::empty({G, C}, opts), m2 = at::empty({G, C}, opts);
+  double* pm = mean.data_ptr<double>();
+  double* pv = m2.data_ptr<double>();
+  for (int64_t g = 0; g < G; ++g) {
+    const T* first = data + g * R * C;
+    for (int64_t c = 0; c < C; ++c) {
+      double sa = 0.0, sb = 0.0;
+      for (int64_t block = 0; block < blocks; ++block) {
+        sa += p1[(g * blocks + block) * C + c];
+        sb += p2[(g * blocks + block) * C + c];
+      }
+      const double shifted_mean = sa / double(R);
+      pm[g * C + c] = double(to_float(first[c])) + shifted_mean;
+      pv[g * C + c] = std::max(0.0, sb - sa * shifted_mean);
+    }
+  }
+  return {mean, m2};
+}
+
+// Split (G, R) rows into tasks of about kBlockRows rows each; `body(g, r_begin, r_end)`.
+template <typename F>
+void for_row_blocks(int64_t G, int64_t R, const F& body) {
+  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / blocks, block = task % blocks;
+      body(g, block * kBlockRows, std::min(R, (block + 1) * kBlockRows));
+    }
+  });
+}
+
+// y = act(x * scale + shift [+ residual]), scale and shift per (group, channel).
+template <typename T>
+at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                           const c10::optional<at::Tensor>& residual, int64_t act) {
+  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  at::Tensor y = at::empty_like(x);
+  const T* px = data_of<T>(x);
+  const T* pr = residual.has_value() ? data_of<T>(*residual) : nullptr;
+  T* py = data_of<T>(y);
+  const float* ps = scale.data_ptr<float>();
+  const float* pt = shift.data_ptr<float>();
+  for_row_blocks(G, R, [&](int64_t g, int64_t r0, int64_t r1) {
+    const float* s = ps + g * C;
+    const float* t = pt + g * C;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = (g * R + r) * C;
+      const T* __restrict__ xr = px + off;
+      T* __restrict__ yr = py + off;
+      if (pr != nullptr) {
+        const T* __restrict__ rr = pr + off;
+        if (act == kRelu) {
+          for (int64_t c = 0; c < C; ++c)
+            yr[c] = from_float<T>(std::max(to_float(xr[c]) * s[c] + t[c] + to_float(rr[c]), 0.f));
+        } else {
+          for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(to_float(xr[c]) * s[c] + t[c] + to_float(rr[c]));
+        }
+      } else if (act == kRelu) {
+        for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(std::max(to_float(xr[c]) * s[c] + t[c], 0.f));
+      } else if (act == kSilu) {
+        for (int64_t c = 0; c < C; ++c) {
+          const float z = to_float(xr[c]) * s[c] + t[c];
+          yr[c] = from_float<T>(z * sigmoid(z));
+        }
+      } else {
+        for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(to_float(xr[c]) * s[c] + t[c]);
+      }
+    }
+  });
+  return y;
+}
+
+// The backward reduction pass. gz = dL/dz, z the pre-activation (x * scale + shift [+ residual]), in the
+// activation's dtype (as ATen's activation backward hands it on); also the residual's gradient. From the
+// stored gz, per (group, channel): s1 = sum gz and s2 = sum gz * (x - mean), float64 over blocks.
+// ReLU reads its mask from the output y; SiLU recomputes z from x (no residual with SiLU).
+template <typename T>
+std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::Tensor& x,
+                                             const c10::optional<at::Tensor>& out, const at::Tensor& scale,
+                                             const at::Tensor& shift, const at::Tensor& mean, int64_t act) {
+  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
+  at::Tensor gz = act == kNone ? grad : at::empty_like(grad);
+  auto opts = x.options().dtype(at::kDouble);
+  at::Tensor s1 = at::empty({G * blocks, C}, opts), s2 = at::empty({G * blocks, C}, opts);
+  const T* pg = data_of<T>(grad);
+  const T* px = data_of<T>(x);
+  const T* py = out.has_value() ? data_of<T>(*out) : nullptr;
+  T* pz = data_of<T>(gz);
+  const float* ps = scale.data_ptr<float>();
+  const float* pt = shift.data_ptr<float>();
+  const float* pm = mean.data_ptr<float>();
+  double* q1 = s1.data_ptr<double>();
+  double* q2 = s2.data_ptr<double>();
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(C), b(C);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / blocks, block = task % blocks;
+      const float* __restrict__ s = ps + g * C;
+      const float* __restrict__ t = pt + g * C;
+      const float* __restrict__ m = pm + g * C;
+      std::fill(a.begin(), a.end(), 0.f);
+      std::fill(b.begin(), b.end(), 0.f);
+      const int64_t r_end = std::min(R, (block + 1) * kBlockRows);
+      for (int64_t r = block * kBlockRows; r < r_end; ++r) {
+        const int64_t off = (g * R + r) * C;
+        const T* __restrict__ gr = pg + off;
+        const T* __restrict__ xr = px + off;
+        T* __restrict__ zr = pz + off;
+        float* __restrict__ sa = a.data();
+        float* __restrict__ sb = b.data();
+        if (act == kRelu) {
+          const T* __restrict__ yr = py + off;
+          for (int64_t c = 0; c < C; ++c) {
+            // Both operands read unconditionally: a conditional load keeps the loop scalar.
+            const float gv = to_float(gr[c]), yv = to_float(yr[c]);
+            const float v = yv > 0.f ? gv : 0.f;
+            zr[c] = from_float<T>(v);
+            sa[c] += v;
+            sb[c] += v * (to_float(xr[c]) - m[c]);
+          }
+        } else if (act == kSilu) {
+          for (int64_t c = 0; c < C; ++c) {
+            const float z = to_float(xr[c]) * s[c] + t[c];
+            const float sg = sigmoid(z);
+            const float v = to_float(from_float<T>(to_float(gr[c]) * sg * (1.f + z * (1.f - sg))));
+            zr[c] = from_float<T>(v);
+            sa[c] += v;
+            sb[c] += v * (to_float(xr[c]) - m[c]);
+          }
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            const float v = to_float(gr[c]);
+            sa[c] += v;
+            sb[c] += v * (to_float(xr[c]) - m[c]);
+          }
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) { q1[task * C + c] = a[c]; q2[task * C + c] = b[c]; }
+    }
+  });
+  auto per_group = [&](const at::Tensor& partial) { return partial.view({G, blocks, C}).sum(1); };
+  return {gz, per_group(s1), per_group(s2)};
+}
+
+// dx = a * gz + b * x + d, coefficients per (group, channel): the input gradient of any affine
+// normalisation once its reductions are known (see cnns/kernels/norm_act.py for a, b, d).
+template <typename T>
+at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const at::Tensor& a,
+                               const at::Tensor& b, const at::Tensor& d) {
+  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  at::Tensor dx = at::empty_like(x);
+  const T* pz = data_of<T>(gz);
+  const T* px = data_of<T>(x);
+  T* pd = data_of<T>(dx);
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  const float* pc = d.data_ptr<float>();
+  for_row_blocks(G, R, [&](int64_t g, int64_t r0, int64_t r1) {
+    const float* ca = pa + g * C;
+    const float* cb = pb + g * C;
+    const float* cd = pc + g * C;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = (g * R + r) * C;
+      const T* __restrict__ zr = pz + off;
+      const T* __restrict__ xr = px + off;
+      T* __restrict__ dr = pd + off;
+      for (int64_t c = 0; c < C; ++c) dr[c] = from_float<T>(ca[c] * to_float(zr[c]) + cb[c] * to_float(xr[c]) + cd[c]);
+    }
+  });
+  return dx;
+}
+
+std::vector<at::Tensor> moments(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "moments of an empty group");
+  if (x.scalar_type() == at::kBFloat16) return moments_impl<uint16_t>(x);
+  return moments_impl<float>(x);
+}
+
+at::Tensor affine_act(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                      const c10::optional<at::Tensor>& residual, int64_t act) {
+  check_rows(x, "x");
+  check_coefficients(scale, x, "scale");
+  check_coefficients(shift, x, "shift");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(), "residual must be laid out as x");
+    TORCH_CHECK(act == kNone || act == kRelu, "a residual is added before no activation or ReLU");
+  }
+  if (x.scalar_type() == at::kBFloat16) return affine_act_impl<uint16_t>(x, scale, shift, residual, act);
+  return affine_act_impl<float>(x, scale, shift, residual, act);
+}
+
+std::vector<at::Tensor> backward_reduce(const at::Tensor& grad, const at::Tensor& x,
+                                        const c10::optional<at::Tensor>& out, const at::Tensor& scale,
+                                        const at::Tensor& shift, const at::Tensor& mean, int64_t act) {
+  check_rows(x, "x");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous() && grad.scalar_type() == x.scalar_type(),
+              "grad must be laid out as x");
+  TORCH_CHECK(act != kRelu || (out.has_value() && out->sizes() == x.sizes() && out->is_contiguous() &&
+                               out->scalar_type() == x.scalar_type()), "ReLU's backward needs its output");
+  check_coefficients(scale, x, "scale");
+  check_coefficients(shift, x, "shift");
+  check_coefficients(mean, x, "mean");
+  if (x.scalar_type() == at::kBFloat16)
+    return backward_reduce_impl<uint16_t>(grad, x, out, scale, shift, mean, act);
+  return backward_reduce_impl<float>(grad, x, out, scale, shift, mean, act);
+}
+
+at::Tensor input_gradient(const at::Tensor& gz, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                          const at::Tensor& d) {
+  check_rows(x, "x");
+  TORCH_CHECK(gz.sizes() == x.sizes() && gz.is_contiguous() && gz.scalar_type() == x.scalar_type(),
+              "gz must be laid out as x");
+  check_coefficients(a, x, "a");
+  check_coefficients(b, x, "b");
+  check_coefficients(d, x, "d");
+  if (x.scalar_type() == at::kBFloat16) return input_gradient_impl<uint16_t>(gz, x, a, b, d);
+  return input_gradient_impl<float>(gz, x, a, b, d);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused normalisation + activation passes over channels_last (G, R, C) activations (cnns).";
+  m.def("moments", &moments, "per (group, channel) mean and sum of squared deviations, float64");
+  m.def("affine_act", &affine_act, "act(x * scale + shift [+ residual])", py::arg("x"), py::arg("scale"),
+        py::arg("shift"), py::arg("residual") = py::none(), py::arg("act") = 0);
+  m.def("backward_reduce", &backward_reduce, "pre-activation gradient and its two per-channel sums");
+  m.def("input_gradient", &input_gradient, "a * gz + b * x + d");
+}

@@ -1,0 +1,163 @@
+"""Training-mode batch norm and group norm fused with their activation (and a residual addition).
+
+``batch_norm_act`` and ``group_norm_act`` compute what ``act(norm(x) [+ residual])`` computes with torch's
+modules, forward and backward, for channels_last float32 or bfloat16 activations with float32 parameters
+and float32/float64 statistics, in three passes over memory forward and two backward (the C++ passes of
+``norm_act.cpp``; torch's modules make six forward and eight backward). Running statistics are updated as
+``nn.BatchNorm2d`` does. Every per-channel quantity (means, variances, the backward's sums and
+coefficients) is small and computed here in float64 with torch; only the passes over the activations are
+C++.
+
+The extension is built when the package is installed (setup.py). Where it could not be (no compiler),
+``available()`` is False and nothing here is used: the models run torch's modules (see
+`cnns.engine.fusion`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # built by setup.py at install time; absent where no compiler was found
+    from cnns.kernels import _norm_act as _ext
+except ImportError:  # pragma: no cover - depends on the installation
+    _ext = None
+
+ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """Whether the compiled passes are installed."""
+    return _ext is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the fused passes take this activation: a 4-d CPU float32/bfloat16 tensor."""
+    return _ext is not None and x.device.type == "cpu" and x.dim() == 4 and x.dtype in DTYPES
+
+
+def _rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(N, C, H, W) -> the (G, R, C) row view of its NHWC layout (a view when x is channels_last)."""
+    n, c, h, w = x.shape
+    return x.permute(0, 2, 3, 1).contiguous().view(groups, -1, c)
+
+
+def _unrows(y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    n, c, h, w = shape
+    return y.view(n, h, w, c).permute(0, 3, 1, 2)  # channels_last NCHW, no copy
+
+
+class _NormAct(torch.autograd.Function):
+    """act(x * scale + shift [+ residual]) with scale, shift from the batch's (or sample's) statistics.
+
+    ``groups`` is 0 for batch norm (statistics per channel over N, H, W) and the group count for group
+    norm (statistics per sample and group of channels over H, W and the group's channels).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
+        n, c = x.shape[:2]
+        rows = _rows(x, n if groups else 1)
+        mean_c, m2_c = _ext.moments(rows)  # float64 (G', C): per channel of a sample (GN) or of the batch (BN)
+        count = rows.shape[1]
+        if groups:
+            # Channel moments -> group moments (Chan et al.'s pairwise combination), broadcast per channel.
+            per = c // groups
+            mean_c, m2_c = mean_c.view(n, groups, per), m2_c.view(n, groups, per)
+            mean = mean_c.mean(2, keepdim=True)
+            m2 = m2_c.sum(2, keepdim=True) + count * ((mean_c - mean) ** 2).sum(2, keepdim=True)
+            count = count * per
+            invstd = torch.rsqrt(m2 / count + eps)
+            mean, invstd = mean.expand(n, groups, per).reshape(n, c), invstd.expand(n, groups, per).reshape(n, c)
+        else:
+            mean, m2 = mean_c, m2_c
+            invstd = torch.rsqrt(m2 / count + eps)
+            if stats_out is not None:
+                stats_out.extend((mean[0], m2[0], count))
+        w = weight.double() if weight is not None else torch.ones(c, dtype=torch.float64)
+        b = bias.double() if bias is not None else torch.zeros(c, dtype=torch.float64)
+        scale = w * invstd
+        shift = b - mean * scale
+        res = _rows(residual, rows.shape[0]) if residual is not None else None
+        out = _ext.affine_act(rows, scale.float().contiguous(), shift.float().contiguous(), res, act)
+        ctx.groups, ctx.act, ctx.count = groups, act, count
+        ctx.has_residual = residual is not None
+        ctx.shape = x.shape
+        ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(rows, out if act == ACTIVATIONS["relu"] else None, mean, invstd, w, scale, shift)
+        return _unrows(out, x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, out, mean, invstd, w, scale, shift = ctx.saved_tensors
+        n, c = ctx.shape[:2]
+        g = _rows(grad, rows.shape[0]).to(rows.dtype)
+        gz, s1, s2 = _ext.backward_reduce(g, rows, out, scale.float().contiguous(), shift.float().contiguous(),
+                                          mean.float().contiguous(), ctx.act)
+        if ctx.groups:
+            per = c // ctx.groups
+            # Per sample and group: the means of w * gz and of w * gz * xhat (the group norm backward).
+            a = (w * s1).view(n, ctx.groups, per).sum(2, keepdim=True) / ctx.count
+            b = (w * s2 * invstd).view(n, ctx.groups, per).sum(2, keepdim=True) / ctx.count
+            a = a.expand(n, ctx.groups, per).reshape(n, c)
+            b = b.expand(n, ctx.groups, per).reshape(n, c)
+            coef_g, coef_x, coef_d = invstd * w, -invstd * invstd * b, -invstd * a
+            grad_w, grad_b = (s2 * invstd).sum(0), s1.sum(0)
+        else:
+            coef_g = w * invstd
+            coef_x = -w * invstd ** 3 * s2 / ctx.count
+            coef_d = -w * invstd * s1 / ctx.count
+            grad_w, grad_b = (s2 * invstd)[0], s1[0]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # dx = coef_g * gz + coef_x * (x - mean) + coef_d, written as one pass with the mean folded in.
+            shift_d = coef_d - coef_x * mean
+            grad_x = _unrows(_ext.input_gradient(gz, rows, coef_g.float().contiguous(), coef_x.float().contiguous(),
+                                                 shift_d.float().contiguous()), ctx.shape)
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        grad_weight = grad_w.to(weight_dtype) if weight_dtype is not None and ctx.needs_input_grad[1] else None
+        grad_bias = grad_b.to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
+        grad_residual = _unrows(gz, ctx.shape) if ctx.has_residual and ctx.needs_input_grad[3] else None
+        return grad_x, grad_weight, grad_bias, grad_residual, None, None, None, None
+
+
+def _prepare(x: torch.Tensor, residual: torch.Tensor | None):
+    if residual is not None and residual.dtype != x.dtype:
+        residual = residual.to(x.dtype)
+    return x, residual
+
+
+def batch_norm_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                   num_batches_tracked: torch.Tensor | None, momentum: float | None, eps: float,
+                   act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(F.batch_norm(x, ..., training=True) [+ residual])``, running statistics updated as torch does.
+
+    The running variance takes the unbiased variance (count - 1); with ``momentum=None`` the cumulative
+    average over ``num_batches_tracked`` batches, as ``nn.BatchNorm2d`` does.
+    """
+    n, c, h, w = x.shape
+    if n * h * w < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+    x, residual = _prepare(x, residual)
+    stats: list = []
+    y = _NormAct.apply(x, weight, bias, residual, 0, eps, ACTIVATIONS[act], stats)
+    if running_mean is not None and stats:
+        mean, m2, count = stats
+        with torch.no_grad():
+            if num_batches_tracked is not None:
+                num_batches_tracked.add_(1)
+            factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_((m2 / (count - 1)).to(running_var.dtype), alpha=factor)
+    return y
+
+
+def group_norm_act(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float, act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(F.group_norm(x, groups, weight, bias, eps) [+ residual])``."""
+    if x.shape[1] % groups:
+        raise ValueError(f"Expected number of channels in input to be divisible by num_groups, "
+                         f"but got input of shape {list(x.shape)} and num_groups={groups}")
+    x, residual = _prepare(x, residual)
+    return _NormAct.apply(x, weight, bias, residual, groups, eps, ACTIVATIONS[act], None)
