@@ -187,6 +187,10 @@ def recomputed(function, owner: nn.Module):
 
 
 
+def _recomputed_forward(self: nn.Module, *args, **kwargs):
+    return recomputed(self._cnns_plain_forward, self)(*args, **kwargs)
+
+
 def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
     """The seed's --enable-recomputation on one device: keep only each block's input, recompute the rest.
 
@@ -198,8 +202,10 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
     """
     for name in blocks:
         module = model.get_submodule(name)
-        # The block's forward as it is now (the class's, or the fused one of `cnns.engine.fusion`).
-        module.forward = recomputed(module.forward, module)
+        # The block's forward as it is now (the class's, or the fused one of `cnns.engine.fusion`), kept as
+        # a bound method so that a deep copy (the EMA model) recomputes its own block, not this one.
+        module._cnns_plain_forward = module.forward
+        module.forward = types.MethodType(_recomputed_forward, module)
     return len(blocks)
 
 
