@@ -1,6 +1,6 @@
 """Training on a CPU with the fused normalisation + activation (+ residual) passes of `cnns.kernels`.
 
-Applied to a built model by `cnns.engine.build` (the first of `cnns.engine.wrappers`' run-time changes):
+Applied to a built model by `cnns.engine.build` when `CNNS_FUSED_NORM=1` (before `cnns.engine.wrappers`' changes):
 module instances get new ``forward`` methods, nothing else, so parameters, buffers and state-dict keys
 stay the plain model's and checkpoints written before or after load alike. Three patterns are fused:
 
