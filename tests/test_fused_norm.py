@@ -187,7 +187,7 @@ def test_fused_models_train_like_torchs_modules(model_spec):
     expected = gradients(reference, x.double())
     # Both are float32. The fused norms round differently from torch's, and a ReLU input within float32
     # rounding of zero may then be cut on one side and not the other: one such element moved ResNet-29's
-    # gradients by 2e-4 of their largest value. A wrong term in a norm's backward moves them by 1e-1 or more.
+    # gradients by 2e-4 of their largest value; 1e-3 leaves room for a few such elements and no more.
     assert model_error(gradients(plain, x), expected) <= 1e-3
     assert model_error(gradients(fused, x), expected) <= 1e-3
     for a, b in zip(plain.buffers(), fused.buffers()):

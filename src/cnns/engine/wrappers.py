@@ -3,8 +3,8 @@
 Models know nothing of training; everything here changes how a model runs, never what it computes
 or which parameters and state-dict keys it has, so checkpoints always hold the plain model's state:
 
-0. ``fuse_norm_activations``         CPU: norm + activation (+ residual) in fused passes (speed;
-                                     `cnns.engine.fusion`)
+0. ``fuse_norm_activations``         CPU with CNNS_FUSED_NORM=1: norm + activation (+ residual) in
+                                     fused passes (speed; `cnns.engine.fusion`)
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed)
@@ -183,8 +183,6 @@ def recomputed(function, owner: nn.Module):
                           context_fn=lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(owner)), **kwargs)
 
     return run
-
-
 
 
 def _recomputed_forward(self: nn.Module, *args, **kwargs):

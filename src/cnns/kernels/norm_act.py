@@ -3,7 +3,7 @@
 ``batch_norm_act`` and ``group_norm_act`` compute what ``act(norm(x) [+ residual])`` computes with torch's
 modules, forward and backward, for channels_last float32 or bfloat16 activations with float32 parameters
 and float32/float64 statistics, in three passes over memory forward and two backward (the C++ passes of
-``norm_act.cpp``; torch's modules make six forward and eight backward). Running statistics are updated as
+``norm_act.cpp``; torch's norm, activation and addition each make their own). Running statistics are updated as
 ``nn.BatchNorm2d`` does. Every per-channel quantity (means, variances, the backward's sums and
 coefficients) is small and computed here in float64 with torch; only the passes over the activations are
 C++.
@@ -77,23 +77,22 @@ class _NormAct(torch.autograd.Function):
         w = weight.double() if weight is not None else torch.ones(c, dtype=torch.float64)
         b = bias.double() if bias is not None else torch.zeros(c, dtype=torch.float64)
         scale = w * invstd
-        shift = b - mean * scale
+        scale32, shift32 = scale.float().contiguous(), (b - mean * scale).float().contiguous()
         res = _rows(residual, rows.shape[0]) if residual is not None else None
-        out = _ext.affine_act(rows, scale.float().contiguous(), shift.float().contiguous(), res, act)
+        out = _ext.affine_act(rows, scale32, shift32, res, act)
         ctx.groups, ctx.act, ctx.count = groups, act, count
         ctx.has_residual = residual is not None
         ctx.shape = x.shape
         ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(rows, out if act == ACTIVATIONS["relu"] else None, mean, invstd, w, scale, shift)
+        ctx.save_for_backward(rows, out if act == ACTIVATIONS["relu"] else None, mean, invstd, w, scale32, shift32)
         return _unrows(out, x.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, out, mean, invstd, w, scale, shift = ctx.saved_tensors
+        rows, out, mean, invstd, w, scale32, shift32 = ctx.saved_tensors
         n, c = ctx.shape[:2]
         g = _rows(grad, rows.shape[0]).to(rows.dtype)
-        gz, s1, s2 = _ext.backward_reduce(g, rows, out, scale.float().contiguous(), shift.float().contiguous(),
-                                          mean.float().contiguous(), ctx.act)
+        gz, s1, s2 = _ext.backward_reduce(g, rows, out, scale32, shift32, mean.float().contiguous(), ctx.act)
         if ctx.groups:
             per = c // ctx.groups
             # Per sample and group: the means of w * gz and of w * gz * xhat (the group norm backward).
@@ -121,10 +120,9 @@ class _NormAct(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, grad_residual, None, None, None, None
 
 
-def _prepare(x: torch.Tensor, residual: torch.Tensor | None):
-    if residual is not None and residual.dtype != x.dtype:
-        residual = residual.to(x.dtype)
-    return x, residual
+def _like(residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The residual in the activations' dtype (a float32 shortcut under autocast meets bfloat16 here)."""
+    return residual.to(x.dtype) if residual is not None else None
 
 
 def batch_norm_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -139,7 +137,7 @@ def batch_norm_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     n, c, h, w = x.shape
     if n * h * w < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-    x, residual = _prepare(x, residual)
+    residual = _like(residual, x)
     stats: list = []
     y = _NormAct.apply(x, weight, bias, residual, 0, eps, ACTIVATIONS[act], stats)
     if running_mean is not None and stats:
@@ -159,5 +157,5 @@ def group_norm_act(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bi
     if x.shape[1] % groups:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, "
                          f"but got input of shape {list(x.shape)} and num_groups={groups}")
-    x, residual = _prepare(x, residual)
+    residual = _like(residual, x)
     return _NormAct.apply(x, weight, bias, residual, groups, eps, ACTIVATIONS[act], None)
