@@ -392,7 +392,7 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     """arguments.json then holds both --epochs-per-ckpt and the --ckpts-per-epoch derived from it; reading
     it back (validation.py resolves the run's options again) is not a contradiction."""
     from cnns.cli import resolved_training_options
-    from cnns.cli.commands import _evaluation_options
+    from cnns.runs import evaluation_options as _evaluation_options
     from cnns.runlog import write_arguments
 
     options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", str(cifar),

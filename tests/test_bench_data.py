@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from cnns.bench.data import bench_data_command
+from cnns.cli.tools import bench_data_main as bench_data_command
 from cnns.data.jpegtree import IMAGENET_LIKE_SIZES, make_jpeg_tree
 from cnns.errors import ConfigError
 from test_tfrecord import reference_masked_crc

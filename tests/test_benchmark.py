@@ -12,11 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from cnns.bench.runner import (Result, benchmark_command, format_table, load_spec, mean_dropping_first,
-                               parse_throughputs, select, set_peak_fractions, write_results)
+from cnns.bench.runner import (Result, format_table, load_spec, mean_dropping_first, parse_throughputs, select,
+                               set_peak_fractions, write_results)
+from cnns.cli.tools import benchmark_main as benchmark_command
 from cnns.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan(entry, log_dir: Path):
+    """An entry's plan, its seed command line parsed as `cnns benchmark` parses it."""
+    from cnns.bench.runner import plan_entry, seed_command
+    from cnns.cli.tools import seed_script_options
+
+    script, args = seed_command(entry, {"cifar10": "/nonexistent"}, log_dir)
+    return plan_entry(entry, script, args, seed_script_options(script, args))
+
 
 TRAIN_OUTPUT = """\
 Total Parameters:78042
@@ -132,12 +143,12 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
                    "efficientnet-b4-train-synthetic", "resnet20-cifar10-train", "resnet50-infer-synthetic",
                    "resnet50-infer-generated"):
         assert wanted in names
-    from cnns.bench.runner import BACKENDS_KIND, plan_backends, plan_entry
+    from cnns.bench.runner import BACKENDS_KIND, plan_backends
 
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         if entry.kind == BACKENDS_KIND:
             continue
-        plan = plan_entry(entry, {"cifar10": "/nonexistent"}, Path("/tmp/unused"))
+        plan = _plan(entry, Path("/tmp/unused"))
         assert plan.baseline["batch_size"] == plan.batch_size > 0
     # The issue's backend comparison: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
     backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
@@ -153,7 +164,7 @@ def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, 
 
     entries, _ = load_spec(ROOT / "benchmarks.yml")
     [entry] = select(entries, ["resnet20-cifar10-train"])
-    plan = runner.plan_entry(entry, {"cifar10": "/nonexistent"}, tmp_path)
+    plan = _plan(entry, tmp_path)
     # The host sped up during the last repeat (best over best, 468/367 = 1.27, would pair two moments),
     # and in the first repeat our side failed: its plain run must not pair with a later cnns run.
     # Repeats alternate the order: cnns, plain | plain, cnns | cnns, plain | plain, cnns.

@@ -60,7 +60,7 @@ def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
 
 @pytest.mark.parametrize("argv", EMBEDDED_LINES, ids=lambda a: " ".join(a)[:80])
 def test_every_seed_inference_embedded_command_line_prints_its_config(argv, capsys):
-    from cnns.engine.embedded import infer_command
+    from cnns.cli.commands import infer_main as infer_command
 
     assert infer_command(argv + ["--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)

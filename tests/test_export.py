@@ -19,7 +19,8 @@ from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
-from cnns.inference.export import ONNX_OPSET, export_main
+from cnns.cli.tools import export_main
+from cnns.inference.export import ONNX_OPSET
 from cnns.models import ModelSpec, build_model
 
 ROOT = Path(__file__).resolve().parents[1]

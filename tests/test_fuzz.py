@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from cnns.checkpoint import load_checkpoint, save_checkpoint
-from cnns.cli.commands import _run_folder_options
+from cnns.runs import read_run_options
 from cnns.config import load_named_config
 from cnns.data import cifar, tfrecord
 from cnns.data.imagefolder import decode_rgb
@@ -389,14 +389,14 @@ def test_a_saved_checkpoint_loads(tmp_path):
 
 
 def check_arguments(data: bytes) -> None:
-    """_run_folder_options gives a dict or fails cleanly; a dict it gives then works for restore.py
+    """read_run_options gives a dict or fails cleanly; a dict it gives then works for restore.py
     (RunConfig.from_options) and validation.py (options resolved again over the run's)."""
     from cnns.cli.commands import validate_main
     from cnns.config import RunConfig
 
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "arguments.json").write_bytes(data)
-        options = loads_or_clean_error(_run_folder_options, Path(folder))
+        options = loads_or_clean_error(read_run_options, Path(folder))
         if options is not None:
             assert isinstance(options, dict)
             RunConfig.from_options(options)
@@ -449,7 +449,7 @@ def test_arguments_json_deeply_nested_fails_cleanly(tmp_path):
 
 def test_arguments_json_of_a_run_loads(tmp_path):
     (tmp_path / "arguments.json").write_text(json.dumps(ARGUMENTS))
-    assert _run_folder_options(tmp_path) == ARGUMENTS
+    assert read_run_options(tmp_path) == ARGUMENTS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,13 +539,13 @@ def test_every_configuration_of_the_repository_loads():
 def test_bad_arguments_json_is_a_checkpoint_error(tmp_path, data, message):
     (tmp_path / "arguments.json").write_bytes(data)
     with pytest.raises(CnnsError, match=message):
-        _run_folder_options(tmp_path)
+        read_run_options(tmp_path)
 
 
 def test_arguments_json_with_an_option_of_the_wrong_type_is_a_checkpoint_error(tmp_path):
     (tmp_path / "arguments.json").write_text(json.dumps({**ARGUMENTS, "micro_batch_size": "32"}))
     with pytest.raises(CnnsError, match="arguments.json: micro_batch_size must be an integer, got '32'"):
-        _run_folder_options(tmp_path)
+        read_run_options(tmp_path)
 
 
 @pytest.mark.parametrize("entries, message", [

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from cnns.errors import ConfigError
+from cnns.options import IPU_ONLY_OPTIONS, build_parser
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs.yml"
 
@@ -129,8 +130,6 @@ def _option_value_problem(action, value: Any, strings_are_parsed: bool) -> str |
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return None if isinstance(value, bool) else "true or false"
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        from cnns.cli.options import IPU_ONLY_OPTIONS
-
         if not isinstance(value, list) and action.dest not in IPU_ONLY_OPTIONS:  # those are ignored anyway
             return "a list"
         items = value if isinstance(value, list) else [value]
@@ -166,8 +165,6 @@ def _scalar_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
 @lru_cache(maxsize=None)
 def _option_actions() -> dict[str, Any]:
     """argparse actions by destination, over the scripts that take training options."""
-    from cnns.cli.options import build_parser  # cnns.cli imports this module: import when first used
-
     actions: dict[str, Any] = {}
     for script in ("train", "validate", "weight-avg", "infer"):
         for action in build_parser(script)._actions:

@@ -10,13 +10,12 @@ NHWC batches that the device normalises (8-bit I/O); torchvision yields float32 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -228,47 +227,30 @@ def results_table(comparisons: list[Comparison]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def bench_data_parser() -> argparse.ArgumentParser:
-    from cnns.cli.options import SeedArgumentParser
+@dataclass
+class BenchDataRequest:
+    """What `cnns bench-data` was asked (the command line's values; `cnns.cli.tools` has their help)."""
 
-    parser = SeedArgumentParser(prog="cnns bench-data", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Run the input pipeline alone and report images/s.")
-    parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),
-                        help="CIFAR binaries, ImageNet TFRecords or a JPEG tree; $DATA_DIR when omitted.")
-    parser.add_argument("--dataset", choices=("imagenet", "cifar-10", "cifar-100", "builtin"),
-                        help="Inferred from the folder when omitted.")
-    parser.add_argument("--make-jpeg-tree", metavar="DIR",
-                        help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or TFRecords with "
-                             "--layout tfrecord; files already there are kept): the data measured.")
-    parser.add_argument("--images", type=int, default=2000, help="Training images of --make-jpeg-tree.")
-    parser.add_argument("--classes", type=int, default=10, help="Classes of --make-jpeg-tree.")
-    parser.add_argument("--layout", choices=("folder", "tfrecord"), default="folder",
-                        help="--make-jpeg-tree writes a folder tree or TFRecord shards.")
-    parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", type=int, nargs="+", default=[2],
-                        help="Data-loading worker processes; several values are measured one after the other.")
-    parser.add_argument("--image-size", type=int, default=224, help="Output image size (ImageNet).")
-    parser.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=32,
-                        help="Images per batch.")
-    parser.add_argument("--batches", type=int, default=60, help="Timed batches per measurement.")
-    parser.add_argument("--warmup-batches", type=int, default=8, help="Batches drawn before timing starts.")
-    parser.add_argument("--transforms", choices=("train", "eval"), default="train",
-                        help="Training (random resized crop, flip) or evaluation (resize, centre crop) transforms.")
-    parser.add_argument("--eval", dest="transforms", action="store_const", const="eval",
-                        help="Same as --transforms eval.")
-    parser.add_argument("--compare-baseline", action="store_true",
-                        help="Also time torchvision ImageFolder + PIL transforms at the same worker counts.")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="Measure each pipeline this many times; report the medians, and the median of the "
-                             "ratios taken within each round.")
-    parser.add_argument("--dataset-cache", dest="cache", action=argparse.BooleanOptionalAction, default=False,
-                        help="Keep evaluation batches in memory after the first pass, as training runs do; off "
-                             "here so that every pass measures decoding, not the cache.")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON.")
-    return parser
+    data_dir: str | None = None
+    dataset: str | None = None
+    make_jpeg_tree: str | None = None
+    images: int = 2000
+    classes: int = 10
+    layout: str = "folder"
+    workers: list[int] = field(default_factory=lambda: [2])
+    image_size: int = 224
+    batch_size: int = 32
+    batches: int = 60
+    warmup_batches: int = 8
+    transforms: str = "train"
+    compare_baseline: bool = False
+    rounds: int = 1
+    cache: bool = False
+    seed: int = 0
+    json: str | None = None
 
 
-def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+def plan_from_request(args: BenchDataRequest) -> BenchPlan:
     if args.make_jpeg_tree:
         from cnns.data.jpegtree import make_jpeg_tree
 
@@ -304,9 +286,8 @@ def comparison_record(comparison: Comparison) -> dict[str, Any]:
     return {"cnns": record(comparison.cnns), "torchvision": record(comparison.baseline), "ratio": comparison.ratio}
 
 
-def bench_data_command(argv: list[str]) -> int:
-    args = bench_data_parser().parse_args(argv)
-    plan = plan_from_args(args)
+def bench_data_command(args: BenchDataRequest) -> int:
+    plan = plan_from_request(args)
     if plan.layout not in ("tfrecord", "folder"):
         print(f"{plan.layout}: batches are made in the main process from the dataset held in memory (no workers)")
     print(f"Input pipeline on {plan.data_dir} ({plan.layout}, {'train' if plan.train else 'eval'} transforms, "

@@ -30,7 +30,6 @@ A command may say ``{cifar10}``: the runner writes a CIFAR-10-format folder of d
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -299,21 +298,25 @@ def command_argv(script: str, args: list[str], spec_dir: Path) -> list[str]:
     return [sys.executable, "-m", "cnns", SCRIPTS[script], *args]
 
 
-def plan_entry(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> Plan:
-    from cnns.cli import parse_options
-    from cnns.config import RunConfig, resolve
-
+def seed_command(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> tuple[str, list[str]]:
+    """(script, arguments) of a command entry, placeholders filled; training runs log under `log_dir`."""
     if entry.kind == BACKENDS_KIND:
         raise ConfigError(f"benchmark {entry.name}: a {BACKENDS_KIND} entry is planned by plan_backends")
     words = shlex.split(entry.command.format(**substitutions))
     if not words or Path(words[0]).name not in SCRIPTS:
         raise ConfigError(f"benchmark {entry.name}: the command must start with train.py or validation.py")
     script, args = Path(words[0]).name, words[1:]
-    mode = "train" if script == "train.py" else "infer"
-    if mode == "train" and "--log-dir" not in args:
+    if script == "train.py" and "--log-dir" not in args:
         args += ["--log-dir", str(log_dir)]
-    values, _ = parse_options(SCRIPTS[script], args)
-    options = resolve(values)
+    return script, args
+
+
+def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, Any]) -> Plan:
+    """A command entry's plan from its seed command line (`seed_command`) and the options that command
+    line resolves to (parsed by the caller, as the script would parse it)."""
+    from cnns.config import RunConfig
+
+    mode = "train" if script == "train.py" else "infer"
     cfg = RunConfig.from_options(options)
     if cfg.data.source == "synthetic":
         data = "synthetic"
@@ -335,7 +338,7 @@ def plan_entry(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> Pl
         if data == "cifar":
             raise ConfigError(f"benchmark {entry.name}: inference benchmarks use --synthetic-data or --generated-data")
         iterations = min(INFERENCE_BATCHES_PER_PASS, max(1, 50_000 // batch))
-        repeat = int(values.get("repeat") or 1)
+        repeat = int(options.get("repeat") or 1)
     baseline = {
         "mode": mode, "arch": m.arch, "size": m.size, "num_classes": m.num_classes, "image_size": m.image_size,
         "norm": m.norm, "groups": m.groups, "group_dim": m.group_dim, "expand_ratio": m.expand_ratio,
@@ -704,73 +707,81 @@ def ensure_cifar10(folder: Path, images: int = CIFAR_IMAGES) -> Path:
     return folder
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cnns benchmark", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
-    parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME",
-                        help="Run only these entries (default: all).")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="Runs of each side, alternated: the best of each, and the median ratio of "
-                             "adjacent pairs (spec default, else 1).")
-    parser.add_argument("--no-baseline", action="store_true", help="Skip the plain PyTorch loop.")
-    parser.add_argument("--output-dir", default="benchmark-results", help="Where the CSV/JSON results go.")
-    parser.add_argument("--data-dir", default=None,
-                        help="Where the generated CIFAR-10 folder is kept (default: <output-dir>/data/cifar10).")
-    parser.add_argument("--keep-runs", action="store_true",
-                        help="Keep the training runs' folders (checkpoints included); by default only logs stay.")
-    parser.add_argument("--list", action="store_true", help="List the benchmarks and exit.")
-    return parser
+class BenchmarkSuite:
+    """The chosen entries of a benchmark spec, and where this invocation writes."""
+
+    def __init__(self, spec: str | Path, names: list[str] | None = None, output_dir: str | Path = "benchmark-results",
+                 data_dir: str | Path | None = None):
+        self.spec_path = Path(spec)
+        entries, self.document = load_spec(self.spec_path)
+        self.entries = select(entries, names)
+        self.output_dir = Path(output_dir)
+        self.data_dir = Path(data_dir) if data_dir else None
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = self.output_dir / f"{self.spec_path.stem}-{self.stamp}"
+        self._commands: dict[str, tuple[str, list[str]]] | None = None
+
+    def listing(self) -> list[str]:
+        return [f"{e.name}: {e.command}" for e in self.entries]
+
+    def seed_commands(self) -> dict[str, tuple[str, list[str]]]:
+        """(script, arguments) of every command entry by name, for the caller to parse; writes the
+        generated CIFAR-10 folder that commands name as ``{cifar10}`` first (once)."""
+        if self._commands is not None:
+            return self._commands
+        substitutions: dict[str, str] = {}
+        if any("{cifar10}" in e.command for e in self.entries if e.kind != BACKENDS_KIND):
+            images = int(self.document.get("cifar10_images", CIFAR_IMAGES))
+            folder = self.data_dir or self.output_dir / "data" / f"cifar10-{images}"
+            substitutions["cifar10"] = str(ensure_cifar10(folder, images))
+        self._commands = {e.name: seed_command(e, substitutions, self.run_dir / "runs")
+                          for e in self.entries if e.kind != BACKENDS_KIND}
+        return self._commands
+
+    def run(self, options: dict[str, dict[str, Any]], repeats: int | None = None, baseline: bool = True,
+            keep_runs: bool = False) -> int:
+        """Run every entry (`options`: each command entry's resolved options, by name); print the tables
+        and write the results. 1 when an entry failed."""
+        repeats = repeats or int((self.document.get("defaults") or {}).get("repeats", 1))
+        if repeats < 1:
+            raise ConfigError(f"--repeats must be at least 1, got {repeats}")
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        commands = self.seed_commands()
+        cache = self.output_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
+        plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, *commands[e.name],
+                                                                                         options[e.name]))
+                 for e in self.entries]  # option errors before any run
+        peak, rates = peak_rate()
+        print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s "
+              f"on {torch.get_num_threads()} threads", flush=True)
+        results = []
+        log = RunLog(None)
+        runs = sum(repeats * (2 if baseline and entry.baseline else 1) for entry, _ in plans)
+        with log.progress(runs, description="benchmark", unit="run") as bar:
+            for entry, plan in plans:
+                log.print(f"{entry.name}: {entry.command}")
+                if isinstance(plan, BackendsPlan):
+                    results.append(run_backends_entry(entry, plan, repeats, logs, log, bar))
+                    continue
+                results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, logs,
+                                         log, bar))
+        # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
+        peak = max(peak, peak_rate()[0])
+        for result in results:
+            set_peak_fractions(result, peak)
+        meta = {"spec": str(self.spec_path), "time": self.stamp, "peak_matmul_gflops": peak, "matmul_gflops": rates,
+                "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16),
+                "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__}
+        csv_path, json_path = write_results(results, meta, self.run_dir, "results")
+        if not keep_runs:
+            shutil.rmtree(self.run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
+        print_tables(results, peak)
+        print(f"results: {csv_path} {json_path}")
+        return 1 if any(entry_failed(r) for r in results) else 0
 
 
-def benchmark_command(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    spec_path = Path(args.spec)
-    entries, document = load_spec(spec_path)
-    chosen = select(entries, args.benchmark)
-    if args.list:
-        for e in chosen:
-            print(f"{e.name}: {e.command}")
-        return 0
-    repeats = args.repeats or int((document.get("defaults") or {}).get("repeats", 1))
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
-    out_dir = Path(args.output_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = out_dir / f"{spec_path.stem}-{stamp}"
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    substitutions: dict[str, str] = {}
-    if any("{cifar10}" in e.command for e in chosen):
-        images = int(document.get("cifar10_images", CIFAR_IMAGES))
-        folder = Path(args.data_dir) if args.data_dir else out_dir / "data" / f"cifar10-{images}"
-        substitutions["cifar10"] = str(ensure_cifar10(folder, images))
-    cache = out_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
-    plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, substitutions, run_dir / "runs"))
-             for e in chosen]  # option errors before any run
-    peak, rates = peak_rate()
-    print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s "
-          f"on {torch.get_num_threads()} threads", flush=True)
-    results = []
-    log = RunLog(None)
-    runs = sum(repeats * (2 if not args.no_baseline and entry.baseline else 1) for entry, _ in plans)
-    with log.progress(runs, description="benchmark", unit="run") as bar:
-        for entry, plan in plans:
-            log.print(f"{entry.name}: {entry.command}")
-            if isinstance(plan, BackendsPlan):
-                results.append(run_backends_entry(entry, plan, repeats, logs, log, bar))
-                continue
-            results.append(run_entry(entry, plan, spec_path.resolve().parent, repeats, not args.no_baseline, logs,
-                                     log, bar))
-    # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
-    peak = max(peak, peak_rate()[0])
-    for result in results:
-        set_peak_fractions(result, peak)
-    meta = {"spec": str(spec_path), "time": stamp, "peak_matmul_gflops": peak, "matmul_gflops": rates,
-            "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16), "repeats": repeats,
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
-    csv_path, json_path = write_results(results, meta, run_dir, "results")
-    if not args.keep_runs:
-        shutil.rmtree(run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
+def print_tables(results: list[Result], peak: float) -> None:
     commands = [r for r in results if r.kind != BACKENDS_KIND]
     backends = [r for r in results if r.kind == BACKENDS_KIND]
     print()
@@ -780,5 +791,3 @@ def benchmark_command(argv: list[str]) -> int:
         if commands:
             print()
         print(format_backends_table(backends))
-    print(f"results: {csv_path} {json_path}")
-    return 1 if any(entry_failed(r) for r in results) else 0

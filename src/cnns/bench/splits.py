@@ -18,12 +18,13 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cnns.config import RunConfig
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec, build_model, split_points
 from cnns.models.spec import display_name
@@ -285,3 +286,24 @@ def format_report(proposal: Proposal) -> str:
     balance = proposal.stage_seconds[slowest] / mean if mean > 0 else 1.0
     lines.append(f"Predicted fwd+bwd per stage and micro-batch (ms): {times}; balance {balance:.2f} (slowest / mean)")
     return "\n".join(lines)
+
+
+def split_proposal(cfg: RunConfig, stages: int, device: torch.device) -> Proposal:
+    """The profiled, balanced proposal for a run's model, micro-batch and precision on `device`."""
+    model, policy = prepare_model(cfg.model, device, cfg.precision.precision, cfg.precision.half_dtype)
+    return propose(cfg.model, model, stages, cfg.train.micro_batch_size, device, policy.autocast)
+
+
+def settle_auto_splits(options: dict[str, Any], world, notices: list[str], device: torch.device) -> None:
+    """--pipeline-splits auto: rank 0 profiles the model and every process takes its proposal
+    (`world` is the run's `cnns.parallel.world.World`)."""
+    if options.get("pipeline_splits") != ["auto"]:
+        return
+    names = None
+    if world.is_writer:
+        proposal = split_proposal(RunConfig.from_options(options), options["shards"], device)
+        names = proposal.names
+        times = ", ".join(f"{1000 * t:.1f}" for t in proposal.stage_seconds)
+        notices.append(f"--pipeline-splits auto: {' '.join(names)} (measured forward + backward per stage and "
+                       f"micro-batch: {times} ms; `cnns splits` shows every cut)")
+    options["pipeline_splits"] = world.broadcast(names)

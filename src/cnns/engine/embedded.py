@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from cnns.cli import parse_options
 from cnns.config import RunConfig, resolve
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.engine.build import resolve_device, unwrap
@@ -67,27 +67,26 @@ def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> Non
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
 
 
-def infer_command(argv: list[str]) -> int:
-    values, notices = parse_options("infer", argv)
-    values.update(replicas=1, shards=1, pipeline=False, pipeline_splits=None)
-    values["validation"] = False
+def inference_options(values: dict[str, Any]) -> dict[str, Any]:
+    """inference_embedded.py's options from its command line's values: one process, no pipeline, no
+    validation, and generated data unless synthetic data was asked for."""
+    values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
-    options = resolve(values)
-    if values.get("print_config"):
-        import json
+    return resolve(values)
 
-        print(json.dumps(options, sort_keys=True, indent=4, default=str))
-        return 0
+
+def infer(options: dict[str, Any], notices: list[str]) -> int:
+    """inference_embedded.py: compile the model once (or load the compiled artefact) and time it."""
     cfg = RunConfig.from_options(options)
     for notice in notices:
         print(f"notice: {notice}")
     device = resolve_device(cfg.device, options.get("select_ipus"))
-    checkpoint = Path(values["restore_path"]) if values.get("restore_path") else None
-    path = Path(values.get("artefact_path") or artefact_name(cfg, checkpoint))
+    checkpoint = Path(options["restore_path"]) if options.get("restore_path") else None
+    path = Path(options.get("artefact_path") or artefact_name(cfg, checkpoint))
     batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
     images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(options["seed"] or 0))
-    if path.exists() and not values.get("force_recompile"):
+    if path.exists() and not options.get("force_recompile"):
         print(f"Loading the compiled model from {path}")
     else:
         model = build_inference_model(cfg, checkpoint, device)

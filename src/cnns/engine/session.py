@@ -33,6 +33,7 @@ from cnns.models import count_parameters
 from cnns.parallel.replicas import no_sync_context
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
+from cnns.runs import RestorePoint
 
 
 def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
@@ -55,14 +56,6 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
               f" x accumulation {o['gradient_accumulation_count']} x replicas {o['replicas']})")
     log.print(f" Learning Rate: {o['learning_rate']:.6g} ({o['lr_schedule']}, {o['optimiser']})")
     log.print(f"Total Parameters:{c.total_parameters or count_parameters(model)}")
-
-
-@dataclass
-class RestorePoint:
-    """The checkpoint restore.py continues from, read (and so checked) before anything is written."""
-
-    path: Path
-    state: dict[str, Any]
 
 
 @dataclass

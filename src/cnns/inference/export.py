@@ -34,7 +34,6 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -42,8 +41,9 @@ import torch
 from torch import nn
 
 from cnns.errors import ConfigError
-from cnns.inference.predict import WEIGHT_CHOICES, RestoredModel, restore_model
+from cnns.inference.predict import RestoredModel, restore_model
 
+FORMATS = ("onnx", "pt2")
 ONNX_OPSET = 18
 INPUT_NAME = "images"
 OUTPUT_NAME = "logits"
@@ -156,29 +156,6 @@ def usage_line(fmt: str, out: Path) -> str:
             "# images: a torch tensor as above, on the package's device")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cnns export",
-        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32).")
-    parser.add_argument("--restore-path", required=True,
-                        help="A run folder (its newest ckpt-N.pt) or one checkpoint file in it "
-                             "(ckpt-N.pt, weight_avg_*.pt).")
-    parser.add_argument("--format", required=True, choices=("onnx", "pt2"),
-                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package.")
-    parser.add_argument("--out", required=True, help="The file to write (replaced if it exists).")
-    parser.add_argument("--batch-size", default="dynamic",
-                        help="A fixed batch size N, or dynamic (the default): any batch size.")
-    parser.add_argument("--eight-bit-io", action="store_true",
-                        help="Take uint8 NHWC images 0..255 and normalise inside the graph (default: float32 NCHW, "
-                             "already normalised).")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw",
-                        help="raw: the checkpoint's weights; ema: its moving average (--ema-decay runs).")
-    parser.add_argument("--device", default="cpu",
-                        help="pt2 only: the device the package is compiled for (cpu, cuda, cuda:N; default cpu). "
-                             "An ONNX graph is device-independent and is exported on the CPU.")
-    return parser
-
-
 def _batch_size(value: str) -> int | None:
     """None for dynamic, else the fixed batch size."""
     if value.strip().lower() == "dynamic":
@@ -192,22 +169,25 @@ def _batch_size(value: str) -> int | None:
     return batch
 
 
-def export_main(argv: list[str]) -> int:
+def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dynamic", eight_bit_io: bool = False,
+           weights: str = "raw", device: str = "cpu") -> int:
+    """Write a run's model as `fmt` (onnx or pt2) to `out` and print how to run it (module docstring)."""
     from cnns.engine.build import resolve_device
 
-    args = build_parser().parse_args(argv)
-    batch = _batch_size(args.batch_size)
-    out = Path(args.out)
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    batch = _batch_size(batch_size)
+    out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
-    device = resolve_device(args.device) if args.format == "pt2" else torch.device("cpu")
-    restored = restore_model(args.restore_path, args.weights, device)
-    module = exportable_module(restored, args.eight_bit_io)
-    example = example_input(restored, batch or DYNAMIC_EXAMPLE_BATCH, args.eight_bit_io)
+    device = resolve_device(device) if fmt == "pt2" else torch.device("cpu")
+    restored = restore_model(restore_path, weights, device)
+    module = exportable_module(restored, eight_bit_io)
+    example = example_input(restored, batch or DYNAMIC_EXAMPLE_BATCH, eight_bit_io)
     dynamic = batch is None
-    if args.format == "onnx":
+    if fmt == "onnx":
         opset = export_onnx(module, example, dynamic, out)
         what = f"ONNX, opset {opset} (torch.onnx.export dynamo=True)"
     else:
@@ -218,10 +198,10 @@ def export_main(argv: list[str]) -> int:
         print("weights: float32 (the run trained in 32.32)")
     else:
         print(f"weights: float32, converted from the half-precision weights of the {restored.trained_precision} run")
-    for line in input_spec_lines(restored, batch, args.eight_bit_io):
+    for line in input_spec_lines(restored, batch, eight_bit_io):
         print(line)
-    print(f"run: {usage_line(args.format, out)}")
+    print(f"run: {usage_line(fmt, out)}")
     return 0
 
 
-__all__ = ["export_main", "export_onnx", "export_pt2", "exportable_module", "ONNX_OPSET"]
+__all__ = ["export", "FORMATS", "export_onnx", "export_pt2", "exportable_module", "ONNX_OPSET"]

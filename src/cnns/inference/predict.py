@@ -10,7 +10,7 @@ What it does, step by step:
 * **Model.** `--restore-path` is a run folder (its newest ``ckpt-<iteration>.pt``) or one checkpoint
   file of a run folder (``ckpt-N.pt``, or a weight average ``weight_avg_*.pt``). The model is rebuilt
   from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
-  (`cnns.cli.commands._evaluation_options` + `RunConfig.from_options`), the checkpoint's ``"model"``
+  (`cnns.runs.RunFolder.evaluation_config`), the checkpoint's ``"model"``
   entry (or with ``--weights ema`` its ``"ema"`` entry, the float32 moving average of ``--ema-decay``)
   is loaded, and the model runs in **float32** in eval mode whatever the training precision: a 16.16
   checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
@@ -42,12 +42,11 @@ What it does, step by step:
   data folder or its archive subfolder; the built-in dataset's shape names; an ImageNet JPEG tree's
   class folder names (sorted: the dataset's class index). ImageNet TFRecords carry no class list that
   the reader exposes, and a file with the wrong number of names is not trusted: then, and when the
-  run's data folder is not there, the class index is the label.
+  run's data folder is not there, the class index is the label (`cnns.runs.class_names`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -94,33 +93,14 @@ class RestoredModel:
         return int(self.cfg.model.num_classes)
 
 
-def resolve_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
-    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
-    from cnns.checkpoint import list_checkpoints
-
-    path = Path(restore_path)
-    if path.is_dir():
-        checkpoints = list_checkpoints(path)
-        if not checkpoints:
-            raise CheckpointError(f"--restore-path {path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
-        return path, checkpoints[-1][1]
-    if path.is_file():
-        return path.parent, path
-    raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
-
-
 def run_config(folder: Path, checkpoint: Path):
-    """The run's RunConfig, rebuilt from its arguments.json as validation.py does."""
-    from cnns.cli import parse_options
-    from cnns.cli.commands import _evaluation_options
-    from cnns.config import RunConfig
+    """The run's RunConfig, rebuilt from its arguments.json as validation.py rebuilds it."""
+    from cnns.runs import RunFolder
 
     if not (folder / "arguments.json").is_file():
         raise CheckpointError(f"{folder} has no arguments.json: cannot tell which model {checkpoint.name} holds "
                               "(--restore-path must be a cnns run folder or a checkpoint inside one)")
-    values, _ = parse_options("validate", ["--restore-path", str(checkpoint)])
-    options, _ = _evaluation_options(values)
-    return RunConfig.from_options(options)
+    return RunFolder.open(folder).evaluation_config(checkpoint)
 
 
 def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -139,11 +119,12 @@ def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.
     that holds no moving average."""
     from cnns.checkpoint import check_matches_model, load_checkpoint
     from cnns.models import build_model
+    from cnns.runs import locate_checkpoint
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
     device = torch.device(device)
-    folder, checkpoint = resolve_checkpoint(restore_path)
+    folder, checkpoint = locate_checkpoint(restore_path)
     cfg = run_config(folder, checkpoint)
     state = load_checkpoint(checkpoint)
     if weights == "ema":
@@ -162,82 +143,6 @@ def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.
     trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
     mean, std = input_normalisation(cfg)
     return RestoredModel(cfg, model, checkpoint, weights, trained, mean, std, device)
-
-
-# ----------------------------------------------------------------------------------------------
-# Class names
-
-
-def data_folder(cfg, run_folder: Path | None = None) -> Path | None:
-    """The run's data folder, if it is still there. arguments.json keeps --data-dir as it was given:
-    a relative one is tried from here, then from where training ran (the run folder is
-    <training directory>/<--log-dir>/<run name> unless --logs-path placed it elsewhere)."""
-    if cfg.data.source != "files" or not cfg.data.data_dir:
-        return None
-    folder = Path(cfg.data.data_dir)
-    candidates = [folder]
-    log_dir = Path(cfg.log.log_dir) if cfg.log.log_dir else None
-    if (not folder.is_absolute() and run_folder is not None and log_dir is not None and not log_dir.is_absolute()
-            and not cfg.log.logs_path):
-        up = len(log_dir.parts) + 1
-        parents = run_folder.resolve().parents
-        if up <= len(parents) - 1:
-            candidates.append(parents[up - 1] / folder)
-    return next((candidate for candidate in candidates if candidate.is_dir()), None)
-
-
-def class_names(cfg, run_folder: Path | None = None) -> tuple[list[str] | None, str]:
-    """(names in class-index order or None, where they come from)."""
-    from cnns.data.builtin import BUILTIN_CLASSES
-
-    count = int(cfg.model.num_classes)
-    dataset = cfg.data.dataset
-    if dataset == "builtin":
-        return list(BUILTIN_CLASSES), "the built-in dataset"
-    folder = data_folder(cfg, run_folder)
-    if folder is None:
-        return None, "none (class indices)"
-    found: tuple[list[str], str] | None = None
-    if dataset in ("cifar-10", "cifar-100"):
-        found = _cifar_names(folder, dataset)
-    elif dataset == "imagenet":
-        found = _jpeg_tree_names(folder)
-    if found is None:
-        return None, "none (class indices)"
-    names, source = found
-    if len(names) != count:
-        print(f"notice: {source} lists {len(names)} class names for a {count}-class model: "
-              "printing class indices instead", file=sys.stderr)
-        return None, "none (class indices)"
-    return names, source
-
-
-def _cifar_names(folder: Path, dataset: str) -> tuple[list[str], str] | None:
-    filename, subfolder = (("batches.meta.txt", "cifar-10-batches-bin") if dataset == "cifar-10"
-                           else ("fine_label_names.txt", "cifar-100-binary"))
-    for place in (folder, folder / subfolder):
-        path = place / filename
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                return None
-            # The archives end the list with blank lines (and some copies with trailing spaces).
-            return [line.strip() for line in text.splitlines() if line.strip()], str(path)
-    return None
-
-
-def _jpeg_tree_names(folder: Path) -> tuple[list[str], str] | None:
-    from cnns.data.imagefolder import find_split_folder, list_classes
-
-    # The dataset numbers classes by the training folder's sub-folders when there is one.
-    for split in ("train", "validation"):
-        split_folder = find_split_folder(folder, split)
-        if split_folder is not None:
-            names = list_classes(split_folder)
-            if names:
-                return names, f"the class folders of {split_folder}"
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,43 +245,27 @@ def _batches(items: Iterator[tuple[Path, torch.Tensor | None]], size: int):
 # The command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cnns predict",
-        description="Classify image files with a trained run's model: top-k labels and probabilities per image.")
-    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
-                        help="Image files (JPEG, PNG, ...) or folders of them (searched recursively).")
-    parser.add_argument("--restore-path", required=True,
-                        help="A run folder (its newest ckpt-N.pt) or one checkpoint file in it "
-                             "(ckpt-N.pt, weight_avg_*.pt).")
-    parser.add_argument("--top-k", type=int, default=5, help="Classes printed per image (default 5).")
-    parser.add_argument("--json", action="store_true", help="One JSON object per image and line.")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw",
-                        help="raw: the checkpoint's weights; ema: its moving average (--ema-decay runs).")
-    parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
-    return parser
-
-
-def predict_main(argv: list[str]) -> int:
+def predict(restore_path: str, images: Sequence[str], top_k: int = 5, as_json: bool = False, weights: str = "raw",
+            batch_size: int = 64, device: str | None = None) -> int:
+    """Print the top-k classes of every image (module docstring); 1 when an image could not be read."""
     from cnns.data.augment import normalise
     from cnns.engine.build import resolve_device
+    from cnns.runs import class_names
 
-    args = build_parser().parse_args(argv)
-    if args.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
-    files = image_files(args.images)
-    device = resolve_device(args.device)
-    restored = restore_model(args.restore_path, args.weights, device)
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
+    files = image_files(images)
+    restored = restore_model(restore_path, weights, resolve_device(device))
+    device = restored.device
     names, names_source = class_names(restored.cfg, restored.checkpoint.parent)
-    top_k = min(args.top_k, restored.num_classes)
+    top_k = min(top_k, restored.num_classes)
     print(f"predict: {restored.checkpoint} ({restored.weights} weights), {restored.description}, "
           f"{restored.num_classes} classes, names from {names_source}", file=sys.stderr)
     transform = evaluation_transform(restored.cfg)
     failures = len(files)
-    for batch in _batches(decoded_images(files, transform), args.batch_size):
+    for batch in _batches(decoded_images(files, transform), batch_size):
         images = torch.stack([image for _, image in batch]).to(device)
         with torch.inference_mode():
             logits = restored.model(normalise(images, restored.mean, restored.std, torch.float32)).float()
@@ -385,7 +274,7 @@ def predict_main(argv: list[str]) -> int:
         for (path, _), row_values, row_indices in zip(batch, values.tolist(), indices.tolist()):
             failures -= 1
             labels = [names[i] if names is not None else str(i) for i in row_indices]
-            if args.json:
+            if as_json:
                 print(json.dumps({"path": str(path), "top_k": [
                     {"class": index, "label": label, "probability": value}
                     for index, label, value in zip(row_indices, labels, row_values)]}))
@@ -395,5 +284,5 @@ def predict_main(argv: list[str]) -> int:
     return 1 if failures else 0
 
 
-__all__ = ["predict_main", "restore_model", "RestoredModel", "class_names", "evaluation_transform",
-           "image_files", "input_normalisation", "CnnsError"]
+__all__ = ["predict", "restore_model", "RestoredModel", "evaluation_transform", "image_files", "input_normalisation",
+           "CnnsError"]

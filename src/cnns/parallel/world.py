@@ -323,3 +323,30 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         world.bn_group = subgroups([[r * shards + s for r in range(start, start + bn_span)]
                                     for s in range(shards) for start in range(0, replicas, bn_span)])
     return world
+
+
+def join_world(options: dict[str, Any], device: torch.device,
+               settle: Callable[[World], None] | None = None) -> World:
+    """This process's place among the replicas and stages. Every process then takes rank 0's seed,
+    then whatever `settle(world)` makes every process agree on (rank 0's choice of --pipeline-splits
+    auto), and must have been given the same options as rank 0."""
+    world = init_world(options["replicas"], options["shards"], options["BN_span"], device)
+    try:
+        options["seed"] = world.broadcast(options["seed"])
+        if settle is not None:
+            settle(world)
+        world.check_same_options(options)
+    except BaseException:
+        world.close()
+        raise
+    return world
+
+
+def auto_replicas(shards: int, device: str | None) -> int:
+    """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
+    per GPU on CUDA, one per usable core on a CPU (see the README for when that pays off)."""
+    if launched():
+        return max(1, int(os.environ["WORLD_SIZE"]) // shards)
+    if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
+        return max(1, torch.cuda.device_count() // shards)
+    return max(1, usable_cores() // shards)

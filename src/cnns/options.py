@@ -1,9 +1,11 @@
-"""The seed-compatible argument parsers.
+"""The seed's options: one table for the command line, configs.yml and arguments.json.
 
 Every option of the original application's `train.py` / `validation.py` / `restore.py` /
-`weight_avg.py` / `inference_embedded.py` is declared here, with the seed's spellings and aliases, so
-that every command line of the seed's READMEs is accepted. This is the only module that knows the
-seed's option names; `cnns.config` turns the parsed values into typed configuration objects.
+`weight_avg.py` / `inference_embedded.py` is declared here as an argparse parser, with the seed's
+spellings and aliases, so that every command line of the seed's READMEs is accepted. `cnns.cli`
+parses argv with these parsers; `cnns.config` checks configs.yml and arguments.json values against
+the same declarations and turns the values into typed configuration objects. The table sits below
+both, so that neither reaches up for the other.
 
 Defaults that depend on the dataset are left as ``None`` here and filled in by `cnns.config`.
 """
@@ -334,6 +336,16 @@ def build_parser(script: str) -> SeedArgumentParser:
         group.add_argument("--artefact-path", help="Where the compiled model is kept.")
     _add_ipu_only_options(parser)
     return parser
+
+
+def option_defaults(script: str) -> dict[str, object]:
+    """Every option of a script at its default, as parsing an empty command line gives them (without
+    reading one): the values of a command that was given nothing but what its caller sets."""
+    defaults: dict[str, object] = {}
+    for action in build_parser(script)._actions:
+        if action.dest != "help":
+            defaults.setdefault(action.dest, action.default)  # as argparse: an option's first action wins
+    return defaults
 
 
 _DESCRIPTIONS = {

@@ -1,0 +1,352 @@
+"""A run folder, made and read back: the one place that knows what a run folder holds.
+
+Training writes ``<log-dir>/<run name>/`` (or ``--logs-path``): ``arguments.json`` (the resolved
+options), ``ckpt-<iteration>.pt`` checkpoints (each may hold an ``"ema"`` moving average),
+``weight_avg_*.pt`` averages, and the logs. Every later command starts from it: `restore.py`
+continues the run, `validation.py` and `weight_avg.py` evaluate it, `cnns predict` and `cnns export`
+rebuild its model, `inference_embedded.py` loads a checkpoint. `RunFolder` is that folder read back,
+and the merge rules here say which options of the run each of them keeps and which of its own
+command line's values override them:
+
+* **evaluation** (`evaluation_options`: validation.py, weight_avg.py, predict, export): the run's
+  options overridden by every value the command line gives; one unpipelined process (replicas,
+  shards, pipeline and recomputation reset) unless the command line asks for replicas; the training
+  run's global batch size kept (it places a checkpoint in epochs) unless ``--global-batch-size``.
+* **restore** (`restore_options`: restore.py): the run's options exactly, except the pipeline
+  layout (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because
+  checkpoints hold the whole model and pipelines compute the same updates at any stage count.
+* **inference_embedded.py** and **cnns benchmark** take no run folder options (a checkpoint file,
+  or none); **train.py** makes a new folder (`agree_on_run_folder`).
+
+This module sits below `cli/` (which parses argv into the values these rules take), `inference/`
+and `bench/`, and above the modules that read the files (`checkpoint`, `config`, `runlog`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
+from cnns.config import RunConfig, check_option_types, resolve
+from cnns.errors import CheckpointError, ConfigError
+from cnns.options import option_defaults
+from cnns.runlog import RunLog, new_run_folder, write_arguments
+
+# Flags whose parser default is False: a False there cannot be told apart from "not given".
+_FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """The checkpoint a run continues from, read (and so checked) before anything is written."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder read back
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A finished (or interrupted) run's folder: its options, checkpoints and weights."""
+
+    path: Path
+    options: dict[str, Any]  # arguments.json, checked to make a RunConfig
+
+    @classmethod
+    def open(cls, path: str | Path) -> "RunFolder":
+        """CheckpointError (one line, naming the file) unless `path` is a cnns run folder."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"--restore-path {path} is not a run folder")
+        return cls(path, read_run_options(path))
+
+    @property
+    def config(self) -> RunConfig:
+        """The training run's configuration, as it trained."""
+        return RunConfig.from_options(self.options)
+
+    def checkpoints(self) -> list[Path]:
+        """ckpt-<iteration>.pt files, oldest first."""
+        return [path for _, path in list_checkpoints(self.path)]
+
+    def newest_checkpoint(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def weight_averages(self) -> list[Path]:
+        """weight_avg_*.pt files written by weight_avg.py (or by training with --weight-avg-*)."""
+        return list_weight_averages(self.path)
+
+    def evaluation_config(self, checkpoint: Path | None = None) -> RunConfig:
+        """The configuration validation.py would use for one of this run's checkpoints, given nothing
+        else on its command line (predict and export rebuild the model with it)."""
+        values = {**option_defaults("validate"), "restore_path": str(checkpoint or self.path)}
+        return RunConfig.from_options(evaluation_options(values)[0])
+
+    def class_names(self) -> tuple[list[str] | None, str]:
+        """(class names in class-index order or None, where they come from); see `class_names`."""
+        return class_names(self.evaluation_config(), self.path)
+
+
+def read_run_options(folder: Path) -> dict[str, Any]:
+    """The run's options from its arguments.json; CheckpointError naming the file when it is missing,
+    unreadable, not a JSON object, or not the options of a cnns run (a missing option, a value of the
+    wrong type)."""
+    arguments = folder / "arguments.json"
+    if not arguments.is_file():
+        raise CheckpointError(f"{folder} has no arguments.json: not a cnns run folder")
+    try:
+        options = json.loads(arguments.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {arguments}: {exc.strerror or exc}") from None
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError for absurdly deep nesting.
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{arguments} is not valid JSON: {_first_line(exc)}") from None
+    if not isinstance(options, dict):
+        raise CheckpointError(f"{arguments} is not a JSON object of options: not a cnns run folder")
+    try:
+        check_option_types(options, str(arguments), strings_are_parsed=False)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:  # every option a run needs is there (a KeyError otherwise) and of a usable kind
+        RunConfig.from_options(options)
+    except KeyError as exc:
+        raise CheckpointError(f"{arguments} lacks the option {exc.args[0]!r}: not the arguments of a cnns run") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{arguments} holds options that do not make a run: {_first_line(exc)}") from None
+    return options
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def locate_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
+    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
+    path = Path(restore_path)
+    if path.is_dir():
+        checkpoints = list_checkpoints(path)
+        if not checkpoints:
+            raise CheckpointError(f"--restore-path {path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
+        return path, checkpoints[-1][1]
+    if path.is_file():
+        return path.parent, path
+    raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
+
+
+def newest_restore_point(folder: Path, world) -> RestorePoint | None:
+    """The newest checkpoint of the run folder, read (and so checked), or None when it has none.
+    With replicas rank 0 chooses it, so every process continues from the same one."""
+    checkpoints = list_checkpoints(folder) if world.is_writer else []
+    newest = world.broadcast(str(checkpoints[-1][1]) if checkpoints else None)
+    if newest is None:
+        return None
+    return RestorePoint(Path(newest), load_checkpoint(Path(newest)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The merge rules: the run's options, overridden by a later command's
+
+
+def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """validation.py / weight_avg.py / predict / export: the command line's values over the run's
+    arguments.json, for one process.
+
+    `values` are a seed parser's values (None where not given). Returns (resolved options, the
+    run's arguments.json or {}). As in the seed, the training run's global batch size is kept (it
+    places a checkpoint in epochs) unless --global-batch-size says otherwise.
+    """
+    restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
+    base: dict[str, Any] = {}
+    if restore_path is not None:
+        folder = restore_path if restore_path.is_dir() else restore_path.parent
+        if (folder / "arguments.json").is_file():
+            base = read_run_options(folder)
+            base.pop("name", None)
+    explicit = {k: v for k, v in values.items() if v is not None and not (v is False and k in _FALSE_BY_DEFAULT)}
+    merged = {**base, **explicit}
+    if "half_dtype" in explicit:
+        merged["half_dtype_given"] = True
+    for key in ("replicas", "shards"):
+        if key not in explicit:
+            merged[key] = 1  # validation runs on one unpipelined process whatever training used
+    merged["pipeline"] = False
+    merged["pipeline_splits"] = None
+    merged["enable_recomputation"] = False
+    options = resolve({**values, **merged})
+    if options.get("seed") is None:
+        options["seed"] = 0
+    if values.get("global_batch_size"):
+        options["global_batch_size"] = values["global_batch_size"]
+    elif "global_batch_size" in base:
+        options["global_batch_size"] = base["global_batch_size"]
+    return options, base
+
+
+def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
+    """restore.py: the run's options with the stage layout its command line gives (`values`):
+    checkpoints hold the whole model, and pipelines compute the same updates whatever the stage
+    count, so a run continues on more or fewer devices."""
+    options = dict(run.options)
+    if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
+        return options
+    if values.get("pipeline_schedule"):
+        options["pipeline_schedule"] = values["pipeline_schedule"]
+    if values.get("shards") is not None:
+        if values["shards"] < 1:
+            raise ConfigError(f"--shards must be at least 1, got {values['shards']}")
+        options["shards"] = values["shards"]
+        options["pipeline_splits"] = values.get("pipeline_splits") if values["shards"] > 1 else None
+        options["pipeline"] = options["pipeline"] or values["shards"] > 1
+    elif values.get("pipeline_splits") is not None:
+        options["pipeline_splits"] = values["pipeline_splits"]
+    if options["shards"] > 1:
+        if not options.get("pipeline_splits"):
+            raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
+        check_pipeline_splits(options)
+    return options
+
+
+def check_pipeline_splits(options: dict[str, Any]) -> None:
+    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again), or
+    `auto` for more than one stage."""
+    from cnns.models import ModelError, build_model, describe_split_points, resolve_splits, split_points
+
+    splits, shards = list(options["pipeline_splits"]), options["shards"]
+    if splits == ["auto"]:
+        if shards < 2:
+            raise ConfigError("--pipeline-splits auto chooses where to cut stages: it needs --shards 2 or more")
+        return
+    cfg = RunConfig.from_options(options)
+    model = build_model(cfg.model)
+    try:
+        resolve_splits(cfg.model, model, splits)
+    except ModelError as error:
+        raise ConfigError(str(error)) from None
+    if shards > 1 and len(splits) != shards - 1:
+        raise ConfigError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(splits)} "
+                          f"({' '.join(splits)}); valid splits: {describe_split_points(split_points(cfg.model, model))}")
+
+
+# ----------------------------------------------------------------------------------------------
+# A new run's folder and its writers
+
+
+def agree_on_run_folder(cfg: RunConfig, world) -> Path | None:
+    """The run folder, made and named by rank 0 and agreed by all (restarted workers get the first
+    attempt's); None for --compile-only, which writes nothing."""
+    if cfg.train.compile_only:
+        return None
+
+    def make() -> str:
+        if cfg.log.logs_path:
+            Path(cfg.log.logs_path).mkdir(parents=True, exist_ok=True)
+            return cfg.log.logs_path
+        return str(new_run_folder(cfg.log.log_dir, cfg.log.name))
+
+    return Path(world.agree_on("run_folder", make))
+
+
+def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path | None]:
+    """Rank 0 writes the run folder; another rank writes <run folder>/instance_<rank> when asked to
+    (--log-all-instances / --ckpt-all-instances) and is otherwise silent."""
+    if world.is_writer or folder is None:
+        return RunLog(folder, tensorboard=cfg.log.tensorboard), None
+    if not (cfg.log.all_instances or cfg.log.ckpt_all_instances):
+        return RunLog(None, quiet=True), None
+    instance = folder / f"instance_{world.rank}"
+    instance.mkdir(exist_ok=True)
+    if cfg.log.all_instances:
+        return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
+    write_arguments(instance, cfg.options)
+    return RunLog(None, quiet=True), instance
+
+
+# ----------------------------------------------------------------------------------------------
+# Class names
+
+
+def data_folder(cfg: RunConfig, run_folder: Path | None = None) -> Path | None:
+    """The run's data folder, if it is still there. arguments.json keeps --data-dir as it was given:
+    a relative one is tried from here, then from where training ran (the run folder is
+    <training directory>/<--log-dir>/<run name> unless --logs-path placed it elsewhere)."""
+    if cfg.data.source != "files" or not cfg.data.data_dir:
+        return None
+    folder = Path(cfg.data.data_dir)
+    candidates = [folder]
+    log_dir = Path(cfg.log.log_dir) if cfg.log.log_dir else None
+    if (not folder.is_absolute() and run_folder is not None and log_dir is not None and not log_dir.is_absolute()
+            and not cfg.log.logs_path):
+        up = len(log_dir.parts) + 1
+        parents = run_folder.resolve().parents
+        if up <= len(parents) - 1:
+            candidates.append(parents[up - 1] / folder)
+    return next((candidate for candidate in candidates if candidate.is_dir()), None)
+
+
+def class_names(cfg: RunConfig, run_folder: Path | None = None) -> tuple[list[str] | None, str]:
+    """(names in class-index order or None, where they come from).
+
+    CIFAR-10's ``batches.meta.txt`` and CIFAR-100's ``fine_label_names.txt`` (as the official binary
+    archives ship them) from the run's data folder or its archive subfolder; the built-in dataset's
+    shape names; an ImageNet JPEG tree's class folder names (sorted: the dataset's class index).
+    TFRecords carry no class list that the reader exposes, and a list with the wrong number of names
+    is not trusted: then, and when the run's data folder is not there, None."""
+    from cnns.data.builtin import BUILTIN_CLASSES
+
+    count = int(cfg.model.num_classes)
+    dataset = cfg.data.dataset
+    if dataset == "builtin":
+        return list(BUILTIN_CLASSES), "the built-in dataset"
+    folder = data_folder(cfg, run_folder)
+    if folder is None:
+        return None, "none (class indices)"
+    found: tuple[list[str], str] | None = None
+    if dataset in ("cifar-10", "cifar-100"):
+        found = _cifar_names(folder, dataset)
+    elif dataset == "imagenet":
+        found = _jpeg_tree_names(folder)
+    if found is None:
+        return None, "none (class indices)"
+    names, source = found
+    if len(names) != count:
+        print(f"notice: {source} lists {len(names)} class names for a {count}-class model: "
+              "printing class indices instead", file=sys.stderr)
+        return None, "none (class indices)"
+    return names, source
+
+
+def _cifar_names(folder: Path, dataset: str) -> tuple[list[str], str] | None:
+    filename, subfolder = (("batches.meta.txt", "cifar-10-batches-bin") if dataset == "cifar-10"
+                           else ("fine_label_names.txt", "cifar-100-binary"))
+    for place in (folder, folder / subfolder):
+        path = place / filename
+        if path.is_file():
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                return None
+            # The archives end the list with blank lines (and some copies with trailing spaces).
+            return [line.strip() for line in text.splitlines() if line.strip()], str(path)
+    return None
+
+
+def _jpeg_tree_names(folder: Path) -> tuple[list[str], str] | None:
+    from cnns.data.imagefolder import find_split_folder, list_classes
+
+    # The dataset numbers classes by the training folder's sub-folders when there is one.
+    for split in ("train", "validation"):
+        split_folder = find_split_folder(folder, split)
+        if split_folder is not None:
+            names = list_classes(split_folder)
+            if names:
+                return names, f"the class folders of {split_folder}"
+    return None

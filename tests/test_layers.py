@@ -1,0 +1,160 @@
+"""The package reads top to bottom: no import circles, and nothing below the command line imports it.
+
+Every `import` and `from ... import` of a `cnns` module anywhere in a file counts, at module level
+or inside a function: an import deferred to call time is still a dependency, and a circle through
+one still means neither module can be understood without the other. Read with the standard
+library's `ast`, so the check needs no import of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "cnns"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> list[tuple[str, int]]:
+    """(cnns module, line) for every import of one: `from a.b import c` is a.b.c when c is a module,
+    else a.b."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:  # `import cnns.a.b` names cnns.a.b; a name inside it
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.append((target, node.lineno))
+    return found
+
+
+GRAPH = {name: imported_modules(path) for name, path in MODULES.items()}
+
+
+def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target, _ in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read_from_every_module():
+    # Guards the reader itself: a parser that found nothing would pass every check below.
+    assert {"cnns.cli", "cnns.cli.commands", "cnns.runs", "cnns.tasks", "cnns.engine.session"} <= set(GRAPH)
+    assert any(target == "cnns.cli.parsing" for target, _ in GRAPH["cnns.cli"])
+    assert any(target == "cnns.runs" for target, _ in GRAPH["cnns.inference.predict"])
+    assert sum(len(edges) for edges in GRAPH.values()) > 150
+
+
+def test_no_import_circles():
+    found = cycles(GRAPH)
+    lines = []
+    for component in found:
+        members = set(component)
+        for name in component:
+            for target, line in GRAPH[name]:
+                if target in members:
+                    lines.append(f"{MODULES[name].relative_to(SRC.parent)}:{line} imports {target}")
+    assert not found, "import circles:\n" + "\n".join(lines)
+
+
+def test_nothing_below_the_command_line_imports_it():
+    upward = [f"{MODULES[name].relative_to(SRC.parent)}:{line} imports {target}"
+              for name, edges in GRAPH.items() if not (name == "cnns.cli" or name.startswith("cnns.cli."))
+              and name != "cnns.__main__"
+              for target, line in edges if target == "cnns.cli" or target.startswith("cnns.cli.")]
+    assert not upward, "imports of cnns.cli from below it:\n" + "\n".join(upward)
+
+
+def test_the_cycle_finder_finds_a_circle_and_names_its_members():
+    graph = {"a": [("b", 1)], "b": [("c", 2)], "c": [("a", 3), ("d", 4)], "d": []}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": [("b", 1)], "b": []}) == []
+
+
+def test_layers_named_in_the_readme_hold():
+    """The README's layer list, as code: each folder may import only the layers below it."""
+    below = {
+        "cnns.cli": None,  # the top floor: anything
+        "cnns.tasks": {"cnns.bench", "cnns.inference", "cnns.engine", "cnns.runs", "cnns.parallel", "cnns.data",
+                       "cnns.models", "cnns.config", "cnns.options", "cnns.checkpoint", "cnns.runlog",
+                       "cnns.errors"},
+        "cnns.bench": {"cnns.inference", "cnns.engine", "cnns.runs", "cnns.parallel", "cnns.data", "cnns.models",
+                       "cnns.config", "cnns.options", "cnns.precision", "cnns.checkpoint", "cnns.runlog",
+                       "cnns.errors", "cnns.bench"},
+        "cnns.inference": {"cnns.engine", "cnns.runs", "cnns.data", "cnns.models", "cnns.config", "cnns.precision",
+                           "cnns.checkpoint", "cnns.errors", "cnns.inference"},
+        "cnns.engine": {"cnns.runs", "cnns.parallel", "cnns.data", "cnns.models", "cnns.kernels", "cnns.config",
+                        "cnns.precision", "cnns.optim", "cnns.schedules", "cnns.checkpoint", "cnns.runlog",
+                        "cnns.plots", "cnns.errors", "cnns.engine"},
+        "cnns.runs": {"cnns.data", "cnns.models", "cnns.config", "cnns.options", "cnns.checkpoint", "cnns.runlog",
+                      "cnns.errors"},
+        "cnns.parallel": {"cnns.models", "cnns.errors", "cnns.parallel"},
+        "cnns.data": {"cnns.config", "cnns.errors", "cnns.data"},
+        "cnns.config": {"cnns.models", "cnns.options", "cnns.errors"},
+        "cnns.models": {"cnns.errors", "cnns.models"},
+        "cnns.options": set(),
+        **{leaf: {"cnns.errors", leaf} for leaf in ("cnns.precision", "cnns.optim", "cnns.schedules", "cnns.checkpoint",
+                                                  "cnns.runlog", "cnns.plots", "cnns.kernels")},
+    }
+
+    def layer(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2])
+
+    wrong = []
+    for name, edges in GRAPH.items():
+        allowed = below.get(layer(name))
+        if allowed is None:
+            continue
+        wrong += [f"{MODULES[name].relative_to(SRC.parent)}:{line} imports {target}"
+                  for target, line in edges if layer(target) not in allowed]
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
