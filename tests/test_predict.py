@@ -43,7 +43,7 @@ def run_folder(tmp_path_factory) -> Path:
          "--optimiser", "momentum", "--base-learning-rate-exponent", "-8", "--ckpts-per-epoch", "0",
          "--logs-per-epoch", "1", "--seed", "1", "--ema-decay", "0.9", "--no-validation",
          "--log-dir", str(root / "logs")],
-        capture_output=True, text=True, cwd=root)
+        capture_output=True, text=True, cwd=root, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
 
@@ -242,3 +242,25 @@ def test_a_relative_data_dir_is_found_from_where_training_ran(run_folder, tmp_pa
     assert code == 0, err
     labels = [label for label, _ in parse_lines(out)[str(tmp_path / "one.png")]]
     assert labels and all(label in [n.upper() for n in BUILTIN_CLASSES] for label in labels)
+
+
+def test_the_run_folder_reads_back_what_training_wrote(run_folder):
+    """cnns.runs.RunFolder, the object every later command starts from: its options, checkpoints in
+    iteration order, raw and moving-average weights, and the class names of its data folder."""
+    import torch
+
+    from cnns.checkpoint import iteration_of
+    from cnns.runs import RunFolder
+
+    run = RunFolder.open(run_folder)
+    assert run.options["model_size"] == "8" and run.config.model.num_classes == 10
+    checkpoints = run.checkpoints()
+    iterations = [iteration_of(path) for path in checkpoints]
+    assert iterations == sorted(iterations) and iterations[-1] > 0 and run.newest_checkpoint() == checkpoints[-1]
+    raw, ema = run.weights(), run.weights(which="ema")
+    assert raw.keys() == ema.keys()
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw if raw[key].is_floating_point())
+    assert run.class_names() == (list(BUILTIN_CLASSES), str(Path(run.config.data.data_dir) / "batches.meta.txt"))
+    evaluation = run.evaluation_config()  # validation.py's view: one process, the run's model and batch
+    assert evaluation.parallel.replicas == 1 and evaluation.model == run.config.model
+    assert evaluation.options["global_batch_size"] == run.options["global_batch_size"]

@@ -84,6 +84,14 @@ class RunFolder:
         """weight_avg_*.pt files written by weight_avg.py (or by training with --weight-avg-*)."""
         return list_weight_averages(self.path)
 
+    def weights(self, checkpoint: Path | None = None, which: str = "raw") -> dict[str, Any]:
+        """A checkpoint's model state dict (the newest by default): its raw weights, or with "ema" the
+        float32 moving average that --ema-decay runs keep beside them."""
+        checkpoint = checkpoint or self.newest_checkpoint()
+        if checkpoint is None:
+            raise CheckpointError(f"{self.path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
+        return checkpoint_weights(checkpoint, which)
+
     def evaluation_config(self, checkpoint: Path | None = None) -> RunConfig:
         """The configuration validation.py would use for one of this run's checkpoints, given nothing
         else on its command line (predict and export rebuild the model with it)."""
@@ -140,6 +148,18 @@ def locate_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
     if path.is_file():
         return path.parent, path
     raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
+
+
+def checkpoint_weights(checkpoint: Path, which: str = "raw") -> dict[str, Any]:
+    """The state dict of a checkpoint (or weight-average) file: "raw" its "model" entry, "ema" its
+    moving average; CheckpointError naming the file when it has none."""
+    state = load_checkpoint(checkpoint)
+    if which == "ema":
+        if "ema" not in state:
+            raise CheckpointError(f"{checkpoint} holds no moving average ('ema' entry): the run was trained "
+                                  "without --ema-decay; use --weights raw")
+        return state["ema"]
+    return state["model"]
 
 
 def newest_restore_point(folder: Path, world) -> RestorePoint | None:

@@ -117,23 +117,16 @@ def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.
     CheckpointError (one line, naming the file) for a missing or foreign checkpoint, a run folder
     without arguments.json, weights that do not fit the model, or --weights ema on a checkpoint
     that holds no moving average."""
-    from cnns.checkpoint import check_matches_model, load_checkpoint
+    from cnns.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runs import locate_checkpoint
+    from cnns.runs import checkpoint_weights, locate_checkpoint
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
     device = torch.device(device)
     folder, checkpoint = locate_checkpoint(restore_path)
     cfg = run_config(folder, checkpoint)
-    state = load_checkpoint(checkpoint)
-    if weights == "ema":
-        if "ema" not in state:
-            raise CheckpointError(f"{checkpoint} holds no moving average ('ema' entry): the run was trained "
-                                  "without --ema-decay; use --weights raw")
-        state_dict = state["ema"]
-    else:
-        state_dict = state["model"]
+    state_dict = checkpoint_weights(checkpoint, weights)
     model = build_model(cfg.model)
     description = f"{cfg.model.arch}-{cfg.model.size}"
     check_matches_model(checkpoint, state_dict, model.state_dict(), description)
