@@ -14,3 +14,18 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+import processes  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Whatever a test started and left running (a failed assertion before its clean-up) is killed
+    with everything it started, so that no process outlives its test; a passing test that left one
+    running fails."""
+    yield
+    left = processes.reap()
+    assert not left, f"the test left processes running: {left}"

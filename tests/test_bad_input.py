@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import processes
 import torch
 
 from cnns.cli import run_script as run_command
@@ -45,7 +47,7 @@ IMAGENET_RUN = ["--dataset", "imagenet", "--model-size", "18", "--image-size", "
 
 def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
+    return processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=TIMEOUT_S)
 
 

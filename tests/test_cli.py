@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 
 from cnns.cli import parse_options, resolved_training_options
 from cnns.config import run_name
@@ -86,7 +87,7 @@ def test_named_configurations_give_the_seed_global_batch(config, global_batch):
 
 
 def test_print_config_from_the_root_script_is_json_with_arguments_keys(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet8_test", "--data-dir",
+    out = processes.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet8_test", "--data-dir",
                           str(tmp_path / "cifar-10"), "--print-config"], capture_output=True, text=True, check=True)
     printed = json.loads(out.stdout)
     for key in ("replicas", "shards", "micro_batch_size", "gradient_accumulation_count", "global_batch_size",
@@ -143,7 +144,7 @@ def test_ipu_only_options_are_named_in_one_notice():
     (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)
+    out = processes.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -151,7 +152,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
 
 
 def test_help_is_grouped_like_the_seed():
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, check=True)
+    out = processes.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("usage: train.py")
     for group in ("Model:", "Dataset:", "Training:", "Logging:"):
         assert group in out.stdout
@@ -166,7 +167,7 @@ def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
     """resnet50_bn_16ipus sets pipeline, 4 shards, 3 splits and recomputation; with --shards 1 its splits
     are the recomputation points of one process (here: one update of generated data, to show it gets
     past option checks and trains)."""
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet50_bn_16ipus", "--shards", "1",
+    out = processes.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet50_bn_16ipus", "--shards", "1",
                           "--replicas", "1", "--generated-data", "--dataset", "imagenet",
                           "--image-size", "64", "--micro-batch-size", "2", "--gradient-accumulation-count", "1",
                           "--iterations", "1", "--no-validation", "--log-dir", str(tmp_path)],

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+import processes
 
 from cnns.cli import parse_options
 from cnns.config import RunConfig, resolve
@@ -19,17 +20,17 @@ def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
     argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
             "--dataset", "cifar-10", "--micro-batch-size", "2", "--iterations", "5", "--generated-data",
             "--precision", "32.32"]
-    first = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    first = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "Compilation time:" in first.stdout
     artefacts = list(tmp_path.glob("*.pt2"))
     assert len(artefacts) == 1
-    second = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    second = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "Loading the compiled model" in second.stdout and "Compilation time:" not in second.stdout
     assert "latency 99p9:" in second.stdout
     artefacts[0].write_bytes(b"not a package")
-    broken = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    broken = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr
     assert "--force-recompile" in broken.stderr
 

@@ -4,7 +4,6 @@ eager float32 model's logits, for float NCHW and for uint8 NHWC (--eight-bit-io)
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
+import processes
 import torch
 
 from cnns.checkpoint import list_checkpoints
@@ -33,7 +34,7 @@ def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("export")
     images, labels = draw_shapes(672, seed=8)
     write_cifar10(root / "data", (images[:640], labels[:640]), (images[640:], labels[640:]))
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(root / "data"),
          "--model-size", "8", "--precision", "16.16", "--half-dtype", "bfloat16", "--epochs", "2",
          "--ckpts-per-epoch", "0", "--seed", "1", "--no-validation", "--log-dir", str(root / "logs")],

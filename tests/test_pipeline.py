@@ -63,7 +63,9 @@ def test_two_stages_update_as_one_process_with_accumulation(data_dir, references
     out, _ = train(tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule", schedule,
                    "--data-dir", str(data_dir), "--logs-path", str(folder))
     reference = references[variant.replace("-recomputed", "")]
-    assert relative_difference(folder / "ckpt-6.pt", reference / "ckpt-6.pt") < 1e-4
+    # Bitwise: the stages run the model's pieces on the same micro-batches, shapes and thread count (one
+    # per process) as the one process, and add the micro-batches' gradients in the same order.
+    assert relative_difference(folder / "ckpt-6.pt", reference / "ckpt-6.pt") == 0.0
     mine, theirs = (torch.load(f / "ckpt-6.pt", weights_only=True) for f in (folder, reference))
     assert list(mine["model"]) == list(theirs["model"])  # the whole model, in the model's order
     for key, value in theirs["model"].items():
@@ -73,7 +75,7 @@ def test_two_stages_update_as_one_process_with_accumulation(data_dir, references
     assert mine["optimiser"]["inner"]["param_groups"] == theirs["optimiser"]["inner"]["param_groups"]
     for index, state in theirs["optimiser"]["inner"]["state"].items():
         buffer = mine["optimiser"]["inner"]["state"][index]["momentum_buffer"]
-        assert torch.allclose(buffer, state["momentum_buffer"], rtol=1e-4, atol=1e-6)
+        assert torch.equal(buffer, state["momentum_buffer"])
     # The printed loss is the whole batch's, as one process prints it.
     losses = [re.findall(r"loss: +([\d.]+)", text) for text in (out, (reference / "log.txt").read_text())]
     assert losses[0] and losses[0] == losses[1]
@@ -98,7 +100,9 @@ def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, la
         (cut / later).unlink()
     out, _ = train(tmp_path, "--restore-path", str(cut), *layout, script="restore.py")
     assert "Restoring training from latest checkpoint:" in out and "ckpt-3.pt" in out
-    assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") < 1e-6
+    # Bitwise at either stage count: stages compute as one process does (test above), and the restored
+    # run starts from the same state.
+    assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") == 0.0
 
 
 def test_torchrun_runs_two_stages_by_two_replicas_as_one_process(data_dir, references, tmp_path):  # noqa: F811
@@ -107,7 +111,8 @@ def test_torchrun_runs_two_stages_by_two_replicas_as_one_process(data_dir, refer
     out, _ = finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "train.py"), *PIPELINE,
                            *VARIANTS["group-norm"], *TWO_STAGES, "--replicas", "2", "--gradient-accumulation-count", "2",
                            "--data-dir", str(data_dir), "--logs-path", str(grid)], tmp_path, ONE_THREAD))
-    # Replicas sum their accumulated gradients in another order than one process: rounding only.
+    # Replicas sum their accumulated gradients in another order than one process: about one float32
+    # rounding per update, carried on by training (see test_replicas); measured 1.5e-5 after 6 updates.
     assert relative_difference(grid / "ckpt-6.pt", references["group-norm"] / "ckpt-6.pt") < 1e-4
     assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
 
@@ -121,7 +126,8 @@ def test_stages_by_replicas_with_batch_norm_spans_and_sharded_state_equal_the_re
     grid = tmp_path / "grid"
     out, _ = train(tmp_path, *PIPELINE, *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid))
     reference = one_process(tmp_path, data_dir, "replicas", *PIPELINE, *spans)
-    assert relative_difference(grid / "ckpt-3.pt", reference / "ckpt-3.pt") < 1e-6
+    # Bitwise: the same replicas, cut into stages that compute as the whole model does.
+    assert relative_difference(grid / "ckpt-3.pt", reference / "ckpt-3.pt") == 0.0
     assert "Optimiser state sharded over 2 replicas (--rts)" in out
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import csv
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 from torch import nn
 
@@ -138,7 +139,7 @@ for _ in range(4):
 print(applied, faults)
 sys.exit(0 if not applied or min(faults[1:]) < faults[0] // 10 else 1)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -158,7 +159,7 @@ def learnable_cifar(tmp_path_factory) -> Path:
 def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dict]]:
     """(training.csv rows, validation.csv rows) of a short seeded ResNet-8 run in real ``precision``
     (--half-dtype bfloat16: bfloat16 even on a CPU that only emulates it)."""
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
          "--precision", precision, "--half-dtype", "bfloat16", "--epochs", "6", "--warmup-epochs", "1",
          "--lr-schedule", "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-9",

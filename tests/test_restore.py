@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 
 from cnns.cli import run_script as run_command
@@ -41,7 +43,7 @@ def script(name: str, *args: str) -> list[str]:
 
 
 def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = subprocess.run(script(name, *args), capture_output=True, text=True, cwd=cwd)
+    out = processes.run(script(name, *args), capture_output=True, text=True, cwd=cwd)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -61,14 +63,14 @@ def logged_iterations(folder: Path) -> list[int]:
 
 def interrupt_after(command: list[str], folder: Path, iteration: int, cwd: Path) -> subprocess.CompletedProcess:
     """Start training, send SIGTERM once training.csv shows `iteration`, and wait for a clean exit."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    process = processes.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     deadline = time.monotonic() + 120
     while process.poll() is None and time.monotonic() < deadline:
         if any(it >= iteration for it in logged_iterations(folder)):
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.005)
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = processes.communicate(process, timeout=120)  # kills the run and fails on expiry
     assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 

@@ -5,6 +5,8 @@ import itertools
 import random
 
 import pytest
+
+import processes
 import torch
 
 from cnns.bench.splits import (balanced_cuts, format_report, prepare_model, profile_cuts, propose,
@@ -126,12 +128,11 @@ def test_efficientnet_sub_block_cuts_and_proposal():
 ], ids=["resnet50-4-stages", "efficientnet-b0"])
 def test_cnns_splits_prints_every_cut_and_a_proposal_that_resolves(args, rows, stages):
     import re
-    import subprocess
     import sys
 
     from cnns.models import build_model, resolve_splits
 
-    out = subprocess.run([sys.executable, "-m", "cnns", "splits", *args], capture_output=True, text=True, timeout=300)
+    out = processes.run([sys.executable, "-m", "cnns", "splits", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     proposed = re.search(rf"Proposed for --shards {stages}: --pipeline-splits (.+)", out.stdout).group(1).split()
     spec = (ModelSpec("resnet", "50", 1000, 224) if rows else ModelSpec("efficientnet", "B0", 1000, 96))

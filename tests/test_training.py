@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 
 from cnns.data.builtin import draw_shapes
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
+    out = processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

@@ -15,6 +15,8 @@ import termios
 import time
 from pathlib import Path
 
+import processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 # ResNet-8 on generated CIFAR-sized data: no dataset to write, a few seconds of training.
@@ -23,7 +25,7 @@ QUICK = ("--generated-data", "--dataset", "cifar-10", "--model-size", "8", "--mi
 
 
 def run(cwd: Path, script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
+    out = processes.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
                          timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -62,7 +64,7 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path):
     master, slave = pty.openpty()
     # A new pseudo-terminal is 0 x 0 characters; a real one has a size, and tqdm fits the bar to it.
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    process = subprocess.Popen(args, cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    process = processes.start(args, cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     seen = b""
     deadline = time.monotonic() + TIMEOUT_S
@@ -79,7 +81,7 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path):
         elif process.poll() is not None:
             break
     os.close(master)
-    process.wait(timeout=30)
+    processes.communicate(process, timeout=30)
     assert process.returncode == 0, seen[-2000:]
     terminal = seen.decode(errors="replace")
     assert "update/s" in terminal or "s/update" in terminal, terminal[-2000:]  # tqdm's rate
@@ -89,19 +91,18 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path):
 
 
 def test_lines_reach_a_pipe_while_the_run_goes_on(tmp_path):
-    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "400",
-                                "--no-validation", "--ckpts-per-epoch", "0"], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = processes.start([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "400",
+                               "--no-validation", "--ckpts-per-epoch", "0"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         line = ""
-        while not line.startswith("step:") and time.monotonic() < deadline:
-            line = process.stdout.readline()
+        while not line.startswith("step:"):
+            line = processes.read_line(process.stdout, deadline)  # fails the test at the deadline
             assert line, "the run ended without a step line"
         assert process.poll() is None  # the first step line arrived while training went on
     finally:
-        process.kill()
-        process.wait(timeout=30)
+        processes.kill_tree(process)
 
 
 def test_the_seed_resnet50_line_validates_a_bounded_number_of_generated_images(tmp_path):
@@ -145,7 +146,7 @@ def test_fp_exceptions_names_the_iteration_and_the_first_parameter_that_is_not_f
 
 
 def test_fp_exceptions_in_a_run_is_one_line_with_the_iteration(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "5", "--precision", "32.32",
+    out = processes.run([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "5", "--precision", "32.32",
                           "--abs-learning-rate", "1e30", "--fp-exceptions", "--no-validation"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 2

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 
 from cnns.cli import run_script as run_command
@@ -21,7 +23,7 @@ TEST_IMAGES = 48
 
 
 def run_script(script: str, *args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
+    out = processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
     assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

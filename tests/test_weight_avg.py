@@ -5,11 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 from torch import nn
 
@@ -139,7 +140,7 @@ def run_copy(averaged_run, tmp_path) -> Path:
 
 
 def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(run_copy, tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "weight_avg.py"), "--restore-path", str(run_copy),
+    out = processes.run([sys.executable, str(ROOT / "weight_avg.py"), "--restore-path", str(run_copy),
                           "--mode", "mean", "-N", "2", "--discard-last", "1"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import processes
 import torch
 from torch import nn
 
@@ -74,7 +75,7 @@ def test_recomputation_frees_the_blocks_inner_activations():
 
 
 def test_enable_recomputation_trains_and_evaluation_runs_without_it(tmp_path):
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--synthetic-data", "--model-size", "8",
          "--micro-batch-size", "8", "--iterations", "3", "--log-freq", "1", "--enable-recomputation",
          "--ckpts-per-epoch", "0", "--log-dir", str(tmp_path / "logs")],
