@@ -88,8 +88,29 @@ def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
     """A 2-stage run of 6 updates with a checkpoint every 3 (16 updates an epoch, 5 checkpoints)."""
     tmp = tmp_path_factory.mktemp("pipeline-uninterrupted")
     train(tmp, *PIPELINE, *VARIANTS["group-norm"], *TWO_STAGES, "--ckpts-per-epoch", "5", "--data-dir", str(data_dir),
-          "--logs-path", str(tmp / "run"))
+          "--logs-path", str(tmp / "run"), "--log-all-instances", "true")
     return tmp / "run"
+
+
+def test_each_stage_process_holds_only_its_part_of_the_model(uninterrupted):
+    """Each stage's log says what its process holds: the parameters before the cut, or after it, and
+    together the whole model once."""
+    from cnns.models import build_model
+    from cnns.runs import RunFolder
+
+    pattern = r" Pipeline stage (\d) of 2: (\d+) parameters, (\d+) tensors \((\S+) \.\.\. (\S+)\)"
+    stages = [re.search(pattern, (folder / "log.txt").read_text()).groups()
+              for folder in (uninterrupted, uninterrupted / "instance_1")]
+    model = build_model(RunFolder.open(uninterrupted).config.model)
+    names = [name for name, _ in model.named_parameters()]
+    sizes = dict((name, parameter.numel()) for name, parameter in model.named_parameters())
+    cut = names.index(stages[1][3])  # the second stage starts where the first ends
+    assert [int(stage[0]) for stage in stages] == [1, 2]
+    assert (stages[0][3], stages[0][4], stages[1][4]) == (names[0], names[cut - 1], names[-1])
+    assert [int(stages[0][2]), int(stages[1][2])] == [cut, len(names) - cut]
+    assert [int(stages[0][1]), int(stages[1][1])] == [sum(sizes[n] for n in names[:cut]),
+                                                      sum(sizes[n] for n in names[cut:])]
+    assert 0 < int(stages[0][1]) < 269722 and int(stages[0][1]) + int(stages[1][1]) == 269722
 
 
 @pytest.mark.parametrize("layout", [(), ("--shards", "1")], ids=["two-stages", "one-process"])

@@ -56,6 +56,10 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
               f" x accumulation {o['gradient_accumulation_count']} x replicas {o['replicas']})")
     log.print(f" Learning Rate: {o['learning_rate']:.6g} ({o['lr_schedule']}, {o['optimiser']})")
     log.print(f"Total Parameters:{c.total_parameters or count_parameters(model)}")
+    if c.stage is not None:  # what this process holds of the model (each stage's log with --log-all-instances)
+        names = c.stage.stage_parameter_names
+        log.print(f" Pipeline stage {c.world.stage + 1} of {c.world.shards}: {count_parameters(c.stage.module.model)} "
+                  f"parameters, {len(names)} tensors ({names[0]} ... {names[-1]})")
 
 
 @dataclass
