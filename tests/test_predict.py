@@ -116,7 +116,9 @@ def test_held_out_drawings_are_mostly_predicted_correctly_with_the_runs_class_na
     top1 = accuracy(parsed, folder, names)
     print(f"held-out top-1 accuracy (raw weights): {top1:.0%}")
     # Measured 89% (the run's own validation: 89%); chance is 10%, an untrained ResNet-8 ~10%.
-    assert top1 > 0.6, top1
+    # Measured 85-89 % on the AVX-512 EPYC; float32 training takes other roundings on other CPUs, so a few
+    # points of margin; an untrained or wrongly preprocessed model scores about 10 %.
+    assert top1 >= 0.75, top1
     assert "batches.meta.txt" in err  # where the names came from
 
 
@@ -129,7 +131,9 @@ def test_moving_average_weights_predict_as_well(run_folder, held_out, capsys):
     assert all(len(entries) == 1 for entries in parsed.values())
     top1 = accuracy(parsed, folder, names)
     print(f"held-out top-1 accuracy (EMA weights): {top1:.0%}")
-    assert top1 > 0.6, top1
+    # Measured 85-89 % on the AVX-512 EPYC; float32 training takes other roundings on other CPUs, so a few
+    # points of margin; an untrained or wrongly preprocessed model scores about 10 %.
+    assert top1 >= 0.75, top1
 
 
 def test_a_checkpoint_file_gives_the_same_predictions_as_its_run_folder(run_folder, held_out, capsys):
