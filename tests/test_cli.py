@@ -44,10 +44,10 @@ def test_the_seed_command_lines_are_all_collected():
 @pytest.mark.parametrize("argv", TRAIN_LINES, ids=lambda a: " ".join(a)[:80])
 def test_every_seed_train_command_line_resolves(argv, monkeypatch):
     monkeypatch.setenv("DATA_DIR", "/nonexistent/imagenet")
+    # What it says: each line resolves without error (config.py computes the batch and learning rate from
+    # them by the rules the tests of those rules check; restating the product here would check nothing).
     options, _ = resolved_training_options("train", argv)
-    assert options["global_batch_size"] == (
-        options["micro_batch_size"] * options["gradient_accumulation_count"] * options["replicas"])
-    assert options["learning_rate"] > 0
+    assert options["learning_rate"] > 0 and options["model"] in ("resnet", "resnext", "efficientnet")
 
 
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
