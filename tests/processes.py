@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 TAG = "CNNS_TEST_PROCESS"
-TIMEOUT_S = 600  # the longest a single script run of the suite may take (the slowest takes about 60 s)
+TIMEOUT_S = 600  # the default limit of one child process; tests that expect less give less
 _started: dict[int, tuple[subprocess.Popen, str]] = {}
 
 
@@ -117,11 +117,9 @@ def read_line(stream, deadline: float) -> str:
 
 def reap() -> list[str]:
     """Kill what the test started and left running; the commands killed."""
-    left = [(process, tag) for process, tag in list(_started.values())]
     killed = []
-    for process, _ in left:
+    for process, _ in list(_started.values()):
         if process.poll() is None:
             killed.append(" ".join(map(str, process.args))[:200])
-        kill_tree(process)
-    _started.clear()
+        kill_tree(process)  # also the family of one that ended but left workers behind
     return killed
