@@ -151,7 +151,7 @@ sys.exit(0 if not applied or min(faults[1:]) < faults[0] // 10 else 1)
 @pytest.fixture(scope="module")
 def learnable_cifar(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cifar-10-precision")
-    images, labels = draw_shapes(2200, seed=4)
+    images, labels = draw_shapes(3000, seed=4)
     write_cifar10(folder, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
     return folder
 
@@ -161,7 +161,7 @@ def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dic
     (--half-dtype bfloat16: bfloat16 even on a CPU that only emulates it)."""
     out = processes.run(
         [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
-         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", "6", "--warmup-epochs", "1",
+         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", "15", "--warmup-epochs", "1",
          "--lr-schedule", "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-9",
          "--ckpts-per-epoch", "0", "--logs-per-epoch", "1", "--seed", "11", "--log-dir", str(logs)],
         capture_output=True, text=True, cwd=logs.parent)
@@ -177,16 +177,19 @@ def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dic
 def test_16_16_learns_as_well_as_32_32(learnable_cifar, tmp_path):
     training_16, validation_16 = _train("16.16", learnable_cifar, tmp_path / "logs16")
     training_32, validation_32 = _train("32.32", learnable_cifar, tmp_path / "logs32")
-    # The last row averages only the few updates after the last whole epoch (375 = 6 x 62 + 3): noisy.
+    # The last row averages only the few updates after the last whole epoch (937 = 15 x 62 + 7): noisy.
     # Compare whole epochs: the first and the last.
     losses_16 = [float(row["loss_avg"]) for row in training_16][:-1]
-    assert losses_16[-1] < 0.7 * losses_16[0], losses_16  # 16.16 learns: a falling loss ...
-    assert len(validation_16) == 1 and int(validation_16[0]["val_size"]) == 200  # every test image once
+    assert losses_16[-1] < 0.3 * losses_16[0], losses_16  # 16.16 learns: a falling loss ...
+    assert len(validation_16) == 1 and int(validation_16[0]["val_size"]) == 1000  # every test image once
     acc_16, acc_32 = float(validation_16[0]["val_acc"]), float(validation_32[-1]["val_acc"])
-    assert acc_32 > 40.0 and acc_16 > 40.0, (acc_16, acc_32)  # ... and well above chance (10%)
-    assert acc_16 >= acc_32 - 10.0, (acc_16, acc_32)  # as well as 32.32
+    assert acc_32 > 85.0 and acc_16 > 85.0, (acc_16, acc_32)  # ... to a plateau far above chance (10 %)
+    # ... and as well as 32.32. Trained to a plateau and validated on 1,000 images, the two precisions
+    # land within 1.3 points of each other over seeds 11-14 (16.16: 88.6-89.2 %, 32.32: 88.5-89.8 %;
+    # last-epoch loss within 9 %): a 16.16 regression of 3 points or 15 % in loss fails here.
+    assert acc_16 >= acc_32 - 2.5, (acc_16, acc_32)
     loss_32 = float(training_32[-2]["loss_avg"])
-    assert losses_16[-1] <= 1.25 * loss_32 + 0.1, (losses_16[-1], loss_32)
+    assert losses_16[-1] <= 1.15 * loss_32, (losses_16[-1], loss_32)
 
 
 # ------------------------------------------------------------------------------------------------
