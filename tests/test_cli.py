@@ -50,6 +50,40 @@ def test_every_seed_train_command_line_resolves(argv, monkeypatch):
     assert options["learning_rate"] > 0 and options["model"] in ("resnet", "resnext", "efficientnet")
 
 
+# The standard architectures' parameter counts (torchvision's and timm's ImageNet models, He et al.'s
+# CIFAR ResNets), with 1,000 classes on ImageNet and 10 on CIFAR-10.
+STANDARD_PARAMETERS = {("resnet", "18"): 11_689_512, ("resnet", "50"): 25_557_032, ("resnext", "101"): 44_177_704,
+                       ("efficientnet", "B4"): 19_341_616, ("resnet", "8"): 75_290}
+
+
+@pytest.mark.parametrize("argv", TRAIN_LINES, ids=lambda a: " ".join(a)[:80])
+def test_every_seed_train_command_line_builds_its_model_on_as_many_devices_as_its_name_says(argv, monkeypatch):
+    import re
+
+    import torch
+
+    from cnns.config import RunConfig
+    from cnns.models import build_model
+
+    monkeypatch.setenv("DATA_DIR", "/nonexistent/imagenet")
+    options, _ = resolved_training_options("train", argv)
+    spec = RunConfig.from_options(options).model
+    with torch.device("meta"):  # the model the run would build, without its memory
+        parameters = sum(p.numel() for p in build_model(spec).parameters())
+    size = str(options["model_size"])
+    architecture = (options["model"], "B" + size.lstrip("bB") if options["model"] == "efficientnet" else size)
+    if options["model"] == "efficientnet" and options.get("group_dim", 1) > 1:
+        # The seed's g16 variant: group convolutions of 16 channels with expansion ratio 4 instead of
+        # depthwise ones with 6, "with a similar number of trainable parameters" (seed 000).
+        assert abs(parameters / STANDARD_PARAMETERS[architecture] - 1) < 0.01, parameters
+    else:
+        assert parameters == STANDARD_PARAMETERS[architecture]
+    # A configuration named for N IPUs (or a POD of N) runs on N devices: replicas x pipeline stages.
+    named = re.search(r"(?:_(\d+)ipus|_pod(\d+)_)", options.get("config") or "")
+    if named:
+        assert options["replicas"] * options["shards"] == int(named.group(1) or named.group(2))
+
+
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
 def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
     from cnns.cli.commands import validate_main
@@ -120,6 +154,27 @@ def test_dataset_dependent_defaults_and_run_names():
     resnext, _ = resolved_training_options("train", ["--model", "resnext", "--dataset", "cifar-10", "--data-dir", "/x",
                                                      "--no-stochastic-rounding", "--name-suffix", "try"])
     assert resnext["name"] == "RNX29_bs32_BN_16.16_noSR_try"
+
+
+@pytest.mark.parametrize("argv, groups", [
+    (["--dataset", "cifar-10"], {16}),  # the seed's CIFAR default: ResNet-20's 16, 32 and 64 channels in 16 groups
+    (["--dataset", "imagenet", "--model-size", "18"], {32}),
+    (["--dataset", "imagenet", "--model", "efficientnet"], {4}),
+    (["--dataset", "cifar-10", "--groups", "8"], {8}),
+])
+def test_group_norm_groups_default_by_dataset_and_model_and_reach_every_norm(argv, groups):
+    import torch
+    from torch import nn
+
+    from cnns.config import RunConfig
+    from cnns.models import build_model
+
+    options, _ = resolved_training_options("train", [*argv, "--synthetic-data", "--group-norm"])
+    with torch.device("meta"):
+        model = build_model(RunConfig.from_options(options).model)
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert {m.num_groups for m in norms} == groups
 
 
 def test_ipu_only_options_are_named_in_one_notice():

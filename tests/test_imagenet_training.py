@@ -107,6 +107,35 @@ def test_train_from_a_jpeg_tree_with_the_data_options(jpeg_tree, tmp_path):
     assert options["pipeline_num_parallel"] == 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pipeline_num_parallel_is_the_number_of_processes_that_decode(jpeg_tree, tmp_path, monkeypatch, workers):
+    import os
+
+    from cnns.cli import run_script as run_command
+    from cnns.data.imagenet import ImageNetTransform
+
+    # Every decode appends its process id to a file; DataLoader workers are forked, so they run the
+    # patched transform too (a one-line append is atomic between processes).
+    decoders = tmp_path / "decoders.txt"
+    transform = ImageNetTransform.__call__
+
+    def decode(self, data, source):
+        with open(decoders, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return transform(self, data, source)
+
+    monkeypatch.setattr(ImageNetTransform, "__call__", decode)
+    assert run_command("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--micro-batch-size", "2",
+                                 "--iterations", "6", "--pipeline-num-parallel", str(workers), "--no-validation",
+                                 "--logs-path", str(tmp_path / "run")]) == 0
+    pids = decoders.read_text().split()
+    assert len(pids) == 6 * 2  # every training image of the 6 updates decoded once
+    if workers == 0:
+        assert set(pids) == {str(os.getpid())}  # in the training process itself
+    else:
+        assert len(set(pids)) == workers and str(os.getpid()) not in pids  # shared by the workers
+
+
 def test_dataset_benchmark_runs_the_pipeline_alone(jpeg_tree, tmp_path):
     out = run_script("train.py", "--dataset", "imagenet", "--data-dir", str(jpeg_tree), "--image-size", "48",
                      "--micro-batch-size", "2", "--iterations", "5", "--pipeline-num-parallel", "0",

@@ -226,4 +226,6 @@ def test_half_weights_accumulate_in_float32_across_the_stages_as_in_one_process(
     reference = one_process(tmp_path, data_dir, "one", *PIPELINE, *half)
     mine, theirs = (torch.load(f / "ckpt-3.pt", weights_only=True)["model"] for f in (pipelined, reference))
     assert mine["conv1.weight"].dtype == torch.bfloat16
-    assert relative_difference(pipelined / "ckpt-3.pt", reference / "ckpt-3.pt") < 1e-4
+    # Bitwise: each stage runs the same bfloat16 kernels on the same shapes as the one process, and
+    # adds the micro-batch gradients into the same float32 sums in the same order.
+    assert relative_difference(pipelined / "ckpt-3.pt", reference / "ckpt-3.pt") == 0.0

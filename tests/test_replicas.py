@@ -183,6 +183,34 @@ def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, tmp_path
         assert torch.equal(a["state"][key]["momentum_buffer"], b["state"][key]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("identical", [True, False], ids=["identical", "per-replica"])
+def test_identical_replica_seeding_gives_every_replica_the_same_random_streams(data_dir, tmp_path, identical):
+    # Mixup draws from the global stream and its own generator on every update: the streams move.
+    folder = trained(tmp_path, "seeding", data_dir, "--replicas", "2", "--micro-batch-size", "16",
+                     "--mixup-alpha", "0.5", "--iterations", "4",
+                     *(["--identical-replica-seeding"] if identical else []))
+    rank0, rank1 = torch.load(folder / "ckpt-4.pt", weights_only=True)["rng_by_rank"]
+    for stream in ("torch", "gen:mix"):
+        assert torch.equal(rank0[stream], rank1[stream]) == identical, stream
+    assert (rank0["python"] == rank1["python"]) == identical
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_replicas_auto_is_one_replica_per_usable_core(data_dir, tmp_path):
+    two_cores = sorted(os.sched_getaffinity(0))[:2]
+    folder = tmp_path / "auto"
+    process = processes.start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir),
+                               "--logs-path", str(folder), "--replicas", "auto", "--micro-batch-size", "16",
+                               "--log-all-instances", "true"],
+                              cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.sched_setaffinity(0, two_cores))
+    finish(process)
+    arguments = json.loads((folder / "arguments.json").read_text())
+    assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
+    assert "step:" in (folder / "instance_1" / "log.txt").read_text()  # a second process trained
+    assert not (folder / "instance_2").exists()
+
+
 def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
     folder = trained(tmp_path, "val", data_dir, "--replicas", "2", "--micro-batch-size", "16", validate=True)
     with open(folder / "validation.csv") as f:
@@ -211,8 +239,15 @@ def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
     outputs = [finish(launcher) for launcher in launchers]
     arguments = json.loads((folder / "arguments.json").read_text())
     assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
-    assert (folder / "ckpt-12.pt").is_file()
-    assert sum("Saving to" in out for out, _ in outputs) == 1  # rank 0 alone writes
+    # poprun --host: the two hosts' processes train the model one process trains with accumulation
+    # (to the all-reduce's reordering of float32 sums: see test_replicas_train_as_one_process_with_accumulation).
+    single = trained(tmp_path, "single", data_dir, "--gradient-accumulation-count", "2", "--micro-batch-size", "16")
+    assert relative_difference(folder / "ckpt-12.pt", single / "ckpt-12.pt") < 1e-4
+    # poprun --only-output-from-instance 0, the default: rank 1 prints no line of the run and writes nothing.
+    (node0, _), (node1, _) = outputs
+    assert "Saving to" in node0 and "step:" in node0
+    assert not any(word in node1 for word in ("Saving", "step:", "Total Parameters", "Saved checkpoint")), node1
+    assert not list(folder.glob("instance_*")) and not list(tmp_path.glob("logs*"))
 
 
 def test_torchrun_instances_log_and_checkpoint_with_equal_weights(data_dir, tmp_path):

@@ -203,3 +203,31 @@ def test_compile_runs_inductor_code_that_updates_the_weights_as_eager_does(data_
             assert (a[name] - b[name]).abs().max() <= 1e-4 * scale, name
         else:
             assert torch.equal(a[name], b[name]), name  # the batch counters
+
+
+# ---------------------------------------------------------------------------------------------
+# --precision: the types the convolutions really compute in and the weights are kept in
+
+
+@pytest.mark.parametrize("precision, compute, weights", [
+    ("16.32", torch.bfloat16, torch.float32),
+    ("16.16", torch.bfloat16, torch.bfloat16),
+    ("32.32", torch.float32, torch.float32),
+])
+def test_precision_sets_the_type_of_the_convolutions_and_of_the_weights(data_dir, tmp_path, monkeypatch,
+                                                                        precision, compute, weights):
+    seen: set[tuple[torch.dtype, torch.dtype]] = set()
+    forward = torch.nn.Conv2d.forward
+
+    def recorded(self, x):
+        out = forward(self, x)
+        seen.add((out.dtype, self.weight.dtype))
+        return out
+
+    monkeypatch.setattr(torch.nn.Conv2d, "forward", recorded)
+    # --half-dtype bfloat16: the half type even where this CPU only emulates it.
+    folder = train(data_dir, tmp_path, "--iterations", "2", "--precision", precision, "--half-dtype", "bfloat16")
+    assert seen == {(compute, weights)}
+    state = torch.load(folder / "ckpt-2.pt", weights_only=True)["model"]
+    assert state["conv1.weight"].dtype == weights
+    assert state["bn1.weight"].dtype == torch.float32  # norms stay float32 in every precision
