@@ -93,6 +93,36 @@ def test_validation_of_one_checkpoint_file(run_copy, capsys):
     assert [r["name"] for r in read_csv(run_copy / "validation.csv")] == ["ckpt-2"]
 
 
+def test_global_batch_size_places_a_checkpoint_without_its_epoch(run_copy, capsys):
+    # Checkpoints written here record their epoch (4 updates of 16 of the run's 128 images: 0.5) ...
+    assert run_command("validate", ["--restore-path", str(run_copy / "ckpt-4.pt"), "--global-batch-size", "64"]) == 0
+    assert "[ckpt-4] (iteration:      4, epoch:   0.50," in capsys.readouterr().out
+    # ... one that does not is placed as the seed placed every one: iterations x the global batch over
+    # the dataset's size (CIFAR-10: 50,000 images).
+    state = torch.load(run_copy / "ckpt-4.pt", weights_only=True)
+    del state["epoch"]
+    foreign = run_copy / "foreign"
+    foreign.mkdir()
+    shutil.copy(run_copy / "arguments.json", foreign)
+    torch.save(state, foreign / "ckpt-4.pt")
+    assert run_command("validate", ["--restore-path", str(foreign / "ckpt-4.pt"), "--global-batch-size", "25000"]) == 0
+    assert "[ckpt-4] (iteration:      4, epoch:   2.00," in capsys.readouterr().out
+
+
+def test_repeat_passes_over_generated_data_then_a_latency_line(capsys):
+    assert run_command("validate", ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10",
+                                    "--generated-data", "--repeat", "3", "--micro-batch-size", "4",
+                                    "--validation-images", "8"]) == 0
+    out = capsys.readouterr().out
+    passes = re.findall(r"^Validation top-1 accuracy: .*throughput: ([\d.]+) samples/sec, time: ([\d.]+),", out,
+                        re.MULTILINE)
+    assert len(passes) == 3  # --repeat 3
+    for throughput, seconds in passes:  # --validation-images 8: each pass is 8 images
+        assert float(throughput) * float(seconds) == pytest.approx(8, rel=0.02)
+    assert re.search(r"^latency avg: [\d.]+ ms, latency 99p: [\d.]+ ms, latency 99p9: [\d.]+ ms, latency max: [\d.]+ ms$",
+                     out, re.MULTILINE)
+
+
 def test_a_validated_run_validates_the_moving_average_beside_the_weights(run_copy, capsys):
     state = torch.load(run_copy / "ckpt-4.pt", weights_only=True)
     state["ema"] = {k: v.clone() for k, v in state["model"].items()}
