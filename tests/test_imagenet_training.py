@@ -205,3 +205,53 @@ def test_dataset_is_recognised_from_folder_contents_whatever_its_name(tmp_path):
         (folder / "train" / cls / "x.JPEG").write_bytes(b"")
     options, _ = resolved_training_options("train", ["--data-dir", str(folder)])
     assert (options["dataset"], options["model_size"], options["group_norm"]) == ("imagenet", "18", True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The class count from the data
+
+
+RESNET18_3_CLASSES = 11_689_512 - 997 * (512 + 1)  # resnet18's classifier with 3 outputs instead of 1,000
+
+
+def test_a_folder_tree_gives_the_model_as_many_outputs_as_it_has_classes(jpeg_tree, tmp_path):
+    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--log-dir", str(tmp_path / "logs"),
+                     cwd=tmp_path)
+    assert f"Total Parameters:{RESNET18_3_CLASSES}\n" in out.stdout
+    folder = run_folder(out.stdout)
+    assert json.loads((folder / "arguments.json").read_text())["num_classes"] == 3
+    state = torch.load(folder / "ckpt-3.pt", weights_only=True)["model"]
+    assert state["fc.weight"].shape == (3, 512)
+    # Every later command rebuilds the same model from arguments.json (a 1,000-class model would not load).
+    validation = read_csv(folder / "validation.csv")
+    assert validation and int(validation[-1]["val_size"]) == sum(VALIDATION_PER_CLASS)
+    again = run_script("validation.py", "--restore-path", str(folder / "ckpt-3.pt"), cwd=tmp_path)
+    assert f"Total Parameters:{RESNET18_3_CLASSES}\n" in again.stdout
+
+
+def test_num_classes_overrides_the_data_and_may_not_fall_below_it(jpeg_tree, tmp_path, capsys):
+    from cnns.cli import resolved_training_options
+    from cnns.cli import run_script as run_command
+
+    options, _ = resolved_training_options("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--num-classes", "5"])
+    assert options["num_classes"] == 5
+    assert run_command("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--num-classes", "2",
+                                 "--logs-path", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: the data in {jpeg_tree} has 3 classes, more than the model's "
+                                               "2 outputs (--num-classes 2)")
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_validation_folder_with_other_classes_is_one_line_naming_them(jpeg_tree, tmp_path, capsys):
+    import shutil
+
+    from cnns.cli import run_script as run_command
+
+    tree = tmp_path / "tree"
+    shutil.copytree(jpeg_tree, tree)
+    (tree / "validation" / "n00000002").rename(tree / "validation" / "n00000007")
+    assert run_command("train", [*RESNET18_64PX, "--data-dir", str(tree), "--logs-path", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tree}: the validation folder's classes differ from the training folder's "
+        "(n00000007 only in validation; n00000002 only in training)")
+    assert not (tmp_path / "run").exists()

@@ -400,6 +400,8 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
     if o.get("iterations") is not None and o["iterations"] < 1:
         raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
+    if o.get("num_classes") is not None and o["num_classes"] < 1:
+        raise ConfigError(f"--num-classes must be at least 1, got {o['num_classes']}")
     if o["BN_span"] > 1 and isinstance(o["replicas"], int) and o["replicas"] > 1 and o["replicas"] % o["BN_span"]:
         raise ConfigError(f"--BN-span {o['BN_span']} must divide --replicas {o['replicas']}")
     if o["shards"] > 1 and not o["pipeline"]:
@@ -577,8 +579,10 @@ class RunConfig:
         cifar = dataset in CIFAR_LIKE or dataset is None
         source = "synthetic" if o["synthetic_data"] else ("generated" if o["generated_data"] else "files")
         image_size = 32 if cifar else o.get("image_size")
+        # The run's class count (arguments.json records it; a run of an older version: the dataset's).
+        num_classes = o.get("num_classes") or NUM_CLASSES.get(dataset, 10)
         model = ModelSpec(
-            arch=o["model"], size=str(o["model_size"]), num_classes=NUM_CLASSES.get(dataset, 10),
+            arch=o["model"], size=str(o["model_size"]), num_classes=num_classes,
             image_size=image_size or 224, norm="group" if o.get("group_norm") else "batch",
             groups=o["groups"], group_dim=o.get("group_dim") or 1, expand_ratio=o.get("expand_ratio") or 6,
             convolution_groups=o.get("convolution_groups") or 32,
@@ -586,7 +590,7 @@ class RunConfig:
         )
         data = DataConfig(
             dataset=dataset, data_dir=o.get("data_dir"), source=source,
-            num_classes=NUM_CLASSES.get(dataset, 10), image_size=image_size,
+            num_classes=num_classes, image_size=image_size,
             workers=o["pipeline_num_parallel"], normalise_imagenet=bool(o["normalise_input"]),
             host_normalisation=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
             percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],

@@ -122,6 +122,9 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", choices=DATASETS, type=str.lower,
                        help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
+    group.add_argument("--num-classes", type=int,
+                       help="Outputs of the classifier (default: the data's classes: a folder tree's class folders, "
+                            "10 or 100 for CIFAR, 1,000 for ImageNet TFRecords).")
     synthetic = group.add_mutually_exclusive_group()
     synthetic.add_argument("--generated-data", action="store_true",
                            help="Random data made on the host and fed through the input pipeline.")
@@ -194,6 +197,10 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,
                        help="Dynamic loss scaling: back off on overflow and skip that update.")
     group.add_argument("--seed", type=int, help="Seed for a reproducible run.")
+    group.add_argument("--init-path",
+                       help="Start from these weights: a cnns checkpoint or run folder, or a timm-layout state dict "
+                            "(.pt, .pth or .safetensors). The model only: optimiser, schedule and data order start "
+                            "fresh; a classifier of another class count is initialised anew.")
     cadence = group.add_mutually_exclusive_group()
     cadence.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch (default 1; 0 = only the last).")
     cadence.add_argument("--epochs-per-ckpt", type=float, help="Epochs between checkpoints (instead of --ckpts-per-epoch).")

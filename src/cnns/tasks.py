@@ -16,6 +16,7 @@ from cnns.config import RunConfig
 from cnns.errors import CheckpointError, ConfigError
 from cnns.parallel.world import World, join_world, launched
 from cnns.runs import (RunFolder, agree_on_run_folder, check_pipeline_splits, newest_restore_point, run_log_for)
+from cnns.weights import initial_weights
 
 
 def check_supported(options: dict[str, Any]) -> None:
@@ -43,10 +44,14 @@ def print_split_points(options: dict[str, Any]) -> int:
 
 
 def check_data_before_writing(cfg: RunConfig) -> None:
-    """Fail on missing data before a run folder is created, so a bad command leaves nothing behind."""
-    from cnns.data.pipeline import resolve_dataset
+    """Fail on missing data, or data with more classes than the model has outputs, before a run folder
+    is created, so a bad command leaves nothing behind."""
+    from cnns.data.pipeline import classes_in_data
 
-    resolve_dataset(cfg.data)
+    found = classes_in_data(cfg.data)
+    if found is not None and found[0] > cfg.model.num_classes:
+        raise ConfigError(f"the data in {found[1]} has {found[0]} classes, more than the model's "
+                          f"{cfg.model.num_classes} outputs (--num-classes {cfg.model.num_classes})")
 
 
 def needs_workers(options: dict[str, Any]) -> bool:
@@ -90,6 +95,7 @@ def train(options: dict[str, Any], notices: list[str], relaunch: list[str]) -> i
             print(notice)
         dataset_benchmark(cfg)  # the input pipeline alone: no model, no run folder
         return 0
+    initial = initial_weights(options["init_path"], cfg.model) if options.get("init_path") else None
     if needs_workers(options):
         return start_workers("train", relaunch, options)
     world = join(options, notices)
@@ -108,7 +114,7 @@ def train(options: dict[str, Any], notices: list[str], relaunch: list[str]) -> i
         if cfg.log.wandb and world.is_writer:
             log.start_wandb(cfg.log.wandb_project, cfg.log.name, options)
         try:
-            return TrainingSession(cfg, log, folder, world, instance_folder).run(restore=restore)
+            return TrainingSession(cfg, log, folder, world, instance_folder, initial).run(restore=restore)
         finally:
             log.close()
     finally:
@@ -181,6 +187,8 @@ def validate(options: dict[str, Any], restore_path: str | None, repeat: int, not
 
     check_supported(options)
     cfg = RunConfig.from_options(options)
+    if restore_path:
+        check_data_before_writing(cfg)
     if needs_workers(options):
         return start_workers("validate", relaunch, options)
     world = join(options)

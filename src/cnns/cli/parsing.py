@@ -7,7 +7,7 @@ import os
 import shlex
 from typing import Any
 
-from cnns.config import load_named_config, resolve
+from cnns.config import NUM_CLASSES, load_named_config, resolve
 from cnns.options import IPU_ONLY_OPTIONS, build_parser
 
 
@@ -64,11 +64,26 @@ def dataset_from_folder_contents(data_dir: str | None) -> str | None:
     return found
 
 
+def classes_in_the_data(options: dict[str, Any]) -> int:
+    """The classifier's outputs when --num-classes is not given: a folder tree's class folders (their
+    names only are read), else the dataset's (CIFAR-10 10, CIFAR-100 100, ImageNet 1,000)."""
+    dataset = options.get("dataset")
+    if dataset == "imagenet" and not (options.get("generated_data") or options.get("synthetic_data")):
+        from cnns.data.imagenet import folder_tree_classes
+
+        found = folder_tree_classes(options["data_dir"]) if options.get("data_dir") else None
+        if found is not None and found[0]:
+            return len(found[0])
+    return NUM_CLASSES.get(dataset, 10)
+
+
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     values, notices = parse_options(script, argv)
     if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
         values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))
     options = resolve(values)
+    if options.get("num_classes") is None:
+        options["num_classes"] = classes_in_the_data(options)
     if options.get("seed") is None:
         # Record the seed actually used so that restore.py continues the same data order.
         options["seed"] = int.from_bytes(os.urandom(4), "little")

@@ -57,11 +57,16 @@ def export_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="cnns export",
-        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32).")
+        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32), or its "
+                    "weights as safetensors with the config.json timm reads.")
     parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
     parser.add_argument("--format", required=True, choices=FORMATS,
-                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package.")
-    parser.add_argument("--out", required=True, help="The file to write (replaced if it exists).")
+                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package; "
+                             "safetensors: weights and config.json for timm.")
+    parser.add_argument("--out", required=True,
+                        help="The file to write (replaced if it exists); with safetensors, the folder.")
+    parser.add_argument("--keep-dtype", action="store_true",
+                        help="safetensors: the weights in the training half type (default: float32).")
     parser.add_argument("--batch-size", default="dynamic",
                         help="A fixed batch size N, or dynamic (the default): any batch size.")
     parser.add_argument("--eight-bit-io", action="store_true",
@@ -79,7 +84,7 @@ def export_main(argv: list[str]) -> int:
 
     args = export_parser().parse_args(argv)
     return export(args.restore_path, args.format, args.out, batch_size=args.batch_size,
-                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device)
+                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -139,6 +139,33 @@ def detect_imagenet(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def folder_tree_classes(folder: str | os.PathLike) -> tuple[list[str], list[str] | None] | None:
+    """(training classes, validation classes or None) of an ImageNet-style folder tree, from its folder
+    names alone; None when `folder` holds no folder tree (TFRecords, CIFAR, nothing)."""
+    if detect_imagenet(folder) != "folder":
+        return None
+    train, validation = (find_split_folder(folder, split) for split in ("train", "validation"))
+    validation_classes = list_classes(validation) if validation is not None else None
+    return (list_classes(train) if train is not None else validation_classes or []), validation_classes
+
+
+def check_same_classes(folder: str | os.PathLike) -> None:
+    """DataError naming the difference when a folder tree's validation classes are not its training ones
+    (the class index is the position in the sorted training classes: a difference shifts every label)."""
+    found = folder_tree_classes(folder)
+    if found is None or found[1] is None or found[0] == found[1]:
+        return
+    train, validation = (set(names) for names in found)
+    parts = [f"{_first_few(only)} only in {where}"
+             for only, where in ((validation - train, "validation"), (train - validation, "training")) if only]
+    raise DataError(f"{folder}: the validation folder's classes differ from the training folder's ({'; '.join(parts)})")
+
+
+def _first_few(names: set[str], shown: int = 3) -> str:
+    ordered = sorted(names)
+    return ", ".join(ordered[:shown]) + (f" and {len(ordered) - shown} more" if len(ordered) > shown else "")
+
+
 def imagenet_dataset(folder: str | os.PathLike, train: bool, transform=None) -> tuple[Dataset, int]:
     """(dataset, number of classes) for the split, whichever layout `folder` holds."""
     layout = detect_imagenet(folder)

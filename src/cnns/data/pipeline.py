@@ -95,6 +95,21 @@ def resolve_dataset(cfg: DataConfig) -> tuple[str, Path | None]:
     raise DataError(f"cannot infer the dataset in {folder}; name it with --dataset")
 
 
+def classes_in_data(cfg: DataConfig) -> tuple[int, Path] | None:
+    """(the number of classes the data's labels can take, its folder); None for generated data. A folder
+    tree's validation classes must be its training ones (DataError naming the difference)."""
+    dataset, folder = resolve_dataset(cfg)
+    if folder is None:
+        return None
+    if dataset == "imagenet":
+        from cnns.data.imagenet import check_same_classes, folder_tree_classes
+
+        check_same_classes(folder)
+        found = folder_tree_classes(folder)
+        return (len(found[0]) if found is not None else 1000), folder  # TFRecords: ImageNet's labels
+    return (100 if dataset == "cifar-100" else 10), folder
+
+
 def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: int, seed: int,
                   device: torch.device, shard: tuple[int, int] = (0, 1), need_eval: bool = True,
                   need_train: bool = True, global_batch_size: int | None = None) -> DataSources:
@@ -106,7 +121,7 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
     None keeps whole micro-batch groups only. Evaluation ignores it: every image exactly once
     over all the ranks, with any batch size."""
     dataset, folder = resolve_dataset(cfg)
-    num_classes = {"imagenet": 1000, "cifar-100": 100}.get(dataset, 10)
+    num_classes = cfg.num_classes  # generated labels: the model's classes
     if cfg.source == "synthetic":
         image_size = cfg.image_size or 224
         train = SyntheticBatches(micro_batch_size, image_size, num_classes, NOMINAL_TRAIN_IMAGES[dataset], device,

@@ -34,6 +34,7 @@ from cnns.parallel.replicas import no_sync_context
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.runs import RestorePoint
+from cnns.weights import InitialWeights
 
 
 def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
@@ -106,16 +107,20 @@ class TrainingSession:
     --ckpt-all-instances)."""
 
     def __init__(self, cfg: RunConfig, log: RunLog, folder: Path, world: World | None = None,
-                 instance_folder: Path | None = None):
+                 instance_folder: Path | None = None, initial: InitialWeights | None = None):
         self.cfg = cfg
         self.log = log
         self.folder = folder
         self.world = world or World()
         self.instance_folder = instance_folder
+        self.initial = initial  # --init-path: the weights a new run starts from
 
     def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
         c = build_components(cfg, self.world, need_eval=cfg.train.validation)
+        starts_from_weights = restore is None and self.initial is not None
+        if starts_from_weights:  # before the training parts: the moving average starts from them too
+            self.initial.load_into(c.plain_model)
         parts = build_training_parts(cfg, c)
         # Apply a restored state before the first printed line: a checkpoint that does not fit this
         # run fails with the run folder untouched.
@@ -123,6 +128,8 @@ class TrainingSession:
         if restore is not None:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
         print_startup(log, cfg, c.plain_model, c)
+        for line in self.initial.notes if starts_from_weights else []:
+            log.print(line)
         mine, total = parts.optimiser.owned_elements()
         if mine != total:
             log.print(f" Optimiser state sharded over {self.world.replicas} replicas (--rts): this process "

@@ -28,6 +28,15 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
   ``inference_embedded.py`` compiles: a package of compiled native code for this machine's kind of
   device (``--device``, CPU by default). Loading it needs PyTorch
   (``torch._inductor.aoti_load_package``) but not cnns; compilation takes tens of seconds on a CPU.
+  ``safetensors``: the weights alone, for timm and the model hubs: ``--out`` is a folder that gets
+  ``model.safetensors`` (the state dict under timm's key names, which are cnns' own; float32, or the
+  training half type with ``--keep-dtype``) and ``config.json`` in timm's hub layout (architecture as
+  timm names it, class count and names, input size, mean and std). timm then builds the model from
+  either ``timm.create_model("local-dir:FOLDER", pretrained=True)`` or ``timm.create_model(NAME, pretrained=True,
+  pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N), num_classes=N)`` (the
+  overlay's class count tells timm the file's classifier fits; without it timm drops the classifier
+  of a class count other than its own default). Only models timm defines by name qualify
+  (`cnns.weights.timm_model`); the others are one line saying so.
 * The file is written under a temporary name in the destination folder and renamed, so `--out`
   never holds a partial file; an existing file of that name is replaced.
 """
@@ -43,7 +52,7 @@ from torch import nn
 from cnns.errors import ConfigError
 from cnns.inference.predict import RestoredModel, restore_model
 
-FORMATS = ("onnx", "pt2")
+FORMATS = ("onnx", "pt2", "safetensors")
 ONNX_OPSET = 18
 INPUT_NAME = "images"
 OUTPUT_NAME = "logits"
@@ -170,12 +179,14 @@ def _batch_size(value: str) -> int | None:
 
 
 def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dynamic", eight_bit_io: bool = False,
-           weights: str = "raw", device: str = "cpu") -> int:
+           weights: str = "raw", device: str = "cpu", keep_dtype: bool = False) -> int:
     """Write a run's model as `fmt` (onnx or pt2) to `out` and print how to run it (module docstring)."""
     from cnns.engine.build import resolve_device
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "safetensors":
+        return export_for_timm(restore_path, Path(out), weights, keep_dtype)
     batch = _batch_size(batch_size)
     out = Path(out)
     if out.is_dir():
@@ -202,6 +213,75 @@ def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dyna
         print(line)
     print(f"run: {usage_line(fmt, out)}")
     return 0
+
+
+def export_for_timm(restore_path: str, out: Path, weights: str, keep_dtype: bool) -> int:
+    """--format safetensors: FOLDER/model.safetensors and FOLDER/config.json (module docstring)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from cnns.runs import checkpoint_weights
+    from cnns.weights import timm_model
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder (model.safetensors, config.json)")
+    restored = restore_model(restore_path, weights)  # checks the weights against the run's model
+    architecture, model_args = timm_model(restored.cfg.model)
+    if keep_dtype:
+        tensors = dict(checkpoint_weights(restored.checkpoint, weights))
+    else:
+        tensors = restored.model.state_dict()
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+    config = timm_config(restored, architecture, model_args)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "model.safetensors", lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+    _atomic_write(out / "config.json", lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
+    print(f"Exported {restored.checkpoint} ({restored.weights} weights, {restored.description}) to "
+          f"{out}/model.safetensors ({', '.join(dtypes)}) and {out}/config.json: timm's {architecture}")
+    n = restored.num_classes
+    extra = "".join(f", {key}={value!r}" for key, value in model_args.items())
+    print(f"run: import timm; model = timm.create_model({architecture!r}, pretrained=True, pretrained_cfg_overlay="
+          f"dict(file={str(out / 'model.safetensors')!r}, num_classes={n}), num_classes={n}{extra})  "
+          f"# or timm.create_model({'local-dir:' + str(out)!r}, pretrained=True)")
+    return 0
+
+
+def timm_config(restored: RestoredModel, architecture: str, model_args: dict) -> dict:
+    """config.json in timm's hub layout (what timm.models.load_model_config_from_path reads)."""
+    from cnns.models.spec import display_name
+    from cnns.runs import class_names
+    from cnns.weights import classifier_name
+
+    names, _ = class_names(restored.cfg, restored.checkpoint.parent)
+    size = restored.image_size
+    pretrained_cfg = {
+        # Evaluation preprocessing as cnns's (cnns.data.imagenet.evaluation_transform): the short side to
+        # size x 256/224, the centre size x size square.
+        "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 0.875,
+        "crop_mode": "center", "mean": list(restored.mean), "std": list(restored.std),
+        "num_classes": restored.num_classes, "classifier": classifier_name(restored.model),
+        "first_conv": "conv_stem" if restored.cfg.model.arch == "efficientnet" else "conv1",
+    }
+    config = {"architecture": architecture, "num_classes": restored.num_classes,
+              "num_features": restored.model.get_classifier().in_features, "pretrained_cfg": pretrained_cfg,
+              "cnns": {"model": display_name(restored.cfg.model), "checkpoint": str(restored.checkpoint),
+                       "weights": restored.weights}}
+    if model_args:
+        config["model_args"] = model_args
+    if names is not None:
+        config["label_names"] = list(names)
+    return config
+
+
+def _atomic_write(path: Path, write) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 __all__ = ["export", "FORMATS", "export_onnx", "export_pt2", "exportable_module", "ONNX_OPSET"]

@@ -1,0 +1,159 @@
+"""Weights that cross the project's border: read for `train.py --init-path`, written for timm.
+
+* `read_weight_file`: a cnns checkpoint (its ``"model"`` entry) or run folder (its newest checkpoint),
+  or a plain state dict in timm's layout, as ``.pt`` / ``.pth`` (``torch.load``, weights only) or
+  ``.safetensors``. cnns builds its ImageNet models from timm's definitions, so timm's key names are
+  cnns' own.
+* `initial_weights`: those weights checked against the model a run builds (on the meta device: no
+  memory, no arithmetic). A classifier of another class count is left out, to be initialised anew;
+  any other missing, foreign or misshapen tensor is one line naming the first.
+* `timm_model`: the name (and the arguments) under which timm builds the same model, for `cnns export
+  --format safetensors`; or why there is none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cnns.checkpoint import list_checkpoints, load_checkpoint
+from cnns.errors import CheckpointError
+from cnns.models import ModelSpec, build_model
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """(the state dict at `path`, the file it was read from: a run folder's newest checkpoint); see the
+    module docstring. CheckpointError in one line when it is none."""
+    path = Path(path)
+    if path.is_dir():
+        checkpoints = list_checkpoints(path)
+        if not checkpoints:
+            raise CheckpointError(f"--init-path {path}: a folder without checkpoints (ckpt-<iteration>.pt)")
+        path = checkpoints[-1][1]
+    if not path.is_file():
+        raise CheckpointError(f"--init-path {path}: no such file or folder")
+    if path.suffix == SAFETENSORS_SUFFIX:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path), path
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"--init-path {path}: not a safetensors file ({_first_line(error)})") from None
+    try:
+        state = load_checkpoint(path)  # a cnns checkpoint, checked
+        return state["model"], path
+    except CheckpointError:
+        pass
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - torch.load raises many kinds for a file that is not one
+        reason = ("it holds Python objects, not only tensors" if "Weights only load failed" in str(error)
+                  else _first_line(error))
+        raise CheckpointError(f"--init-path {path}: not a checkpoint or state dict ({reason})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]  # the common {"state_dict": ...} wrapping
+    if not (isinstance(state, dict) and state and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in state.items())):
+        raise CheckpointError(f"--init-path {path}: not a state dict of tensors, nor a cnns checkpoint")
+    return state, path
+
+
+@dataclass
+class InitialWeights:
+    """Weights to start a run from: every tensor of the model but a classifier left to initialise."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    notes: list[str] = field(default_factory=list)
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the weights into `model` (a pipeline stage holds some of the model's tensors: those)."""
+        own = model.state_dict()
+        with torch.no_grad():
+            for name, tensor in self.weights.items():
+                if name in own:
+                    own[name].copy_(tensor)
+
+
+def initial_weights(path: str | Path, spec: ModelSpec) -> InitialWeights:
+    """The weights at `path` checked against the model built from `spec` (see the module docstring)."""
+    weights, path = read_weight_file(path)
+    with torch.device("meta"):
+        model = build_model(spec)
+    expected = model.state_dict()
+    classifier = classifier_name(model)
+    notes = [f"Initialised from {path} (--init-path); optimiser, schedule and data order start fresh"]
+    head = {f"{classifier}.weight", f"{classifier}.bias"}
+    theirs = weights.get(f"{classifier}.weight")
+    if theirs is not None and theirs.shape != expected[f"{classifier}.weight"].shape and theirs.dim() == 2:
+        weights = {k: v for k, v in weights.items() if k not in head}
+        notes.append(f"Classifier ({classifier}) initialised anew: {spec.num_classes} classes here, "
+                     f"{theirs.shape[0]} in {path.name}")
+        expected = {k: v for k, v in expected.items() if k not in head}
+    foreign = [k for k in weights if k not in expected]
+    if foreign:
+        raise CheckpointError(f"--init-path {path} does not fit {_described(spec)}: it has {foreign[0]!r}, which the "
+                              f"model has not ({len(foreign)} such tensors)")
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        raise CheckpointError(f"--init-path {path} does not fit {_described(spec)}: it lacks {missing[0]!r} "
+                              f"({len(missing)} tensors missing)")
+    for name, tensor in expected.items():
+        if tuple(weights[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"--init-path {path} does not fit {_described(spec)}: {name} is "
+                                  f"{tuple(weights[name].shape)} there, {tuple(tensor.shape)} here")
+    return InitialWeights(Path(path), weights, notes)
+
+
+def classifier_name(model: nn.Module) -> str:
+    """The module name of the model's last linear layer: its classifier (timm's fc / classifier)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
+
+
+# timm's model names for the models cnns builds from its definitions, by (architecture, size).
+TIMM_RESNETS = {"18", "34", "50", "101", "152"}
+TIMM_RESNEXTS = {"50", "101"}
+TIMM_EFFICIENTNETS = {f"B{i}" for i in range(8)}
+
+
+def timm_model(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
+    """(timm's model name, the model arguments beyond the class count) for the model `spec` builds;
+    CheckpointError saying why when timm defines none."""
+    what = _described(spec)
+    if spec.cifar:
+        raise CheckpointError(f"timm defines no model for {what}: the CIFAR models are cnns' own "
+                              "(export them as onnx or pt2)")
+    model_args: dict[str, Any] = {}
+    if spec.norm == "group":
+        if spec.arch == "efficientnet" or spec.groups != 32:
+            raise CheckpointError(f"timm builds {what} with group norm of {spec.groups} groups from code only, not "
+                                  "from a model name: export a --batch-norm run, or as onnx or pt2")
+        model_args["norm_layer"] = "groupnorm"  # timm's GroupNorm: 32 groups
+    if spec.arch == "resnet" and spec.size in TIMM_RESNETS:
+        return f"resnet{spec.size}", model_args
+    if (spec.arch == "resnext" and spec.size in TIMM_RESNEXTS and spec.convolution_groups == 32
+            and spec.group_width == 4):
+        return f"resnext{spec.size}_32x4d", model_args
+    if (spec.arch == "efficientnet" and spec.size in TIMM_EFFICIENTNETS and spec.group_dim == 1
+            and spec.expand_ratio == 6):
+        return f"efficientnet_{spec.size.lower()}", model_args
+    raise CheckpointError(f"timm defines no model for {what} (only ResNet 18-152, ResNeXt 50/101 32x4d and "
+                          "EfficientNet B0-B7 as the papers define them): export it as onnx or pt2")
+
+
+def _described(spec: ModelSpec) -> str:
+    from cnns.models.spec import display_name
+
+    return display_name(spec)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
