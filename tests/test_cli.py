@@ -187,6 +187,8 @@ def test_ipu_only_options_are_named_in_one_notice():
 
 @pytest.mark.parametrize("argv, message", [
     (["--config", "no_such_config"], "unknown config 'no_such_config'"),
+    (["--config", "resnet50_bn_16ipu"], "unknown config 'resnet50_bn_16ipu' in"),
+    (["--config", "resnet50_bn_16ipu"], "; did you mean 'resnet50_bn_16ipus' or"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2"], "--shards should be used in combination"),
     (["--dataset", "cifar-10", "--data-dir", "/nonexistent/folder", "--iterations", "1"], "data folder not found"),

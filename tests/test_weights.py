@@ -8,7 +8,6 @@ PNG folder tree: train/<digit>/ and validation/<digit>/.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np

@@ -67,8 +67,13 @@ def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[
     if not isinstance(configs, dict):
         raise ConfigError(f"configuration file {path} does not map configuration names to options")
     if name not in configs:
-        available = ", ".join(sorted(str(key) for key in configs)) or "none"
-        raise ConfigError(f"unknown config {name!r} in {path}; available configs: {available}")
+        import difflib
+
+        names = sorted(str(key) for key in configs)
+        near = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+        if near:
+            raise ConfigError(f"unknown config {name!r} in {path}; did you mean {' or '.join(map(repr, near))}?")
+        raise ConfigError(f"unknown config {name!r} in {path}; available configs: {', '.join(names) or 'none'}")
     config = configs[name]
     where = f"config {name!r} in {path}"
     if not isinstance(config, dict) or not all(isinstance(key, str) for key in config):

@@ -93,22 +93,26 @@ class ImageNetTransform:
         self.augment = training_transform(image_size) if train else evaluation_transform(image_size)
         self.skip_corrupt = skip_corrupt  # --skip-corrupt-images: an undecodable image becomes None
 
-    def __call__(self, data: bytes, source: str) -> torch.Tensor | None:
+    def __call__(self, data: bytes, source: str) -> torch.Tensor | str:
         try:
             decoded = decode_rgb(data, source)
         except DataError:
             if self.skip_corrupt:
-                return None  # dropped and counted by collate_skipping_corrupt
+                return source  # in place of the image: dropped and named by collate_skipping_corrupt
             raise
         image = self.augment(decoded)
         return image.permute(1, 2, 0).contiguous()  # a no-op when the image is HWC in memory
 
 
-def collate_skipping_corrupt(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """--skip-corrupt-images: the batch without the images that could not be decoded, and their count
-    (it travels with the batch, so worker processes can report it)."""
-    kept = [(image, label) for image, label in samples if image is not None]
-    skipped = len(samples) - len(kept)
+SKIPPED_NAMES_KEPT = 3  # named in the run's last lines; the rest are counted
+
+
+def collate_skipping_corrupt(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """--skip-corrupt-images: the batch without the images that could not be decoded (the transform
+    gave their names instead), and those names (they travel with the batch, so worker processes can
+    report them)."""
+    kept = [(image, label) for image, label in samples if not isinstance(image, str)]
+    skipped = [image for image, _ in samples if isinstance(image, str)]
     if not kept:
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), skipped
     images, labels = torch.utils.data.default_collate(kept)
@@ -428,7 +432,10 @@ class ImageNetBatches:
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
             global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt)
         self.skip_corrupt = skip_corrupt
-        self.skipped_images = 0  # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none)
+        # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none), and the
+        # first few of them by name.
+        self.skipped_images = 0
+        self.skipped_names: list[str] = []
         self.batch_size = batch_size
         if train and len(self.loader) == 0:
             whole = global_batch_size or batch_size * shard[1]
@@ -464,7 +471,9 @@ class ImageNetBatches:
                     raise worker_error_as_raised(error) from None
                 if self.skip_corrupt:
                     *batch, skipped = batch
-                    self.skipped_images += skipped
+                    self.skipped_images += len(skipped)
+                    self.skipped_names += [name for name in skipped if name not in self.skipped_names][
+                        :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]
                     if len(batch[1]) == 0:
                         continue  # every image of this batch was corrupt
                 if keep is not None:

@@ -150,11 +150,7 @@ class TrainingSession:
             return 0
         start = time.perf_counter()
         self._after_training(c, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
-        skipped = sum(getattr(source, "skipped_images", 0) for source in (c.sources.train, c.sources.eval))
-        # Every replica's share of the data (each stage of a replica reads the same).
-        skipped = int(self.world.sum([skipped])[0]) // self.world.shards
-        if skipped:
-            log.print(f"Skipped {skipped} images that could not be decoded (--skip-corrupt-images)")
+        self._report_skipped_images(c)
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
         if self.world.is_writer:
             from cnns.plots import plot_training
@@ -279,6 +275,21 @@ class TrainingSession:
                 c = build_components(cfg, self.world.without_stages(), need_train=False)
             batches = generated_validation_limit(cfg, c, self.log, trained_images)
             validate_run_folder(self.folder, c, self.log, cfg.train.global_batch_size, train_samples, batches)
+
+    def _report_skipped_images(self, c: Components) -> None:
+        """--skip-corrupt-images: how many images every process dropped, and the first few by name."""
+        sources = [s for s in (c.sources.train, c.sources.eval) if s is not None]
+        skipped = sum(getattr(source, "skipped_images", 0) for source in sources)
+        # Every replica's share of the data (each stage of a replica reads the same).
+        skipped = int(self.world.sum([skipped])[0]) // self.world.shards
+        if not skipped:
+            return
+        mine = [name for source in sources for name in getattr(source, "skipped_names", [])]
+        every = self.world.gather(mine) if self.world.distributed else [mine]
+        # A bad image is met again every epoch: the count is of images dropped, the names distinct.
+        names = list(dict.fromkeys(name for names in every for name in names))[:3]
+        self.log.print(f"Skipped {skipped} image{'' if skipped == 1 else 's'} that could not be decoded "
+                       f"(--skip-corrupt-images); first: {', '.join(names)}")
 
     def _profiler(self, cfg: RunConfig):
         import contextlib
