@@ -330,11 +330,12 @@ GENERIC_DEFAULTS: dict[str, Any] = {
 
 
 def _precision_defaults(o: dict[str, Any]) -> None:
-    device = o.get("device") or ""
     # An explicit --half-dtype runs that type even where the hardware would only emulate it.
-    # (A run's arguments.json carries the answer already: restore and validation keep it.)
+    # (A run's arguments.json carries the answer already: restore and validation keep it.) train.py
+    # chooses it from the run's device before this (cnns.cli.parsing.half_type_of_the_device); options
+    # from elsewhere (benchmarks, tests) without one get the CPU's.
     o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
-    _set_if_unset(o, "half_dtype", "float16" if device.startswith("cuda") else "bfloat16")
+    _set_if_unset(o, "half_dtype", "bfloat16")
     # The seed's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
 

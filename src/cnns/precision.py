@@ -84,6 +84,15 @@ class PrecisionPolicy:
         return model
 
 
+def default_half_dtype(device: torch.device) -> str:
+    """The half type of 16.x on `device`: bfloat16 on a CPU (float32's range: no loss scaling) and on a
+    GPU with bfloat16 arithmetic (Ampere and later); float16, with the seed's loss scaling, on an older
+    GPU (Volta, Turing), whose tensor cores have no bfloat16."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(device):
+        return "float16"
+    return "bfloat16"
+
+
 def cpu_half_is_emulated(device: torch.device, half: torch.dtype) -> bool:
     """Whether half arithmetic on this CPU is emulated (far slower than float32).
 

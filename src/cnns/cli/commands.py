@@ -9,7 +9,7 @@ did not have (predict, export, benchmark, bench-data) and `cnns.cli.plot` the pl
 
 from __future__ import annotations
 
-from cnns.cli.parsing import parse_options, print_config, resolved_training_options
+from cnns.cli.parsing import half_type_of_the_device, parse_options, print_config, resolved_training_options
 
 
 def train_main(argv: list[str]) -> int:
@@ -63,6 +63,7 @@ def infer_main(argv: list[str]) -> int:
     from cnns.engine.embedded import infer, inference_options
 
     values, notices = parse_options("infer", argv)
+    half_type_of_the_device(values)
     options = inference_options(values)
     if values.get("print_config"):
         return print_config(options)

@@ -31,9 +31,11 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     if values.get("print_config") is None:
         values["print_config"] = False
     if values.get("replicas") == "auto":
-        from cnns.parallel.world import auto_replicas  # loads torch: only when asked
+        from cnns.engine.build import resolve_device  # loads torch: only when asked
+        from cnns.parallel.world import auto_replicas
 
-        values["replicas"] = auto_replicas(values.get("shards") or 1, values.get("device"))
+        device = resolve_device(values.get("device"), values.get("select_ipus"))
+        values["replicas"] = auto_replicas(values.get("shards") or 1, device)
     notices = _ipu_only_notice(values, ignored_config_keys)
     values["command"] = " ".join(shlex.quote(a) for a in [parser.prog, *argv])
     return values, notices
@@ -77,8 +79,21 @@ def classes_in_the_data(options: dict[str, Any]) -> int:
     return NUM_CLASSES.get(dataset, 10)
 
 
+def half_type_of_the_device(values: dict[str, Any]) -> None:
+    """--half-dtype, when not given, from the device the run will use (--device, --select-ipus or the
+    default): bfloat16 on a CPU and on a GPU with bfloat16 arithmetic, float16 (with loss scaling) on one
+    without. Decided once, here, so that arguments.json records it and every later command keeps it."""
+    values["half_dtype_given"] = values.get("half_dtype") is not None
+    if values.get("half_dtype") is None:
+        from cnns.engine.build import resolve_device
+        from cnns.precision import default_half_dtype
+
+        values["half_dtype"] = default_half_dtype(resolve_device(values.get("device"), values.get("select_ipus")))
+
+
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     values, notices = parse_options(script, argv)
+    half_type_of_the_device(values)
     if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
         values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))
     options = resolve(values)

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from cnns.cli.parsing import parse_options
+from cnns.cli.parsing import half_type_of_the_device, parse_options
 from cnns.options import SeedArgumentParser
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
@@ -117,6 +117,7 @@ def seed_script_options(script: str, args: list[str]) -> dict[str, Any]:
     from cnns.config import resolve
 
     values, _ = parse_options(SCRIPTS[script], args)
+    half_type_of_the_device(values)
     return resolve(values)
 
 

@@ -425,8 +425,8 @@ class ImageNetBatches:
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
                  pin_memory: bool | None = None, cache: bool = False, global_batch_size: int | None = None,
                  skip_corrupt: bool = False) -> None:
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+        if pin_memory is None:  # callers say whether the run's device is a GPU (cnns.data.pipeline)
+            pin_memory = False
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,

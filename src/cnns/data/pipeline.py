@@ -141,7 +141,7 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
         return DataSources(dataset, num_classes, train, evaluation)
     if dataset == "imagenet":
         return _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
-                                 global_batch_size)
+                                 global_batch_size, pin_memory=device.type == "cuda")
     return _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
                           global_batch_size)
 
@@ -174,7 +174,8 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
 
 
 def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
-                      global_batch_size):
+                      global_batch_size, pin_memory: bool):
+    """Pinned host memory only for a run on a GPU: pinning costs host memory and time for nothing on a CPU."""
     from cnns.data.imagenet import ImageNetBatches
 
     image_size = cfg.image_size or 224
@@ -182,10 +183,11 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
     if need_train:
         train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, image_size=image_size,
                                 workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage,
-                                global_batch_size=global_batch_size, skip_corrupt=cfg.skip_corrupt)
+                                global_batch_size=global_batch_size, skip_corrupt=cfg.skip_corrupt,
+                                pin_memory=pin_memory)
     if need_eval:
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
                                      workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache,
-                                     skip_corrupt=cfg.skip_corrupt)
+                                     skip_corrupt=cfg.skip_corrupt, pin_memory=pin_memory)
     num_classes = (train or evaluation).num_classes
     return DataSources("imagenet", num_classes, train, evaluation)

@@ -44,6 +44,10 @@ def resolve_device(requested: str | None, select_ipus: list[str] | None = None) 
         raise ConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name} requested but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(f"device {name} requested but this machine has {count} GPU{'s' if count != 1 else ''} "
+                          f"({', '.join(f'cuda:{i}' for i in range(count))})")
     return device
 
 

@@ -342,11 +342,11 @@ def join_world(options: dict[str, Any], device: torch.device,
     return world
 
 
-def auto_replicas(shards: int, device: str | None) -> int:
+def auto_replicas(shards: int, device: torch.device) -> int:
     """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
     per GPU on CUDA, one per usable core on a CPU (see the README for when that pays off)."""
     if launched():
         return max(1, int(os.environ["WORLD_SIZE"]) // shards)
-    if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
+    if device.type == "cuda":
         return max(1, torch.cuda.device_count() // shards)
     return max(1, usable_cores() // shards)

@@ -1,0 +1,96 @@
+"""Decisions that depend on the device, taken on this CPU with `torch.cuda` mocked where the logic allows:
+one half type however the GPU is chosen, the DataLoader's pinned memory, --replicas auto, a GPU that is
+not there. (The CUDA tier, `make test-gpu`, runs the same paths on a real GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cnns.cli import resolved_training_options
+
+IMAGENET = ["--config", "resnet50_bn_16ipus", "--data-dir", "/nonexistent/imagenet"]
+PLAIN = ["--model", "resnet", "--model-size", "50", "--data-dir", "/nonexistent/imagenet"]
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with two CUDA GPUs, as far as the option logic can tell."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def set_bf16(supported: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+
+    set_bf16(True)
+    return set_bf16
+
+
+@pytest.mark.parametrize("bf16, half, loss_scale", [(True, "bfloat16", 1.0), (False, "float16", 128.0)],
+                         ids=["ampere", "volta"])
+@pytest.mark.parametrize("choice", [[], ["--device", "cuda"], ["--device", "cuda:1"], ["--select-ipus", "0"]],
+                         ids=["default", "device", "device-index", "select-ipus"])
+def test_every_way_of_choosing_the_gpu_gives_its_one_half_type(two_gpus, choice, bf16, half, loss_scale):
+    two_gpus(bf16)
+    options, _ = resolved_training_options("train", [*IMAGENET, *choice])
+    assert options["half_dtype"] == half and options["half_dtype_given"] is False
+    # The loss scale follows the half type where the configuration does not set one (this one sets 128).
+    options, _ = resolved_training_options("train", [*PLAIN, *choice])
+    assert (options["half_dtype"], options["loss_scaling"]) == (half, loss_scale)
+
+
+def test_on_a_cpu_the_half_type_is_bfloat16_and_an_explicit_one_is_kept(two_gpus):
+    options, _ = resolved_training_options("train", [*PLAIN, "--device", "cpu"])
+    assert (options["half_dtype"], options["loss_scaling"]) == ("bfloat16", 1.0)
+    options, _ = resolved_training_options("train", [*PLAIN, "--half-dtype", "float16"])
+    assert (options["half_dtype"], options["loss_scaling"], options["half_dtype_given"]) == ("float16", 128.0, True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda:3"], "device cuda:3 requested but this machine has 2 GPUs (cuda:0, cuda:1)"),
+    (["--select-ipus", "2"], "device cuda:2 requested but this machine has 2 GPUs (cuda:0, cuda:1)"),
+    (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or cuda:N"),
+])
+def test_a_gpu_that_is_not_there_is_one_line(two_gpus, argv, message):
+    from cnns.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        resolved_training_options("train", [*IMAGENET, *argv])
+    assert str(error.value) == message
+
+
+def test_no_cuda_at_all_is_one_line():
+    from cnns.errors import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="^device cuda:0 requested but CUDA is not available on this machine$"):
+        resolved_training_options("train", [*IMAGENET, "--select-ipus", "0"])
+
+
+@pytest.mark.parametrize("choice, replicas", [([], 2), (["--device", "cpu"], None), (["--select-ipus", "AUTO"], 2)])
+def test_replicas_auto_counts_the_devices_the_run_uses(two_gpus, choice, replicas):
+    from cnns.parallel.world import usable_cores
+
+    options, _ = resolved_training_options("train", [*IMAGENET, "--replicas", "auto", "--shards", "1", *choice])
+    assert options["replicas"] == (replicas or usable_cores())
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_the_data_loader_pins_memory_only_for_a_gpu_run(two_gpus, tmp_path, device, pinned):
+    from test_imagenet_training import encoded, picture
+
+    from cnns.config import RunConfig
+    from cnns.data.pipeline import build_sources
+
+    root = tmp_path / "tree"
+    for split in ("train", "validation"):
+        folder = root / split / "n00000000"
+        folder.mkdir(parents=True)
+        for i in range(4):
+            (folder / f"{i}.JPEG").write_bytes(encoded(picture(i)))
+    options, _ = resolved_training_options("train", ["--dataset", "imagenet", "--data-dir", str(root),
+                                                     "--image-size", "64", "--micro-batch-size", "2"])
+    cfg = RunConfig.from_options(options)
+    sources = build_sources(cfg.data, micro_batch_size=2, eval_batch_size=2, seed=0, device=torch.device(device))
+    assert sources.train.loader.pin_memory is pinned and sources.eval.loader.pin_memory is pinned
