@@ -251,15 +251,21 @@ def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
 
 
 def test_torchrun_instances_log_and_checkpoint_with_equal_weights(data_dir, tmp_path):
+    # The seed's popdist test: every instance's checkpoint holds the same model. With batch norm, each
+    # replica tracks running statistics of its own shard; they are averaged before every checkpoint.
     folder = tmp_path / "instances"
-    finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *COMMON,
+    batch_norm = ["--batch-norm" if a == "--group-norm" else a for a in COMMON]
+    finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *batch_norm,
                   "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2", "--micro-batch-size", "16",
                   "--log-all-instances", "true", "--ckpt-all-instances", "true"], tmp_path))
     instance = folder / "instance_1"
     for place in (folder, instance):
         assert json.loads((place / "arguments.json").read_text())["replicas"] == 2
     assert "step:" in (instance / "log.txt").read_text()
-    assert torch.equal(weights(folder / "ckpt-12.pt"), weights(instance / "ckpt-12.pt"))
+    for iteration in (0, 6, 12):  # weights and running statistics, bit for bit
+        assert torch.equal(weights(folder / f"ckpt-{iteration}.pt"), weights(instance / f"ckpt-{iteration}.pt"))
+    state = torch.load(folder / "ckpt-12.pt", weights_only=True)["model"]
+    assert "bn1.running_mean" in state and state["bn1.running_var"].ne(1).any()  # trained statistics
 
 
 def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int | None:

@@ -30,7 +30,7 @@ from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
-from cnns.parallel.replicas import no_sync_context
+from cnns.parallel.replicas import average_running_statistics, no_sync_context
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.runs import RestorePoint
@@ -179,6 +179,7 @@ class TrainingSession:
         """Called by every process: a sharded optimiser's state and every rank's random streams are
         gathered first; rank 0 (and with --ckpt-all-instances every rank) writes."""
         world = self.world
+        average_running_statistics(c.plain_model, world)  # every replica saves the same model
         parts.optimiser.consolidate()
         rng = capture_rng_state(parts.generators)
         every_rng = world.gather(rng) if world.distributed else None

@@ -2,9 +2,11 @@
 
 Gradients are all-reduced once per weight update: the step runs every micro-batch but the last
 under `no_sync()`, so DDP only reduces (bucketed, overlapped with the last backward) the sum of the
-update's micro-batch gradients. Batch-norm running statistics stay each replica's own (no broadcast
-before every forward: a collective per micro-batch); checkpoints hold replica 0's, as the seed's
-did. With --BN-span the statistics used in training are the span's anyway.
+update's micro-batch gradients. Batch-norm running statistics are each replica's own while it
+trains (no broadcast before every forward: a collective per micro-batch) and are averaged over the
+replicas before every checkpoint (`average_running_statistics`, timm's ``--dist-bn reduce``), so every
+instance saves, validates and continues with the same model. With --BN-span the statistics used in
+training are the span's, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ def data_parallel(model: nn.Module, world: World, device: torch.device) -> nn.Mo
         model, device_ids=[device.index] if device.type == "cuda" else None,
         forward_sync_buffers=False,  # still synchronised once at construction
     )
+
+
+def average_running_statistics(model: nn.Module, world: World) -> None:
+    """Every norm layer's running mean and variance averaged over the replicas, in one all-reduce.
+
+    Each replica's statistics are those of its own shard of the data; their mean is what one process
+    running all the shards would have tracked (to the momentum's second order), and it makes the
+    replicas' models identical again. Layers are found by their buffers (torch's batch norms, the
+    span's and the fused kernels' modules alike)."""
+    if world.replicas == 1:
+        return
+    buffers = [buffer for module in model.modules()
+               for buffer in (getattr(module, "running_mean", None), getattr(module, "running_var", None))
+               if isinstance(buffer, torch.Tensor)]
+    if not buffers:
+        return
+    flat = world.average_among_replicas_(torch.cat([b.detach().float().flatten() for b in buffers]))
+    with torch.no_grad():
+        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers])):
+            buffer.copy_(values.view_as(buffer))
 
 
 def no_sync_context(model: nn.Module) -> Callable[[], ContextManager]:

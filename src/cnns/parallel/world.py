@@ -182,6 +182,14 @@ class World:
             self._collective("sum metrics", dist.all_reduce, tensor)
         return tensor
 
+    def average_among_replicas_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` averaged in place over the replicas of this process's stage (every process without
+        pipeline stages), on the run's device (NCCL on CUDA)."""
+        if self.replicas > 1:
+            self._collective("average norm statistics", dist.all_reduce, tensor, group=self.replica_group)
+            tensor.div_(self.replicas)
+        return tensor
+
     def broadcast_state(self, module: torch.nn.Module, among_replicas: bool = False) -> None:
         """Rank 0's parameters and buffers into every process's copy of `module` (same architecture);
         `among_replicas`: replica 0's into the other replicas' copies of this process's stage."""
