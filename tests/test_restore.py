@@ -145,6 +145,35 @@ def test_restoring_a_finished_run_trains_nothing_more(data_dir, tmp_path, capsys
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("ckpt-*.pt")} == before
 
 
+def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(data_dir, tmp_path, capsys):
+    """A 16.16 run's checkpoint with its random-state section as a 2-GPU CUDA run writes it: torch's
+    CUDA streams (one Philox state of 16 bytes per GPU) and the stochastic-rounding generator on the GPU."""
+    from cnns.checkpoint import load_checkpoint, save_checkpoint
+    from cnns.cli.tools import predict_main
+
+    folder = tmp_path / "run"
+    train_in_this_process("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",
+                          "2", "--micro-batch-size", "16", "--no-validation", "--ckpts-per-epoch", "0", "--seed", "3",
+                          "--logs-path", str(folder))
+    state = load_checkpoint(folder / "ckpt-2.pt")
+    philox = torch.arange(16, dtype=torch.uint8)  # what torch.cuda.get_rng_state() returns: seed and offset
+    state["rng"]["cuda"] = [philox, philox + 1]
+    state["optimiser"]["rounding_generator"] = philox + 2
+    save_checkpoint(folder / "ckpt-2.pt", state)
+    options = (folder / "arguments.json").read_text().replace('"iterations": 2', '"iterations": 4')
+    (folder / "arguments.json").write_text(options)
+    capsys.readouterr()
+    assert run_command("restore", ["--restore-path", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("notice: the stochastic-rounding stream was written on another kind of device") == 1
+    assert (folder / "ckpt-4.pt").is_file()
+    assert run_command("validate", ["--restore-path", str(folder / "ckpt-2.pt")]) == 0
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
+    assert predict_main(["--restore-path", str(folder / "ckpt-2.pt"), str(tmp_path / "red.png")]) == 0
+
+
 class CountingSource:
     """Micro-batches whose label is their global position, so the test can see the data order."""
 

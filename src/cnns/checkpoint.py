@@ -196,7 +196,10 @@ def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> d
     return state
 
 
-def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
+def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> list[str]:
+    """Every random state of `capture_rng_state` back in place; the lines to tell the user when the
+    checkpoint's CUDA streams cannot all be carried (written on another GPU count, or on a CPU host:
+    a GPU's streams then stay as the run's seed made them; exactness is for the same devices)."""
     import random
 
     import numpy as np
@@ -206,8 +209,15 @@ def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generat
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    notes = []
+    if torch.cuda.is_available():
+        saved, here = state.get("cuda") or [], torch.cuda.device_count()
+        for index, cuda_state in enumerate(saved[:here]):
+            torch.cuda.set_rng_state(cuda_state, index)
+        if len(saved) != here:
+            notes.append(f"the checkpoint holds the random streams of {len(saved)} GPUs, this machine has {here}: "
+                         "the others continue from the run's seed (the run is no longer bitwise repeatable)")
     for name, generator in (generators or {}).items():
         if f"gen:{name}" in state:
             generator.set_state(state[f"gen:{name}"])
+    return notes

@@ -342,6 +342,7 @@ class HalfPrecisionOptimiser:
         self.stochastic_rounding = stochastic_rounding
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
+        self.streams_restarted = False  # set by load_state_dict
         self.inner = make_inner(working_groups)
 
     @property
@@ -430,9 +431,27 @@ class HalfPrecisionOptimiser:
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """The inner state and the rounding generator's. A generator of another device kind (a CUDA run's
+        Philox state on a CPU, or the reverse) cannot take the saved state: it restarts from a seed
+        derived from it, and `streams_restarted` says so (exactness is for the same device kind)."""
         self.inner.load_state_dict(state_dict["inner"])
-        self._generator.set_state(state_dict["rounding_generator"])
+        self.streams_restarted = not set_or_derive_generator_state(self._generator, state_dict["rounding_generator"])
         self.stochastic_rounding = state_dict["stochastic_rounding"]
+
+
+def set_or_derive_generator_state(generator: torch.Generator, state: Tensor) -> bool:
+    """Load a saved generator state; when it is another device kind's (it has another size), seed the
+    generator from the saved bytes instead, so the stream is still a function of the checkpoint.
+    True when the state itself was loaded."""
+    try:
+        generator.set_state(state)
+        return True
+    except RuntimeError:
+        import hashlib
+
+        digest = hashlib.sha256(state.cpu().contiguous().numpy().tobytes()).digest()
+        generator.manual_seed(int.from_bytes(digest[:8], "little"))
+        return False
 
 
 def _in_layout_of(flat: Tensor, like: Tensor) -> Tensor:

@@ -114,6 +114,7 @@ class TrainingSession:
         self.world = world or World()
         self.instance_folder = instance_folder
         self.initial = initial  # --init-path: the weights a new run starts from
+        self._restore_notes: list[str] = []  # what could not be carried over from a restored checkpoint
 
     def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
@@ -127,6 +128,8 @@ class TrainingSession:
         start_iteration = self._restore(restore, c, parts) if restore is not None else 0
         if restore is not None:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
+            for note in self._restore_notes:
+                log.notice(note)
         print_startup(log, cfg, c.plain_model, c)
         for line in self.initial.notes if starts_from_weights else []:
             log.print(line)
@@ -254,7 +257,11 @@ class TrainingSession:
             unwrap(c.model).load_state_dict(model)
             parts.optimiser.load_state_dict(optimiser)
             parts.scaler.load_state_dict(state["loss_scaler"])
-            restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
+            self._restore_notes = restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
+            if parts.optimiser.streams_restarted:
+                self._restore_notes.append("the stochastic-rounding stream was written on another kind of device: it "
+                                           "continues from a seed derived from it (the run is no longer bitwise "
+                                           "repeatable)")
             if ema is not None:
                 parts.ema.load_state_dict(ema)
             return int(state["iteration"])
