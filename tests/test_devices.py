@@ -94,3 +94,39 @@ def test_the_data_loader_pins_memory_only_for_a_gpu_run(two_gpus, tmp_path, devi
     cfg = RunConfig.from_options(options)
     sources = build_sources(cfg.data, micro_batch_size=2, eval_batch_size=2, seed=0, device=torch.device(device))
     assert sources.train.loader.pin_memory is pinned and sources.eval.loader.pin_memory is pinned
+
+
+def test_pipeline_stage_timing_holds_a_bounded_number_of_cuda_events(monkeypatch):
+    """A long CUDA run times 2M+1 chunks per update: the events whose end completed are folded in as it
+    goes (here a stand-in for torch.cuda.Event that completes after a delay of 10 events)."""
+    from types import SimpleNamespace
+
+    from cnns.parallel.pipeline import StageClock
+
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            self.index = None
+
+        def record(self):
+            self.index = len(recorded)
+            recorded.append(self)
+
+        def query(self) -> bool:
+            return self.index < len(recorded) - 10
+
+        def elapsed_time(self, end) -> float:
+            return 2.0  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    stage = SimpleNamespace(forward_one_chunk=lambda: None, backward_one_chunk=lambda: None)
+    clock = StageClock(stage, torch.device("cuda"))
+    for _ in range(10_000):
+        stage.forward_one_chunk()
+        stage.backward_one_chunk()
+        assert all(len(pairs) <= StageClock.PENDING_EVENTS + 1 for pairs in clock._events.values())
+    Event.query = lambda self: True  # the end of the run: everything has completed
+    totals = clock.totals()
+    assert totals["forward"] == totals["backward"] == pytest.approx(10_000 * 0.002)

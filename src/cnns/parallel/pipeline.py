@@ -200,9 +200,13 @@ class StageClock:
 
     The rest of the schedule's time is waiting: the pipeline's bubble (stages idle while it fills
     and drains), transfers between stages and imbalance between them. The chunks are timed by
-    wrapping the PipelineStage's two chunk methods; on CUDA with events (read once, at the end),
-    so timing never synchronises the device during training.
+    wrapping the PipelineStage's two chunk methods; on CUDA with events, so timing never
+    synchronises the device during training: the pairs whose end has completed are folded into the
+    totals once more than PENDING_EVENTS are waiting (events on a stream complete in order), so a long
+    run holds a bounded number of them; the rest are read at the end.
     """
+
+    PENDING_EVENTS = 64  # per kind of chunk
 
     def __init__(self, stage: PipelineStage, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -226,11 +230,23 @@ class StageClock:
             start.record()
             yield
             end.record()
-            self._events[kind].append((start, end))
+            pairs = self._events[kind]
+            pairs.append((start, end))
+            if len(pairs) > self.PENDING_EVENTS:
+                self._fold_completed(kind)
         else:
             began = time.perf_counter()
             yield
             self.seconds[kind] += time.perf_counter() - began
+
+    def _fold_completed(self, kind: str) -> None:
+        """Add the pairs that have completed (a prefix of the list) to the totals, without waiting."""
+        pairs = self._events[kind]
+        done = 0
+        while done < len(pairs) and pairs[done][1].query():
+            done += 1
+        self.seconds[kind] += sum(start.elapsed_time(end) for start, end in pairs[:done]) / 1000.0
+        del pairs[:done]
 
     def totals(self) -> dict[str, float]:
         if self.cuda:
