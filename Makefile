@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test venv benchmark clean
+.PHONY: train test test-gpu venv benchmark clean
 
 # torch first, then the package without build isolation: setup.py compiles the fused CPU kernels
 # (src/cnns/kernels) against the venv's own torch instead of a second copy in a build environment.
@@ -22,6 +22,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
+
+# The CUDA tier (tests marked cuda), one process: the GPU is not shared between test workers.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m cuda tests
 
 benchmark: $(STAMP)
 	$(PY) -m cnns benchmark --spec benchmarks.yml

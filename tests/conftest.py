@@ -21,6 +21,24 @@ import pytest  # noqa: E402
 import processes  # noqa: E402
 
 
+NO_GPU = "no CUDA GPU here: make test-gpu runs the CUDA tier on a machine with one"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The CUDA tier is skipped without a GPU, with one reason that the summary below counts."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cuda" in getattr(r, "keywords", {})]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} CUDA tests skipped ({NO_GPU})")
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     """Whatever a test started and left running (a failed assertion before its clean-up) is killed
