@@ -31,7 +31,8 @@ LR0 = 2.0**EXPONENT * MICRO_BATCH  # the seed's rule: 2^exponent x global batch
 def data_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cifar-10-options")
     images, labels = draw_shapes(TRAIN_IMAGES + 16, seed=21)
-    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
+    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]),
+                  (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
     return folder
 
 

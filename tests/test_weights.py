@@ -237,7 +237,8 @@ def test_a_model_timm_does_not_define_is_one_line(tmp_path, capsys, argv, messag
     assert run_command("train", [*argv, "--synthetic-data", "--micro-batch-size", "2", "--iterations", "1",
                                  "--no-validation", "--logs-path", str(run)]) == 0
     capsys.readouterr()
-    assert run_script("export", ["--restore-path", str(run), "--format", "safetensors", "--out", str(tmp_path / "x")]) == 2
+    out = tmp_path / "x"
+    assert run_script("export", ["--restore-path", str(run), "--format", "safetensors", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "x").exists()

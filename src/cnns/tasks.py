@@ -114,9 +114,11 @@ def train(options: dict[str, Any], notices: list[str], relaunch: list[str]) -> i
         if cfg.log.wandb and world.is_writer:
             log.start_wandb(cfg.log.wandb_project, cfg.log.name, options)
         try:
-            return TrainingSession(cfg, log, folder, world, instance_folder, initial).run(restore=restore)
+            code = TrainingSession(cfg, log, folder, world, instance_folder, initial).run(restore=restore)
         finally:
             log.close()
+        world.settle()
+        return code
     finally:
         world.close()
 
@@ -142,9 +144,11 @@ def restore(run: RunFolder, options: dict[str, Any], relaunch: list[str]) -> int
             point = newest_restore_point(run.path, world)
         log, instance_folder = run_log_for(cfg, world, run.path)
         try:
-            return TrainingSession(cfg, log, run.path, world, instance_folder).run(restore=point)
+            code = TrainingSession(cfg, log, run.path, world, instance_folder).run(restore=point)
         finally:
             log.close()
+        world.settle()
+        return code
     finally:
         world.close()
 

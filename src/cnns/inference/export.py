@@ -225,7 +225,8 @@ def export_for_timm(restore_path: str, out: Path, weights: str, keep_dtype: bool
     from cnns.weights import timm_model
 
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder (model.safetensors, config.json)")
+        raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder "
+                          "(model.safetensors, config.json)")
     restored = restore_model(restore_path, weights)  # checks the weights against the run's model
     architecture, model_args = timm_model(restored.cfg.model)
     if keep_dtype:

@@ -245,6 +245,14 @@ class World:
             raise DistributedError(f"rank {self.rank}: a peer failed or did not answer within {self.timeout_s:.0f} s "
                                    f"({TIMEOUT_ENV}) while trying to {what}: {_first_line(exc)}") from None
 
+    def settle(self) -> None:
+        """Wait until every process is done before tearing the groups down: a process whose last sends
+        are still in flight when its process group is destroyed can abort ("terminate called without an
+        active exception", seen once under load after a pipelined run with replicas). Only on success:
+        on a failure path a peer may be gone."""
+        if self.distributed:
+            self._collective("finish together", dist.barrier, group=self.control)
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
