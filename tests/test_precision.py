@@ -18,7 +18,7 @@ from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.models import ModelSpec, build_model
 from cnns.optim import stochastic_round
-from cnns.precision import PrecisionPolicy
+from cnns.precision import PrecisionPolicy, cpu_half_is_emulated
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -158,12 +158,18 @@ def learnable_cifar(tmp_path_factory) -> Path:
     return folder
 
 
+# On a CPU that only emulates bfloat16 (AVX2) a 16.16 epoch costs about 10x a float32 one: 15 epochs there
+# would take 11 minutes of the suite's 15. It trains 6 and is held to the margins such a short run allows.
+EMULATED_BFLOAT16 = cpu_half_is_emulated(CPU, torch.bfloat16)
+EPOCHS = 6 if EMULATED_BFLOAT16 else 15
+
+
 def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dict]]:
     """(training.csv rows, validation.csv rows) of a short seeded ResNet-8 run in real ``precision``
     (--half-dtype bfloat16: bfloat16 even on a CPU that only emulates it)."""
     out = processes.run(
         [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
-         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", "15", "--warmup-epochs", "1",
+         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", str(EPOCHS), "--warmup-epochs", "1",
          "--lr-schedule", "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-9",
          "--ckpts-per-epoch", "0", "--logs-per-epoch", "1", "--seed", "11", "--log-dir", str(logs)],
         capture_output=True, text=True, cwd=logs.parent)
@@ -182,15 +188,20 @@ def test_16_16_learns_as_well_as_32_32(learnable_cifar, tmp_path):
     # The last row averages only the few updates after the last whole epoch (937 = 15 x 62 + 7): noisy.
     # Compare whole epochs: the first and the last.
     losses_16 = [float(row["loss_avg"]) for row in training_16][:-1]
-    assert losses_16[-1] < 0.3 * losses_16[0], losses_16  # 16.16 learns: a falling loss ...
+    loss_32 = float(training_32[-2]["loss_avg"])
     assert len(validation_16) == 1 and int(validation_16[0]["val_size"]) == 1000  # every test image once
     acc_16, acc_32 = float(validation_16[0]["val_acc"]), float(validation_32[-1]["val_acc"])
+    if EMULATED_BFLOAT16:
+        # 6 epochs, short of the plateau: the precisions differ by up to 9 points over seeds (51-66 %).
+        assert losses_16[-1] < 0.7 * losses_16[0] and acc_16 > 40.0, (losses_16, acc_16)
+        assert acc_16 >= acc_32 - 10.0 and losses_16[-1] <= 1.25 * loss_32 + 0.1, (acc_16, acc_32)
+        return
+    assert losses_16[-1] < 0.3 * losses_16[0], losses_16  # 16.16 learns: a falling loss ...
     assert acc_32 > 85.0 and acc_16 > 85.0, (acc_16, acc_32)  # ... to a plateau far above chance (10 %)
     # ... and as well as 32.32. Trained to a plateau and validated on 1,000 images, the two precisions
     # land within 1.3 points of each other over seeds 11-14 (16.16: 88.6-89.2 %, 32.32: 88.5-89.8 %;
     # last-epoch loss within 9 %): a 16.16 regression of 3 points or 15 % in loss fails here.
     assert acc_16 >= acc_32 - 2.5, (acc_16, acc_32)
-    loss_32 = float(training_32[-2]["loss_avg"])
     assert losses_16[-1] <= 1.15 * loss_32, (losses_16[-1], loss_32)
 
 
