@@ -233,8 +233,14 @@ def test_num_classes_overrides_the_data_and_may_not_fall_below_it(jpeg_tree, tmp
     from cnns.cli import resolved_training_options
     from cnns.cli import run_script as run_command
 
-    options, _ = resolved_training_options("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--num-classes", "5"])
+    five = [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--num-classes", "5"]
+    options, _ = resolved_training_options("train", five)
     assert options["num_classes"] == 5
+    # More outputs than the data's classes train (mixup's soft targets have the model's 5 columns).
+    assert run_command("train", [*five, "--mixup-alpha", "0.2", "--iterations", "1", "--no-validation",
+                                 "--logs-path", str(tmp_path / "five")]) == 0
+    assert torch.load(tmp_path / "five" / "ckpt-1.pt", weights_only=True)["model"]["fc.weight"].shape == (5, 512)
+    capsys.readouterr()
     assert run_command("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--num-classes", "2",
                                  "--logs-path", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.strip() == (f"error: the data in {jpeg_tree} has 3 classes, more than the model's "

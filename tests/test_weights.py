@@ -51,7 +51,7 @@ def digits(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pretrained(digits, tmp_path_factory) -> Path:
-    """A ResNet-18 trained on the ten digits: 6 epochs, about 80 % validation accuracy."""
+    """A ResNet-18 trained on the ten digits: 6 epochs, 86.5 % validation accuracy (measured)."""
     folder = tmp_path_factory.mktemp("runs") / "digits"
     assert run_command("train", [*RESNET18, "--data-dir", str(digits), "--micro-batch-size", "32", "--epochs", "6",
                                  "--warmup-epochs", "1", "--seed", "1", "--logs-path", str(folder)]) == 0
@@ -99,8 +99,8 @@ def test_fine_tuning_from_a_run_learns_a_new_task_faster_than_from_scratch(pretr
     assert f"Initialised from {pretrained}/ckpt-225.pt (--init-path)" in out
     assert "Classifier (fc) initialised anew: 5 classes here, 10 in ckpt-225.pt" in out
     scratch, tuned = (validation_accuracy(tmp_path / name) for name in ("scratch", "fine-tuned"))
-    # 20 updates on 40 images: from scratch ~30 %, from the digits' features ~70 % (measured 29 / 68.5).
-    assert tuned > scratch + 20.0, (tuned, scratch)
+    # 20 updates on 40 images: measured 19.5 % from scratch, 93.0 % from the digits' ResNet-18 (86.5 % on ten).
+    assert tuned > scratch + 40.0, (tuned, scratch)
 
 
 def test_a_timm_safetensors_file_initialises_the_model(pretrained, five_digits, tmp_path, capsys):

@@ -423,10 +423,8 @@ class ImageNetBatches:
 
     def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 pin_memory: bool | None = None, cache: bool = False, global_batch_size: int | None = None,
+                 pin_memory: bool = False, cache: bool = False, global_batch_size: int | None = None,
                  skip_corrupt: bool = False) -> None:
-        if pin_memory is None:  # callers say whether the run's device is a GPU (cnns.data.pipeline)
-            pin_memory = False
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,

@@ -14,7 +14,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from cnns.config import DataConfig
+from cnns.config import NUM_CLASSES, DataConfig
 from cnns.errors import DataError
 
 # The seed's dataset sizes, used to define an "epoch" of generated or synthetic data.
@@ -61,7 +61,7 @@ class SyntheticBatches:
 @dataclass
 class DataSources:
     dataset: str
-    num_classes: int
+    num_classes: int  # the model's outputs (cfg.num_classes): every label lies below it
     train: BatchSource
     eval: BatchSource | None
 
@@ -106,8 +106,9 @@ def classes_in_data(cfg: DataConfig) -> tuple[int, Path] | None:
 
         check_same_classes(folder)
         found = folder_tree_classes(folder)
-        return (len(found[0]) if found is not None else 1000), folder  # TFRecords: ImageNet's labels
-    return (100 if dataset == "cifar-100" else 10), folder
+        if found is not None:
+            return len(found[0]), folder
+    return NUM_CLASSES[dataset], folder  # CIFAR's 10 or 100, TFRecords' ImageNet labels
 
 
 def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: int, seed: int,
@@ -153,7 +154,6 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
     from cnns.data.cifar import load_cifar
 
     file_format = "cifar-10" if dataset == "builtin" else dataset
-    num_classes = 100 if dataset == "cifar-100" else 10
     train = evaluation = None
     if need_train:
         images, labels = load_cifar(folder, file_format, train=True)
@@ -170,7 +170,7 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
         images, labels = load_cifar(folder, file_format, train=False)
         evaluation = TensorBatches(images, labels, eval_batch_size, shuffle=False, drop_last=False, seed=seed,
                                    shard=shard)
-    return DataSources(dataset, num_classes, train, evaluation)
+    return DataSources(dataset, cfg.num_classes, train, evaluation)
 
 
 def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
@@ -189,5 +189,4 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
         evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
                                      workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache,
                                      skip_corrupt=cfg.skip_corrupt, pin_memory=pin_memory)
-    num_classes = (train or evaluation).num_classes
-    return DataSources("imagenet", num_classes, train, evaluation)
+    return DataSources("imagenet", cfg.num_classes, train, evaluation)

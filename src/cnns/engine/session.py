@@ -114,7 +114,6 @@ class TrainingSession:
         self.world = world or World()
         self.instance_folder = instance_folder
         self.initial = initial  # --init-path: the weights a new run starts from
-        self._restore_notes: list[str] = []  # what could not be carried over from a restored checkpoint
 
     def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
@@ -125,10 +124,10 @@ class TrainingSession:
         parts = build_training_parts(cfg, c)
         # Apply a restored state before the first printed line: a checkpoint that does not fit this
         # run fails with the run folder untouched.
-        start_iteration = self._restore(restore, c, parts) if restore is not None else 0
+        start_iteration, notes = self._restore(restore, c, parts) if restore is not None else (0, [])
         if restore is not None:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
-            for note in self._restore_notes:
+            for note in notes:  # what could not be carried over
                 log.notice(note)
         print_startup(log, cfg, c.plain_model, c)
         for line in self.initial.notes if starts_from_weights else []:
@@ -242,7 +241,8 @@ class TrainingSession:
     def _epoch_of(self, c: Components, iteration: int) -> float:
         return self.cfg.train.global_batch_size * iteration / c.sources.train.num_samples
 
-    def _restore(self, restore: RestorePoint, c: Components, parts: TrainingParts) -> int:
+    def _restore(self, restore: RestorePoint, c: Components, parts: TrainingParts) -> tuple[int, list[str]]:
+        """The checkpoint's state in place: (its iteration, the notices of what could not be carried)."""
         state, path = restore.state, restore.path
         if "seed" in state and int(state["seed"]) != c.seed:
             raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
@@ -257,14 +257,14 @@ class TrainingSession:
             unwrap(c.model).load_state_dict(model)
             parts.optimiser.load_state_dict(optimiser)
             parts.scaler.load_state_dict(state["loss_scaler"])
-            self._restore_notes = restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
+            notes = restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
             if parts.optimiser.streams_restarted:
-                self._restore_notes.append("the stochastic-rounding stream was written on another kind of device: it "
+                notes.append("the stochastic-rounding stream was written on another kind of device: it "
                                            "continues from a seed derived from it (the run is no longer bitwise "
                                            "repeatable)")
             if ema is not None:
                 parts.ema.load_state_dict(ema)
-            return int(state["iteration"])
+            return int(state["iteration"]), notes
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
             raise CheckpointError(f"{path} does not match this run's model or optimiser: {reason}") from None
