@@ -129,6 +129,9 @@ def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end(tmp_path, capsys):
     assert row["cnns_images_per_sec"] > 0 and row["plain_images_per_sec"] > 0
     assert row["ratio"] == pytest.approx(row["cnns_images_per_sec"] / row["plain_images_per_sec"])
     assert 0 < row["cnns_peak_fraction"] and row["flops_per_image"] > 0
+    # The roofline's images/s bounds what either loop can reach (no fused operators in a ResNet-8 run).
+    assert 0 < row["cnns_roofline_fraction"] < 1 and 0 < row["plain_roofline_fraction"] < 1
+    assert row["cnns_roofline_fraction"] == pytest.approx(row["cnns_images_per_sec"] / row["roofline_images_per_sec"])
     assert (json_path.parent / "results.csv").is_file()
     # The generated CIFAR-10 folder and both processes' logs are kept beside the results.
     assert (out_dir / "data" / "cifar10-256" / "data_batch_1.bin").is_file()

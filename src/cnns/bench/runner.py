@@ -13,7 +13,10 @@ For every entry the runner
 4. reports images/s, the ratio to the plain loop, and the fraction of the matmul rate measured
    at start (2048x2048 bfloat16 matmul on this CPU): images/s x FLOPs per image / matmul rate, with
    training FLOPs = 3 x forward FLOPs, forward FLOPs counted once per model with
-   torch.utils.flop_counter.FlopCounterMode.
+   torch.utils.flop_counter.FlopCounterMode;
+5. reports the fraction of each benchmark's roofline (`cnns.bench.roofline`): the sum over the model's
+   operators, forward and backward, of max(FLOPs / matmul rate, minimal bytes / stream bandwidth), against
+   the time each side measured.
 
 Results go to the screen as a table and to ``benchmark-results/<spec>-<time>.{csv,json}``.
 
@@ -46,6 +49,7 @@ from typing import Any
 
 import torch
 
+from cnns.bench import roofline
 from cnns.errors import ConfigError
 from cnns.precision import cpu_half_is_emulated
 from cnns.runlog import RunLog
@@ -93,6 +97,9 @@ class Result:
     cnns_peak_fraction: float | None = None
     plain_peak_fraction: float | None = None
     flops_per_image: float | None = None
+    cnns_roofline_fraction: float | None = None
+    plain_roofline_fraction: float | None = None
+    roofline_images_per_sec: float | None = None
     cnns_runs: list[float] = field(default_factory=list)
     plain_runs: list[float] = field(default_factory=list)
     # cnns over plain for each repeat in which both sides ran: the two runs are adjacent in time, so they
@@ -275,6 +282,7 @@ class Plan:
     batch_size: int
     grad_accum: int
     baseline: dict[str, Any]
+    activation_dtype: torch.dtype = torch.bfloat16  # what both loops compute in (the roofline's bytes)
 
 
 def package_root() -> Path:
@@ -350,7 +358,9 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         "weight_decay": cfg.optim.weight_decay, "device": cfg.device or "cpu",
     }
     label = f"{m.arch}-{m.size}" + (f" {m.image_size}px" if m.image_size != 32 else " 32px")
-    return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline)
+    half = cfg.precision.precision != "32.32" and not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
+    return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,
+                torch.bfloat16 if half else torch.float32)
 
 
 @dataclass
@@ -557,6 +567,21 @@ def set_peak_fractions(result: Result, peak_gflops: float) -> None:
             setattr(result, f"{side}_peak_fraction", rate * result.flops_per_image / (peak_gflops * 1e9))
 
 
+def set_roofline_fractions(result: Result, plan: Plan, peak_gflops: float, bandwidth_gbs: float) -> None:
+    """Each side's images/s as a fraction of the roofline's (`cnns.bench.roofline`)."""
+    try:
+        seconds = roofline.update_seconds(plan.model_spec, plan.batch_size, plan.grad_accum, plan.mode == "train",
+                                          plan.activation_dtype, peak_gflops, bandwidth_gbs)
+    except Exception as exc:  # a report, never a reason to lose the measurement
+        result.error = ((result.error + "; ") if result.error else "") + f"roofline failed: {exc}"
+        return
+    result.roofline_images_per_sec = plan.batch_size * plan.grad_accum / seconds
+    for side in ("cnns", "plain"):
+        rate = getattr(result, f"{side}_images_per_sec")
+        if rate:
+            setattr(result, f"{side}_roofline_fraction", rate / result.roofline_images_per_sec)
+
+
 # ------------------------------------------------------------------------------------------------
 # output
 
@@ -569,16 +594,20 @@ def _table_row(r: Result, paired: bool) -> list[str]:
     row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
            _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x"),
            _fmt(None if r.cnns_peak_fraction is None else 100 * r.cnns_peak_fraction, "{:.1f}%"),
-           _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%")]
+           _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%"),
+           _fmt(r.roofline_images_per_sec, "{:.1f}"),
+           _fmt(None if r.cnns_roofline_fraction is None else 100 * r.cnns_roofline_fraction, "{:.1f}%"),
+           _fmt(None if r.plain_roofline_fraction is None else 100 * r.plain_roofline_fraction, "{:.1f}%")]
     if paired:
         row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios) or "-")
     return row
 
 
-def format_table(results: list[Result], peak_gflops: float) -> str:
+def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float | None = None) -> str:
     paired = any(len(r.pair_ratios) > 1 for r in results)  # a column worth showing once there are repeats
     header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio",
-              "cnns %peak", "plain %peak"] + (["ratio per repeat"] if paired else [])
+              "cnns %peak", "plain %peak", "roofline img/s", "cnns %roof", "plain %roof"]
+    header += ["ratio per repeat"] if paired else []
     rows = [_table_row(r, paired) for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
@@ -587,6 +616,9 @@ def format_table(results: list[Result], peak_gflops: float) -> str:
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
                  "training FLOPs = 3 x forward; "
                  "batch MxA = micro-batch x accumulation (both loops).")
+    if bandwidth_gbs:
+        lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / {bandwidth_gbs:.1f} GB/s "
+                     "stream triad) (cnns.bench.roofline); %roof = img/s over the roofline's.")
     if paired:
         lines.append("img/s: the best run of each side; ratio: the median of the repeats' ratios of adjacent runs.")
     for r in results:
@@ -649,6 +681,7 @@ def format_backends_table(results: list[Result]) -> str:
 
 CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
                "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
+               "roofline_images_per_sec", "cnns_roofline_fraction", "plain_roofline_fraction",
                "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error",
                # inference-backends entries: one row per backend
                "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
@@ -753,8 +786,9 @@ class BenchmarkSuite:
                                                                                          options[e.name]))
                  for e in self.entries]  # option errors before any run
         peak, rates = peak_rate()
-        print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s "
-              f"on {torch.get_num_threads()} threads", flush=True)
+        bandwidth = roofline.stream_bandwidth()
+        print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s; "
+              f"stream triad {bandwidth:.1f} GB/s; on {torch.get_num_threads()} threads", flush=True)
         results = []
         log = RunLog(None)
         runs = sum(repeats * (2 if baseline and entry.baseline else 1) for entry, _ in plans)
@@ -768,25 +802,29 @@ class BenchmarkSuite:
                                          log, bar))
         # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
         peak = max(peak, peak_rate()[0])
-        for result in results:
+        bandwidth = max(bandwidth, roofline.stream_bandwidth())
+        for result, (_, plan) in zip(results, plans):
             set_peak_fractions(result, peak)
+            if isinstance(plan, Plan):
+                set_roofline_fractions(result, plan, peak, bandwidth)
         meta = {"spec": str(self.spec_path), "time": self.stamp, "peak_matmul_gflops": peak, "matmul_gflops": rates,
+                "stream_bandwidth_gbs": bandwidth,
                 "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16),
                 "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__}
         csv_path, json_path = write_results(results, meta, self.run_dir, "results")
         if not keep_runs:
             shutil.rmtree(self.run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
-        print_tables(results, peak)
+        print_tables(results, peak, bandwidth)
         print(f"results: {csv_path} {json_path}")
         return 1 if any(entry_failed(r) for r in results) else 0
 
 
-def print_tables(results: list[Result], peak: float) -> None:
+def print_tables(results: list[Result], peak: float, bandwidth: float | None = None) -> None:
     commands = [r for r in results if r.kind != BACKENDS_KIND]
     backends = [r for r in results if r.kind == BACKENDS_KIND]
     print()
     if commands or not backends:
-        print(format_table(commands, peak))
+        print(format_table(commands, peak, bandwidth))
     if backends:
         if commands:
             print()

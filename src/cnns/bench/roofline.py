@@ -1,0 +1,151 @@
+"""The roofline of a benchmark: the shortest time the machine could take for the model's work.
+
+For one training step (forward, backward and the optimiser's update) or one inference forward pass, every
+ATen operator the model runs is recorded once on the meta device (shapes only, no arithmetic), and the
+roofline time is the sum over those operators of
+
+    max(FLOPs / compute peak, minimal bytes moved / memory bandwidth)
+
+* FLOPs are torch.utils.flop_counter's formulas (convolutions, matmuls, their backward); other operators
+  count none.
+* Minimal bytes of an operator: every tensor it reads read once and every tensor it writes written once,
+  in the activations' dtype (bfloat16 where the CPU has bfloat16 arithmetic, float32 where it is emulated:
+  what both loops run). Views, reshapes and other aliases move nothing. The optimiser's update reads the
+  weight, its gradient and the momentum and writes the weight and the momentum (float32).
+  So a batch norm's forward counts its input once and its output once, though any real kernel needs a
+  second read for the statistics: the roofline is what no implementation of the same operators can beat,
+  and fusing operators (a norm with its activation) is the only way to go below it.
+* The compute peak is the measured best 2048x2048 matmul (`cnns.bench.runner.peak_rate`); the bandwidth
+  a STREAM-style triad, ``a = b + s * c`` on float32 arrays far larger than the caches, on all threads
+  (`stream_bandwidth`).
+
+`roofline_seconds` gives the roofline time of one micro-batch; a loop's fraction of its roofline is that
+time over the time it measured (images/s x roofline seconds / batch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+# Operators that only describe other memory (or nothing at all): no bytes move.
+_ALIASES = {
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "as_strided", "alias", "detach",
+    "squeeze", "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind", "flatten", "unflatten",
+    "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided", "zeros", "ones", "new_empty",
+    "new_empty_strided", "new_zeros", "new_ones", "scalar_tensor", "_to_copy_meta", "is_same_size",
+}
+
+
+@dataclass
+class OpCost:
+    name: str
+    flops: float
+    bytes: float
+
+
+def _nbytes(tensors) -> float:
+    seen: set[int] = set()
+    total = 0.0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _convolution_backward_flops(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                                output_padding, groups, output_mask) -> float:
+    """The input gradient and the weight gradient each cost what the forward convolution costs.
+
+    (torch.utils.flop_counter's formula for the weight gradient ignores ``groups``: it counts a depthwise
+    convolution's as a dense one's, 32-1152x too many in EfficientNet.)"""
+    # A product per output element (a transposed convolution: per input element) and weight of one group.
+    forward = 2.0 * (x if transposed else grad_out).numel() * weight[0].numel()
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records each operator's FLOPs and minimal bytes as it runs (on meta tensors: shapes only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[OpCost] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _ALIASES:
+            return out
+        flops = 0.0
+        packet = func.overloadpacket
+        if name == "convolution_backward":
+            flops = _convolution_backward_flops(*args)
+        elif packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # An in-place operator returns one of its inputs: it is read once and written once.
+        self.ops.append(OpCost(name, flops, _nbytes(inputs) + _nbytes(outputs)))
+        return out
+
+
+def model_operators(model_spec, batch_size: int, train: bool, dtype: torch.dtype) -> list[OpCost]:
+    """Every operator of one step of the model on a micro-batch, with its FLOPs and minimal bytes."""
+    from cnns.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_spec)
+    model = model.to(dtype=dtype, memory_format=torch.channels_last).train(train)
+    size = model_spec.image_size
+    images = torch.empty(batch_size, 3, size, size, device="meta", dtype=dtype).contiguous(
+        memory_format=torch.channels_last)
+    labels = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    recorder = _OpRecorder()
+    with recorder, torch.set_grad_enabled(train):
+        logits = model(images)
+        if train:
+            torch.nn.functional.cross_entropy(logits.float(), labels).backward()
+    ops = recorder.ops
+    if train:  # SGD with momentum: read weight, gradient, momentum; write weight, momentum (float32)
+        params = sum(p.numel() for p in model.parameters())
+        ops.append(OpCost("optimiser", 2.0 * params, 5 * 4 * params))
+    return ops
+
+
+def roofline_seconds(ops: list[OpCost], peak_gflops: float, bandwidth_gbs: float) -> float:
+    """Sum over the operators of the longer of their compute time and their memory time."""
+    return sum(max(op.flops / (peak_gflops * 1e9), op.bytes / (bandwidth_gbs * 1e9)) for op in ops)
+
+
+def update_seconds(model_spec, micro_batch: int, accumulation: int, train: bool, dtype: torch.dtype,
+                   peak_gflops: float, bandwidth_gbs: float) -> float:
+    """The roofline time of one weight update (``accumulation`` micro-batches and one optimiser step), or of
+    one inference batch."""
+    ops = model_operators(model_spec, micro_batch, train, dtype)
+    passes = [op for op in ops if op.name != "optimiser"]
+    update = [op for op in ops if op.name == "optimiser"]
+    return (accumulation * roofline_seconds(passes, peak_gflops, bandwidth_gbs)
+            + roofline_seconds(update, peak_gflops, bandwidth_gbs))
+
+
+def stream_bandwidth(megabytes: int = 128, repeats: int = 10) -> float:
+    """GB/s of a triad ``a = b + s * c`` on float32 arrays of ``megabytes`` each, best of ``repeats``, all threads.
+
+    Counts the two arrays read and the one written (as STREAM does; the write-allocate read is not counted).
+    """
+    n = megabytes * 2**20 // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    torch.add(b, c, alpha=0.5, out=a)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=0.5, out=a)
+        best = min(best, time.perf_counter() - start)
+    return 3 * n * 4 / best / 1e9
