@@ -19,11 +19,19 @@ def extensions():
         return [], {}
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends.
     flags = ["-O3", "-fno-trapping-math"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        # AVX2 + FMA: on every x86 CPU the project meets (AVX2-only EPYC, AVX-512 EPYC, AMX Xeon); the
-        # passes are bound by memory, so wider vectors would not pay for a second build.
-        flags.append("-march=x86-64-v3")
-    ext = CppExtension("cnns.kernels._norm_act", ["src/cnns/kernels/norm_act.cpp"], extra_compile_args=flags)
+    source = ["src/cnns/kernels/norm_act.cpp"]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [CppExtension("cnns.kernels._norm_act", source, extra_compile_args=flags)], _build_ext(BuildExtension)
+    # Two builds of the same passes, chosen when imported (cnns.kernels.norm_act): AVX2 + FMA for every x86
+    # CPU the project meets, and AVX-512 for the CPUs that have it, which are the ones with bfloat16
+    # arithmetic (AVX512-BF16, AMX). There the AVX2 build's bfloat16 conversions kept the passes at
+    # 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's normalise + ReLU: 6.3 -> 2.8 ms).
+    exts = [CppExtension("cnns.kernels._norm_act", source, extra_compile_args=flags + ["-march=x86-64-v3"]),
+            CppExtension("cnns.kernels._norm_act_avx512", source, extra_compile_args=flags + ["-march=x86-64-v4"])]
+    return exts, _build_ext(BuildExtension)
+
+
+def _build_ext(BuildExtension):
 
     class OptionalBuildExtension(BuildExtension):
         def run(self):
@@ -40,7 +48,7 @@ def extensions():
                 print(f"cnns: the fused kernels were not built ({exc}); torch's modules will be used",
                       file=sys.stderr)
 
-    return [ext], {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}
+    return {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}
 
 
 ext_modules, cmdclass = extensions()

@@ -64,15 +64,42 @@ CASES = [
     # (shape, groups asked for (0: batch norm))
     ((4, 16, 32, 32), 0), ((4, 64, 8, 8), 0), ((2, 256, 14, 14), 0), ((2, 144, 16, 16), 0),
     ((3, 24, 7, 5), 0), ((1, 40, 3, 3), 0), ((2, 2048, 2, 2), 0),
+    # Narrow layers go k rows at a time (k * C >= 256): blocks and super-rows that end part-way.
+    ((5, 16, 9, 11), 0), ((2, 24, 33, 17), 0),
     ((4, 16, 32, 32), 16), ((2, 256, 14, 14), 32), ((2, 40, 9, 7), 32), ((1, 24, 5, 5), 4), ((3, 112, 4, 4), 4),
 ]
+
+
+def _builds() -> list[str]:
+    """The builds of the passes installed here (setup.py: AVX2 and AVX-512 on x86) that this CPU can run."""
+    import importlib
+
+    names = []
+    for name in ("_norm_act", "_norm_act_avx512"):
+        try:
+            importlib.import_module(f"cnns.kernels.{name}")
+        except ImportError:
+            continue
+        if name.endswith("avx512") and not torch.cpu._is_avx512_supported():
+            continue
+        names.append(name)
+    return names
+
+
+@pytest.fixture(params=_builds())
+def build(request, monkeypatch):
+    """Each build in turn: the one not chosen for this CPU must be as exact as the chosen one."""
+    import importlib
+
+    monkeypatch.setattr(kernels, "_ext", importlib.import_module(f"cnns.kernels.{request.param}"))
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("act,with_residual", [("none", False), ("relu", False), ("silu", False),
                                                ("relu", True), ("none", True)])
 @pytest.mark.parametrize("shape,groups_asked", CASES)
-def test_outputs_gradients_and_running_statistics_match_torch(shape, groups_asked, act, with_residual, dtype):
+def test_outputs_gradients_and_running_statistics_match_torch(shape, groups_asked, act, with_residual, dtype, build):
     torch.manual_seed(sum(shape) + groups_asked)
     n, c, h, w = shape
     groups = fitted_groups(groups_asked, c) if groups_asked else 0

@@ -76,6 +76,42 @@ inline float sigmoid(float z) { return 1.0f / (1.0f + exp_vectorisable(-z)); }
 // Rows per block: a block's float sums stay short (float error grows with the terms added) before they are
 // added into double accumulators; small enough that a (G, R) of one sample still splits over threads.
 constexpr int64_t kBlockRows = 256;
+// Narrow layers (16 channels in ResNet-20) would run a vector loop of one or two iterations per row, all
+// overhead: consecutive rows are contiguous, so the passes take k rows at a time as one "super-row" of
+// k * C values, with the per-channel coefficients tiled k times, k making it at least this long.
+constexpr int64_t kMinWidth = 256;
+
+// How a (G, R, C) array is walked: tasks of about kBlockRows rows (a multiple of k), super-rows of k rows.
+struct Walk {
+  int64_t G, R, C, k, block_rows, blocks;
+  Walk(const at::Tensor& x)
+      : G(x.size(0)), R(x.size(1)), C(x.size(2)), k(std::max<int64_t>(1, kMinWidth / std::max<int64_t>(1, C))),
+        block_rows(((kBlockRows + k - 1) / k) * k), blocks((R + block_rows - 1) / block_rows) {}
+  int64_t width() const { return k * C; }
+  // body(task, g, offset of the super-row's first value, its length), for the tasks in [begin, end).
+  template <typename F>
+  void super_rows(int64_t task, const F& body) const {
+    const int64_t g = task / blocks, block = task % blocks;
+    const int64_t r_end = std::min(R, (block + 1) * block_rows);
+    for (int64_t r = block * block_rows; r < r_end; r += k)
+      body(g, (g * R + r) * C, std::min(k, r_end - r) * C);
+  }
+};
+
+// The (G, C) coefficients of group g tiled k times: coefficient j applies to value j of a super-row.
+inline void tile(const float* src, const Walk& w, std::vector<float>& out) {
+  out.resize(w.width());
+  for (int64_t j = 0; j < w.k; ++j) std::memcpy(out.data() + j * w.C, src, w.C * sizeof(float));
+}
+
+// Folds a super-row accumulator (k * C) into per-channel doubles.
+inline void fold(const std::vector<float>& acc, const Walk& w, double* out) {
+  for (int64_t c = 0; c < w.C; ++c) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < w.k; ++j) sum += acc[j * w.C + c];
+    out[c] = sum;
+  }
+}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous(), name, " must be a contiguous (G, R, C) tensor");
@@ -94,32 +130,34 @@ void check_coefficients(const at::Tensor& t, const at::Tensor& x, const char* na
 // algorithm: exact enough when the mean is far larger than the spread), and the blocks are added in double.
 template <typename T>
 std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  const Walk w(x);
+  const int64_t G = w.G, R = w.R, C = w.C, blocks = w.blocks;
   const T* __restrict__ data = data_of<T>(x);
-  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
   auto opts = x.options().dtype(at::kDouble);
   at::Tensor s1 = at::zeros({G * blocks, C}, opts), s2 = at::zeros({G * blocks, C}, opts);
   double* p1 = s1.data_ptr<double>();
   double* p2 = s2.data_ptr<double>();
   at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(C), b(C), shift(C);
+    std::vector<float> a(w.width()), b(w.width()), first(C), shift;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / blocks, block = task % blocks;
-      const T* first = data + g * R * C;
-      for (int64_t c = 0; c < C; ++c) { shift[c] = to_float(first[c]); a[c] = 0.f; b[c] = 0.f; }
-      const int64_t r_end = std::min(R, (block + 1) * kBlockRows);
-      for (int64_t r = block * kBlockRows; r < r_end; ++r) {
-        const T* __restrict__ row = first + r * C;
+      const T* group = data + (task / blocks) * R * C;
+      for (int64_t c = 0; c < C; ++c) first[c] = to_float(group[c]);
+      tile(first.data(), w, shift);
+      std::fill(a.begin(), a.end(), 0.f);
+      std::fill(b.begin(), b.end(), 0.f);
+      w.super_rows(task, [&](int64_t, int64_t off, int64_t len) {
+        const T* __restrict__ row = data + off;
         float* __restrict__ sa = a.data();
         float* __restrict__ sb = b.data();
         const float* __restrict__ k = shift.data();
-        for (int64_t c = 0; c < C; ++c) {
-          const float d = to_float(row[c]) - k[c];
-          sa[c] += d;
-          sb[c] += d * d;
+        for (int64_t i = 0; i < len; ++i) {
+          const float d = to_float(row[i]) - k[i];
+          sa[i] += d;
+          sb[i] += d * d;
         }
-      }
-      for (int64_t c = 0; c < C; ++c) { p1[task * C + c] = a[c]; p2[task * C + c] = b[c]; }
+      });
+      fold(a, w, p1 + task * C);
+      fold(b, w, p2 + task * C);
     }
   });
   at::Tensor mean = at::empty({G, C}, opts), m2 = at::empty({G, C}, opts);
@@ -141,54 +179,46 @@ std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
   return {mean, m2};
 }
 
-// Split (G, R) rows into tasks of about kBlockRows rows each; `body(g, r_begin, r_end)`.
-template <typename F>
-void for_row_blocks(int64_t G, int64_t R, const F& body) {
-  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / blocks, block = task % blocks;
-      body(g, block * kBlockRows, std::min(R, (block + 1) * kBlockRows));
-    }
-  });
-}
-
 // y = act(x * scale + shift [+ residual]), scale and shift per (group, channel).
 template <typename T>
 at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                            const c10::optional<at::Tensor>& residual, int64_t act) {
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  const Walk w(x);
   at::Tensor y = at::empty_like(x);
   const T* px = data_of<T>(x);
   const T* pr = residual.has_value() ? data_of<T>(*residual) : nullptr;
   T* py = data_of<T>(y);
   const float* ps = scale.data_ptr<float>();
   const float* pt = shift.data_ptr<float>();
-  for_row_blocks(G, R, [&](int64_t g, int64_t r0, int64_t r1) {
-    const float* s = ps + g * C;
-    const float* t = pt + g * C;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t off = (g * R + r) * C;
-      const T* __restrict__ xr = px + off;
-      T* __restrict__ yr = py + off;
-      if (pr != nullptr) {
-        const T* __restrict__ rr = pr + off;
-        if (act == kRelu) {
-          for (int64_t c = 0; c < C; ++c)
-            yr[c] = from_float<T>(std::max(to_float(xr[c]) * s[c] + t[c] + to_float(rr[c]), 0.f));
+  at::parallel_for(0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> st, tt;
+    int64_t tiled = -1;  // the group whose coefficients st, tt hold
+    for (int64_t task = begin; task < end; ++task) {
+      w.super_rows(task, [&](int64_t g, int64_t off, int64_t len) {
+        if (g != tiled) { tile(ps + g * w.C, w, st); tile(pt + g * w.C, w, tt); tiled = g; }
+        const float* __restrict__ s = st.data();
+        const float* __restrict__ t = tt.data();
+        const T* __restrict__ xr = px + off;
+        T* __restrict__ yr = py + off;
+        if (pr != nullptr) {
+          const T* __restrict__ rr = pr + off;
+          if (act == kRelu) {
+            for (int64_t i = 0; i < len; ++i)
+              yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i] + to_float(rr[i]), 0.f));
+          } else {
+            for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i] + to_float(rr[i]));
+          }
+        } else if (act == kRelu) {
+          for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i], 0.f));
+        } else if (act == kSilu) {
+          for (int64_t i = 0; i < len; ++i) {
+            const float z = to_float(xr[i]) * s[i] + t[i];
+            yr[i] = from_float<T>(z * sigmoid(z));
+          }
         } else {
-          for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(to_float(xr[c]) * s[c] + t[c] + to_float(rr[c]));
+          for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i]);
         }
-      } else if (act == kRelu) {
-        for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(std::max(to_float(xr[c]) * s[c] + t[c], 0.f));
-      } else if (act == kSilu) {
-        for (int64_t c = 0; c < C; ++c) {
-          const float z = to_float(xr[c]) * s[c] + t[c];
-          yr[c] = from_float<T>(z * sigmoid(z));
-        }
-      } else {
-        for (int64_t c = 0; c < C; ++c) yr[c] = from_float<T>(to_float(xr[c]) * s[c] + t[c]);
-      }
+      });
     }
   });
   return y;
@@ -202,8 +232,8 @@ template <typename T>
 std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::Tensor& x,
                                              const c10::optional<at::Tensor>& out, const at::Tensor& scale,
                                              const at::Tensor& shift, const at::Tensor& mean, int64_t act) {
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
-  const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
+  const Walk w(x);
+  const int64_t G = w.G, C = w.C, blocks = w.blocks;
   at::Tensor gz = act == kNone ? grad : at::empty_like(grad);
   auto opts = x.options().dtype(at::kDouble);
   at::Tensor s1 = at::empty({G * blocks, C}, opts), s2 = at::empty({G * blocks, C}, opts);
@@ -217,17 +247,18 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
   double* q1 = s1.data_ptr<double>();
   double* q2 = s2.data_ptr<double>();
   at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(C), b(C);
+    std::vector<float> a(w.width()), b(w.width()), st, tt, mt;
+    int64_t tiled = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / blocks, block = task % blocks;
-      const float* __restrict__ s = ps + g * C;
-      const float* __restrict__ t = pt + g * C;
-      const float* __restrict__ m = pm + g * C;
       std::fill(a.begin(), a.end(), 0.f);
       std::fill(b.begin(), b.end(), 0.f);
-      const int64_t r_end = std::min(R, (block + 1) * kBlockRows);
-      for (int64_t r = block * kBlockRows; r < r_end; ++r) {
-        const int64_t off = (g * R + r) * C;
+      w.super_rows(task, [&](int64_t g, int64_t off, int64_t len) {
+        if (g != tiled) {
+          tile(ps + g * C, w, st); tile(pt + g * C, w, tt); tile(pm + g * C, w, mt); tiled = g;
+        }
+        const float* __restrict__ s = st.data();
+        const float* __restrict__ t = tt.data();
+        const float* __restrict__ m = mt.data();
         const T* __restrict__ gr = pg + off;
         const T* __restrict__ xr = px + off;
         T* __restrict__ zr = pz + off;
@@ -235,32 +266,33 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
         float* __restrict__ sb = b.data();
         if (act == kRelu) {
           const T* __restrict__ yr = py + off;
-          for (int64_t c = 0; c < C; ++c) {
+          for (int64_t i = 0; i < len; ++i) {
             // Both operands read unconditionally: a conditional load keeps the loop scalar.
-            const float gv = to_float(gr[c]), yv = to_float(yr[c]);
+            const float gv = to_float(gr[i]), yv = to_float(yr[i]);
             const float v = yv > 0.f ? gv : 0.f;
-            zr[c] = from_float<T>(v);
-            sa[c] += v;
-            sb[c] += v * (to_float(xr[c]) - m[c]);
+            zr[i] = from_float<T>(v);
+            sa[i] += v;
+            sb[i] += v * (to_float(xr[i]) - m[i]);
           }
         } else if (act == kSilu) {
-          for (int64_t c = 0; c < C; ++c) {
-            const float z = to_float(xr[c]) * s[c] + t[c];
+          for (int64_t i = 0; i < len; ++i) {
+            const float z = to_float(xr[i]) * s[i] + t[i];
             const float sg = sigmoid(z);
-            const float v = to_float(from_float<T>(to_float(gr[c]) * sg * (1.f + z * (1.f - sg))));
-            zr[c] = from_float<T>(v);
-            sa[c] += v;
-            sb[c] += v * (to_float(xr[c]) - m[c]);
+            const float v = to_float(from_float<T>(to_float(gr[i]) * sg * (1.f + z * (1.f - sg))));
+            zr[i] = from_float<T>(v);
+            sa[i] += v;
+            sb[i] += v * (to_float(xr[i]) - m[i]);
           }
         } else {
-          for (int64_t c = 0; c < C; ++c) {
-            const float v = to_float(gr[c]);
-            sa[c] += v;
-            sb[c] += v * (to_float(xr[c]) - m[c]);
+          for (int64_t i = 0; i < len; ++i) {
+            const float v = to_float(gr[i]);
+            sa[i] += v;
+            sb[i] += v * (to_float(xr[i]) - m[i]);
           }
         }
-      }
-      for (int64_t c = 0; c < C; ++c) { q1[task * C + c] = a[c]; q2[task * C + c] = b[c]; }
+      });
+      fold(a, w, q1 + task * C);
+      fold(b, w, q2 + task * C);
     }
   });
   auto per_group = [&](const at::Tensor& partial) { return partial.view({G, blocks, C}).sum(1); };
@@ -272,7 +304,7 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
 template <typename T>
 at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const at::Tensor& a,
                                const at::Tensor& b, const at::Tensor& d) {
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
+  const Walk w(x);
   at::Tensor dx = at::empty_like(x);
   const T* pz = data_of<T>(gz);
   const T* px = data_of<T>(x);
@@ -280,16 +312,20 @@ at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const 
   const float* pa = a.data_ptr<float>();
   const float* pb = b.data_ptr<float>();
   const float* pc = d.data_ptr<float>();
-  for_row_blocks(G, R, [&](int64_t g, int64_t r0, int64_t r1) {
-    const float* ca = pa + g * C;
-    const float* cb = pb + g * C;
-    const float* cd = pc + g * C;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t off = (g * R + r) * C;
-      const T* __restrict__ zr = pz + off;
-      const T* __restrict__ xr = px + off;
-      T* __restrict__ dr = pd + off;
-      for (int64_t c = 0; c < C; ++c) dr[c] = from_float<T>(ca[c] * to_float(zr[c]) + cb[c] * to_float(xr[c]) + cd[c]);
+  at::parallel_for(0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> at_, bt, dt;
+    int64_t tiled = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      w.super_rows(task, [&](int64_t g, int64_t off, int64_t len) {
+        if (g != tiled) { tile(pa + g * w.C, w, at_); tile(pb + g * w.C, w, bt); tile(pc + g * w.C, w, dt); tiled = g; }
+        const float* __restrict__ ca = at_.data();
+        const float* __restrict__ cb = bt.data();
+        const float* __restrict__ cd = dt.data();
+        const T* __restrict__ zr = pz + off;
+        const T* __restrict__ xr = px + off;
+        T* __restrict__ dr = pd + off;
+        for (int64_t i = 0; i < len; ++i) dr[i] = from_float<T>(ca[i] * to_float(zr[i]) + cb[i] * to_float(xr[i]) + cd[i]);
+      });
     }
   });
   return dx;

@@ -17,10 +17,26 @@ from __future__ import annotations
 
 import torch
 
-try:  # built by setup.py at install time; absent where no compiler was found
-    from cnns.kernels import _norm_act as _ext
-except ImportError:  # pragma: no cover - depends on the installation
-    _ext = None
+from cnns import profiling
+
+
+
+def _load_extension():
+    """The build for this CPU (setup.py makes an AVX2 and an AVX-512 one on x86), or None where none was built."""
+    try:
+        if torch.cpu._is_avx512_supported():
+            from cnns.kernels import _norm_act_avx512
+            return _norm_act_avx512
+    except ImportError:  # pragma: no cover - depends on the installation
+        pass
+    try:
+        from cnns.kernels import _norm_act
+        return _norm_act
+    except ImportError:  # pragma: no cover - no compiler at install time
+        return None
+
+
+_ext = _load_extension()
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 DTYPES = (torch.float32, torch.bfloat16)
@@ -56,6 +72,11 @@ class _NormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
+        with profiling.marked(profiling.NORM_FORWARD):
+            return _NormAct._forward(ctx, x, weight, bias, residual, groups, eps, act, stats_out)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
         n, c = x.shape[:2]
         rows = _rows(x, n if groups else 1)
         mean_c, m2_c = _ext.moments(rows)  # float64 (G', C): per channel of a sample (GN) or of the batch (BN)
@@ -89,6 +110,11 @@ class _NormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with profiling.marked(profiling.NORM_BACKWARD):
+            return _NormAct._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         rows, out, mean, invstd, w, scale32, shift32 = ctx.saved_tensors
         n, c = ctx.shape[:2]
         g = _rows(grad, rows.shape[0]).to(rows.dtype)
