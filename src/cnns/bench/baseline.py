@@ -19,6 +19,7 @@ own command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -28,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from cnns import profiling
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -60,6 +63,7 @@ class BaselineSpec:
     weight_decay: float = 1e-4
     device: str = "cpu"
     seed: int = 0
+    profile_dir: str | None = None  # `cnns profile`: a profiler trace of the training loop goes there
 
     @classmethod
     def from_json(cls, text: str) -> "BaselineSpec":
@@ -166,25 +170,42 @@ def train(spec: BaselineSpec) -> None:
     half = autocast_dtype(device)
     batches = make_batches(spec, device, train=True)
     model.train()
-    images_per_update = spec.batch_size * spec.grad_accum
     start = interval_start = time.perf_counter()
-    for iteration in range(1, spec.iterations + 1):
-        optimiser.zero_grad(set_to_none=True)
-        for _ in range(spec.grad_accum):  # the usual accumulation: float32 .grad sums the micro-batches
-            images, labels = next(batches)
-            with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
-                loss = F.cross_entropy(model(images), labels) / spec.grad_accum
-            scaler.scale(loss).backward()
-        scaler.step(optimiser)
-        scaler.update()
-        if iteration % spec.log_freq == 0 or iteration == spec.iterations:
-            value = loss.item() * spec.grad_accum  # the host synchronisation, once per logging interval
-            now = time.perf_counter()
-            done = spec.log_freq if iteration % spec.log_freq == 0 else iteration % spec.log_freq
-            print(f"step: {iteration * spec.grad_accum:6d}, iteration: {iteration:6d}, loss: {value:6.3f}, "
-                  f"throughput: {done * images_per_update / (now - interval_start):6.2f} samples/sec, "
-                  f"time: {(now - interval_start) / done:8.6f}, total_time: {now - start:8.1f}", flush=True)
-            interval_start = time.perf_counter()
+    with profiled(spec.profile_dir):
+        for iteration in range(1, spec.iterations + 1):
+            with profiling.marked(profiling.UPDATE):
+                optimiser.zero_grad(set_to_none=True)
+                for _ in range(spec.grad_accum):  # the usual accumulation: float32 .grad sums the micro-batches
+                    with profiling.marked(profiling.DATA):
+                        images, labels = next(batches)
+                    with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+                        loss = F.cross_entropy(model(images), labels) / spec.grad_accum
+                    scaler.scale(loss).backward()
+                with profiling.marked(profiling.OPTIMISER):
+                    scaler.step(optimiser)
+                    scaler.update()
+            if iteration % spec.log_freq == 0 or iteration == spec.iterations:
+                print_step_line(spec, iteration, loss, start, interval_start)
+                interval_start = time.perf_counter()
+
+
+def profiled(folder: str | None):
+    """A profiler writing a trace into ``folder`` as train.py's --profile does, or nothing."""
+    if folder is None:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    return profile(activities=[ProfilerActivity.CPU], on_trace_ready=tensorboard_trace_handler(folder))
+
+
+def print_step_line(spec: BaselineSpec, iteration: int, loss: torch.Tensor, start: float, interval_start: float) -> None:
+    """The seed's step line for the updates since ``interval_start``."""
+    value = loss.item() * spec.grad_accum  # the host synchronisation, once per logging interval
+    now = time.perf_counter()
+    done = spec.log_freq if iteration % spec.log_freq == 0 else iteration % spec.log_freq
+    print(f"step: {iteration * spec.grad_accum:6d}, iteration: {iteration:6d}, loss: {value:6.3f}, "
+          f"throughput: {done * spec.batch_size * spec.grad_accum / (now - interval_start):6.2f} samples/sec, "
+          f"time: {(now - interval_start) / done:8.6f}, total_time: {now - start:8.1f}", flush=True)
 
 
 @torch.inference_mode()

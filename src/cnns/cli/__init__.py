@@ -20,8 +20,8 @@ from typing import Callable
 from cnns.cli.parsing import parse_options, resolved_training_options
 from cnns.errors import CnnsError, ConfigError
 
-COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "bench-data", "splits", "plot",
-            "predict", "export")
+COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
+            "plot", "predict", "export")
 
 
 def _dispatch(command: str) -> Callable[[list[str]], int]:
@@ -35,6 +35,7 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
         "infer": commands.infer_main,
         "splits": commands.splits_main,
         "benchmark": tools.benchmark_main,
+        "profile": tools.profile_main,
         "bench-data": tools.bench_data_main,
         "predict": tools.predict_main,
         "export": tools.export_main,

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from cnns.cli.parsing import half_type_of_the_device, parse_options
+from cnns.errors import ConfigError
 from cnns.options import SeedArgumentParser
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
@@ -132,6 +133,48 @@ def benchmark_main(argv: list[str]) -> int:
     options = {name: seed_script_options(script, script_args)
                for name, (script, script_args) in suite.seed_commands().items()}
     return suite.run(options, repeats=args.repeats, baseline=not args.no_baseline, keep_runs=args.keep_runs)
+
+
+# ----------------------------------------------------------------------------------------------
+# cnns profile
+
+
+def profile_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cnns profile",
+        description="Where a training update's time goes (convolutions, normalisation, activations, additions, "
+                    "optimiser, data), for cnns and the plain PyTorch loop side by side.")
+    parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
+    parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME", required=True,
+                        help="Training entries to profile.")
+    parser.add_argument("--updates", type=int, default=3, help="Updates profiled after one warm-up update.")
+    parser.add_argument("--output-dir", default="benchmark-results", help="Where the traces and logs go.")
+    parser.add_argument("--data-dir", default=None,
+                        help="Where the generated CIFAR-10 folder is kept (default: <output-dir>/data/cifar10).")
+    return parser
+
+
+def profile_main(argv: list[str]) -> int:
+    from cnns.bench import opprofile
+    from cnns.bench.runner import BenchmarkSuite, plan_entry
+
+    args = profile_parser().parse_args(argv)
+    if args.updates < 1:
+        raise ConfigError(f"--updates must be at least 1, got {args.updates}")
+    suite = BenchmarkSuite(args.spec, args.benchmark, args.output_dir, args.data_dir)
+    plans = []
+    for entry in suite.entries:
+        script, script_args = suite.seed_commands().get(entry.name, ("", []))
+        if script != "train.py":
+            raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
+        folder = suite.run_dir / entry.name
+        script_args = script_args + opprofile.profile_arguments(args.updates, folder / "cnns")
+        plans.append((entry, folder, plan_entry(entry, script, script_args, seed_script_options(script, script_args))))
+    for entry, folder, plan in plans:
+        print(f"{entry.name}: profiling {args.updates} updates of each side ...", flush=True)
+        print(opprofile.format_report(opprofile.profile_entry(entry.name, plan, folder, entry.timeout)), flush=True)
+    print(f"traces and logs: {suite.run_dir}")
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------

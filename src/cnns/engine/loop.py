@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from cnns import profiling
 from cnns.engine.build import RunLength
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
@@ -171,16 +172,18 @@ class TrainingLoop:
         last_log = last_sync = self.start_iteration
         warmup: tuple[float, int] | None = None  # (seconds, images) of the first update
         for iteration in range(self.start_iteration, length.total_iterations):
-            micro = [next(stream) for _ in range(self.grad_accum)]
-            lr = lr_at(self.schedule, iteration)
-            try:
-                metrics = self.step(micro, lr)
-            except NonFiniteError as exc:
-                raise NonFiniteError(f"floating-point exception at iteration {iteration + 1}: {exc} "
-                                     "(--fp-exceptions)") from None
-            metrics.micro_batches = len(micro)
-            if self.after_update is not None:
-                self.after_update()
+            with profiling.marked(profiling.UPDATE):
+                with profiling.marked(profiling.DATA):
+                    micro = [next(stream) for _ in range(self.grad_accum)]
+                lr = lr_at(self.schedule, iteration)
+                try:
+                    metrics = self.step(micro, lr)
+                except NonFiniteError as exc:
+                    raise NonFiniteError(f"floating-point exception at iteration {iteration + 1}: {exc} "
+                                         "(--fp-exceptions)") from None
+                metrics.micro_batches = len(micro)
+                if self.after_update is not None:
+                    self.after_update()
             outfeed.push(iteration, lr, metrics)
             if warmup is None:
                 warmup = self._first_update_done(metrics, interval_start)

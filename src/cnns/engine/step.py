@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
+from cnns import profiling
 from cnns.errors import CnnsError
 from cnns.optim import HalfPrecisionOptimiser, set_lr
 from cnns.precision import LossScaler, PrecisionPolicy
@@ -118,11 +119,12 @@ class _OptimiserStep:
                 all_finite: Callable[[bool], bool] | None = None) -> None:
         """The optimiser step on the update's gradients: checked (--fp-exceptions), unscaled, and
         skipped when dynamic loss scaling found an overflow (everywhere, with `all_finite`)."""
-        if self.fp_exceptions:
-            self._raise_on_non_finite(loss_sum, grads, self.param_names)
-        present = [g for g in grads if g is not None]
-        if self.scaler.unscale_(present, all_finite=all_finite):
-            self.optimiser.step(grads)
+        with profiling.marked(profiling.OPTIMISER):
+            if self.fp_exceptions:
+                self._raise_on_non_finite(loss_sum, grads, self.param_names)
+            present = [g for g in grads if g is not None]
+            if self.scaler.unscale_(present, all_finite=all_finite):
+                self.optimiser.step(grads)
 
     @staticmethod
     def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
