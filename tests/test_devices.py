@@ -71,9 +71,11 @@ def test_no_cuda_at_all_is_one_line():
 @pytest.mark.parametrize("choice, replicas", [([], 2), (["--device", "cpu"], None), (["--select-ipus", "AUTO"], 2)])
 def test_replicas_auto_counts_the_devices_the_run_uses(two_gpus, choice, replicas):
     from cnns.parallel.world import usable_cores
+    from cnns.precision import cpu_half_is_emulated
 
     options, _ = resolved_training_options("train", [*IMAGENET, "--replicas", "auto", "--shards", "1", *choice])
-    assert options["replicas"] == (replicas or usable_cores())
+    on_the_cpu = 1 if not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16) else usable_cores()
+    assert options["replicas"] == (replicas or on_the_cpu)
 
 
 @pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])

@@ -195,8 +195,20 @@ def test_identical_replica_seeding_gives_every_replica_the_same_random_streams(d
     assert (rank0["python"] == rank1["python"]) == identical
 
 
+def test_replicas_auto_on_a_cpu_is_one_process_where_it_has_matrix_units_else_one_per_core(monkeypatch):
+    from cnns.parallel import world
+
+    monkeypatch.setattr(world, "usable_cores", lambda: 4)
+    cpu = torch.device("cpu")
+    assert world.auto_replicas(1, cpu, cpu_has_matrix_units=True) == 1
+    assert world.auto_replicas(1, cpu, cpu_has_matrix_units=False) == 4
+    assert world.auto_replicas(2, cpu, cpu_has_matrix_units=False) == 2  # replicas x shards = cores
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_replicas_auto_is_one_replica_per_usable_core(data_dir, tmp_path):
+def test_replicas_auto_picks_the_process_count_for_this_cpu(data_dir, tmp_path):
+    from cnns.precision import cpu_half_is_emulated
+
     two_cores = sorted(os.sched_getaffinity(0))[:2]
     folder = tmp_path / "auto"
     process = processes.start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir),
@@ -206,6 +218,10 @@ def test_replicas_auto_is_one_replica_per_usable_core(data_dir, tmp_path):
                               preexec_fn=lambda: os.sched_setaffinity(0, two_cores))
     finish(process)
     arguments = json.loads((folder / "arguments.json").read_text())
+    if not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16):  # matrix units: one process is faster
+        assert (arguments["replicas"], arguments["global_batch_size"]) == (1, 16)
+        assert not (folder / "instance_1").exists()
+        return
     assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
     assert "step:" in (folder / "instance_1" / "log.txt").read_text()  # a second process trained
     assert not (folder / "instance_2").exists()

@@ -31,11 +31,15 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     if values.get("print_config") is None:
         values["print_config"] = False
     if values.get("replicas") == "auto":
-        from cnns.engine.build import resolve_device  # loads torch: only when asked
+        import torch  # only when asked
+
+        from cnns.engine.build import resolve_device
         from cnns.parallel.world import auto_replicas
+        from cnns.precision import cpu_half_is_emulated
 
         device = resolve_device(values.get("device"), values.get("select_ipus"))
-        values["replicas"] = auto_replicas(values.get("shards") or 1, device)
+        matrix_units = device.type == "cpu" and not cpu_half_is_emulated(device, torch.bfloat16)
+        values["replicas"] = auto_replicas(values.get("shards") or 1, device, matrix_units)
     notices = _ipu_only_notice(values, ignored_config_keys)
     values["command"] = " ".join(shlex.quote(a) for a in [parser.prog, *argv])
     return values, notices

@@ -358,11 +358,16 @@ def join_world(options: dict[str, Any], device: torch.device,
     return world
 
 
-def auto_replicas(shards: int, device: torch.device) -> int:
+def auto_replicas(shards: int, device: torch.device, cpu_has_matrix_units: bool = False) -> int:
     """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
-    per GPU on CUDA, one per usable core on a CPU (see the README for when that pays off)."""
+    per GPU on CUDA. On a CPU with bfloat16 matrix units (AVX512-BF16, AMX) one process on all cores:
+    there two one-thread replicas lost to it (ResNet-20 0.91x, ResNet-50 0.90x on an AVX-512-BF16 EPYC;
+    1,434 against 1,576 img/s on an AMX Xeon), its convolutions using both cores as well at the full batch
+    as two processes at half; on other CPUs one replica per usable core (README, "Replicas")."""
     if launched():
         return max(1, int(os.environ["WORLD_SIZE"]) // shards)
     if device.type == "cuda":
         return max(1, torch.cuda.device_count() // shards)
+    if cpu_has_matrix_units:
+        return 1
     return max(1, usable_cores() // shards)
