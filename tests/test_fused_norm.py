@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cnns.engine.fusion import fuse_norm_activations, fusion_enabled, norm_act
+from cnns.engine.fusion import fuse_norm_activations, fused_norms, norm_act
 from cnns.engine.wrappers import recompute_blocks
 from cnns.kernels import norm_act as kernels
 from cnns.models import build_model, recomputation_blocks
@@ -244,9 +244,19 @@ def test_recomputation_of_fused_units_gives_bitwise_the_same_gradients_and_stati
         assert torch.equal(a, b)  # the statistics were updated once, not twice
 
 
-def test_fusion_is_asked_for_and_only_on_cpus(monkeypatch):
+def test_group_norm_is_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
     monkeypatch.delenv("CNNS_FUSED_NORM", raising=False)
-    assert not fusion_enabled(torch.device("cpu"))
+    assert fused_norms(torch.device("cpu")) == ((nn.GroupNorm,) if kernels.wide_build() else ())
     monkeypatch.setenv("CNNS_FUSED_NORM", "1")
-    assert fusion_enabled(torch.device("cpu"))
-    assert not fusion_enabled(torch.device("cuda"))
+    assert fused_norms(torch.device("cpu")) == (nn.BatchNorm2d, nn.GroupNorm)
+    assert fused_norms(torch.device("cuda")) == ()
+    monkeypatch.setenv("CNNS_FUSED_NORM", "0")
+    assert fused_norms(torch.device("cpu")) == ()
+
+
+def test_only_the_norms_asked_for_are_fused():
+    batch = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm="batch"))
+    group = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm="group", groups=4))
+    assert fuse_norm_activations(batch, (nn.GroupNorm,)) == 0
+    assert not any("forward" in vars(m) for m in batch.modules())
+    assert fuse_norm_activations(group, (nn.GroupNorm,)) > 0

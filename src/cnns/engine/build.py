@@ -24,7 +24,7 @@ from cnns.errors import ConfigError
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.engine.fusion import fuse_norm_activations, fusion_enabled
+from cnns.engine.fusion import fuse_norm_activations, fused_norms
 from cnns.engine.wrappers import (keep_gradients_channels_last, recompute_between_splits, recompute_blocks,
                                   route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
@@ -111,8 +111,9 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     set_norm_momentum(model, cfg.train.bn_momentum)
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
-    if bn_group is None and fusion_enabled(device):  # a --BN-span norm keeps torch's modules
-        fuse_norm_activations(model)
+    norms = fused_norms(device)
+    if bn_group is None and norms:  # a --BN-span norm keeps torch's modules
+        fuse_norm_activations(model, norms)
     keep_gradients_channels_last(model)
     if device.type == "cpu" and policy.weight_dtype == torch.bfloat16:
         route_slow_depthwise_backward(model)

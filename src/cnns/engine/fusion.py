@@ -1,6 +1,6 @@
 """Training on a CPU with the fused normalisation + activation (+ residual) passes of `cnns.kernels`.
 
-Applied to a built model by `cnns.engine.build` when `CNNS_FUSED_NORM=1` (before `cnns.engine.wrappers`' changes):
+Applied to a built model by `cnns.engine.build` for the norms `fused_norms` names (before `cnns.engine.wrappers`' changes):
 module instances get new ``forward`` methods, nothing else, so parameters, buffers and state-dict keys
 stay the plain model's and checkpoints written before or after load alike. Three patterns are fused:
 
@@ -34,15 +34,22 @@ _ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "none"}
 _PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
 
 
-def fusion_enabled(device: torch.device) -> bool:
-    """Fused passes for a CPU run when they are built and ``CNNS_FUSED_NORM=1`` asks for them.
+def fused_norms(device: torch.device) -> tuple[type, ...]:
+    """The norm classes whose training passes a CPU run fuses: ``CNNS_FUSED_NORM=1`` both, ``=0`` none.
 
-    Off by default: on the one CPU they have been measured on (AMD EPYC, AVX-512-BF16, 2 cores) ATen's
-    own channels_last batch norm, ReLU and add already run near the memory bandwidth and the fused passes
-    were slower end to end (README, Performance). They are for the CPUs where ATen's are not (the AMX
-    Xeon of issue 17 measured 41 ms for a batch norm + ReLU forward that takes 6 ms here), once measured there.
+    By default group norm where the AVX-512 build runs: ATen's channels_last group norm is far from the
+    memory bandwidth, and fused it made ResNet-50 (group norm, 16.16, batch 32) 22.4 img/s against 15.4
+    unfused and 14.5 for the plain loop on an AVX-512-BF16 EPYC. Batch norm stays ATen's: there its
+    channels_last kernels run near the bandwidth and fusing measured 1.00x against 1.17x unfused
+    (ResNet-50) and 1.13x against 1.28x (ResNet-20) (README, Performance). Not measured on an AVX2-only
+    CPU, so nothing is fused there unless asked for.
     """
-    return device.type == "cpu" and kernels.available() and os.environ.get("CNNS_FUSED_NORM", "0") == "1"
+    if device.type != "cpu" or not kernels.available():
+        return ()
+    asked = os.environ.get("CNNS_FUSED_NORM")
+    if asked is not None:
+        return (nn.BatchNorm2d, nn.GroupNorm) if asked == "1" else ()
+    return (nn.GroupNorm,) if kernels.wide_build() else ()
 
 
 def _activation(module: nn.Module) -> str | None:
@@ -76,20 +83,21 @@ def _identity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fuse_pair(norm: nn.Module, act_module: nn.Module) -> bool:
+def _fuse_pair(norm: nn.Module, act_module: nn.Module, norms: tuple[type, ...]) -> bool:
     """norm then act_module -> norm computes both; act_module passes its input on."""
     act = _activation(act_module)
-    if act is None or type(norm) not in (nn.BatchNorm2d, nn.GroupNorm) or "forward" in vars(norm):
+    if act is None or type(norm) not in norms or "forward" in vars(norm):
         return False
     norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act), norm)
     act_module.forward = types.MethodType(_identity, act_module)
     return True
 
 
-def _fuse_norm_act_module(module: nn.Module) -> bool:
+def _fuse_norm_act_module(module: nn.Module, norms: tuple[type, ...]) -> bool:
     """timm's BatchNormAct2d / GroupNormAct (EfficientNet) with a ReLU, SiLU or no activation, no dropout."""
     act = _activation(module.act)
-    if act is None or not isinstance(module.drop, nn.Identity):
+    kind = nn.BatchNorm2d if isinstance(module, BatchNormAct2d) else nn.GroupNorm
+    if act is None or kind not in norms or not isinstance(module.drop, nn.Identity):
         return False
     module.forward = types.MethodType(lambda self, x: norm_act(self, x, act), module)
     return True
@@ -127,30 +135,31 @@ def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str):
     return forward
 
 
-def _fuse_unit(unit: nn.Module) -> bool:
+def _fuse_unit(unit: nn.Module, norms: tuple[type, ...]) -> bool:
     pairs, last = _UNITS[type(unit)]
     timm_unit = type(unit) in (timm_resnet.BasicBlock, timm_resnet.Bottleneck)
     if timm_unit and not _plain_timm_unit(unit):
         return False
     norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
-    if type(norm_last) not in (nn.BatchNorm2d, nn.GroupNorm) or type(act_last) is not nn.ReLU:
+    if type(norm_last) not in norms or type(act_last) is not nn.ReLU:
         return False
-    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act)) for norm, act in pairs):
+    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act), norms) for norm, act in pairs):
         return False
     unit.forward = types.MethodType(_unit_forward(pairs, last, "downsample" if timm_unit else "shortcut"), unit)
     return True
 
 
-def fuse_norm_activations(model: nn.Module) -> int:
-    """Give the model's norm+activation(+residual) patterns the fused passes; returns how many were fused."""
+def fuse_norm_activations(model: nn.Module, norms: tuple[type, ...] = (nn.BatchNorm2d, nn.GroupNorm)) -> int:
+    """Give the model's norm+activation(+residual) patterns whose norm is one of ``norms`` the fused passes;
+    returns how many were fused."""
     fused = 0
     for module in list(model.modules()):
         if type(module) in _UNITS:
-            fused += _fuse_unit(module)
+            fused += _fuse_unit(module, norms)
         elif type(module) in (BatchNormAct2d, GroupNormAct):
-            fused += _fuse_norm_act_module(module)
+            fused += _fuse_norm_act_module(module, norms)
     # The ResNets' stem: conv1, bn1, act1 on the model itself (a unit's own pairs are fused above).
     for owner in model.modules():
         if type(owner) not in _UNITS and hasattr(owner, "bn1") and hasattr(owner, "act1"):
-            fused += _fuse_pair(owner.bn1, owner.act1)
+            fused += _fuse_pair(owner.bn1, owner.act1, norms)
     return fused

@@ -3,7 +3,7 @@
 Models know nothing of training; everything here changes how a model runs, never what it computes
 or which parameters and state-dict keys it has, so checkpoints always hold the plain model's state:
 
-0. ``fuse_norm_activations``         CPU with CNNS_FUSED_NORM=1: norm + activation (+ residual) in
+0. ``fuse_norm_activations``         CPU (group norm; CNNS_FUSED_NORM=1/0 all/none): norm + activation (+ residual) in
                                      fused passes (speed; `cnns.engine.fusion`)
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)

@@ -47,6 +47,11 @@ def available() -> bool:
     return _ext is not None
 
 
+def wide_build() -> bool:
+    """Whether the AVX-512 build runs (the one measured against ATen's kernels)."""
+    return _ext is not None and _ext.__name__.endswith("_avx512")
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether the fused passes take this activation: a 4-d CPU float32/bfloat16 tensor."""
     return _ext is not None and x.device.type == "cpu" and x.dim() == 4 and x.dtype in DTYPES
