@@ -33,12 +33,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-# Operators that only describe other memory (or nothing at all): no bytes move.
+# Operators that only describe other memory or allocate without writing: no bytes move.
 _ALIASES = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "as_strided", "alias", "detach",
     "squeeze", "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind", "flatten", "unflatten",
-    "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided", "zeros", "ones", "new_empty",
-    "new_empty_strided", "new_zeros", "new_ones", "scalar_tensor", "_to_copy_meta", "is_same_size",
+    "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+    "is_same_size",
 }
 
 
