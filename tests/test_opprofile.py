@@ -92,3 +92,30 @@ def test_cnns_profile_breaks_both_loops_updates_down(tmp_path, capsys):
         assert sum(side[f] for f in FAMILIES) == pytest.approx(side["update"], abs=0.1 * len(FAMILIES))
     assert plain_ms["data"] > 0  # the plain loop waits for its DataLoader's batches
     assert "mean of 2 updates after the first" in printed
+
+
+def test_a_failing_or_hanging_side_is_one_line(tmp_path):
+    import sys
+
+    from cnns.bench.opprofile import run_profiled
+    from cnns.errors import CnnsError
+
+    with pytest.raises(CnnsError, match=r"exited with 3: boom \(log: "):
+        run_profiled([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], 60, {},
+                     tmp_path / "a.log")
+    assert "boom" in (tmp_path / "a.log").read_text()
+    with pytest.raises(CnnsError, match="did not finish within 1 s"):
+        run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], 1, {}, tmp_path / "b.log")
+
+
+def test_only_training_entries_are_profiled(tmp_path):
+    from cnns.errors import ConfigError
+
+    spec = tmp_path / "infer.yml"
+    spec.write_text(textwrap.dedent("""\
+        benchmarks:
+          - name: infer
+            command: validation.py --model resnet --model-size 8 --dataset cifar-10 --synthetic-data
+        """))
+    with pytest.raises(ConfigError, match="^benchmark infer: cnns profile takes training entries"):
+        profile_main(["--spec", str(spec), "--benchmark", "infer", "--output-dir", str(tmp_path / "out")])

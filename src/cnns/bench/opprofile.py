@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from cnns import profiling
+from cnns.errors import CnnsError
 
 FAMILIES = ("convolution forward", "convolution input-gradient", "convolution weight-gradient",
             "normalisation forward", "normalisation backward", "activations", "additions", "optimiser", "data",
@@ -210,38 +211,43 @@ def convolution_backward_split(model_spec, batch_size: int, dtype: torch.dtype) 
 
 
 def profile_arguments(updates: int, folder: Path) -> list[str]:
-    """What train.py's command line gets appended (its last values win): one warm-up update, then ``updates``."""
-    return ["--iterations", str(updates + 1), "--log-freq", "1", "--profile", "--profile-dir", str(folder)]
+    """What train.py's command line gets appended (its last values win): one warm-up update, then ``updates``,
+    traced into the entry's ``folder`` where `profile_entry` reads it."""
+    return ["--iterations", str(updates + 1), "--log-freq", "1", "--profile", "--profile-dir", str(folder / "cnns")]
 
 
 def run_profiled(argv: list[str], timeout: float, env: dict[str, str], log_path: Path) -> None:
+    """One profiled side; a failure or a timeout is one line (CnnsError) naming the log."""
     import subprocess
 
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise CnnsError(f"{argv[1]} did not finish within {timeout:.0f} s") from None
     log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{argv[1]} exited with {out.returncode}: {tail[:300]}")
+        raise CnnsError(f"{argv[1]} exited with {out.returncode}: {tail[:300]} (log: {log_path})")
 
 
 @dataclass
 class ProfileReport:
     name: str
     cnns: Breakdown
-    plain: Breakdown | None
+    plain: Breakdown
     input_share: float
 
 
-def profile_entry(name: str, plan, folder: Path, timeout: float,
+def profile_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float,
                   run: Callable[[list[str], float, dict[str, str], Path], None] = run_profiled) -> ProfileReport:
     """Both sides of one planned training entry (`cnns.bench.runner.Plan`, whose command line already carries
     `profile_arguments`), profiled into ``folder``."""
     import sys
 
-    from cnns.bench.runner import command_argv, package_root, subprocess_env
+    from cnns.bench.runner import command_argv, subprocess_env
 
     folder.mkdir(parents=True, exist_ok=True)
-    run(command_argv(plan.script, plan.argv, package_root().parent), timeout, subprocess_env(), folder / "cnns.log")
+    run(command_argv(plan.script, plan.argv, spec_dir), timeout, subprocess_env(), folder / "cnns.log")
     baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
     run([sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], timeout, subprocess_env(),
         folder / "plain.log")
@@ -255,11 +261,9 @@ def format_report(report: ProfileReport) -> str:
     lines = [f"{report.name}: milliseconds per update (mean of {cnns.updates} updates after the first)",
              f"{'family':<28} {'cnns ms':>9} {'%':>6} {'plain ms':>9} {'%':>6}"]
     for family in FAMILIES:
-        a, b = cnns.ms.get(family, 0.0), plain.ms.get(family, 0.0) if plain else 0.0
-        lines.append(f"{family:<28} {a:9.1f} {100 * a / cnns.update_ms:5.1f}% {b:9.1f} "
-                     f"{100 * b / plain.update_ms if plain else 0.0:5.1f}%")
-    lines.append(f"{'update':<28} {cnns.update_ms:9.1f} {100.0:5.1f}% {plain.update_ms if plain else 0.0:9.1f} "
-                 f"{100.0:5.1f}%")
+        a, b = cnns.ms.get(family, 0.0), plain.ms.get(family, 0.0)
+        lines.append(f"{family:<28} {a:9.1f} {100 * a / cnns.update_ms:5.1f}% {b:9.1f} {100 * b / plain.update_ms:5.1f}%")
+    lines.append(f"{'update':<28} {cnns.update_ms:9.1f} {100.0:5.1f}% {plain.update_ms:9.1f} {100.0:5.1f}%")
     lines.append(f"convolution backward split {100 * report.input_share:.0f}% input-gradient / "
                  f"{100 * (1 - report.input_share):.0f}% weight-gradient (each layer's two halves timed alone)")
     return "\n".join(lines)

@@ -6,8 +6,9 @@ roofline time is the sum over those operators of
 
     max(FLOPs / compute peak, minimal bytes moved / memory bandwidth)
 
-* FLOPs are torch.utils.flop_counter's formulas (convolutions, matmuls, their backward); other operators
-  count none.
+* FLOPs are torch.utils.flop_counter's formulas (convolutions, matmuls), but for a convolution's backward,
+  whose weight gradient torch counts dense even when grouped: there each gradient asked for costs what the
+  forward costs. Other operators count none.
 * Minimal bytes of an operator: every tensor it reads read once and every tensor it writes written once,
   in the activations' dtype (bfloat16 where the CPU has bfloat16 arithmetic, float32 where it is emulated:
   what both loops run). Views, reshapes and other aliases move nothing. The optimiser's update reads the
@@ -19,8 +20,8 @@ roofline time is the sum over those operators of
   a STREAM-style triad, ``a = b + s * c`` on float32 arrays far larger than the caches, on all threads
   (`stream_bandwidth`).
 
-`roofline_seconds` gives the roofline time of one micro-batch; a loop's fraction of its roofline is that
-time over the time it measured (images/s x roofline seconds / batch).
+`update_seconds` gives the roofline time of one weight update (or inference batch); a loop's fraction of
+its roofline is that time over the time it measured (images/s x roofline seconds / images per update).
 """
 
 from __future__ import annotations

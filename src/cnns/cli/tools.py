@@ -168,11 +168,12 @@ def profile_main(argv: list[str]) -> int:
         if script != "train.py":
             raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
         folder = suite.run_dir / entry.name
-        script_args = script_args + opprofile.profile_arguments(args.updates, folder / "cnns")
+        script_args = script_args + opprofile.profile_arguments(args.updates, folder)
         plans.append((entry, folder, plan_entry(entry, script, script_args, seed_script_options(script, script_args))))
     for entry, folder, plan in plans:
         print(f"{entry.name}: profiling {args.updates} updates of each side ...", flush=True)
-        print(opprofile.format_report(opprofile.profile_entry(entry.name, plan, folder, entry.timeout)), flush=True)
+        report = opprofile.profile_entry(entry.name, plan, suite.spec_path.resolve().parent, folder, entry.timeout)
+        print(opprofile.format_report(report), flush=True)
     print(f"traces and logs: {suite.run_dir}")
     return 0
 
