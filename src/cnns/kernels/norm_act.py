@@ -4,9 +4,8 @@
 modules, forward and backward, for channels_last float32 or bfloat16 activations with float32 parameters
 and float32/float64 statistics, in three passes over memory forward and two backward (the C++ passes of
 ``norm_act.cpp``; torch's norm, activation and addition each make their own). Running statistics are updated as
-``nn.BatchNorm2d`` does. Every per-channel quantity (means, variances, the backward's sums and
-coefficients) is small and computed here in float64 with torch; only the passes over the activations are
-C++.
+``nn.BatchNorm2d`` does. The per-channel quantities between the passes (means, variances, the backward's sums
+and coefficients) are float64, computed in the same C++ call as the passes: one call forward, one backward.
 
 The extension is built when the package is installed (setup.py). Where it could not be (no compiler),
 ``available()`` is False and nothing here is used: the models run torch's modules (see
@@ -82,35 +81,16 @@ class _NormAct(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
-        n, c = x.shape[:2]
-        rows = _rows(x, n if groups else 1)
-        mean_c, m2_c = _ext.moments(rows)  # float64 (G', C): per channel of a sample (GN) or of the batch (BN)
-        count = rows.shape[1]
-        if groups:
-            # Channel moments -> group moments (Chan et al.'s pairwise combination), broadcast per channel.
-            per = c // groups
-            mean_c, m2_c = mean_c.view(n, groups, per), m2_c.view(n, groups, per)
-            mean = mean_c.mean(2, keepdim=True)
-            m2 = m2_c.sum(2, keepdim=True) + count * ((mean_c - mean) ** 2).sum(2, keepdim=True)
-            count = count * per
-            invstd = torch.rsqrt(m2 / count + eps)
-            mean, invstd = mean.expand(n, groups, per).reshape(n, c), invstd.expand(n, groups, per).reshape(n, c)
-        else:
-            mean, m2 = mean_c, m2_c
-            invstd = torch.rsqrt(m2 / count + eps)
-            if stats_out is not None:
-                stats_out.extend((mean[0], m2[0], count))
-        w = weight.double() if weight is not None else torch.ones(c, dtype=torch.float64)
-        b = bias.double() if bias is not None else torch.zeros(c, dtype=torch.float64)
-        scale = w * invstd
-        scale32, shift32 = scale.float().contiguous(), (b - mean * scale).float().contiguous()
+        rows = _rows(x, x.shape[0] if groups else 1)
         res = _rows(residual, rows.shape[0]) if residual is not None else None
-        out = _ext.affine_act(rows, scale32, shift32, res, act)
-        ctx.groups, ctx.act, ctx.count = groups, act, count
+        out, mean, invstd, scale, shift, mean_c, m2_c = _ext.forward(rows, weight, bias, res, groups, eps, act)
+        if stats_out is not None and not groups:
+            stats_out.extend((mean_c[0], m2_c[0], rows.shape[1]))
+        ctx.groups, ctx.act = groups, act
         ctx.has_residual = residual is not None
         ctx.shape = x.shape
         ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(rows, out if act == ACTIVATIONS["relu"] else None, mean, invstd, w, scale32, shift32)
+        ctx.save_for_backward(rows, out if act == ACTIVATIONS["relu"] else None, mean, invstd, weight, scale, shift)
         return _unrows(out, x.shape)
 
     @staticmethod
@@ -120,31 +100,12 @@ class _NormAct(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad):
-        rows, out, mean, invstd, w, scale32, shift32 = ctx.saved_tensors
-        n, c = ctx.shape[:2]
+        rows, out, mean, invstd, weight, scale, shift = ctx.saved_tensors
         g = _rows(grad, rows.shape[0]).to(rows.dtype)
-        gz, s1, s2 = _ext.backward_reduce(g, rows, out, scale32, shift32, mean.float().contiguous(), ctx.act)
-        if ctx.groups:
-            per = c // ctx.groups
-            # Per sample and group: the means of w * gz and of w * gz * xhat (the group norm backward).
-            a = (w * s1).view(n, ctx.groups, per).sum(2, keepdim=True) / ctx.count
-            b = (w * s2 * invstd).view(n, ctx.groups, per).sum(2, keepdim=True) / ctx.count
-            a = a.expand(n, ctx.groups, per).reshape(n, c)
-            b = b.expand(n, ctx.groups, per).reshape(n, c)
-            coef_g, coef_x, coef_d = invstd * w, -invstd * invstd * b, -invstd * a
-            grad_w, grad_b = (s2 * invstd).sum(0), s1.sum(0)
-        else:
-            coef_g = w * invstd
-            coef_x = -w * invstd ** 3 * s2 / ctx.count
-            coef_d = -w * invstd * s1 / ctx.count
-            grad_w, grad_b = (s2 * invstd)[0], s1[0]
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            # dx = coef_g * gz + coef_x * (x - mean) + coef_d, written as one pass with the mean folded in.
-            shift_d = coef_d - coef_x * mean
-            grad_x = _unrows(_ext.input_gradient(gz, rows, coef_g.float().contiguous(), coef_x.float().contiguous(),
-                                                 shift_d.float().contiguous()), ctx.shape)
+        grad_x, grad_w, grad_b, gz = _ext.backward(g, rows, out, mean, invstd, scale, shift, weight, ctx.groups,
+                                                   ctx.act, ctx.needs_input_grad[0])
         weight_dtype, bias_dtype = ctx.param_dtypes
+        grad_x = _unrows(grad_x, ctx.shape) if ctx.needs_input_grad[0] else None
         grad_weight = grad_w.to(weight_dtype) if weight_dtype is not None and ctx.needs_input_grad[1] else None
         grad_bias = grad_b.to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
         grad_residual = _unrows(gz, ctx.shape) if ctx.has_residual and ctx.needs_input_grad[3] else None
