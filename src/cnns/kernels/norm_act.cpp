@@ -112,6 +112,37 @@ inline vfloat load_vector(const uint16_t* p) {
   return v;
 #endif
 }
+// Stores kLanes floats as bfloat16, rounded to nearest even with NaN kept a NaN, as from_float does: five
+// integer instructions and a narrowing store with AVX-512, where the compiler's vectorisation of from_float
+// shuffled masks between 32-lane halves (a normalise + ReLU pass 2.7 -> 2.1 ms on a 51 MB tensor).
+inline void store_vector(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_vector(uint16_t* p, vfloat v) {
+#if defined(__AVX512F__)
+  const __m512 f = reinterpret_cast<__m512>(v);
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#else
+  for (int i = 0; i < kLanes; ++i) p[i] = from_float<uint16_t>(v[i]);
+#endif
+}
+
+// Whether the passes run explicit vector loops before their scalar tails: with AVX-512, where the stores above
+// are one instruction sequence; elsewhere the compiler's vectorisation of the scalar loops is kept.
+#if defined(__AVX512F__)
+constexpr bool kVectorLoops = true;
+#else
+constexpr bool kVectorLoops = false;
+#endif
+
+// max(z, 0) as std::max(z, 0.f) computes it: a NaN stays a NaN, as torch's ReLU keeps it.
+inline vfloat relu(vfloat z) {
+  const vfloat zero{};
+  return z < zero ? zero : z;
+}
+
 inline void add_to(float* p, vfloat v) {
   v += load_vector(p);
   std::memcpy(p, &v, sizeof(v));
@@ -294,23 +325,36 @@ at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const a
         const float* __restrict__ t = tt.data();
         const T* __restrict__ xr = px + off;
         T* __restrict__ yr = py + off;
+        // The first vectors' worth explicitly where kVectorLoops (SiLU keeps the compiler's loop), the rest scalar.
+        int64_t i = 0;
+        const int64_t vectors = kVectorLoops && act != kSilu ? len - len % kLanes : 0;
         if (pr != nullptr) {
           const T* __restrict__ rr = pr + off;
+          for (; i < vectors; i += kLanes) {
+            const vfloat z = load_vector(xr + i) * load_vector(s + i) + load_vector(t + i) + load_vector(rr + i);
+            store_vector(yr + i, act == kRelu ? relu(z) : z);
+          }
           if (act == kRelu) {
-            for (int64_t i = 0; i < len; ++i)
+            for (; i < len; ++i)
               yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i] + to_float(rr[i]), 0.f));
           } else {
-            for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i] + to_float(rr[i]));
+            for (; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i] + to_float(rr[i]));
           }
-        } else if (act == kRelu) {
-          for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i], 0.f));
+          return;
+        }
+        for (; i < vectors; i += kLanes) {
+          const vfloat z = load_vector(xr + i) * load_vector(s + i) + load_vector(t + i);
+          store_vector(yr + i, act == kRelu ? relu(z) : z);
+        }
+        if (act == kRelu) {
+          for (; i < len; ++i) yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i], 0.f));
         } else if (act == kSilu) {
           for (int64_t i = 0; i < len; ++i) {
             const float z = to_float(xr[i]) * s[i] + t[i];
             yr[i] = from_float<T>(z * sigmoid(z));
           }
         } else {
-          for (int64_t i = 0; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i]);
+          for (; i < len; ++i) yr[i] = from_float<T>(to_float(xr[i]) * s[i] + t[i]);
         }
       });
     }
@@ -358,9 +402,18 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
         T* __restrict__ zr = pz + off;
         float* __restrict__ sa = a.data();
         float* __restrict__ sb = b.data();
+        int64_t i = 0;
+        const int64_t vectors = kVectorLoops && act != kSilu ? len - len % kLanes : 0;
         if (act == kRelu) {
           const T* __restrict__ yr = py + off;
-          for (int64_t i = 0; i < len; ++i) {
+          for (; i < vectors; i += kLanes) {
+            const vfloat zero{};
+            const vfloat v = load_vector(yr + i) > zero ? load_vector(gr + i) : zero;
+            store_vector(zr + i, v);
+            add_to(sa + i, v);
+            add_to(sb + i, v * (load_vector(xr + i) - load_vector(m + i)));
+          }
+          for (; i < len; ++i) {
             // Both operands read unconditionally: a conditional load keeps the loop scalar.
             const float gv = to_float(gr[i]), yv = to_float(yr[i]);
             const float v = yv > 0.f ? gv : 0.f;
@@ -378,7 +431,12 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
             sb[i] += v * (to_float(xr[i]) - m[i]);
           }
         } else {
-          for (int64_t i = 0; i < len; ++i) {
+          for (; i < vectors; i += kLanes) {
+            const vfloat v = load_vector(gr + i);
+            add_to(sa + i, v);
+            add_to(sb + i, v * (load_vector(xr + i) - load_vector(m + i)));
+          }
+          for (; i < len; ++i) {
             const float v = to_float(gr[i]);
             sa[i] += v;
             sb[i] += v * (to_float(xr[i]) - m[i]);
@@ -418,7 +476,12 @@ at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const 
         const T* __restrict__ zr = pz + off;
         const T* __restrict__ xr = px + off;
         T* __restrict__ dr = pd + off;
-        for (int64_t i = 0; i < len; ++i) dr[i] = from_float<T>(ca[i] * to_float(zr[i]) + cb[i] * to_float(xr[i]) + cd[i]);
+        int64_t i = 0;
+        if (kVectorLoops)
+          for (; i + kLanes <= len; i += kLanes)
+            store_vector(dr + i, load_vector(ca + i) * load_vector(zr + i) + load_vector(cb + i) * load_vector(xr + i) +
+                                     load_vector(cd + i));
+        for (; i < len; ++i) dr[i] = from_float<T>(ca[i] * to_float(zr[i]) + cb[i] * to_float(xr[i]) + cd[i]);
       });
     }
   });
