@@ -160,6 +160,26 @@ def test_cumulative_average_without_momentum_counts_batches_as_torch():
     torch.testing.assert_close(fused.running_var, plain.running_var, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("act", ["none", "relu"])
+def test_a_nan_spreads_where_torchs_modules_spread_it(act, dtype, build):
+    """A NaN in the input poisons its channel's statistics, one in the residual only its own output, as in
+    torch: the vector loops' ReLU keeps a NaN (max(NaN, 0) is NaN) and their bfloat16 rounding keeps it a NaN."""
+    torch.manual_seed(0)
+    # 43 rows of 24 channels: 4 super-rows of 10 rows (240 values, whole vectors), then 3 rows = 72 values,
+    # 64 in vectors and the last 8 in the scalar tail.
+    shape = (1, 24, 43, 1)
+    x = torch.randn(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    residual = torch.randn(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    x[0, 3, 5, 0] = float("nan")
+    residual[0, 20, 7, 0] = float("nan")  # in a vector
+    residual[0, 20, 42, 0] = float("nan")  # in the tail
+    y = kernels.batch_norm_act(x, None, None, None, None, None, 0.1, 1e-5, act, residual)
+    expected = ACTS[act](F.batch_norm(x.float(), None, None, None, None, True, 0.1, 1e-5) + residual.float())
+    assert y.isnan().sum().item() == 43 + 2
+    assert torch.equal(y.isnan(), expected.isnan())
+
+
 def test_batch_norm_of_one_value_per_channel_is_torchs_error():
     x = torch.randn(1, 8, 1, 1)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
