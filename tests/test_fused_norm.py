@@ -280,3 +280,15 @@ def test_only_the_norms_asked_for_are_fused():
     assert fuse_norm_activations(batch, (nn.GroupNorm,)) == 0
     assert not any("forward" in vars(m) for m in batch.modules())
     assert fuse_norm_activations(group, (nn.GroupNorm,)) > 0
+
+
+def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
+    from cnns.bench import passes
+
+    assert passes.main(["--shape", "4", "32", "15", "9", "--calls", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("(4, 32, 15, 9)")
+    for name in ("moments", "apply", "backward reduce", "input gradient", "copy", "ATen BN+ReLU fwd+bwd",
+                 "fused BN+ReLU fwd+bwd"):
+        milliseconds = float(line.split(f"{name} ")[1].split(" ms")[0])
+        assert milliseconds > 0
