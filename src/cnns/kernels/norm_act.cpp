@@ -5,13 +5,14 @@
 // reductions, input gradient), and on CPUs whose bfloat16 matrix units make the convolutions fast those
 // passes are most of a training step (cnns issue 17). Here a training norm+act is three passes forward
 // (moments, one apply) and two backward (one reduction that also writes the pre-activation gradient, one
-// apply), each at memory speed.
+// apply), aiming at memory speed (`python -m cnns.bench.passes` measures each).
 //
 // Every kernel sees a channels_last activation as a (G, R, C) row-major array: G independent groups of
 // statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
-// per-channel arithmetic is plain float loops over C that the compiler vectorises (setup.py builds with
-// x86-64-v3 where the machine is x86); threads split rows with at::parallel_for, so torch.set_num_threads
-// governs them. Statistics and coefficients are float32 or float64 (G, C) tensors computed by the caller.
+// passes are float loops over C that the compiler vectorises, with explicit vector loops where it did worse
+// (the statistics sums, and in the AVX-512 build the bfloat16 loads and stores; setup.py builds x86-64-v3 and
+// x86-64-v4); threads split rows with at::parallel_for, so torch.set_num_threads governs them. `forward` and
+// `backward` at the end compute the float64 per-channel statistics and coefficients between the passes.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -114,7 +115,7 @@ inline vfloat load_vector(const uint16_t* p) {
 }
 // Stores kLanes floats as bfloat16, rounded to nearest even with NaN kept a NaN, as from_float does: five
 // integer instructions and a narrowing store with AVX-512, where the compiler's vectorisation of from_float
-// shuffled masks between 32-lane halves (a normalise + ReLU pass 2.7 -> 2.1 ms on a 51 MB tensor).
+// shuffled masks between 32-lane halves (a normalise + ReLU pass 2.70 -> 2.31 ms on a 51 MB tensor).
 inline void store_vector(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_vector(uint16_t* p, vfloat v) {
 #if defined(__AVX512F__)
@@ -203,15 +204,15 @@ void check_coefficients(const at::Tensor& t, const at::Tensor& x, const char* na
 }
 
 // Rows read at a time by column_moments: few enough that their cache lines stay in L1 while every column
-// chunk passes over them (8 of 512 bytes: 31 GB/s where 32 rows gave 12 and a plain read of the tensor 38).
+// chunk passes over them (in a standalone trial on 512-byte rows: 8 rows 31 GB/s, 32 rows 12, a plain read 38).
 constexpr int64_t kTileRows = 8;
 // Vectors per column chunk: 2 * kChunk sums in registers, half the register file (32 AVX-512, 16 AVX2).
 constexpr int kChunk = kLanes == 16 ? 8 : 4;
 
 // Adds sum(d) and sum(d * d), d = x - k, down `rows` rows (`stride` values apart) to a and b, for the
 // columns [c0, c0 + V * kLanes). The 2V sums stay in registers over a tile of rows: summing into memory row
-// by row, as the other passes can afford, made this read-only pass store-bound (15 GB/s on a bfloat16
-// (32, 256, 56, 56) tensor; 31 this way).
+// by row, as the other passes can afford, made this read-only pass store-bound (11-19 GB/s on a bfloat16
+// (32, 256, 56, 56) tensor; 27 this way).
 template <int V, typename T>
 inline void column_moments(const T* __restrict__ x, int64_t stride, int64_t rows, int64_t c0,
                            const float* __restrict__ k, float* __restrict__ a, float* __restrict__ b) {
