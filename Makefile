@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # torch first, then the package without build isolation: setup.py compiles the fused CPU kernels
 # (src/cnns/kernels) against the venv's own torch instead of a second copy in a build environment.
-$(STAMP): pyproject.toml setup.py src/cnns/kernels/norm_act.cpp
+$(STAMP): pyproject.toml setup.py $(wildcard src/cnns/kernels/*.cpp src/cnns/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet 'setuptools>=68' wheel torch==2.14.1
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'

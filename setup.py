@@ -1,8 +1,9 @@
-"""Builds the optional C++ passes (src/cnns/kernels/norm_act.cpp) when the package is installed.
+"""Builds the optional C++ kernels (src/cnns/kernels/*.cpp) when the package is installed.
 
-Everything else is in pyproject.toml. The extension is compiled once, at install time, never at run
-time. Where it cannot be built (no C++ compiler, no torch headers) the install goes on without it and
-cnns runs torch's own normalisation and activation modules (`cnns.kernels.norm_act.available()`).
+Everything else is in pyproject.toml. The extensions are compiled once, at install time, never at run
+time. Where they cannot be built (no C++ compiler, no torch headers) the install goes on without them and
+cnns runs torch's own modules and kernels (`cnns.kernels.norm_act.available()`,
+`cnns.kernels.depthwise.available()`).
 """
 
 import platform
@@ -19,15 +20,19 @@ def extensions():
         return [], {}
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends.
     flags = ["-O3", "-fno-trapping-math"]
-    source = ["src/cnns/kernels/norm_act.cpp"]
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return [CppExtension("cnns.kernels._norm_act", source, extra_compile_args=flags)], _build_ext(BuildExtension)
-    # Two builds of the same passes, chosen when imported (cnns.kernels.norm_act): AVX2 + FMA for every x86
-    # CPU the project meets, and AVX-512 for the CPUs that have it, which are the ones with bfloat16
-    # arithmetic (AVX512-BF16, AMX). There the AVX2 build's bfloat16 conversions kept the passes at
-    # 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's normalise + ReLU: 6.3 -> 2.8 ms).
-    exts = [CppExtension("cnns.kernels._norm_act", source, extra_compile_args=flags + ["-march=x86-64-v3"]),
-            CppExtension("cnns.kernels._norm_act_avx512", source, extra_compile_args=flags + ["-march=x86-64-v4"])]
+    exts = []
+    for name in ("norm_act", "depthwise"):
+        source = [f"src/cnns/kernels/{name}.cpp"]
+        if platform.machine() not in ("x86_64", "AMD64"):
+            exts.append(CppExtension(f"cnns.kernels._{name}", source, extra_compile_args=flags))
+            continue
+        # Two builds of the same kernels, chosen when imported (cnns.kernels.build): AVX2 + FMA for every x86
+        # CPU the project meets, and AVX-512 for the CPUs that have it, which are the ones with bfloat16
+        # arithmetic (AVX512-BF16, AMX). There the AVX2 build's bfloat16 conversions kept the passes at
+        # 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's normalise + ReLU: 6.3 -> 2.8 ms).
+        exts += [CppExtension(f"cnns.kernels._{name}", source, extra_compile_args=flags + ["-march=x86-64-v3"]),
+                 CppExtension(f"cnns.kernels._{name}_avx512", source,
+                              extra_compile_args=flags + ["-march=x86-64-v4"])]
     return exts, _build_ext(BuildExtension)
 
 
@@ -38,14 +43,14 @@ def _build_ext(BuildExtension):
             try:
                 super().run()
             except Exception as exc:  # no compiler or headers: the package still works, unfused
-                print(f"cnns: the fused kernels were not built ({exc}); torch's modules will be used",
+                print(f"cnns: the C++ kernels were not built ({exc}); torch's own will be used",
                       file=sys.stderr)
 
         def build_extension(self, extension):
             try:
                 super().build_extension(extension)
             except Exception as exc:
-                print(f"cnns: the fused kernels were not built ({exc}); torch's modules will be used",
+                print(f"cnns: the C++ kernels were not built ({exc}); torch's own will be used",
                       file=sys.stderr)
 
     return {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}

@@ -72,18 +72,9 @@ CASES = [
 
 def _builds() -> list[str]:
     """The builds of the passes installed here (setup.py: AVX2 and AVX-512 on x86) that this CPU can run."""
-    import importlib
+    from cnns.kernels import runnable_builds
 
-    names = []
-    for name in ("_norm_act", "_norm_act_avx512"):
-        try:
-            importlib.import_module(f"cnns.kernels.{name}")
-        except ImportError:
-            continue
-        if name.endswith("avx512") and not torch.cpu._is_avx512_supported():
-            continue
-        names.append(name)
-    return names
+    return [build.__name__.rsplit(".", 1)[1] for build in runnable_builds("norm_act")]
 
 
 @pytest.fixture(params=_builds())

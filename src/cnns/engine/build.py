@@ -115,7 +115,7 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     if bn_group is None and norms:  # a --BN-span norm keeps torch's modules
         fuse_norm_activations(model, norms)
     keep_gradients_channels_last(model)
-    if device.type == "cpu" and policy.weight_dtype == torch.bfloat16:
+    if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
         route_slow_depthwise_backward(model)
     if cfg.parallel.recomputation and recomputation_points(cfg):
         recompute_between_splits(model, recomputation_segments(cfg, model))

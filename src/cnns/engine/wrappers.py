@@ -7,7 +7,8 @@ or which parameters and state-dict keys it has, so checkpoints always hold the p
                                      fused passes (speed; `cnns.engine.fusion`)
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
-2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed)
+2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed;
+                                     `cnns.kernels.depthwise`)
 3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
    or ``recompute_between_splits``   per segment between the seed's recomputation points (--shards 1 splits)
 4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from cnns.kernels import depthwise
 
 # ------------------------------------------------------------------------------------------------
 # 1. channels_last gradients
@@ -74,77 +77,102 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
 # 2. bfloat16 depthwise convolutions on the CPU
 
 
+# How one half of a depthwise backward is computed: by the same oneDNN kernel as the forward's dtype, by
+# oneDNN in float32 (operands converted, the result rounded back), or by cnns.kernels.depthwise.
+NATIVE, FLOAT32, CNNS = "native", "float32", "cnns"
+
+
 class _DepthwiseConv(torch.autograd.Function):
-    """A bfloat16 depthwise convolution whose slow backward half is computed in float32.
+    """A bfloat16 depthwise convolution whose slow backward halves are computed another way.
 
     oneDNN's bfloat16 depthwise kernels on this CPU (AVX-512 BF16, torch 2.14.1) are fast forward but
     have two pathological backward cases, measured on EfficientNet-B0 shapes at batch 32 (channels_last):
-    the input gradient of a strided depthwise convolution (96 channels, 112x112, stride 2: 83 ms in
-    bfloat16, 7.6 ms in float32) and the weight gradient of a 5x5 one (240 channels, 28x28: 39 ms vs
-    15 ms). Only that half is computed in float32 (operands converted, the result rounded back to
-    bfloat16, as the bfloat16 kernel's float32 accumulator is); the other half and the forward stay
-    bfloat16. EfficientNet-B0 training: the depthwise backward goes from 0.69 s to 0.2 s a step.
+    the input gradient of a strided depthwise convolution (96 channels, 112x112, stride 2: 82-97 ms in
+    bfloat16, 38-41 in float32, 9 in cnns.kernels.depthwise) and the weight gradient of a 5x5 one (240
+    channels, 28x28: 30 ms in bfloat16, 15 in float32, 7.3 in cnns.kernels.depthwise). Those halves go to the
+    C++ kernels where they are built, else to oneDNN in float32; the other half and the forward stay oneDNN
+    bfloat16. All accumulate in float32 and round the result to bfloat16 as the bfloat16 kernel does.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, input_in_float32, weight_in_float32):
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, input_route, weight_route):
         ctx.save_for_backward(x, weight)
-        ctx.conv = (stride, padding, dilation, groups, bias is not None, input_in_float32, weight_in_float32)
+        ctx.conv = (stride, padding, dilation, groups, bias is not None, input_route, weight_route)
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        stride, padding, dilation, groups, has_bias, input_in_float32, weight_in_float32 = ctx.conv
+        stride, padding, dilation, groups, has_bias, input_route, weight_route = ctx.conv
+        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_input = grad_weight = grad_bias = None
 
-        def backward(g, inp, w, mask):
+        def onednn(g, inp, w, mask):
             return torch.ops.aten.convolution_backward(g, inp, w, None, stride, padding, dilation, False,
                                                       [0, 0], groups, mask)
 
-        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad32 = grad.float() if (want_input and input_in_float32) or (want_weight and weight_in_float32) else None
-        if want_input and input_in_float32:
+        if want_input and input_route == CNNS:
+            grad_input = depthwise.input_gradient(grad, weight, x.shape[2:], stride, padding)
+        if want_weight and weight_route == CNNS:
+            grad_weight = depthwise.weight_gradient(grad, x, weight.shape[-1], stride, padding).to(weight.dtype)
+        float32 = [want_input and input_route == FLOAT32, want_weight and weight_route == FLOAT32, False]
+        if any(float32):
             # The input gradient needs the input's shape only: a broadcast stand-in, not a converted copy.
-            stand_in = grad32.new_empty(1).expand(x.shape)
-            grad_input = backward(grad32, stand_in, weight.float(), [True, False, False])[0].to(x.dtype)
-        if want_weight and weight_in_float32:
-            grad_weight = backward(grad32, x.float(), weight.float(), [False, True, False])[1].to(weight.dtype)
-        rest = [want_input and not input_in_float32, want_weight and not weight_in_float32, False]
-        if any(rest):
-            native = backward(grad, x, weight, rest)
-            grad_input = native[0] if rest[0] else grad_input
-            grad_weight = native[1] if rest[1] else grad_weight
+            inp = x.float() if float32[1] else grad.new_empty(1, dtype=torch.float32).expand(x.shape)
+            halves = onednn(grad.float(), inp, weight.float(), float32)
+            grad_input = halves[0].to(x.dtype) if float32[0] else grad_input
+            grad_weight = halves[1].to(weight.dtype) if float32[1] else grad_weight
+        native = [want_input and input_route == NATIVE, want_weight and weight_route == NATIVE, False]
+        if any(native):
+            halves = onednn(grad, x, weight, native)
+            grad_input = halves[0] if native[0] else grad_input
+            grad_weight = halves[1] if native[1] else grad_weight
         if has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.float().sum((0, 2, 3)).to(grad.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _depthwise_conv_forward(self: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor, bias):
+    if torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+        # 16.32: autocast would run the convolution in its dtype; cast as it does, and route from there.
+        dtype = torch.get_autocast_dtype("cpu")
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     if not (torch.is_grad_enabled() and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16):
         return nn.Conv2d._conv_forward(self, x, weight, bias)
     return _DepthwiseConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                                self._cnns_input_in_float32, self._cnns_weight_in_float32)
+                                *self._cnns_depthwise_routes)
+
+
+def depthwise_routes(conv: nn.Conv2d) -> tuple[str, str]:
+    """How the backward of this bfloat16 convolution computes its input and weight gradients (see above).
+
+    Depthwise = one input channel per group. Strided ones take another input gradient, 5x5 and larger another
+    weight gradient: cnns.kernels.depthwise where it supports the convolution, else oneDNN in float32. 3x3
+    stride-1 depthwise and grouped convolutions (group size 16, the seed's --group-dim) measured faster in
+    oneDNN's bfloat16 and are left alone (oneDNN's bfloat16 input gradient at stride 1 also beats the C++
+    kernel: 240 channels, 28 px, 5x5: 1.9 against 9.5 ms).
+    """
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return NATIVE, NATIVE
+    if not (conv.groups > 1 and conv.weight.shape[1] == 1):
+        return NATIVE, NATIVE
+    faster = CNNS if depthwise.supports(conv) else FLOAT32
+    return (faster if max(conv.stride) > 1 else NATIVE), (faster if max(conv.kernel_size) >= 5 else NATIVE)
 
 
 def route_slow_depthwise_backward(model: nn.Module) -> int:
-    """Give the depthwise convolutions with a pathological bfloat16 backward the float32 half (above).
+    """Give the depthwise convolutions with a pathological bfloat16 backward half another one (above).
 
-    Depthwise = one input channel per group; strided ones get a float32 input gradient, 5x5 and
-    larger a float32 weight gradient. 3x3 stride-1 depthwise and grouped convolutions (group size
-    16, the seed's --group-dim) measured faster in bfloat16 and are left alone. Returns the number
-    of convolutions rerouted.
+    Returns the number of convolutions rerouted.
     """
     rerouted = 0
     for module in model.modules():
-        if type(module) is not nn.Conv2d or module.padding_mode != "zeros" or isinstance(module.padding, str):
+        if type(module) is not nn.Conv2d:
             continue
-        depthwise = module.groups > 1 and module.weight.shape[1] == 1
-        input_in_float32 = depthwise and max(module.stride) > 1
-        weight_in_float32 = depthwise and max(module.kernel_size) >= 5
-        if input_in_float32 or weight_in_float32:
-            module._cnns_input_in_float32 = input_in_float32
-            module._cnns_weight_in_float32 = weight_in_float32
+        routes = depthwise_routes(module)
+        if routes != (NATIVE, NATIVE):
+            module._cnns_depthwise_routes = routes
             module._conv_forward = types.MethodType(_depthwise_conv_forward, module)
             rerouted += 1
     return rerouted

@@ -17,25 +17,9 @@ from __future__ import annotations
 import torch
 
 from cnns import profiling
+from cnns.kernels import load_build
 
-
-
-def _load_extension():
-    """The build for this CPU (setup.py makes an AVX2 and an AVX-512 one on x86), or None where none was built."""
-    try:
-        if torch.cpu._is_avx512_supported():
-            from cnns.kernels import _norm_act_avx512
-            return _norm_act_avx512
-    except ImportError:  # pragma: no cover - depends on the installation
-        pass
-    try:
-        from cnns.kernels import _norm_act
-        return _norm_act
-    except ImportError:  # pragma: no cover - no compiler at install time
-        return None
-
-
-_ext = _load_extension()
+_ext = load_build("norm_act")
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 DTYPES = (torch.float32, torch.bfloat16)
