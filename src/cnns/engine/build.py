@@ -24,7 +24,8 @@ from cnns.errors import ConfigError
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.engine.fusion import fuse_norm_activations, fused_norms
+from cnns.engine.fusion import (fuse_norm_activations, fuse_squeeze_excitation, fused_norms,
+                                fuses_squeeze_excitation)
 from cnns.engine.wrappers import (keep_gradients_channels_last, recompute_between_splits, recompute_blocks,
                                   route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
@@ -114,6 +115,8 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     norms = fused_norms(device)
     if bn_group is None and norms:  # a --BN-span norm keeps torch's modules
         fuse_norm_activations(model, norms)
+    if fuses_squeeze_excitation(device):
+        fuse_squeeze_excitation(model)
     keep_gradients_channels_last(model)
     if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
         route_slow_depthwise_backward(model)

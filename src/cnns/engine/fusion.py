@@ -9,7 +9,9 @@ stay the plain model's and checkpoints written before or after load alike. Three
   activation module becomes the identity;
 - a residual unit's last norm, the addition of the shortcut and the final ReLU (timm's and the CIFAR
   ResNets' basic and bottleneck units): one pass instead of three;
-- nothing else: squeeze-excitation, pooling and the head keep torch's kernels.
+- squeeze-excitation (timm's ``SqueezeExcite`` of EfficientNet): the channel means, the gate's scaling and
+  their backward in the same passes (`cnns.kernels.excite`), wherever the passes run by default;
+- nothing else: pooling and the head keep torch's kernels.
 
 In evaluation, or for a tensor the passes do not take (CUDA, float16, not 4-d), the patched forwards
 compute the same thing with torch's functions, so one patched model serves training and validation.
@@ -25,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from timm.layers import BatchNormAct2d, GroupNormAct
 from timm.models import resnet as timm_resnet
+from timm.models._efficientnet_blocks import SqueezeExcite
 from torch import nn
 
+from cnns.kernels import excite
 from cnns.kernels import norm_act as kernels
 from cnns.models import cifar_resnet
 
@@ -162,4 +166,34 @@ def fuse_norm_activations(model: nn.Module, norms: tuple[type, ...] = (nn.BatchN
     for owner in model.modules():
         if type(owner) not in _UNITS and hasattr(owner, "bn1") and hasattr(owner, "act1"):
             fused += _fuse_pair(owner.bn1, owner.act1, norms)
+    return fused
+
+
+def fuses_squeeze_excitation(device: torch.device) -> bool:
+    """Whether a CPU run fuses squeeze-excitation: where group norm is fused by default (the AVX-512 build),
+    or everything is asked for (``CNNS_FUSED_NORM=1``); never with ``CNNS_FUSED_NORM=0``. EfficientNet-B0
+    (16.16, batch 32) on an AVX-512-BF16 EPYC: README, Performance."""
+    return nn.GroupNorm in fused_norms(device)
+
+
+def _gate_network(module: SqueezeExcite):
+    def gate(squeezed: torch.Tensor) -> torch.Tensor:
+        return module.gate(module.conv_expand(module.act1(module.conv_reduce(squeezed))))
+
+    return gate
+
+
+def _squeeze_excite_forward(self: SqueezeExcite, x: torch.Tensor) -> torch.Tensor:
+    if self.training and torch.is_grad_enabled() and excite.supports(x):
+        return excite.squeeze_excite(x, _gate_network(self), list(self.parameters()))
+    return SqueezeExcite.forward(self, x)
+
+
+def fuse_squeeze_excitation(model: nn.Module) -> int:
+    """Give timm's squeeze-excitation blocks the fused passes in training; returns how many."""
+    fused = 0
+    for module in model.modules():
+        if type(module) is SqueezeExcite and "forward" not in vars(module):
+            module.forward = types.MethodType(_squeeze_excite_forward, module)
+            fused += 1
     return fused
