@@ -21,18 +21,21 @@ def extensions():
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends.
     flags = ["-O3", "-fno-trapping-math"]
     exts = []
+    headers = ["src/cnns/kernels/vectors.h"]  # a changed header rebuilds every extension
     for name in ("norm_act", "depthwise"):
         source = [f"src/cnns/kernels/{name}.cpp"]
         if platform.machine() not in ("x86_64", "AMD64"):
-            exts.append(CppExtension(f"cnns.kernels._{name}", source, extra_compile_args=flags))
+            exts.append(CppExtension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags))
             continue
-        # Two builds of the same kernels, chosen when imported (cnns.kernels.build): AVX2 + FMA for every x86
-        # CPU the project meets, and AVX-512 for the CPUs that have it, which are the ones with bfloat16
-        # arithmetic (AVX512-BF16, AMX). There the AVX2 build's bfloat16 conversions kept the passes at
-        # 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's normalise + ReLU: 6.3 -> 2.8 ms).
-        exts += [CppExtension(f"cnns.kernels._{name}", source, extra_compile_args=flags + ["-march=x86-64-v3"]),
-                 CppExtension(f"cnns.kernels._{name}_avx512", source,
-                              extra_compile_args=flags + ["-march=x86-64-v4"])]
+        # Two builds of the same kernels, chosen when imported (cnns.kernels.load_build): AVX2 + FMA for every
+        # x86 CPU the project meets, and AVX-512 with its bfloat16 conversions (AVX512-BF16) for the CPUs with
+        # bfloat16 arithmetic (AVX512-BF16 or AMX, which have both). There the AVX2 build's bfloat16
+        # conversions kept the passes at 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's
+        # normalise + ReLU: 6.3 -> 2.8 ms).
+        exts += [CppExtension(f"cnns.kernels._{name}", source, depends=headers,
+                              extra_compile_args=flags + ["-march=x86-64-v3"]),
+                 CppExtension(f"cnns.kernels._{name}_avx512", source, depends=headers,
+                              extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"])]
     return exts, _build_ext(BuildExtension)
 
 

@@ -10,9 +10,10 @@ import torch
 
 
 def runnable_builds(name: str) -> list[ModuleType]:
-    """The builds of extension ``name`` installed here that this CPU can run, the widest first."""
+    """The builds of extension ``name`` installed here that this CPU can run, the widest first (the AVX-512
+    build also uses AVX512-BF16's conversions: it runs where the CPU has bfloat16 arithmetic)."""
     candidates = [f"cnns.kernels._{name}"]
-    if torch.cpu._is_avx512_supported():
+    if torch.cpu._is_avx512_bf16_supported():
         candidates.insert(0, f"cnns.kernels._{name}_avx512")
     builds = []
     for module in candidates:

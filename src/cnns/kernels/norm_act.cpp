@@ -52,6 +52,88 @@ inline float exp_vectorisable(float x) {
 
 inline float sigmoid(float z) { return 1.0f / (1.0f + exp_vectorisable(-z)); }
 
+// The same exp and sigmoid on kLanes values (the compiler kept the scalar ones' loops scalar: EfficientNet's
+// batch norm + SiLU passes ran slower than ATen's until these).
+inline vfloat floor_vector(vfloat v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(
+      _mm512_roundscale_ps(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vfloat>(_mm256_floor_ps(reinterpret_cast<__m256>(v)));
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = std::floor(v[i]);
+  return v;
+#endif
+}
+
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vfloat exp_vector(vfloat x) {
+#if defined(__AVX512F__)
+  // The same steps in fewer instructions: min/max for the clamp, and 2^n by vscalefps instead of building the
+  // exponent bits (the pass is bound by instruction throughput, not memory, on a CPU that splits 512-bit ops).
+  x = reinterpret_cast<vfloat>(_mm512_min_ps(_mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-87.3f)),
+                                             _mm512_set1_ps(88.7f)));
+#else
+  const vfloat lo = vfloat{} - 87.3f, hi = vfloat{} + 88.7f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+#endif
+  const vfloat n = floor_vector(x * 1.44269504088896341f + 0.5f);
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(bits);
+#endif
+}
+
+// 1 / d within a float ulp or two: a 14-bit estimate and one Newton step, where a vector division held the SiLU
+// passes to its throughput (a forward SiLU pass over 29 MB: 5.6 ms with vdivps).
+inline vfloat reciprocal(vfloat d) {
+#if defined(__AVX512F__)
+  const vfloat r = reinterpret_cast<vfloat>(_mm512_rcp14_ps(reinterpret_cast<__m512>(d)));
+  return r * (2.0f - d * r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// For bfloat16 results (8 significant bits) a cheaper exp and sigmoid: a degree-4 polynomial (relative error
+// below 4e-5) and the 14-bit reciprocal estimate. The SiLU passes are bound by instruction throughput on a CPU
+// that splits 512-bit operations: a forward SiLU pass over 29 MB 3.8 -> ... ms (ATen's SiLU alone: 2.5 ms).
+inline vfloat exp_vector_coarse(vfloat x) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-87.3f)),
+                                 _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat r = reinterpret_cast<vfloat>(_mm512_fnmadd_ps(n, _mm512_set1_ps(0.69314718056f), v));
+  const vfloat p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6.0f + r * (1.0f / 24.0f))));
+  return reinterpret_cast<vfloat>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));
+#else
+  return exp_vector(x);
+#endif
+}
+
+template <bool kPrecise>
+inline vfloat sigmoid(vfloat z) {
+  if constexpr (kPrecise) return reciprocal(1.0f + exp_vector(-z));
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_rcp14_ps(reinterpret_cast<__m512>(1.0f + exp_vector_coarse(-z))));
+#else
+  return reciprocal(1.0f + exp_vector(-z));
+#endif
+}
+
 // max(z, 0) as std::max(z, 0.f) computes it: a NaN stays a NaN, as torch's ReLU keeps it.
 inline vfloat relu(vfloat z) {
   const vfloat zero{};
@@ -240,9 +322,9 @@ at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const a
         const float* __restrict__ t = tt.data();
         const T* __restrict__ xr = px + off;
         T* __restrict__ yr = py + off;
-        // The first vectors' worth explicitly where kVectorLoops (SiLU keeps the compiler's loop), the rest scalar.
+        // The first vectors' worth explicitly where kVectorLoops, the rest scalar.
         int64_t i = 0;
-        const int64_t vectors = kVectorLoops && act != kSilu ? len - len % kLanes : 0;
+        const int64_t vectors = kVectorLoops ? len - len % kLanes : 0;
         if (pr != nullptr) {
           const T* __restrict__ rr = pr + off;
           for (; i < vectors; i += kLanes) {
@@ -257,14 +339,21 @@ at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const a
           }
           return;
         }
-        for (; i < vectors; i += kLanes) {
-          const vfloat z = load_vector(xr + i) * load_vector(s + i) + load_vector(t + i);
-          store_vector(yr + i, act == kRelu ? relu(z) : z);
+        if (act == kSilu) {
+          for (; i < vectors; i += kLanes) {
+            const vfloat z = load_vector(xr + i) * load_vector(s + i) + load_vector(t + i);
+            store_vector(yr + i, z * sigmoid<std::is_same_v<T, float>>(z));
+          }
+        } else {
+          for (; i < vectors; i += kLanes) {
+            const vfloat z = load_vector(xr + i) * load_vector(s + i) + load_vector(t + i);
+            store_vector(yr + i, act == kRelu ? relu(z) : z);
+          }
         }
         if (act == kRelu) {
           for (; i < len; ++i) yr[i] = from_float<T>(std::max(to_float(xr[i]) * s[i] + t[i], 0.f));
         } else if (act == kSilu) {
-          for (int64_t i = 0; i < len; ++i) {
+          for (; i < len; ++i) {
             const float z = to_float(xr[i]) * s[i] + t[i];
             yr[i] = from_float<T>(z * sigmoid(z));
           }
@@ -318,7 +407,7 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
         float* __restrict__ sa = a.data();
         float* __restrict__ sb = b.data();
         int64_t i = 0;
-        const int64_t vectors = kVectorLoops && act != kSilu ? len - len % kLanes : 0;
+        const int64_t vectors = kVectorLoops ? len - len % kLanes : 0;
         if (act == kRelu) {
           const T* __restrict__ yr = py + off;
           for (; i < vectors; i += kLanes) {
@@ -337,7 +426,17 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
             sb[i] += v * (to_float(xr[i]) - m[i]);
           }
         } else if (act == kSilu) {
-          for (int64_t i = 0; i < len; ++i) {
+          for (; i < vectors; i += kLanes) {
+            const vfloat xv = load_vector(xr + i);
+            const vfloat z = xv * load_vector(s + i) + load_vector(t + i);
+            const vfloat sg = sigmoid<std::is_same_v<T, float>>(z);
+            // Rounded to the activations' dtype as ATen's SiLU backward hands it on (stored, then reread).
+            store_vector(zr + i, load_vector(gr + i) * sg * (1.f + z * (1.f - sg)));
+            const vfloat v = load_vector(zr + i);
+            add_to(sa + i, v);
+            add_to(sb + i, v * (xv - load_vector(m + i)));
+          }
+          for (; i < len; ++i) {
             const float z = to_float(xr[i]) * s[i] + t[i];
             const float sg = sigmoid(z);
             const float v = to_float(from_float<T>(to_float(gr[i]) * sg * (1.f + z * (1.f - sg))));
