@@ -255,9 +255,10 @@ def test_recomputation_of_fused_units_gives_bitwise_the_same_gradients_and_stati
         assert torch.equal(a, b)  # the statistics were updated once, not twice
 
 
-def test_group_norm_is_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
+def test_group_norm_and_batch_norm_with_silu_are_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
     monkeypatch.delenv("CNNS_FUSED_NORM", raising=False)
-    assert fused_norms(torch.device("cpu")) == ((nn.GroupNorm,) if kernels.wide_build() else ())
+    default = (nn.GroupNorm, (nn.BatchNorm2d, "silu"))
+    assert fused_norms(torch.device("cpu")) == (default if kernels.wide_build() else ())
     monkeypatch.setenv("CNNS_FUSED_NORM", "1")
     assert fused_norms(torch.device("cpu")) == (nn.BatchNorm2d, nn.GroupNorm)
     assert fused_norms(torch.device("cuda")) == ()
@@ -271,6 +272,13 @@ def test_only_the_norms_asked_for_are_fused():
     assert fuse_norm_activations(batch, (nn.GroupNorm,)) == 0
     assert not any("forward" in vars(m) for m in batch.modules())
     assert fuse_norm_activations(group, (nn.GroupNorm,)) > 0
+    # Batch norm with SiLU only: EfficientNet's norms fuse, a ResNet's (ReLU) do not.
+    silu_only = (nn.GroupNorm, (nn.BatchNorm2d, "silu"))
+    batch = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm="batch"))
+    assert fuse_norm_activations(batch, silu_only) == 0
+    efficientnet = build_model(ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=64))
+    # stem + the first block's depthwise norm + two per inverted-residual block (15) + head; projections have none
+    assert fuse_norm_activations(efficientnet, silu_only) == 1 + 1 + 2 * 15 + 1
 
 
 def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
