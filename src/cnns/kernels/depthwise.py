@@ -23,11 +23,6 @@ def available() -> bool:
     return _ext is not None
 
 
-def wide_build() -> bool:
-    """Whether the AVX-512 build runs (the one measured against oneDNN's kernels)."""
-    return _ext is not None and _ext.__name__.endswith("_avx512")
-
-
 def supports(conv: torch.nn.Conv2d) -> bool:
     """Whether these kernels compute this convolution's backward: depthwise (one input and one output channel
     per group), a square 3x3, 5x5 or 7x7 kernel, no dilation, zero padding given as numbers."""

@@ -31,7 +31,7 @@ def available() -> bool:
 
 
 def wide_build() -> bool:
-    """Whether the AVX-512 build runs (the one measured against ATen's kernels)."""
+    """Whether the AVX-512 (AVX512-BF16) build runs (the one measured against ATen's kernels)."""
     return _ext is not None and _ext.__name__.endswith("_avx512")
 
 
