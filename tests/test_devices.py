@@ -46,6 +46,26 @@ def test_on_a_cpu_the_half_type_is_bfloat16_and_an_explicit_one_is_kept(two_gpus
     assert (options["half_dtype"], options["loss_scaling"], options["half_dtype_given"]) == ("float16", 128.0, True)
 
 
+@pytest.mark.parametrize("script", ["validate", "weight-avg"])
+def test_validation_without_a_run_takes_the_devices_half_type_and_a_runs_is_kept(two_gpus, tmp_path, script):
+    import json
+
+    from cnns.cli.parsing import resolved_evaluation_options
+
+    two_gpus(False)  # a GPU without bfloat16 arithmetic: float16
+    _, options, _ = resolved_evaluation_options(script, PLAIN)
+    assert (options["half_dtype"], options["half_dtype_given"]) == ("float16", False)
+    _, options, _ = resolved_evaluation_options(script, [*PLAIN, "--device", "cpu"])
+    assert options["half_dtype"] == "bfloat16"
+    _, options, _ = resolved_evaluation_options(script, [*PLAIN, "--half-dtype", "bfloat16"])
+    assert (options["half_dtype"], options["half_dtype_given"]) == ("bfloat16", True)
+    # A run trained on a CPU keeps its half type when validated on this GPU (its checkpoints are in it).
+    trained, _ = resolved_training_options("train", [*PLAIN, "--device", "cpu"])
+    (tmp_path / "arguments.json").write_text(json.dumps(trained))
+    _, options, _ = resolved_evaluation_options(script, ["--restore-path", str(tmp_path)])
+    assert options["half_dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cuda:3"], "device cuda:3 requested but this machine has 2 GPUs (cuda:0, cuda:1)"),
     (["--select-ipus", "2"], "device cuda:2 requested but this machine has 2 GPUs (cuda:0, cuda:1)"),

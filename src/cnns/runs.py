@@ -193,7 +193,7 @@ def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str
             base.pop("name", None)
     explicit = {k: v for k, v in values.items() if v is not None and not (v is False and k in _FALSE_BY_DEFAULT)}
     merged = {**base, **explicit}
-    if "half_dtype" in explicit:
+    if "half_dtype" in explicit and "half_dtype_given" not in explicit:  # not the device's default
         merged["half_dtype_given"] = True
     for key in ("replicas", "shards"):
         if key not in explicit:

@@ -9,7 +9,8 @@ did not have (predict, export, benchmark, bench-data) and `cnns.cli.plot` the pl
 
 from __future__ import annotations
 
-from cnns.cli.parsing import half_type_of_the_device, parse_options, print_config, resolved_training_options
+from cnns.cli.parsing import (half_type_of_the_device, parse_options, print_config, resolved_evaluation_options,
+                              resolved_training_options)
 
 
 def train_main(argv: list[str]) -> int:
@@ -35,10 +36,8 @@ def restore_main(argv: list[str]) -> int:
 
 def validate_main(argv: list[str]) -> int:
     from cnns import tasks
-    from cnns.runs import evaluation_options
 
-    values, notices = parse_options("validate", argv)
-    options, _ = evaluation_options(values)
+    values, options, notices = resolved_evaluation_options("validate", argv)
     if values["print_config"]:
         return print_config(options)
     return tasks.validate(options, values.get("restore_path"), repeat=values.get("repeat") or 1, notices=notices,
@@ -47,10 +46,8 @@ def validate_main(argv: list[str]) -> int:
 
 def weight_avg_main(argv: list[str]) -> int:
     from cnns import tasks
-    from cnns.runs import evaluation_options
 
-    values, notices = parse_options("weight-avg", argv)
-    options, _ = evaluation_options(values)
+    values, options, notices = resolved_evaluation_options("weight-avg", argv)
     if values["print_config"]:
         return print_config(options)
     # The training run's --no-validation does not carry over: only this command line's does.

@@ -95,6 +95,20 @@ def half_type_of_the_device(values: dict[str, Any]) -> None:
         values["half_dtype"] = default_half_dtype(resolve_device(values.get("device"), values.get("select_ipus")))
 
 
+def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """validation.py / weight_avg.py: (values, resolved options, notices). The half type is the training
+    run's (its arguments.json) or the command line's; where neither gives one, the device's, as for
+    training (a validation.py without --restore-path on a GPU without bfloat16 runs float16)."""
+    from cnns.runs import evaluation_options
+
+    values, notices = parse_options(script, argv)
+    options, run = evaluation_options(values)
+    if values.get("half_dtype") is None and "half_dtype" not in run:
+        half_type_of_the_device(values)
+        options, _ = evaluation_options(values)
+    return values, options, notices
+
+
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     values, notices = parse_options(script, argv)
     half_type_of_the_device(values)
