@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cnns.engine.fusion import fuse_norm_activations, fused_norms, norm_act
+from cnns.engine.fusion import fuse_norm_activations, fused_norms, fuses_squeeze_excitation, norm_act
 from cnns.engine.wrappers import recompute_blocks
 from cnns.kernels import norm_act as kernels
 from cnns.models import build_model, recomputation_blocks
@@ -259,11 +259,13 @@ def test_group_norm_and_batch_norm_with_silu_are_fused_by_default_where_measured
     monkeypatch.delenv("CNNS_FUSED_NORM", raising=False)
     default = (nn.GroupNorm, (nn.BatchNorm2d, "silu"))
     assert fused_norms(torch.device("cpu")) == (default if kernels.wide_build() else ())
+    assert fuses_squeeze_excitation(torch.device("cpu")) == kernels.wide_build()
     monkeypatch.setenv("CNNS_FUSED_NORM", "1")
     assert fused_norms(torch.device("cpu")) == (nn.BatchNorm2d, nn.GroupNorm)
-    assert fused_norms(torch.device("cuda")) == ()
+    assert fuses_squeeze_excitation(torch.device("cpu"))
+    assert fused_norms(torch.device("cuda")) == () and not fuses_squeeze_excitation(torch.device("cuda"))
     monkeypatch.setenv("CNNS_FUSED_NORM", "0")
-    assert fused_norms(torch.device("cpu")) == ()
+    assert fused_norms(torch.device("cpu")) == () and not fuses_squeeze_excitation(torch.device("cpu"))
 
 
 def test_only_the_norms_asked_for_are_fused():

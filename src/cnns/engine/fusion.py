@@ -179,10 +179,10 @@ def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.G
 
 
 def fuses_squeeze_excitation(device: torch.device) -> bool:
-    """Whether a CPU run fuses squeeze-excitation: where group norm is fused by default (the AVX-512 build),
-    or everything is asked for (``CNNS_FUSED_NORM=1``); never with ``CNNS_FUSED_NORM=0``. EfficientNet-B0
-    (16.16, batch 32) on an AVX-512-BF16 EPYC: README, Performance."""
-    return nn.GroupNorm in fused_norms(device)
+    """Whether a CPU run fuses squeeze-excitation: wherever it fuses any norm (by default the AVX-512 build;
+    ``CNNS_FUSED_NORM=1`` everything, ``=0`` nothing). EfficientNet-B0 (16.16, batch 32) on an AVX-512-BF16
+    EPYC: README, Performance."""
+    return bool(fused_norms(device))
 
 
 def _gate_network(module: SqueezeExcite):
@@ -193,7 +193,7 @@ def _gate_network(module: SqueezeExcite):
 
 
 def _squeeze_excite_forward(self: SqueezeExcite, x: torch.Tensor) -> torch.Tensor:
-    if self.training and torch.is_grad_enabled() and excite.supports(x):
+    if self.training and torch.is_grad_enabled() and kernels.supports(x):
         return excite.squeeze_excite(x, _gate_network(self), list(self.parameters()))
     return SqueezeExcite.forward(self, x)
 

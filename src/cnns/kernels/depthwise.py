@@ -15,7 +15,6 @@ from cnns.kernels import load_build
 _ext = load_build("depthwise")
 
 KERNEL_SIZES = (3, 5, 7)
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available() -> bool:

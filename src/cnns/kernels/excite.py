@@ -61,11 +61,6 @@ class _SqueezeExcite(torch.autograd.Function):
         return (norm_act._unrows(dx, ctx.shape), None, *param_grads)
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether the fused squeeze-excitation takes this activation (the passes' own condition)."""
-    return norm_act.supports(x)
-
-
 def squeeze_excite(x: torch.Tensor, excite: Callable[[torch.Tensor], torch.Tensor],
                    params: list[torch.Tensor]) -> torch.Tensor:
     """``x * excite(x.mean((2, 3), keepdim=True))`` for a (N, C, H, W) CPU tensor; ``excite`` maps the

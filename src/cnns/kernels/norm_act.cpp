@@ -11,7 +11,7 @@
 // statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
 // passes are float loops over C that the compiler vectorises, with explicit vector loops where it did worse
 // (the statistics sums, and in the AVX-512 build the bfloat16 loads and stores; setup.py builds x86-64-v3 and
-// x86-64-v4); threads split rows with at::parallel_for, so torch.set_num_threads governs them. `forward` and
+// x86-64-v4 with AVX512-BF16); threads split rows with at::parallel_for, so torch.set_num_threads governs them. `forward` and
 // `backward` at the end compute the float64 per-channel statistics and coefficients between the passes.
 
 #include <torch/extension.h>
