@@ -20,12 +20,20 @@ def extensions():
         return [], {}
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends.
     flags = ["-O3", "-fno-trapping-math"]
+    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers, so without it the
+    # kernels ran on one thread whatever torch.set_num_threads said (the fused passes were 1.0x on 2 threads).
+    # The extension then needs libgomp.so.1, which resolves to the one torch has already loaded: one thread pool.
+    link = []
+    if sys.platform.startswith("linux"):
+        flags.append("-fopenmp")
+        link.append("-fopenmp")
     exts = []
     headers = ["src/cnns/kernels/vectors.h"]  # a changed header rebuilds every extension
     for name in ("norm_act", "depthwise"):
         source = [f"src/cnns/kernels/{name}.cpp"]
         if platform.machine() not in ("x86_64", "AMD64"):
-            exts.append(CppExtension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags))
+            exts.append(CppExtension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags,
+                                     extra_link_args=link))
             continue
         # Two builds of the same kernels, chosen when imported (cnns.kernels.load_build): AVX2 + FMA for every
         # x86 CPU the project meets, and AVX-512 with its bfloat16 conversions (AVX512-BF16) for the CPUs with
@@ -33,9 +41,10 @@ def extensions():
         # conversions kept the passes at 16 GB/s where AVX-512 reaches 37 (a (32, 256, 56, 56) tensor's
         # normalise + ReLU: 6.3 -> 2.8 ms).
         exts += [CppExtension(f"cnns.kernels._{name}", source, depends=headers,
-                              extra_compile_args=flags + ["-march=x86-64-v3"]),
+                              extra_compile_args=flags + ["-march=x86-64-v3"], extra_link_args=link),
                  CppExtension(f"cnns.kernels._{name}_avx512", source, depends=headers,
-                              extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"])]
+                              extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"],
+                              extra_link_args=link)]
     return exts, _build_ext(BuildExtension)
 
 
