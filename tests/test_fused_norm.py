@@ -21,6 +21,7 @@ from torch import nn
 from cnns.engine.fusion import fuse_norm_activations, fused_norms, fuses_squeeze_excitation, norm_act
 from cnns.engine.wrappers import recompute_blocks
 from cnns.kernels import norm_act as kernels
+from cnns.kernels import runnable_builds
 from cnns.models import build_model, recomputation_blocks
 from cnns.models.norms import fitted_groups
 from cnns.models.spec import ModelSpec
@@ -255,9 +256,9 @@ def test_recomputation_of_fused_units_gives_bitwise_the_same_gradients_and_stati
         assert torch.equal(a, b)  # the statistics were updated once, not twice
 
 
-def test_group_norm_and_batch_norm_with_silu_are_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
+def test_both_norms_are_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
     monkeypatch.delenv("CNNS_FUSED_NORM", raising=False)
-    default = (nn.GroupNorm, (nn.BatchNorm2d, "silu"))
+    default = (nn.BatchNorm2d, nn.GroupNorm)
     assert fused_norms(torch.device("cpu")) == (default if kernels.wide_build() else ())
     assert fuses_squeeze_excitation(torch.device("cpu")) == kernels.wide_build()
     monkeypatch.setenv("CNNS_FUSED_NORM", "1")
@@ -274,12 +275,10 @@ def test_only_the_norms_asked_for_are_fused():
     assert fuse_norm_activations(batch, (nn.GroupNorm,)) == 0
     assert not any("forward" in vars(m) for m in batch.modules())
     assert fuse_norm_activations(group, (nn.GroupNorm,)) > 0
-    # Batch norm with SiLU only: EfficientNet's norms fuse, a ResNet's (ReLU) do not.
-    silu_only = (nn.GroupNorm, (nn.BatchNorm2d, "silu"))
-    assert fuse_norm_activations(batch, silu_only) == 0  # still unfused from above
     efficientnet = build_model(ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=64))
-    # stem + the first block's depthwise norm + two per inverted-residual block (15) + head; projections have none
-    assert fuse_norm_activations(efficientnet, silu_only) == 1 + 1 + 2 * 15 + 1
+    assert fuse_norm_activations(efficientnet, (nn.GroupNorm,)) == 0
+    # Every norm: stem + 16 depthwise + 15 expansion + 16 projection (no activation) + head.
+    assert fuse_norm_activations(efficientnet, (nn.BatchNorm2d,)) == 1 + 16 + 15 + 16 + 1
 
 
 def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
@@ -292,3 +291,17 @@ def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
                  "fused BN+ReLU fwd+bwd"):
         milliseconds = float(line.split(f"{name} ")[1].split(" ms")[0])
         assert milliseconds > 0
+
+
+@pytest.mark.parametrize("name", ["norm_act", "depthwise"])
+def test_every_build_runs_on_torchs_threads(name):
+    """at::parallel_for is an inline OpenMP pragma in ATen's headers: built without OpenMP, every pass ran on
+    one thread whatever torch.set_num_threads said."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for build in runnable_builds(name):
+            assert build.parallel_threads(64) == 2, build.__name__
+            assert build.parallel_threads(1) == 1, build.__name__
+    finally:
+        torch.set_num_threads(threads)

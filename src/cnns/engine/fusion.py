@@ -38,31 +38,25 @@ _ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "none"}
 _PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
 
 
-# What a run fuses: norm classes (fused with any activation), or (norm class, activation) pairs.
+# What a run fuses: norm classes (each fused with whatever activation follows it).
 Norms = tuple
 
 
 def fused_norms(device: torch.device) -> Norms:
     """The norms whose training passes a CPU run fuses: ``CNNS_FUSED_NORM=1`` all, ``=0`` none.
 
-    By default, where the AVX-512 (bfloat16) build runs, group norm with any activation and batch norm with
-    SiLU. ATen's channels_last group norm is far from the memory bandwidth: fused, ResNet-50 (group norm,
-    16.16, batch 32) trained at 22.4 img/s against 15.4 unfused and 14.5 for the plain loop on an
-    AVX-512-BF16 EPYC. Batch norm + SiLU (EfficientNet) fused: 2.49x the plain loop against 2.20x with ATen's
-    (same session). Batch norm + ReLU stays ATen's: its channels_last kernels run near the bandwidth, and
-    fused it trains at the same speed (ResNet-50 25.5 against 25.4 img/s) or slower (ResNet-20 1.20x against
-    1.28x) (README, Performance). Not measured on an AVX2-only CPU, so nothing is fused there unless asked for.
+    By default, where the AVX-512 (bfloat16) build runs, batch norm and group norm. On an AVX-512-BF16 EPYC
+    (2 cores, 16.16) against the plain loop: ResNet-50 group norm 1.56x fused against 1.06x with ATen's,
+    batch norm 1.22x against 1.16x, ResNet-20 1.39x against 1.31x, EfficientNet-B0 3.34x (README,
+    Performance). Not measured on an AVX2-only CPU (where 16.x runs in float32), so nothing is fused there
+    unless asked for.
     """
     if device.type != "cpu" or not kernels.available():
         return ()
     asked = os.environ.get("CNNS_FUSED_NORM")
     if asked is not None:
         return (nn.BatchNorm2d, nn.GroupNorm) if asked == "1" else ()
-    return (nn.GroupNorm, (nn.BatchNorm2d, "silu")) if kernels.wide_build() else ()
-
-
-def _wanted(norm_class: type, act: str, norms: Norms) -> bool:
-    return norm_class in norms or (norm_class, act) in norms
+    return (nn.BatchNorm2d, nn.GroupNorm) if kernels.wide_build() else ()
 
 
 def _activation(module: nn.Module) -> str | None:
@@ -99,7 +93,7 @@ def _identity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _fuse_pair(norm: nn.Module, act_module: nn.Module, norms: Norms) -> bool:
     """norm then act_module -> norm computes both; act_module passes its input on."""
     act = _activation(act_module)
-    if act is None or not _wanted(type(norm), act, norms) or "forward" in vars(norm):
+    if act is None or type(norm) not in norms or "forward" in vars(norm):
         return False
     norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act), norm)
     act_module.forward = types.MethodType(_identity, act_module)
@@ -110,7 +104,7 @@ def _fuse_norm_act_module(module: nn.Module, norms: Norms) -> bool:
     """timm's BatchNormAct2d / GroupNormAct (EfficientNet) with a ReLU, SiLU or no activation, no dropout."""
     act = _activation(module.act)
     kind = nn.BatchNorm2d if isinstance(module, BatchNormAct2d) else nn.GroupNorm
-    if act is None or not _wanted(kind, act, norms) or not isinstance(module.drop, nn.Identity):
+    if act is None or kind not in norms or not isinstance(module.drop, nn.Identity):
         return False
     module.forward = types.MethodType(lambda self, x: norm_act(self, x, act), module)
     return True
@@ -154,7 +148,7 @@ def _fuse_unit(unit: nn.Module, norms: Norms) -> bool:
     if timm_unit and not _plain_timm_unit(unit):
         return False
     norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
-    if not _wanted(type(norm_last), "relu", norms) or type(act_last) is not nn.ReLU:
+    if type(norm_last) not in norms or type(act_last) is not nn.ReLU:
         return False
     if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act), norms) for norm, act in pairs):
         return False
@@ -163,8 +157,8 @@ def _fuse_unit(unit: nn.Module, norms: Norms) -> bool:
 
 
 def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.GroupNorm)) -> int:
-    """Give the model's norm+activation(+residual) patterns that ``norms`` names (a norm class, or a (norm
-    class, activation name) pair) the fused passes; returns how many were fused."""
+    """Give the model's norm+activation(+residual) patterns whose norm class ``norms`` names the fused
+    passes; returns how many were fused."""
     fused = 0
     for module in list(model.modules()):
         if type(module) in _UNITS:

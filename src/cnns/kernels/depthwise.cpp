@@ -225,4 +225,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Depthwise convolution backward over channels_last (N, H, W, C) activations (cnns).";
   m.def("weight_gradient", &weight_gradient, "(K, K, C) float32 weight gradient");
   m.def("input_gradient", &input_gradient, "(N, H, W, C) input gradient");
+  m.def("parallel_threads", &cnns_kernels::parallel_threads, "threads at::parallel_for runs this many tasks on");
 }

@@ -682,4 +682,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("input_gradient", &input_gradient, "a * gz + b * x + d");
   m.def("forward", &forward, "act(norm(x) [+ residual]) with its statistics and coefficients");
   m.def("backward", &backward, "input, weight, bias and pre-activation gradients of forward");
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs this many tasks on");
 }

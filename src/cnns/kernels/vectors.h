@@ -6,6 +6,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace cnns_kernels {
 
@@ -108,5 +110,15 @@ constexpr bool kVectorLoops = true;
 #else
 constexpr bool kVectorLoops = false;
 #endif
+
+// How many threads at::parallel_for runs `tasks` tasks on in this build: torch's thread count, unless the build
+// lost OpenMP (its parallel_for is an inline `#pragma omp parallel`, ignored without -fopenmp: one thread).
+inline int64_t parallel_threads(int64_t tasks) {
+  std::vector<int64_t> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t threads = 0;
+  for (int64_t s : seen) threads += s;
+  return threads;
+}
 
 }  // namespace cnns_kernels
