@@ -10,6 +10,7 @@ import torch
 from cnns import profiling
 from cnns.bench.opprofile import FAMILIES, family_times, read_trace, split_convolution_backward
 from cnns.cli.tools import profile_main
+from cnns.engine.fusion import fused_norms
 
 
 def _op(name, ts, dur, cat="cpu_op", tid=1):
@@ -86,10 +87,15 @@ def test_cnns_profile_breaks_both_loops_updates_down(tmp_path, capsys):
     assert set(rows) == set(FAMILIES) | {"update"}, printed
     cnns_ms = {family: float(cells[0]) for family, cells in rows.items()}
     plain_ms = {family: float(cells[2]) for family, cells in rows.items()}
+    # Where the norms are fused, cnns's ReLUs run inside the normalisation passes (and are counted there).
+    fused = bool(fused_norms(torch.device("cpu")))
     for side in (cnns_ms, plain_ms):
         for family in ("convolution forward", "convolution weight-gradient", "convolution input-gradient",
                        "normalisation forward", "normalisation backward", "activations", "optimiser"):
-            assert side[family] > 0, (family, printed)
+            if not (family == "activations" and side is cnns_ms and fused):
+                assert side[family] > 0, (family, printed)
+    if fused:
+        assert cnns_ms["activations"] == 0, printed
         # every microsecond of an update is in one family (the table's rounding aside)
         assert sum(side[f] for f in FAMILIES) == pytest.approx(side["update"], abs=0.1 * len(FAMILIES))
     assert plain_ms["data"] > 0  # the plain loop waits for its DataLoader's batches
