@@ -5,12 +5,15 @@ No test asserts a speed: only that numbers are read, compared and written.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+from unittest import mock
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from cnns.bench.runner import (Result, format_table, load_spec, mean_dropping_first, parse_throughputs, select,
                                set_peak_fractions, write_results)
@@ -18,6 +21,15 @@ from cnns.cli.tools import benchmark_main as benchmark_command
 from cnns.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _cuda_present(bfloat16: bool, count: int = 1):
+    """torch.cuda as a machine with `count` GPUs reports it (with or without bfloat16 arithmetic)."""
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=count), \
+            mock.patch("torch.cuda.is_bf16_supported", return_value=bfloat16):
+        yield
 
 
 def _plan(entry, log_dir: Path):
@@ -151,8 +163,13 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         if entry.kind == BACKENDS_KIND:
             continue
-        plan = _plan(entry, Path("/tmp/unused"))
+        with _cuda_present(bfloat16=True) if entry.device != "cpu" else contextlib.nullcontext():
+            plan = _plan(entry, Path("/tmp/unused"))
         assert plan.baseline["batch_size"] == plan.batch_size > 0
+        assert plan.baseline["device"] == plan.device == entry.device and plan.argv[-2:] == ["--device", entry.device]
+    assert {e.name for e in entries if e.device == "cuda"} == {
+        "resnet50-train-synthetic-gpu", "efficientnet-b0-train-synthetic-gpu", "resnet20-cifar10-train-gpu",
+        "resnet50-infer-synthetic-gpu"}
     # The issue's backend comparison: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
     backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
     assert {(p.model_spec.arch, p.model_spec.size, p.batch_size, p.model_spec.image_size)
@@ -179,6 +196,68 @@ def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, 
     assert result.ratio == pytest.approx(405 / 357)
     assert result.cnns_images_per_sec == 468.0 and result.plain_images_per_sec == 367.0
     assert result.error == "cnns: exit 1: boom"
+
+
+# ------------------------------------------------------------------------------------------------
+# where an entry runs: `device:` (cpu by default, cuda for the GPU entries)
+
+GPU_AND_CPU = """\
+    cifar10_images: 256
+    benchmarks:
+      - name: tiny-cpu
+        command: >-
+          train.py --model resnet --model-size 8 --dataset cifar-10 --data-dir {cifar10}
+          --micro-batch-size 16 --iterations 4 --log-freq 1 --no-validation --ckpts-per-epoch 0
+      - name: tiny-gpu
+        device: cuda
+        command: >-
+          train.py --model resnet --model-size 8 --dataset cifar-10 --data-dir {cifar10}
+          --micro-batch-size 16 --iterations 4 --log-freq 1 --no-validation --ckpts-per-epoch 0
+    """
+
+
+def test_cpu_entries_stay_on_the_cpu_and_gpu_entries_compute_in_the_gpus_half_type(tmp_path):
+    entries, _ = load_spec(_write_spec(tmp_path / "spec.yml", GPU_AND_CPU))
+    cpu, gpu = entries
+    assert (cpu.device, gpu.device) == ("cpu", "cuda")
+    with _cuda_present(bfloat16=True):  # on a machine with a GPU, the CPU entry still runs on the CPU
+        plan = _plan(cpu, tmp_path)
+    assert plan.argv[-2:] == ["--device", "cpu"] and plan.baseline["device"] == "cpu"
+    for bfloat16, half in ((True, torch.bfloat16), (False, torch.float16)):
+        with _cuda_present(bfloat16=bfloat16):
+            plan = _plan(gpu, tmp_path)
+        assert plan.argv[-2:] == ["--device", "cuda"] and plan.baseline["device"] == plan.device == "cuda"
+        assert plan.activation_dtype == half and plan.model_label.endswith("on cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU entry")
+def test_a_gpu_entry_is_skipped_with_one_line_where_there_is_no_gpu(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "spec.yml", GPU_AND_CPU)
+    out_dir = tmp_path / "results"
+    assert benchmark_command(["--spec", str(spec), "--output-dir", str(out_dir), "--no-baseline"]) == 0
+    printed = capsys.readouterr().out
+    assert "tiny-gpu: skipped, needs cuda; this machine has 0 CUDA GPUs" in printed
+    [json_path] = out_dir.glob("spec-*/results.json")
+    document = json.loads(json_path.read_text())
+    assert [row["name"] for row in document["results"]] == ["tiny-cpu"]
+    assert document["results"][0]["cnns_images_per_sec"] > 0
+    assert document["skipped"] == {"tiny-gpu": "needs cuda; this machine has 0 CUDA GPUs"}
+    # Naming only entries that cannot run here is an error, one line.
+    with pytest.raises(ConfigError, match="nothing to run here: benchmark tiny-gpu needs cuda"):
+        benchmark_command(["--spec", str(spec), "--benchmark", "tiny-gpu", "--output-dir", str(out_dir)])
+    # A GPU that is not there is the same.
+    with _cuda_present(bfloat16=True, count=1), pytest.raises(ConfigError, match="needs cuda:1; this machine has 1"):
+        benchmark_command(["--spec", str(_write_spec(tmp_path / "second.yml", GPU_AND_CPU.replace(
+            "device: cuda", "device: cuda:1"))), "--benchmark", "tiny-gpu", "--output-dir", str(out_dir)])
+
+
+def test_where_an_entry_runs_is_its_device_key_and_nothing_else(tmp_path):
+    with pytest.raises(ConfigError, match="benchmark tiny-gpu has device 'tpu'; use cpu, cuda or cuda:N"):
+        load_spec(_write_spec(tmp_path / "bad.yml", GPU_AND_CPU.replace("device: cuda", "device: tpu")))
+    entries, _ = load_spec(_write_spec(tmp_path / "cli.yml", GPU_AND_CPU.replace(
+        "--ckpts-per-epoch 0", "--ckpts-per-epoch 0 --device cuda")))
+    with pytest.raises(ConfigError, match="benchmark tiny-cpu: say where it runs with the entry's device: key"):
+        _plan(entries[0], tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,7 +342,7 @@ def test_an_unknown_backend_is_refused():
 def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(backend_folder, capsys, monkeypatch):
     from cnns.bench import runner
 
-    monkeypatch.setattr(runner, "peak_rate", lambda: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
+    monkeypatch.setattr(runner, "peak_rate", lambda device: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
     spec = _write_spec(backend_folder / "tiny-backends.yml", """\
         benchmarks:
           - name: tiny-resnet8-backends

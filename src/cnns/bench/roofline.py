@@ -136,17 +136,23 @@ def update_seconds(model_spec, micro_batch: int, accumulation: int, train: bool,
             + roofline_seconds(update, peak_gflops, bandwidth_gbs))
 
 
-def stream_bandwidth(megabytes: int = 128, repeats: int = 10) -> float:
-    """GB/s of a triad ``a = b + s * c`` on float32 arrays of ``megabytes`` each, best of ``repeats``, all threads.
+def stream_bandwidth(megabytes: int = 128, repeats: int = 10, device: torch.device = torch.device("cpu")) -> float:
+    """GB/s of a triad ``a = b + s * c`` on float32 arrays of ``megabytes`` each on ``device``, best of
+    ``repeats``, all threads.
 
     Counts the two arrays read and the one written (as STREAM does; the write-allocate read is not counted).
     """
     n = megabytes * 2**20 // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    a = torch.empty(n, device=device)
+    b, c = torch.rand(n, device=device), torch.rand(n, device=device)
     torch.add(b, c, alpha=0.5, out=a)
     best = float("inf")
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         torch.add(b, c, alpha=0.5, out=a)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 3 * n * 4 / best / 1e9

@@ -26,6 +26,12 @@ PyTorch, an AOTInductor package and onnxruntime on the same model and input in o
 get a table of their own (images/s, latency avg and p99, ratio to eager float32, compile seconds) and one
 CSV row per backend. Their compiled artefacts are kept in ``<output-dir>/backend-cache`` and reused.
 
+An entry says where it runs with ``device:`` (``cpu``, the default, or ``cuda``/``cuda:N``); the runner adds
+``--device`` to its command line, so a CPU entry stays on the CPU of a machine that also has a GPU, and runs
+the plain loop on the same device. The matmul rate and the stream bandwidth are measured on each device the
+chosen entries use. An entry whose device is not on this machine is skipped with one line (a CUDA entry on a
+machine without a GPU); a selection that holds nothing else is an error.
+
 A command may say ``{cifar10}``: the runner writes a CIFAR-10-format folder of drawn shapes
 (`cnns.data.builtin.draw_shapes` + `cnns.data.cifar.write_cifar10`; ``cifar10_images:`` in the spec,
 10,000 by default) once and substitutes its path. Nothing is ever downloaded.
@@ -51,7 +57,7 @@ import torch
 
 from cnns.bench import roofline
 from cnns.errors import ConfigError
-from cnns.precision import cpu_half_is_emulated
+from cnns.precision import HALF_DTYPES, cpu_half_is_emulated, default_half_dtype
 from cnns.runlog import RunLog
 
 THROUGHPUT = re.compile(r"throughput:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*samples/sec")
@@ -80,6 +86,17 @@ class Entry:
     timeout: float = 1800.0
     kind: str = COMMAND_KIND
     settings: dict[str, Any] = field(default_factory=dict)  # an inference-backends entry's BACKENDS_KEYS
+    device: str = "cpu"  # where the command and the plain loop run: cpu, cuda or cuda:N
+
+    def missing_device(self) -> str | None:
+        """Why this entry cannot run on this machine, or None."""
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            return None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            return f"needs {self.device}; this machine has {count} CUDA GPU{'s' if count != 1 else ''}"
+        return None
 
 
 @dataclass
@@ -156,11 +173,22 @@ def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
             raise ConfigError(f"{path}: every benchmark needs a name and a command, got {item!r}")
         known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__ and k != "settings"}
         entries.append(Entry(**known))
+        _check_device(path, entries[-1])
     names = [e.name for e in entries]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"{path}: duplicate benchmark names {', '.join(duplicates)}")
     return entries, document
+
+
+def _check_device(path: Path, entry: Entry) -> None:
+    try:
+        device = torch.device(str(entry.device))
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{path}: benchmark {entry.name} has device {entry.device!r}; use cpu, cuda or cuda:N")
+    entry.device = str(device)
 
 
 def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -> Entry:
@@ -211,19 +239,29 @@ def select(entries: list[Entry], names: list[str] | None) -> list[Entry]:
 # the machine and the models
 
 
-def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 8, budget_s: float = 3.0) -> float:
-    """Best-of GFLOP/s of an n x n matmul in ``dtype``, measured for at most about ``budget_s`` seconds.
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 8, budget_s: float = 3.0,
+                device: torch.device = torch.device("cpu")) -> float:
+    """Best-of GFLOP/s of an n x n matmul in ``dtype`` on ``device``, measured for at most about ``budget_s``
+    seconds.
 
     A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX, e.g. an AVX2-only EPYC) emulates it
     about 300x slower than float32: one 2048x2048 product would take a minute. A 256x256 probe
     estimates the rate first, and the big product is only timed when the budget allows it.
     """
     def timed(size: int, count: int) -> float:
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
         a @ b
+        _synchronize(device)
         start = time.perf_counter()
         for _ in range(count):
             a @ b
+        _synchronize(device)
         return count * 2 * size**3 / (time.perf_counter() - start) / 1e9
 
     probe = timed(256, 2)
@@ -235,14 +273,43 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int
     return best
 
 
-def peak_rate() -> tuple[float, dict[str, float]]:
-    """The roofline: the faster of the float32 and bfloat16 matmul rates (GFLOP/s), and both rates.
+def peak_rate(device: torch.device = torch.device("cpu")) -> tuple[float, dict[str, float]]:
+    """The roofline: the faster of the float32 and half matmul rates (GFLOP/s) on ``device``, and both rates.
 
     On a CPU with bfloat16 arithmetic that is the bfloat16 rate (DESIGN.md's reference); on one
-    without, float32 is what the hardware can do and what the fast path runs.
+    without, float32 is what the hardware can do and what the fast path runs. On a GPU the half type is the
+    one 16.x runs there (`cnns.precision.default_half_dtype`).
     """
-    rates = {"bfloat16": matmul_rate(torch.bfloat16), "float32": matmul_rate(torch.float32)}
+    half = HALF_DTYPES[default_half_dtype(device)] if device.type == "cuda" else torch.bfloat16
+    rates = {_DTYPE_NAMES[half]: matmul_rate(half, device=device), "float32": matmul_rate(torch.float32, device=device)}
     return max(rates.values()), rates
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class DeviceRates:
+    """A device's matmul rates and stream bandwidth, measured at the start of an invocation and at its end."""
+
+    device: torch.device
+    peak: float = 0.0
+    rates: dict[str, float] = field(default_factory=dict)
+    bandwidth: float = 0.0
+
+    def measure(self) -> "DeviceRates":
+        """Measure again and keep the best of each figure: a busy moment must not flatter the fractions."""
+        peak, rates = peak_rate(self.device)
+        self.peak = max(self.peak, peak)
+        self.rates = {k: max(v, self.rates.get(k, 0.0)) for k, v in rates.items()}
+        self.bandwidth = max(self.bandwidth, roofline.stream_bandwidth(device=self.device))
+        return self
+
+    def describe(self) -> str:
+        where = "on " + (f"{torch.get_num_threads()} threads" if self.device.type == "cpu" else
+                         f"{self.device}, {torch.cuda.get_device_name(self.device)}")
+        rates = ", ".join(f"{name} {rate:.1f}" for name, rate in self.rates.items())
+        return f"2048x2048 matmul: {rates} GFLOP/s; stream triad {self.bandwidth:.1f} GB/s; {where}"
 
 
 _FLOPS_CACHE: dict[Any, float] = {}
@@ -283,6 +350,7 @@ class Plan:
     grad_accum: int
     baseline: dict[str, Any]
     activation_dtype: torch.dtype = torch.bfloat16  # what both loops compute in (the roofline's bytes)
+    device: str = "cpu"  # where both loops run
 
 
 def package_root() -> Path:
@@ -316,7 +384,10 @@ def seed_command(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> 
     script, args = Path(words[0]).name, words[1:]
     if script == "train.py" and "--log-dir" not in args:
         args += ["--log-dir", str(log_dir)]
-    return script, args
+    if "--device" in args or "--select-ipus" in args or "--select-ipu" in args:
+        raise ConfigError(f"benchmark {entry.name}: say where it runs with the entry's device: key, "
+                          f"not on its command line")
+    return script, args + ["--device", entry.device]
 
 
 def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, Any]) -> Plan:
@@ -355,12 +426,21 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         "iterations": iterations, "log_freq": max(1, min(cfg.train.log_freq, iterations)), "repeat": repeat,
         "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": 2,
         "lr": cfg.optim.learning_rate, "momentum": cfg.optim.momentum if cfg.optim.optimiser != "SGD" else 0.0,
-        "weight_decay": cfg.optim.weight_decay, "device": cfg.device or "cpu",
+        "weight_decay": cfg.optim.weight_decay, "device": entry.device,
     }
     label = f"{m.arch}-{m.size}" + (f" {m.image_size}px" if m.image_size != 32 else " 32px")
-    half = cfg.precision.precision != "32.32" and not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
+    label += f" on {entry.device}" if entry.device != "cpu" else ""
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,
-                torch.bfloat16 if half else torch.float32)
+                activation_dtype(cfg.precision.precision, cfg.precision.half_dtype, torch.device(entry.device)),
+                entry.device)
+
+
+def activation_dtype(precision: str, half_dtype: str, device: torch.device) -> torch.dtype:
+    """What both loops compute in: the run's half type for 16.x (float32 on a CPU that would emulate it)."""
+    if precision == "32.32":
+        return torch.float32
+    half = HALF_DTYPES[half_dtype]
+    return torch.float32 if device.type == "cpu" and cpu_half_is_emulated(device, half) else half
 
 
 @dataclass
@@ -616,6 +696,9 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
                  "training FLOPs = 3 x forward; "
                  "batch MxA = micro-batch x accumulation (both loops).")
+    if any(" on cuda" in r.model for r in results):
+        lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
+                     "at the start)")
     if bandwidth_gbs:
         lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / {bandwidth_gbs:.1f} GB/s "
                      "stream triad) (cnns.bench.roofline); %roof = img/s over the roofline's.")
@@ -747,7 +830,13 @@ class BenchmarkSuite:
                  data_dir: str | Path | None = None):
         self.spec_path = Path(spec)
         entries, self.document = load_spec(self.spec_path)
-        self.entries = select(entries, names)
+        chosen = select(entries, names)
+        # Entries whose device this machine lacks (a CUDA entry without a GPU): one line each, nothing else.
+        self.skipped = {e.name: e.missing_device() for e in chosen if e.missing_device()}
+        self.entries = [e for e in chosen if e.name not in self.skipped]
+        if chosen and not self.entries:
+            raise ConfigError("nothing to run here: " + "; ".join(f"benchmark {name} {why}"
+                                                                   for name, why in self.skipped.items()))
         self.output_dir = Path(output_dir)
         self.data_dir = Path(data_dir) if data_dir else None
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -755,7 +844,8 @@ class BenchmarkSuite:
         self._commands: dict[str, tuple[str, list[str]]] | None = None
 
     def listing(self) -> list[str]:
-        return [f"{e.name}: {e.command}" for e in self.entries]
+        return ([f"{e.name}: {e.command}" + (f" [{e.device}]" if e.device != "cpu" else "") for e in self.entries]
+                + [f"{name}: skipped, {why}" for name, why in self.skipped.items()])
 
     def seed_commands(self) -> dict[str, tuple[str, list[str]]]:
         """(script, arguments) of every command entry by name, for the caller to parse; writes the
@@ -785,10 +875,12 @@ class BenchmarkSuite:
         plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, *commands[e.name],
                                                                                          options[e.name]))
                  for e in self.entries]  # option errors before any run
-        peak, rates = peak_rate()
-        bandwidth = roofline.stream_bandwidth()
-        print(f"2048x2048 matmul: bfloat16 {rates['bfloat16']:.1f}, float32 {rates['float32']:.1f} GFLOP/s; "
-              f"stream triad {bandwidth:.1f} GB/s; on {torch.get_num_threads()} threads", flush=True)
+        for name, why in self.skipped.items():
+            print(f"{name}: skipped, {why}", flush=True)
+        devices = {"cpu"} | {plan.device for _, plan in plans if isinstance(plan, Plan)}
+        machine = {name: DeviceRates(torch.device(name)).measure() for name in sorted(devices)}
+        for rates in machine.values():
+            print(rates.describe(), flush=True)
         results = []
         log = RunLog(None)
         runs = sum(repeats * (2 if baseline and entry.baseline else 1) for entry, _ in plans)
@@ -800,21 +892,25 @@ class BenchmarkSuite:
                     continue
                 results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, logs,
                                          log, bar))
-        # Measured again at the end, the best of both: a busy moment at the start must not flatter the fractions.
-        peak = max(peak, peak_rate()[0])
-        bandwidth = max(bandwidth, roofline.stream_bandwidth())
+        for rates in machine.values():  # again at the end, the best of both kept
+            rates.measure()
         for result, (_, plan) in zip(results, plans):
-            set_peak_fractions(result, peak)
+            rates = machine[plan.device if isinstance(plan, Plan) else "cpu"]
+            set_peak_fractions(result, rates.peak)
             if isinstance(plan, Plan):
-                set_roofline_fractions(result, plan, peak, bandwidth)
-        meta = {"spec": str(self.spec_path), "time": self.stamp, "peak_matmul_gflops": peak, "matmul_gflops": rates,
-                "stream_bandwidth_gbs": bandwidth,
+                set_roofline_fractions(result, plan, rates.peak, rates.bandwidth)
+        cpu = machine["cpu"]
+        meta = {"spec": str(self.spec_path), "time": self.stamp, "peak_matmul_gflops": cpu.peak,
+                "matmul_gflops": cpu.rates, "stream_bandwidth_gbs": cpu.bandwidth,
+                "devices": {name: {"peak_matmul_gflops": r.peak, "matmul_gflops": r.rates,
+                                   "stream_bandwidth_gbs": r.bandwidth} for name, r in machine.items()},
+                "skipped": self.skipped,
                 "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16),
                 "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__}
         csv_path, json_path = write_results(results, meta, self.run_dir, "results")
         if not keep_runs:
             shutil.rmtree(self.run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
-        print_tables(results, peak, bandwidth)
+        print_tables(results, cpu.peak, cpu.bandwidth)
         print(f"results: {csv_path} {json_path}")
         return 1 if any(entry_failed(r) for r in results) else 0
 

@@ -167,6 +167,8 @@ def profile_main(argv: list[str]) -> int:
         script, script_args = suite.seed_commands().get(entry.name, ("", []))
         if script != "train.py":
             raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
+        if entry.device != "cpu":  # its families are CPU operators: a GPU's kernels would be launch times
+            raise ConfigError(f"benchmark {entry.name}: cnns profile takes CPU entries; this one runs on {entry.device}")
         folder = suite.run_dir / entry.name
         script_args = script_args + opprofile.profile_arguments(args.updates, folder)
         plans.append((entry, folder, plan_entry(entry, script, script_args, seed_script_options(script, script_args))))
