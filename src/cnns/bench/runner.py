@@ -125,6 +125,7 @@ class Result:
     baseline_command: str = ""
     error: str | None = None
     kind: str = COMMAND_KIND
+    device: str = "cpu"
     # inference-backends entries: one dict per backend (cnns.bench.backends.BackendResult's fields, the best
     # repeat's), plus "runs" (images/s per repeat) and "ratios" (over eager float32, per repeat)
     backends: list[dict[str, Any]] = field(default_factory=list)
@@ -502,7 +503,7 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
     plain_argv = [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plan.baseline)]
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
                     data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum,
-                    baseline_command=shlex.join(plain_argv[1:]))
+                    baseline_command=shlex.join(plain_argv[1:]), device=plan.device)
     errors = []
     for r in range(repeats):
         sides = [("cnns", ours_argv, result.cnns_runs)]
@@ -696,7 +697,7 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
                  "training FLOPs = 3 x forward; "
                  "batch MxA = micro-batch x accumulation (both loops).")
-    if any(" on cuda" in r.model for r in results):
+    if any(r.device != "cpu" for r in results):
         lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
                      "at the start)")
     if bandwidth_gbs:
@@ -765,7 +766,7 @@ def format_backends_table(results: list[Result]) -> str:
 CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
                "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
                "roofline_images_per_sec", "cnns_roofline_fraction", "plain_roofline_fraction",
-               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error",
+               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error", "device",
                # inference-backends entries: one row per backend
                "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
                "compile_s", "max_abs_diff", "max_rel_diff")
