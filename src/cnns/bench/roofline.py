@@ -136,6 +136,12 @@ def update_seconds(model_spec, micro_batch: int, accumulation: int, train: bool,
             + roofline_seconds(update, peak_gflops, bandwidth_gbs))
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run asynchronously; a CPU's have finished)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def stream_bandwidth(megabytes: int = 128, repeats: int = 10, device: torch.device = torch.device("cpu")) -> float:
     """GB/s of a triad ``a = b + s * c`` on float32 arrays of ``megabytes`` each on ``device``, best of
     ``repeats``, all threads.
@@ -148,11 +154,9 @@ def stream_bandwidth(megabytes: int = 128, repeats: int = 10, device: torch.devi
     torch.add(b, c, alpha=0.5, out=a)
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.add(b, c, alpha=0.5, out=a)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 3 * n * 4 / best / 1e9

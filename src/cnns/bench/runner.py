@@ -240,11 +240,6 @@ def select(entries: list[Entry], names: list[str] | None) -> list[Entry]:
 # the machine and the models
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 8, budget_s: float = 3.0,
                 device: torch.device = torch.device("cpu")) -> float:
     """Best-of GFLOP/s of an n x n matmul in ``dtype`` on ``device``, measured for at most about ``budget_s``
@@ -258,11 +253,11 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
         a @ b
-        _synchronize(device)
+        roofline.synchronize(device)
         start = time.perf_counter()
         for _ in range(count):
             a @ b
-        _synchronize(device)
+        roofline.synchronize(device)
         return count * 2 * size**3 / (time.perf_counter() - start) / 1e9
 
     probe = timed(256, 2)

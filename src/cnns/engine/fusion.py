@@ -47,7 +47,7 @@ def fused_norms(device: torch.device) -> Norms:
 
     By default, where the AVX-512 (bfloat16) build runs, batch norm and group norm. On an AVX-512-BF16 EPYC
     (2 cores, 16.16) against the plain loop: ResNet-50 group norm 1.56x fused against 1.06x with ATen's,
-    batch norm 1.22x against 1.16x, ResNet-20 1.39x against 1.31x, EfficientNet-B0 3.34x (README,
+    batch norm 1.22x against 1.16x, ResNet-20 1.39x against 1.31x, EfficientNet-B0 3.00-3.34x (README,
     Performance). Not measured on an AVX2-only CPU (where 16.x runs in float32), so nothing is fused there
     unless asked for.
     """

@@ -88,8 +88,8 @@ class _DepthwiseConv(torch.autograd.Function):
     oneDNN's bfloat16 depthwise kernels on this CPU (AVX-512 BF16, torch 2.14.1) are fast forward but
     have two pathological backward cases, measured on EfficientNet-B0 shapes at batch 32 (channels_last):
     the input gradient of a strided depthwise convolution (96 channels, 112x112, stride 2: 82-97 ms in
-    bfloat16, 38-41 in float32, 9 in cnns.kernels.depthwise) and the weight gradient of a 5x5 one (240
-    channels, 28x28: 30 ms in bfloat16, 15 in float32, 7.3 in cnns.kernels.depthwise). Those halves go to the
+    bfloat16, 38-41 in float32, 6.4 in cnns.kernels.depthwise on 2 threads) and the weight gradient of a 5x5
+    one (240 channels, 28x28: 30-33 ms in bfloat16, 15 in float32, 3.5 in cnns.kernels.depthwise). Those halves go to the
     C++ kernels where they are built, else to oneDNN in float32; the other half and the forward stay oneDNN
     bfloat16. All accumulate in float32 and round the result to bfloat16 as the bfloat16 kernel does.
     """
@@ -149,9 +149,10 @@ def depthwise_routes(conv: nn.Conv2d) -> tuple[str, str]:
 
     Depthwise = one input channel per group. Strided ones take another input gradient, 5x5 and larger another
     weight gradient: cnns.kernels.depthwise where it supports the convolution, else oneDNN in float32. 3x3
-    stride-1 depthwise and grouped convolutions (group size 16, the seed's --group-dim) measured faster in
-    oneDNN's bfloat16 and are left alone (oneDNN's bfloat16 input gradient at stride 1 also beats the C++
-    kernel: 240 channels, 28 px, 5x5: 1.9 against 9.5 ms).
+    stride-1 depthwise and grouped convolutions (group size 16, the seed's --group-dim) stay oneDNN's bfloat16:
+    its input gradient at stride 1 beats the C++ kernel on every EfficientNet-B0 shape (240 channels, 28 px,
+    5x5: 1.8 against 5.7 ms on 2 threads), and its 3x3 weight gradients are within 1 ms of it (faster at 14
+    and 7 px, slower at 112 and 56 px: 3.9 against 3.2 ms, 6.4 against 5.5).
     """
     if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return NATIVE, NATIVE
