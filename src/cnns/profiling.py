@@ -3,12 +3,14 @@
 Both loops, cnns's (`cnns.engine.loop`, `cnns.engine.step`) and the plain one it is measured against
 (`cnns.bench.baseline`), mark each weight update, the data it waits for and its optimiser step, and the
 fused kernels (`cnns.kernels.norm_act`) mark their passes, so that `cnns.bench.opprofile` can say where
-an update's time goes without guessing from operator names alone. ``torch.profiler.record_function``
-costs a flag check when no profiler is running.
+an update's time goes without guessing from operator names alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch.profiler import record_function
 
 UPDATE = "cnns/update"
@@ -18,6 +20,13 @@ NORM_FORWARD = "cnns/norm_act_forward"
 NORM_BACKWARD = "cnns/norm_act_backward"
 
 
-def marked(name: str) -> record_function:
-    """A context in which the profiler's events belong to ``name``."""
-    return record_function(name)
+_UNMARKED = contextlib.nullcontext()
+
+
+def marked(name: str) -> contextlib.AbstractContextManager:
+    """A context in which the profiler's events belong to ``name``; nothing when no profiler is running.
+
+    ``record_function`` enters and leaves through two dispatcher calls even with the profiler off (4 us
+    here): 40 fused passes per ResNet-20 update paid 0.2 ms for marks nobody recorded.
+    """
+    return record_function(name) if torch.autograd._profiler_enabled() else _UNMARKED
