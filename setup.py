@@ -3,7 +3,7 @@
 Everything else is in pyproject.toml. The extensions are compiled once, at install time, never at run
 time. Where they cannot be built (no C++ compiler, no torch headers) the install goes on without them and
 cnns runs torch's own modules and kernels (`cnns.kernels.norm_act.available()`,
-`cnns.kernels.depthwise.available()`).
+`cnns.kernels.depthwise.available()`, `cnns.kernels.rounding.available()`).
 """
 
 import platform
@@ -29,7 +29,7 @@ def extensions():
         link.append("-fopenmp")
     exts = []
     headers = ["src/cnns/kernels/vectors.h"]  # a changed header rebuilds every extension
-    for name in ("norm_act", "depthwise"):
+    for name in ("norm_act", "depthwise", "rounding"):
         source = [f"src/cnns/kernels/{name}.cpp"]
         if platform.machine() not in ("x86_64", "AMD64"):
             exts.append(CppExtension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags,

@@ -293,7 +293,7 @@ def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
         assert milliseconds > 0
 
 
-@pytest.mark.parametrize("name", ["norm_act", "depthwise"])
+@pytest.mark.parametrize("name", ["norm_act", "depthwise", "rounding"])
 def test_every_build_runs_on_torchs_threads(name):
     """at::parallel_for is an inline OpenMP pragma in ATen's headers: built without OpenMP, every pass ran on
     one thread whatever torch.set_num_threads said."""

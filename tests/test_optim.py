@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch import nn
 
+import cnns.optim
 from cnns.errors import ConfigError
+from cnns.kernels import rounding
 from cnns.optim import (
     NORM_OR_BIAS,
     HalfPrecisionOptimiser,
@@ -24,10 +26,21 @@ SAMPLES = 1_000_000
 GAP_ABOVE_ONE = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
+@pytest.fixture(params=["pass", "operators"])
+def bfloat16_rounding(request, monkeypatch):
+    """Each bfloat16 rounding test runs both implementations: the C++ pass of `cnns.kernels.rounding` (the
+    CPU's, where built) and the torch operators (GPUs', and the CPU's where the pass was not built)."""
+    if request.param == "pass" and not rounding.available():
+        pytest.skip("the rounding pass was not built")
+    if request.param == "operators":
+        monkeypatch.setattr(cnns.optim, "_rounding_kernel", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("fraction", [0.1, 0.37, 0.5, 0.9])
-def test_stochastic_round_is_unbiased_and_lands_on_a_neighbour(dtype, sign, fraction):
+def test_stochastic_round_is_unbiased_and_lands_on_a_neighbour(dtype, sign, fraction, bfloat16_rounding):
     gap = GAP_ABOVE_ONE[dtype]
     low, high = sign * 1.0, sign * (1.0 + gap)
     value = sign * (1.0 + fraction * gap)  # exactly representable in float32
@@ -45,12 +58,57 @@ def test_stochastic_round_is_unbiased_and_lands_on_a_neighbour(dtype, sign, frac
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stochastic_round_leaves_representable_values_and_specials_alone(dtype):
+def test_stochastic_round_leaves_representable_values_and_specials_alone(dtype, bfloat16_rounding):
     exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 0.375, 1024.0, float("inf"), float("-inf")]).to(dtype)
     x = exact.float().repeat(1000)
     rounded = stochastic_round(x, dtype, torch.Generator().manual_seed(0))
     assert torch.equal(rounded.view(torch.int16), exact.repeat(1000).view(torch.int16))  # sign of zero too
     assert torch.isnan(stochastic_round(torch.tensor([float("nan")]), dtype)).all()
+
+
+def test_bfloat16_nans_stay_nans_whatever_their_payload(bfloat16_rounding):
+    # A NaN whose payload is in the low half alone: carrying noise into the top half, or dropping the low
+    # half, would give an infinity.
+    bits = torch.tensor([0x7F800001, 0xFF800001, 0x7F80FFFF, 0x7FC00000, 0xFFFFFFFF], dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32).repeat(1000)  # int64 -> int32 wraps the top bit: the sign
+    rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(2))
+    assert torch.isnan(rounded).all()
+
+
+def _splitmix64_noise(key: int, count: int) -> list[int]:
+    """The rounding pass's documented noise, in Python integers: element i takes bits 16*(i % 4) .. +15 of
+    SplitMix64's output for the (i // 4 + 1)-th step of the Weyl sequence started at ``key``."""
+    mask = (1 << 64) - 1
+    noise = []
+    for i in range(count):
+        z = (key + (i // 4 + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        noise.append((z >> (16 * (i % 4))) & 0xFFFF)
+    return noise
+
+
+@pytest.mark.skipif(not rounding.available(), reason="the rounding pass was not built")
+def test_rounding_pass_adds_the_documented_noise_on_any_thread_count():
+    count = 1031  # a partial last block of 4
+    x = torch.randn(count, generator=torch.Generator().manual_seed(4)) * 3.0
+    key = -0x1234_5678_9ABC_DEF0
+    bits = x.view(torch.int32).tolist()
+    expected = [((b & 0xFFFFFFFF) + n) >> 16 for b, n in zip(bits, _splitmix64_noise(key % (1 << 64), count))]
+    got = rounding.stochastic_round_bfloat16(x, key).view(torch.int16).tolist()
+    assert [g & 0xFFFF for g in got] == expected
+    # Any thread computes any element's noise: the result does not depend on how the work is split.
+    big = torch.randn(1 << 20, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rounding.stochastic_round_bfloat16(big, 77)
+        torch.set_num_threads(2)
+        two = rounding.stochastic_round_bfloat16(big, 77)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
 
 
 def test_stochastic_round_float16_subnormals_are_unbiased():

@@ -1,5 +1,5 @@
-"""Hand-written CPU kernels that no library has at speed (norm_act.cpp, depthwise.cpp), built when the package
-is installed (setup.py: an AVX2 and an AVX-512 build of each on x86)."""
+"""Hand-written CPU kernels that no library has at speed (norm_act.cpp, depthwise.cpp, rounding.cpp), built when
+the package is installed (setup.py: an AVX2 and an AVX-512 build of each on x86)."""
 
 from __future__ import annotations
 
