@@ -1,7 +1,10 @@
 """--BN-span on the CPU: two processes with half a batch each compute what one process computes on the whole.
 
 One 2-process gloo run does every multi-process check and saves what each rank saw to files; the test
-compares those with the plain model run on the whole batch in this process.
+compares those with the plain model run on the whole batch in this process. The models are checked with
+torch's batch norm layers converted (`cross_replica_batch_norm`) and, where the fused passes are built,
+with their batch norms fused (`fuse_norm_activations` with the span; a CIFAR ResNet's units and stem, timm's
+norm + activation, and the layers left unfused converted as before).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import torch.multiprocessing as mp
 from timm.layers import BatchNormAct2d
 from torch import nn
 
-from cnns.parallel.batchnorm import cross_replica_batch_norm
+from cnns.engine.fusion import fuse_norm_activations
+from cnns.kernels import norm_act
+from cnns.models import build_model
+from cnns.models.spec import ModelSpec
+from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
 
 CPU = torch.device("cpu")
 HALF = 8  # each rank's micro-batch: the two halves of a batch of 16
@@ -34,6 +41,14 @@ def _model() -> nn.Module:
         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, momentum=None),  # cumulative averages
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
     )
+
+
+def _resnet() -> nn.Module:
+    # Residual units whose last batch norm, shortcut addition and ReLU fuse, and a stem.
+    return build_model(ModelSpec(arch="resnet", size="8", num_classes=5, image_size=32))
+
+
+MODELS = {"model": _model, "resnet": _resnet}
 
 
 def _layers() -> dict[str, nn.Module]:
@@ -69,11 +84,13 @@ def _randomise(module: nn.Module) -> None:
 def _setup() -> dict:
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = _model()
-    _randomise(model)
+    models = {"model": _model()}
+    _randomise(models["model"])
     layers = _layers()
     for layer in layers.values():
         _randomise(layer)
+    models["resnet"] = _resnet()  # drawn after the others, which keep the numbers they were checked with
+    _randomise(models["resnet"])
 
     def images(n):
         return (torch.randn(n, 3, 12, 12, generator=generator) * 1.5 + 0.3).contiguous(
@@ -81,7 +98,7 @@ def _setup() -> dict:
 
     n = sum(UNEVEN)
     return {
-        "model": model.state_dict(),
+        **{name: model.state_dict() for name, model in models.items()},
         "batches": [images(2 * HALF), images(2 * HALF)],
         "eval_batch": images(2 * HALF),
         "layers": {name: layer.state_dict() for name, layer in layers.items()},
@@ -130,6 +147,40 @@ def _run_checks(rank: int, setup: dict) -> dict:
     seen["same_keys"] = list(model.state_dict()) == keys
     seen["same_types"] = [type(m) for m in model.modules()] == types
 
+    seen["model"] = _train_on_my_half(model, setup, rank, span)
+
+    # The fused passes taking the span's statistics, on both models.
+    seen["fused"] = {}
+    if norm_act.available():
+        for name, make in MODELS.items():
+            model = make()
+            model.load_state_dict(setup[name])
+            model = model.to(memory_format=torch.channels_last)
+            fused = fuse_norm_activations(model, (nn.BatchNorm2d,), batch_norm_span(span))
+            _, converted = cross_replica_batch_norm(model, span, CPU)
+            seen["fused"][name] = {"fused": fused, "converted": converted,
+                                   **_train_on_my_half(model, setup, rank, span)}
+
+    # Single layers: uneven micro-batches, bfloat16, channels_last, (N, C) inputs.
+    rows = _rows(rank, UNEVEN)
+    seen["layers"] = {}
+    for name, layer in _layers().items():
+        layer.load_state_dict(setup["layers"][name])
+        cross_replica_batch_norm(layer, span, CPU)
+        x = setup["layer_inputs"][name][rows].clone().requires_grad_()
+        out = layer.train()(x)
+        _loss(out.float().flatten(1)).backward()
+        seen["layers"][name] = {
+            "out": out.detach(), "channels_last": out.is_contiguous(memory_format=torch.channels_last),
+            "grad_dtype": x.grad.dtype, "buffers": {n: b.clone() for n, b in layer.named_buffers()},
+        }
+    return seen
+
+
+def _train_on_my_half(model: nn.Module, setup: dict, rank: int, span) -> dict:
+    """Two training steps on this rank's half of each batch (gradients averaged as DDP does), a training-mode
+    forward without autograd, the buffers, and an evaluation-mode forward."""
+    seen = {}
     rows = _rows(rank)
     model.train()
     for step, batch in enumerate(setup["batches"]):
@@ -148,20 +199,6 @@ def _run_checks(rank: int, setup: dict) -> dict:
     model.eval()
     with torch.no_grad():
         seen["eval"] = model(setup["eval_batch"][rows])
-
-    # Single layers: uneven micro-batches, bfloat16, channels_last, (N, C) inputs.
-    rows = _rows(rank, UNEVEN)
-    seen["layers"] = {}
-    for name, layer in _layers().items():
-        layer.load_state_dict(setup["layers"][name])
-        cross_replica_batch_norm(layer, span, CPU)
-        x = setup["layer_inputs"][name][rows].clone().requires_grad_()
-        out = layer.train()(x)
-        _loss(out.float().flatten(1)).backward()
-        seen["layers"][name] = {
-            "out": out.detach(), "channels_last": out.is_contiguous(memory_format=torch.channels_last),
-            "grad_dtype": x.grad.dtype, "buffers": {n: b.clone() for n, b in layer.named_buffers()},
-        }
     return seen
 
 
@@ -208,7 +245,18 @@ def test_two_processes_with_half_a_batch_each_compute_what_one_process_computes_
     setup, seen = _run_two_ranks(tmp_path)
     _check_a_span_of_one_changes_nothing(seen)
     _check_converted_in_place_keeping_types_and_state_dict_keys(seen)
-    _check_outputs_gradients_and_running_statistics(setup, seen)
+    _check_outputs_gradients_and_running_statistics(setup, "model", [s["model"] for s in seen])
+    if norm_act.available():
+        # timm's norm + SiLU fused, the two plain batch norms converted; the ResNet-8's stem and three units
+        # fused (all 7 norms), none left to convert.
+        assert [(s["fused"]["model"]["fused"], s["fused"]["model"]["converted"]) for s in seen] == [(1, 2)] * 2
+        assert [(s["fused"]["resnet"]["fused"], s["fused"]["resnet"]["converted"]) for s in seen] == [(4, 0)] * 2
+        # The fused passes sum each channel's terms in another order than torch (float32 blocks of rows, folded
+        # in float64). A gradient that is a sum of K terms with cancellation moves by up to K x 2^-24 of the
+        # terms' magnitude: for the last norm's bias, K = 16 x 6 x 6 = 576 terms about 10x the sum, so up to
+        # 576 x 2^-24 x 10 = 3.4e-4 of it (sqrt(576) x 2^-24 x 10 = 1.4e-5 typically).
+        for name in MODELS:
+            _check_outputs_gradients_and_running_statistics(setup, name, [s["fused"][name] for s in seen], 3.4e-4)
     for name in _layers():
         _check_single_layer_over_uneven_micro_batches(setup, seen, name)
 
@@ -224,10 +272,10 @@ def _check_converted_in_place_keeping_types_and_state_dict_keys(seen):
         assert seen[rank]["same_object"] and seen[rank]["same_keys"] and seen[rank]["same_types"]
 
 
-def _check_outputs_gradients_and_running_statistics(setup, seen):
+def _check_outputs_gradients_and_running_statistics(setup, name, seen, rtol=1e-5):
     """Outputs, parameter gradients (averaged as DDP does) and running statistics of the whole batch."""
-    plain = _model()
-    plain.load_state_dict(setup["model"])
+    plain = MODELS[name]()
+    plain.load_state_dict(setup[name])
     plain = plain.to(memory_format=torch.channels_last).train()
     for step, batch in enumerate(setup["batches"]):
         plain.zero_grad(set_to_none=True)
@@ -235,24 +283,24 @@ def _check_outputs_gradients_and_running_statistics(setup, seen):
         _loss(out).backward()  # the mean loss over all 16
         for rank in range(2):
             out_rank, grads = seen[rank][f"train{step}"]
-            _assert_close(out_rank, out.detach()[_rows(rank)], what=f"step {step} rank {rank} outputs")
-            for name, parameter in plain.named_parameters():
-                _assert_close(grads[name], parameter.grad, what=f"step {step} rank {rank} gradient of {name}")
+            _assert_close(out_rank, out.detach()[_rows(rank)], rtol=rtol, what=f"{name} step {step} rank {rank} outputs")
+            for key, parameter in plain.named_parameters():
+                _assert_close(grads[key], parameter.grad, rtol=rtol, what=f"{name} step {step} rank {rank} gradient of {key}")
     with torch.no_grad():
         out = plain(setup["batches"][0])
     for rank in range(2):
-        _assert_close(seen[rank]["train_no_grad"], out[_rows(rank)], what=f"rank {rank} no-grad training outputs")
-    for name, buffer in plain.named_buffers():
+        _assert_close(seen[rank]["train_no_grad"], out[_rows(rank)], rtol=rtol, what=f"{name} rank {rank} no-grad outputs")
+    for key, buffer in plain.named_buffers():
         for rank in range(2):
-            if name.endswith("num_batches_tracked"):
-                assert torch.equal(seen[rank]["buffers"][name], buffer) and buffer.item() == 3, name
+            if key.endswith("num_batches_tracked"):
+                assert torch.equal(seen[rank]["buffers"][key], buffer) and buffer.item() == 3, key
             else:
-                _assert_close(seen[rank]["buffers"][name], buffer, what=f"rank {rank} {name}")
+                _assert_close(seen[rank]["buffers"][key], buffer, rtol=rtol, what=f"{name} rank {rank} {key}")
     plain.eval()
     with torch.no_grad():
         out = plain(setup["eval_batch"])
     for rank in range(2):
-        _assert_close(seen[rank]["eval"], out[_rows(rank)], what=f"rank {rank} eval outputs")
+        _assert_close(seen[rank]["eval"], out[_rows(rank)], rtol=rtol, what=f"{name} rank {rank} eval outputs")
 
 
 def _check_single_layer_over_uneven_micro_batches(setup, seen, name):

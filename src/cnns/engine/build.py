@@ -105,7 +105,7 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     """The plain model, on the device, with the run-time wrappers of `cnns.engine.wrappers` in their
     order, and batch-norm statistics over the --BN-span group of replicas when there is one."""
     from cnns.models import build_model, recomputation_blocks
-    from cnns.parallel.batchnorm import cross_replica_batch_norm
+    from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
 
     keep_freed_host_memory(device)  # before the model and the data allocate anything large
     model = build_model(cfg.model)
@@ -113,8 +113,8 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
     norms = fused_norms(device)
-    if bn_group is None and norms:  # a --BN-span norm keeps torch's modules
-        fuse_norm_activations(model, norms)
+    if norms:  # with a --BN-span, the fused batch norms take the span's statistics
+        fuse_norm_activations(model, norms, batch_norm_span(bn_group))
     if fuses_squeeze_excitation(device):
         fuse_squeeze_excitation(model)
     keep_gradients_channels_last(model)

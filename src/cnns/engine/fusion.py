@@ -15,7 +15,9 @@ stay the plain model's and checkpoints written before or after load alike. Three
 
 In evaluation, or for a tensor the passes do not take (CUDA, float16, not 4-d), the patched forwards
 compute the same thing with torch's functions, so one patched model serves training and validation.
-Only exact classes are patched (a cross-replica batch norm or an unknown block keeps torch's modules).
+Only exact classes are patched (an unknown block keeps torch's modules). With a --BN-span (``span``) the
+fused batch norms take their statistics over the span's replicas (`cnns.kernels.norm_act`), and where the
+passes do not take a tensor, the span's torch version (`cnns.parallel.batchnorm`) runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from cnns.kernels import excite
 from cnns.kernels import norm_act as kernels
 from cnns.models import cifar_resnet
+from cnns.parallel.batchnorm import BatchNormSpan
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "none"}
 _PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
@@ -63,10 +66,13 @@ def _activation(module: nn.Module) -> str | None:
     return _ACTIVATIONS.get(type(module))
 
 
-def norm_act(norm: nn.Module, x: torch.Tensor, act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+def norm_act(norm: nn.Module, x: torch.Tensor, act: str, residual: torch.Tensor | None = None,
+             span: BatchNormSpan | None = None) -> torch.Tensor:
     """``act(norm(x) [+ residual])`` with `norm` a BatchNorm2d, GroupNorm or timm's norm+act (its own
-    activation not applied here): fused in training where the passes take the tensor, torch otherwise."""
+    activation not applied here): fused in training where the passes take the tensor, torch otherwise.
+    ``span``: a batch norm's training statistics are the --BN-span's."""
     batch_norm = isinstance(norm, nn.BatchNorm2d)
+    spanned = span is not None and batch_norm and norm.training
     fused = norm.training and kernels.supports(x) and (residual is None or residual.shape == x.shape)
     if fused and batch_norm:
         tracking = norm.track_running_stats
@@ -74,10 +80,12 @@ def norm_act(norm: nn.Module, x: torch.Tensor, act: str, residual: torch.Tensor 
         return kernels.batch_norm_act(x, norm.weight, norm.bias, norm.running_mean if tracking else None,
                                       norm.running_var if tracking else None,
                                       norm.num_batches_tracked if tracking else None, momentum, norm.eps, act,
-                                      residual)
+                                      residual, span.sum if spanned else None)
     if fused:
         return kernels.group_norm_act(x, norm.num_groups, norm.weight, norm.bias, norm.eps, act, residual)
-    if batch_norm:
+    if spanned:
+        y = span.normalise(norm, x)
+    elif batch_norm:
         y = nn.BatchNorm2d.forward(norm, x)
     else:
         y = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
@@ -90,23 +98,30 @@ def _identity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fuse_pair(norm: nn.Module, act_module: nn.Module, norms: Norms) -> bool:
+def _fuse_pair(norm: nn.Module, act_module: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
     """norm then act_module -> norm computes both; act_module passes its input on."""
     act = _activation(act_module)
     if act is None or type(norm) not in norms or "forward" in vars(norm):
         return False
-    norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act), norm)
+    norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act, span=span), norm)
     act_module.forward = types.MethodType(_identity, act_module)
+    _claim(span, norm)
     return True
 
 
-def _fuse_norm_act_module(module: nn.Module, norms: Norms) -> bool:
+def _claim(span: BatchNormSpan | None, norm: nn.Module) -> None:
+    if span is not None and isinstance(norm, nn.BatchNorm2d):
+        span.claim(norm)  # its span statistics come from here, not from cross_replica_batch_norm's forward
+
+
+def _fuse_norm_act_module(module: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
     """timm's BatchNormAct2d / GroupNormAct (EfficientNet) with a ReLU, SiLU or no activation, no dropout."""
     act = _activation(module.act)
     kind = nn.BatchNorm2d if isinstance(module, BatchNormAct2d) else nn.GroupNorm
     if act is None or kind not in norms or not isinstance(module.drop, nn.Identity):
         return False
-    module.forward = types.MethodType(lambda self, x: norm_act(self, x, act), module)
+    module.forward = types.MethodType(lambda self, x: norm_act(self, x, act, span=span), module)
+    _claim(span, module)
     return True
 
 
@@ -127,7 +142,7 @@ def _plain_timm_unit(unit: nn.Module) -> bool:
             and getattr(unit, "se", None) is None and getattr(unit, "drop_path", None) is None)
 
 
-def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str):
+def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str, span: BatchNormSpan | None):
     conv_last, norm_last, act_last = last
     convs = [name.replace("bn", "conv") for name, _ in pairs]
 
@@ -137,12 +152,13 @@ def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str):
         out = x
         for conv, (norm, act) in zip(convs, pairs):
             out = getattr(self, act)(getattr(self, norm)(getattr(self, conv)(out)))
-        return norm_act(getattr(self, norm_last), getattr(self, conv_last)(out), "relu", residual=shortcut)
+        return norm_act(getattr(self, norm_last), getattr(self, conv_last)(out), "relu", residual=shortcut,
+                        span=span)
 
     return forward
 
 
-def _fuse_unit(unit: nn.Module, norms: Norms) -> bool:
+def _fuse_unit(unit: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
     pairs, last = _UNITS[type(unit)]
     timm_unit = type(unit) in (timm_resnet.BasicBlock, timm_resnet.Bottleneck)
     if timm_unit and not _plain_timm_unit(unit):
@@ -150,25 +166,29 @@ def _fuse_unit(unit: nn.Module, norms: Norms) -> bool:
     norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
     if type(norm_last) not in norms or type(act_last) is not nn.ReLU:
         return False
-    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act), norms) for norm, act in pairs):
+    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act), norms, span) for norm, act in pairs):
         return False
-    unit.forward = types.MethodType(_unit_forward(pairs, last, "downsample" if timm_unit else "shortcut"), unit)
+    unit.forward = types.MethodType(_unit_forward(pairs, last, "downsample" if timm_unit else "shortcut", span),
+                                    unit)
+    _claim(span, norm_last)
     return True
 
 
-def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.GroupNorm)) -> int:
+def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.GroupNorm),
+                          span: BatchNormSpan | None = None) -> int:
     """Give the model's norm+activation(+residual) patterns whose norm class ``norms`` names the fused
-    passes; returns how many were fused."""
+    passes; returns how many were fused. With ``span`` (--BN-span), batch norms take the span's statistics,
+    and `cnns.parallel.batchnorm.cross_replica_batch_norm` converts the batch norms left unfused."""
     fused = 0
     for module in list(model.modules()):
         if type(module) in _UNITS:
-            fused += _fuse_unit(module, norms)
+            fused += _fuse_unit(module, norms, span)
         elif type(module) in (BatchNormAct2d, GroupNormAct):
-            fused += _fuse_norm_act_module(module, norms)
+            fused += _fuse_norm_act_module(module, norms, span)
     # The ResNets' stem: conv1, bn1, act1 on the model itself (a unit's own pairs are fused above).
     for owner in model.modules():
         if type(owner) not in _UNITS and hasattr(owner, "bn1") and hasattr(owner, "act1"):
-            fused += _fuse_pair(owner.bn1, owner.act1, norms)
+            fused += _fuse_pair(owner.bn1, owner.act1, norms, span)
     return fused
 
 

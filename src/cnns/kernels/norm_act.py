@@ -7,6 +7,12 @@ and float32/float64 statistics, in three passes over memory forward and two back
 ``nn.BatchNorm2d`` does. The per-channel quantities between the passes (means, variances, the backward's sums
 and coefficients) are float64, computed in the same C++ call as the passes: one call forward, one backward.
 
+A batch norm whose statistics span several replicas (--BN-span) takes ``all_reduce``, a function summing a
+float64 tensor over the span's processes: the forward then runs the moments pass, sums each channel's count,
+sum and sum of squares over the span (one all-reduce), and runs the scale-shift-activate pass with the span's
+statistics; the backward runs its reduction pass, sums the two per-channel sums over the span (one
+all-reduce) and runs the input-gradient pass with them, as torch's SyncBatchNorm does on GPUs.
+
 The extension is built when the package is installed (setup.py). Where it could not be (no compiler),
 ``available()`` is False and nothing here is used: the models run torch's modules (see
 `cnns.engine.fusion`).
@@ -16,8 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from cnns import profiling
 from cnns.kernels import load_build
+
+# Sums a float64 tensor over the processes of a --BN-span (`cnns.parallel.batchnorm.BatchNormSpan.sum`).
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 _ext = load_build("norm_act")
 
@@ -59,18 +70,26 @@ class _NormAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
+    def forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None,
+                all_reduce: AllReduce | None = None):
         with profiling.marked(profiling.NORM_FORWARD):
-            return _NormAct._forward(ctx, x, weight, bias, residual, groups, eps, act, stats_out)
+            return _NormAct._forward(ctx, x, weight, bias, residual, groups, eps, act, stats_out, all_reduce)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None):
+    def _forward(ctx, x, weight, bias, residual, groups: int, eps: float, act: int, stats_out: list | None,
+                 all_reduce: AllReduce | None):
         rows = _rows(x, x.shape[0] if groups else 1)
         res = _rows(residual, rows.shape[0]) if residual is not None else None
-        out, mean, invstd, scale, shift, mean_c, m2_c = _ext.forward(rows, weight, bias, res, groups, eps, act)
+        if all_reduce is None:
+            out, mean, invstd, scale, shift, mean_c, m2_c = _ext.forward(rows, weight, bias, res, groups, eps, act)
+            count = rows.shape[1]
+        else:
+            mean, m2_c, count, invstd, scale, shift = _span_statistics(rows, weight, bias, eps, all_reduce)
+            mean_c = mean
+            out = _ext.affine_act(rows, scale, shift, res, act)
         if stats_out is not None and not groups:
-            stats_out.extend((mean_c[0], m2_c[0], rows.shape[1]))
-        ctx.groups, ctx.act = groups, act
+            stats_out.extend((mean_c[0], m2_c[0], count))
+        ctx.groups, ctx.act, ctx.all_reduce, ctx.count = groups, act, all_reduce, count
         ctx.has_residual = residual is not None
         ctx.shape = x.shape
         ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
@@ -86,14 +105,54 @@ class _NormAct(torch.autograd.Function):
     def _backward(ctx, grad):
         rows, out, mean, invstd, weight, scale, shift = ctx.saved_tensors
         g = _rows(grad, rows.shape[0]).to(rows.dtype)
-        grad_x, grad_w, grad_b, gz = _ext.backward(g, rows, out, mean, invstd, scale, shift, weight, ctx.groups,
-                                                   ctx.act, ctx.needs_input_grad[0])
+        if ctx.all_reduce is None:
+            grad_x, grad_w, grad_b, gz = _ext.backward(g, rows, out, mean, invstd, scale, shift, weight, ctx.groups,
+                                                       ctx.act, ctx.needs_input_grad[0])
+        else:
+            grad_x, grad_w, grad_b, gz = _span_backward(g, rows, out, mean, invstd, scale, shift, weight, ctx.act,
+                                                        ctx.count, ctx.all_reduce, ctx.needs_input_grad[0])
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_x = _unrows(grad_x, ctx.shape) if ctx.needs_input_grad[0] else None
         grad_weight = grad_w.to(weight_dtype) if weight_dtype is not None and ctx.needs_input_grad[1] else None
         grad_bias = grad_b.to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
         grad_residual = _unrows(gz, ctx.shape) if ctx.has_residual and ctx.needs_input_grad[3] else None
-        return grad_x, grad_weight, grad_bias, grad_residual, None, None, None, None
+        return grad_x, grad_weight, grad_bias, grad_residual, None, None, None, None, None
+
+
+def _span_statistics(rows: torch.Tensor, weight, bias, eps: float, all_reduce: AllReduce):
+    """Batch norm's statistics over a --BN-span: each replica's per-channel count, sum and sum of squares in
+    float64 (from its moments pass), summed by one all-reduce. Returns the span's mean and sum of squared
+    deviations (1, C), its count, 1/std and the float32 scale and shift of the forward pass."""
+    mean_c, m2_c = _ext.moments(rows)  # (1, C) float64
+    local_count = rows.shape[1]
+    channels = rows.shape[2]
+    local = torch.cat([mean_c * local_count, m2_c + local_count * mean_c.square(),
+                       mean_c.new_full((1, 1), float(local_count))], dim=1)
+    total = all_reduce(local)
+    count = float(total[0, 2 * channels])
+    mean = total[:, :channels] / count
+    m2 = (total[:, channels:2 * channels] - count * mean.square()).clamp_min(0.0)
+    invstd = (m2 / count + eps).rsqrt()
+    w = weight.detach().double() if weight is not None else 1.0
+    b = bias.detach().double() if bias is not None else 0.0
+    return mean, m2, count, invstd, (w * invstd).float(), (b - mean * w * invstd).float()
+
+
+def _span_backward(g, rows, out, mean, invstd, scale, shift, weight, act: int, count: float,
+                   all_reduce: AllReduce, input_grad: bool):
+    """The backward of a span's batch norm: the reduction pass's two per-channel sums (of the pre-activation
+    gradient gz, and of gz * (x - mean)) summed over the span, the input gradient from the span's sums, the
+    weight and bias gradients from this replica's (DDP averages them as it does every parameter's)."""
+    gz, s1, s2 = _ext.backward_reduce(g, rows, out, scale, shift, mean.float(), act)
+    channels = rows.shape[2]
+    total = all_reduce(torch.cat([s1, s2], dim=1))  # every replica calls it, whatever it needs
+    span_s1, span_s2 = total[:, :channels], total[:, channels:]
+    w = weight.detach().double() if weight is not None else 1.0
+    coef_g = w * invstd
+    coef_x = -w * invstd.pow(3) * span_s2 / count
+    coef_d = -w * invstd * span_s1 / count - coef_x * mean
+    grad_x = _ext.input_gradient(gz, rows, coef_g.float(), coef_x.float(), coef_d.float()) if input_grad else None
+    return grad_x, (s2 * invstd)[0], s1[0], gz
 
 
 def _like(residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -104,18 +163,20 @@ def _like(residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None
 def batch_norm_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                    num_batches_tracked: torch.Tensor | None, momentum: float | None, eps: float,
-                   act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+                   act: str = "none", residual: torch.Tensor | None = None,
+                   all_reduce: AllReduce | None = None) -> torch.Tensor:
     """``act(F.batch_norm(x, ..., training=True) [+ residual])``, running statistics updated as torch does.
 
     The running variance takes the unbiased variance (count - 1); with ``momentum=None`` the cumulative
-    average over ``num_batches_tracked`` batches, as ``nn.BatchNorm2d`` does.
+    average over ``num_batches_tracked`` batches, as ``nn.BatchNorm2d`` does. With ``all_reduce``, the
+    statistics are the --BN-span's (module docstring).
     """
     n, c, h, w = x.shape
     if n * h * w < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
     residual = _like(residual, x)
     stats: list = []
-    y = _NormAct.apply(x, weight, bias, residual, 0, eps, ACTIVATIONS[act], stats)
+    y = _NormAct.apply(x, weight, bias, residual, 0, eps, ACTIVATIONS[act], stats, all_reduce)
     if running_mean is not None and stats:
         mean, m2, count = stats
         with torch.no_grad():

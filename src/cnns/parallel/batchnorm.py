@@ -47,6 +47,41 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
+class BatchNormSpan:
+    """The replicas of one --BN-span as the fused batch-norm passes (`cnns.engine.fusion`) use them on a CPU.
+
+    The passes sum per-channel statistics over the span between their passes (`sum`); where a tensor is not
+    theirs to take they call `normalise`, this module's torch version. A layer they handle is `claim`-ed, so
+    that `cross_replica_batch_norm` leaves it alone.
+    """
+
+    def __init__(self, group: "dist.ProcessGroup") -> None:
+        self.group = group
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the span's processes (a new tensor; every process must call it)."""
+        total = values.clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def normalise(self, bn: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+        """A training-mode batch norm of ``x`` with the span's statistics (no activation)."""
+        bn._check_input_dim(x)
+        return _normalise_over_span(bn, x, self.group)
+
+    @staticmethod
+    def claim(bn: _BatchNorm) -> None:
+        bn._cnns_bn_span = True
+
+
+def batch_norm_span(group: "dist.ProcessGroup | None") -> BatchNormSpan | None:
+    """The span of ``group`` for the fused passes, or None where there is nothing to span (no group, or one
+    process)."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return None
+    return BatchNormSpan(group)
+
+
 def cross_replica_batch_norm(model: nn.Module, group: "dist.ProcessGroup | None",
                              device: torch.device) -> tuple[nn.Module, int]:
     """--BN-span N: make every batch-norm layer of `model` compute its training statistics over all
@@ -57,7 +92,8 @@ def cross_replica_batch_norm(model: nn.Module, group: "dist.ProcessGroup | None"
 
     CPU: each layer's forward is patched in place, so the returned model is the same object, module
     types and ``state_dict()`` keys are unchanged and checkpoints load into a plain model. Apply it
-    before wrapping in DDP (DDP then still sees the same parameters).
+    before wrapping in DDP (DDP then still sees the same parameters). Layers the fused passes already
+    span (`BatchNormSpan.claim`) are left as they are.
 
     CUDA (and other accelerators torch's SyncBatchNorm supports): the layers are REPLACED by
     ``nn.SyncBatchNorm`` (timm's ``SyncBatchNormAct`` for ``BatchNormAct2d``), sharing the original
