@@ -20,9 +20,9 @@ The extension is built when the package is installed (setup.py). Where it could 
 
 from __future__ import annotations
 
-import torch
-
 from typing import Callable
+
+import torch
 
 from cnns import profiling
 from cnns.kernels import load_build
