@@ -253,10 +253,11 @@ def test_two_processes_with_half_a_batch_each_compute_what_one_process_computes_
         assert [(s["fused"]["resnet"]["fused"], s["fused"]["resnet"]["converted"]) for s in seen] == [(4, 0)] * 2
         # The fused passes sum each channel's terms in another order than torch (float32 blocks of rows, folded
         # in float64). A gradient that is a sum of K terms with cancellation moves by up to K x 2^-24 of the
-        # terms' magnitude: for the last norm's bias, K = 16 x 6 x 6 = 576 terms about 10x the sum, so up to
-        # 576 x 2^-24 x 10 = 3.4e-4 of it (sqrt(576) x 2^-24 x 10 = 1.4e-5 typically).
+        # terms' magnitude: for timm's norm's bias, K = 16 x 6 x 6 = 576 terms whose magnitudes add up to 45-53x
+        # the sum (measured on these batches), so up to 576 x 2^-24 x 53 = 1.8e-3 of it (sqrt(576) x 2^-24 x 53
+        # = 7.6e-5 typically). A replica normalising with its own half's statistics is off by 5.5 % in its outputs.
         for name in MODELS:
-            _check_outputs_gradients_and_running_statistics(setup, name, [s["fused"][name] for s in seen], 3.4e-4)
+            _check_outputs_gradients_and_running_statistics(setup, name, [s["fused"][name] for s in seen], 1.8e-3)
     for name in _layers():
         _check_single_layer_over_uneven_micro_batches(setup, seen, name)
 
