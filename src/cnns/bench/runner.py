@@ -277,11 +277,9 @@ def peak_rate(device: torch.device = torch.device("cpu")) -> tuple[float, dict[s
     one 16.x runs there (`cnns.precision.default_half_dtype`).
     """
     half = HALF_DTYPES[default_half_dtype(device)] if device.type == "cuda" else torch.bfloat16
-    rates = {_DTYPE_NAMES[half]: matmul_rate(half, device=device), "float32": matmul_rate(torch.float32, device=device)}
+    rates = {str(half).removeprefix("torch."): matmul_rate(half, device=device),
+             "float32": matmul_rate(torch.float32, device=device)}
     return max(rates.values()), rates
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass
@@ -828,7 +826,7 @@ class BenchmarkSuite:
         entries, self.document = load_spec(self.spec_path)
         chosen = select(entries, names)
         # Entries whose device this machine lacks (a CUDA entry without a GPU): one line each, nothing else.
-        self.skipped = {e.name: e.missing_device() for e in chosen if e.missing_device()}
+        self.skipped = {e.name: why for e in chosen if (why := e.missing_device())}
         self.entries = [e for e in chosen if e.name not in self.skipped]
         if chosen and not self.entries:
             raise ConfigError("nothing to run here: " + "; ".join(f"benchmark {name} {why}"
