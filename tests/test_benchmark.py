@@ -28,7 +28,7 @@ def _cuda_present(bfloat16: bool, count: int = 1):
     """torch.cuda as a machine with `count` GPUs reports it (with or without bfloat16 arithmetic)."""
     with mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("torch.cuda.device_count", return_value=count), \
-            mock.patch("torch.cuda.is_bf16_supported", return_value=bfloat16):
+            mock.patch("torch.cuda.get_device_capability", return_value=(8, 0) if bfloat16 else (7, 0)):
         yield
 
 

@@ -20,7 +20,13 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
     def set_bf16(supported: bool) -> None:
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+        # What torch.cuda reports of an Ampere (8.0) or a Volta (7.0) GPU. Like torch's own, the fake
+        # is_bf16_supported() says True on both unless asked without emulation (Volta emulates bfloat16 far
+        # slower than its float16): a half type decided from it would be bfloat16 on Volta.
+        capability = (8, 0) if supported else (7, 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True: including_emulation or supported)
 
     set_bf16(True)
     return set_bf16
@@ -64,6 +70,21 @@ def test_validation_without_a_run_takes_the_devices_half_type_and_a_runs_is_kept
     (tmp_path / "arguments.json").write_text(json.dumps(trained))
     _, options, _ = resolved_evaluation_options(script, ["--restore-path", str(tmp_path)])
     assert options["half_dtype"] == "bfloat16"
+
+
+def test_the_half_type_is_that_of_the_gpu_the_run_uses_not_the_current_one(two_gpus, monkeypatch):
+    # cuda:0 a Volta, cuda:1 an Ampere; torch's current device stays cuda:0.
+    capabilities = {0: (7, 0), 1: (8, 0)}
+
+    def capability(device=None):
+        index = torch.device(device).index if device is not None else None
+        return capabilities[0 if index is None else index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    for choice, half in ([["--device", "cuda:1"], "bfloat16"], [["--select-ipus", "1"], "bfloat16"],
+                         [["--device", "cuda:0"], "float16"], [[], "float16"]):
+        options, _ = resolved_training_options("train", [*PLAIN, *choice])
+        assert options["half_dtype"] == half, choice
 
 
 @pytest.mark.parametrize("argv, message", [

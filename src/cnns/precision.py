@@ -88,9 +88,21 @@ def default_half_dtype(device: torch.device) -> str:
     """The half type of 16.x on `device`: bfloat16 on a CPU (float32's range: no loss scaling) and on a
     GPU with bfloat16 arithmetic (Ampere and later); float16, with the seed's loss scaling, on an older
     GPU (Volta, Turing), whose tensor cores have no bfloat16."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(device):
+    if device.type == "cuda" and not gpu_computes_bfloat16(device):
         return "float16"
     return "bfloat16"
+
+
+def gpu_computes_bfloat16(device: torch.device) -> bool:
+    """Whether the GPU `device` has bfloat16 arithmetic: compute capability 8 (Ampere) and later, or ROCm.
+
+    Not ``torch.cuda.is_bf16_supported()``: it asks the current device rather than this one, and by default
+    it also counts bfloat16 that a Volta or Turing GPU only emulates, without tensor cores, far slower than
+    its float16.
+    """
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def cpu_half_is_emulated(device: torch.device, half: torch.dtype) -> bool:
