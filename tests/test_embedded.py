@@ -35,6 +35,32 @@ def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
     assert "--force-recompile" in broken.stderr
 
 
+def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(tmp_path):
+    """The seed's file name says model, batch, precision and weights; a CIFAR-100 run of the same model
+    must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
+    def run(dataset: str, *extra: str):
+        argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
+                "--dataset", dataset, "--micro-batch-size", "2", "--iterations", "3", "--generated-data",
+                "--precision", "32.32", *extra]
+        out = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    assert "Compilation time:" in run("cifar-10")
+    (package,) = tmp_path.glob("*.pt2")
+    ten_classes = package.read_bytes()
+    again = run("cifar-100")
+    assert f"The compiled model at {package.name} was built for another model: compiling it again" in again
+    assert "Compilation time:" in again and package.read_bytes() != ten_classes
+    compiled = torch._inductor.aoti_load_package(str(package))
+    assert compiled(torch.zeros(2, 32, 32, 3, dtype=torch.uint8)).shape == (2, 100)
+    assert "Loading the compiled model" in run("cifar-100")
+    # Other normalisation is another graph too; a package with no description (copied here by hand) is trusted.
+    assert "built for another normalisation" in run("cifar-100", "--normalise-input")
+    package.with_name(package.name + ".json").unlink()
+    assert "Loading the compiled model" in run("cifar-100")
+
+
 def test_compiled_artefact_computes_the_eager_logits(tmp_path):
     values, _ = parse_options("infer", ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10",
                                         "--generated-data", "--precision", "32.32", "--normalise-input"])

@@ -9,6 +9,8 @@ compiled artefact is the whole device side of 8-bit I/O.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -51,20 +53,62 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
     model = build_model(cfg.model)
     if checkpoint is not None:
         unwrap(model).load_state_dict(load_checkpoint(checkpoint)["model"])
+    dtype, std = input_dtype_and_std(cfg, device)
+    model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+    return NormalisedClassifier(model, std, dtype).eval()
+
+
+def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
+    """The compiled model's dtype and the standard deviations its normalisation divides by."""
     # Inference has no master weights to keep: half precision means half weights (float32 where the
     # CPU would only emulate the half type and none was asked for explicitly).
     policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
                                      avoid_emulated_half=not cfg.precision.half_dtype_given)
-    dtype = policy.compute_dtype
-    model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
     std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
-    return NormalisedClassifier(model, std, dtype).eval()
+    return policy.compute_dtype, std
 
 
 def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
+    """Everything the compiled graph depends on. The file name holds only the seed's part of it, so a run
+    whose options differ in the rest (another device, class count, input size or normalisation, a retrained
+    checkpoint) must not load the package another run compiled: it is described beside the package."""
+    weights = None
+    if checkpoint is not None:
+        try:
+            stat = checkpoint.stat()
+            weights = [str(checkpoint.resolve()), stat.st_size, stat.st_mtime_ns]
+        except OSError:  # loading it says what is wrong with it
+            weights = [str(checkpoint)]
+    gpu = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    dtype, std = input_dtype_and_std(cfg, device)
+    return {"model": dataclasses.asdict(cfg.model), "batch": cfg.train.micro_batch_size,
+            "image_size": cfg.data.image_size, "dtype": str(dtype), "std": list(std), "weights": weights,
+            "device": device.type, "gpu_capability": gpu}
+
+
+# The description's fields as the notice names them.
+_DESCRIBED = {"model": "model", "batch": "batch size", "image_size": "image size", "dtype": "precision",
+              "std": "normalisation", "weights": "checkpoint", "device": "device", "gpu_capability": "GPU"}
+
+
+def _description_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def compiled_for_other_options(path: Path, description: dict[str, Any]) -> list[str]:
+    """The described fields in which the package at `path` differs from `description` (none when the package
+    has no description: one copied here by hand is trusted as before)."""
+    try:
+        saved = json.loads(_description_path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    return [_DESCRIBED[key] for key in description if saved.get(key) != description[key]]
 
 
 def inference_options(values: dict[str, Any]) -> dict[str, Any]:
@@ -86,13 +130,18 @@ def infer(options: dict[str, Any], notices: list[str]) -> int:
     batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
     images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(options["seed"] or 0))
-    if path.exists() and not options.get("force_recompile"):
+    description = artefact_description(cfg, checkpoint, device)
+    stale = compiled_for_other_options(path, description) if path.exists() else []
+    if stale:
+        print(f"The compiled model at {path} was built for another {', '.join(stale)}: compiling it again")
+    if path.exists() and not stale and not options.get("force_recompile"):
         print(f"Loading the compiled model from {path}")
     else:
         model = build_inference_model(cfg, checkpoint, device)
         print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
         start = time.perf_counter()
         compile_artefact(model, images.to(device), path)
+        _description_path(path).write_text(json.dumps(description, indent=1) + "\n")
         print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
     try:
         runner = torch._inductor.aoti_load_package(str(path))
