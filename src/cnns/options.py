@@ -224,7 +224,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=PRECISIONS,
                        help="compute.master precision: 16.16 (half weights, stochastic rounding), 16.32 (autocast), 32.32.")
     group.add_argument("--half-dtype", choices=("bfloat16", "float16"),
-                       help="The half type (default bfloat16 on CPU, float16 on CUDA).")
+                       help="The half type (default bfloat16 on a CPU and on Ampere or later GPUs, float16 on older GPUs).")
     rounding = group.add_mutually_exclusive_group()
     rounding.add_argument("--stochastic-rounding", type=_on_off, metavar="ON|OFF",
                           help="Stochastic rounding of 16.16 weight updates (default ON).")

@@ -8,7 +8,8 @@ option   weights                compute                           where float32 
 16.16    half                   half                              loss, normalisation layers; the update
 =======  =====================  ================================  =====================================
 
-"Half" is bfloat16 on CPU and float16 on CUDA unless ``--half-dtype`` says otherwise. In 16.16 the
+"Half" is bfloat16 on a CPU and on a GPU with bfloat16 arithmetic, float16 on older GPUs
+(`default_half_dtype`), unless ``--half-dtype`` says otherwise. In 16.16 the
 weight update is computed in float32 and rounded back to half, stochastically by default
 (`cnns.optim.HalfPrecisionOptimiser`). The training step never tests these flags: it calls
 `autocast()` and `LossScaler` methods, which are no-ops where the policy needs nothing.
