@@ -140,6 +140,7 @@ def infer(options: dict[str, Any], notices: list[str]) -> int:
         model = build_inference_model(cfg, checkpoint, device)
         print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
         start = time.perf_counter()
+        _description_path(path).unlink(missing_ok=True)  # never beside a package it does not describe
         compile_artefact(model, images.to(device), path)
         _description_path(path).write_text(json.dumps(description, indent=1) + "\n")
         print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
