@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,16 +78,28 @@ def test_compile_with_cuda_graphs_under_accumulation_device_iterations_and_ema(d
     assert [int(r["iteration"]) for r in rows(folder / "training.csv")] == [8, 16]
 
 
-def test_a_restored_gpu_run_ends_bitwise_like_an_uninterrupted_one(data_dir, tmp_path):
-    common = (*SHORT, "--data-dir", str(data_dir), "--iterations", "8", "--log-freq", "4", "--ckpts-per-epoch", "16",
-              "--no-validation")
+def test_sigterm_then_restore_ends_a_gpu_run_bitwise_like_an_uninterrupted_one(data_dir, tmp_path):
+    """--seed on a GPU computes reproducibly (`cnns.engine.wrappers.compute_reproducibly`), so a run stopped by
+    SIGTERM mid-epoch and continued by restore.py ends with the uninterrupted run's weights, bit for bit."""
+    common = (*SHORT, "--data-dir", str(data_dir), "--iterations", "40", "--log-freq", "1", "--device-iterations", "1",
+              "--ckpts-per-epoch", "1", "--no-validation")
     whole, _ = train(tmp_path, "whole", *common)
-    cut, _ = train(tmp_path, "cut", *common)
-    for later in [p for p in cut.glob("ckpt-*.pt") if int(p.stem.split("-")[1]) > 4] + [cut / "training.csv"]:
-        later.unlink()
+    cut = tmp_path / "cut"
+    process = processes.start([sys.executable, str(ROOT / "train.py"), *common, "--logs-path", str(cut)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        if (cut / "training.csv").exists() and len(rows(cut / "training.csv")) >= 5:
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    stdout, stderr = processes.communicate(process, timeout=300)
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stopped = int(re.search(r"Training interrupted by SIGTERM at iteration (\d+); checkpoint saved", stdout).group(1))
+    assert 5 <= stopped < 40 and (cut / f"ckpt-{stopped}.pt").is_file()
     processes.run([sys.executable, str(ROOT / "restore.py"), "--restore-path", str(cut)], check=True,
                   capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    a, b = (torch.load(f / "ckpt-8.pt", weights_only=True)["model"] for f in (whole, cut))
+    a, b = (torch.load(f / "ckpt-40.pt", weights_only=True)["model"] for f in (whole, cut))
     for name in a:
         assert torch.equal(a[name], b[name]), name
 

@@ -1,4 +1,5 @@
-"""Run-time wrappers change how a model runs, never what it computes: recomputation here."""
+"""Run-time wrappers change how a model runs, never what it computes: recomputation and the GPU's
+reproducible mode here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import processes
 import torch
 from torch import nn
 
-from cnns.engine.wrappers import recompute_blocks
+from cnns.engine.wrappers import compute_reproducibly, recompute_blocks
 from cnns.models import ModelSpec, build_model, recomputation_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,3 +123,44 @@ def test_the_seeds_recomputation_points_keep_only_the_segment_inputs():
         return count
 
     assert saved_tensors(segmented) < saved_tensors(per_unit) < saved_tensors(plain)
+
+
+@pytest.fixture
+def torch_determinism_restored():
+    """compute_reproducibly sets process-wide flags: put them back for the other tests of this worker."""
+    import os
+
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+    if saved[4] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@pytest.mark.parametrize("spec", [
+    ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32),
+    ModelSpec(arch="resnet", size="18", num_classes=10, image_size=64),
+    ModelSpec(arch="efficientnet", size="cifar", num_classes=10, image_size=32),
+], ids=["cifar-resnet8", "timm-resnet18", "timm-efficientnet"])
+def test_the_reproducible_mode_pools_by_a_mean_that_computes_what_the_pool_does(spec, torch_determinism_restored):
+    """--seed on a GPU: global average pooling (no deterministic CUDA backward) becomes a mean. Checked here on
+    the CPU, where both run: same outputs and gradients, within float32 rounding of a different summation
+    order (a mean of H x W <= 64 values moves by at most 64 x 2^-24 of the values' magnitude: 4e-6)."""
+    torch.manual_seed(0)
+    pooled = build_model(spec).to(memory_format=torch.channels_last)
+    mean = copy.deepcopy(pooled)
+    assert compute_reproducibly(mean) == 1
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert mean.state_dict().keys() == pooled.state_dict().keys()
+    x = torch.randn(4, 3, spec.image_size, spec.image_size, generator=torch.Generator().manual_seed(1)).contiguous(
+        memory_format=torch.channels_last)
+    out_a, grads_a = _forward_backward(pooled, x)
+    out_b, grads_b = _forward_backward(mean, x)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)

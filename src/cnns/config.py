@@ -517,6 +517,7 @@ class TrainConfig:
     logs_per_epoch: float
     log_freq: int
     seed: int | None
+    seed_given: bool  # --seed was on the command line (the seed is recorded either way)
     validation: bool
     label_smoothing: float
     weight_avg_N: tuple[int, ...]
@@ -622,7 +623,8 @@ class RunConfig:
             device_iterations=o["device_iterations"], ckpts_per_epoch=o["ckpts_per_epoch"],
             ckpt_epochs_offset=o["ckpt_epochs_offset"] or 0.0,
             logs_per_epoch=o["logs_per_epoch"], log_freq=o["log_freq"],
-            seed=int(o["seed"]) if o.get("seed") is not None else None, validation=o["validation"],
+            seed=int(o["seed"]) if o.get("seed") is not None else None,
+            seed_given=bool(o.get("seed_specified", False)), validation=o["validation"],
             label_smoothing=o["label_smoothing"], weight_avg_N=tuple(o.get("weight_avg_N") or ()),
             weight_avg_exp=tuple(o.get("weight_avg_exp") or ()), ema_decay=o.get("ema_decay"),
             compile=o["compile"], fp_exceptions=o["fp_exceptions"], profile=o["profile"],

@@ -26,8 +26,8 @@ from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, 
 from cnns.precision import LossScaler, PrecisionPolicy
 from cnns.engine.fusion import (fuse_norm_activations, fuse_squeeze_excitation, fused_norms,
                                 fuses_squeeze_excitation)
-from cnns.engine.wrappers import (keep_gradients_channels_last, recompute_between_splits, recompute_blocks,
-                                  route_slow_depthwise_backward)
+from cnns.engine.wrappers import (compute_reproducibly, keep_gradients_channels_last, recompute_between_splits,
+                                  recompute_blocks, route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
 
@@ -120,6 +120,8 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     keep_gradients_channels_last(model)
     if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
         route_slow_depthwise_backward(model)
+    if device.type == "cuda" and cfg.train.seed_given:
+        compute_reproducibly(model)
     if cfg.parallel.recomputation and recomputation_points(cfg):
         recompute_between_splits(model, recomputation_segments(cfg, model))
     elif cfg.parallel.recomputation:

@@ -9,6 +9,7 @@ or which parameters and state-dict keys it has, so checkpoints always hold the p
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed;
                                      `cnns.kernels.depthwise`)
+   ``compute_reproducibly``          --seed on a GPU: deterministic kernels, so a run repeats bit for bit
 3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
    or ``recompute_between_splits``   per segment between the seed's recomputation points (--shards 1 splits)
 4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
@@ -20,6 +21,7 @@ The first three patch module instances (hooks, bound methods); the last returns 
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import torch
@@ -71,6 +73,43 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
             module.register_forward_pre_hook(_channels_last_gradient_hook)
             hooked += 1
     return hooked
+
+
+# ------------------------------------------------------------------------------------------------
+# 2b. reproducible GPU runs
+
+
+def compute_reproducibly(model: nn.Module) -> int:
+    """--seed on a GPU: the same run, or one interrupted and restored, computes the same bits.
+
+    On a CPU that holds already (oneDNN's kernels and the fused passes are deterministic at a given thread
+    count). On CUDA, cuDNN picks among convolution algorithms by speed, some of them summing with atomic
+    additions in whatever order the threads arrive, and cuBLAS does the same with a small workspace. So:
+    torch's deterministic algorithms (cuDNN's deterministic convolutions, cuBLAS with a fixed workspace),
+    which can be slower; a run without --seed keeps the fastest. The one layer of cnns' models whose CUDA
+    backward has no deterministic kernel is global average pooling (``adaptive_avg_pool2d_backward_cuda``
+    adds atomically): it becomes a mean over the spatial dimensions, the same value, whose backward is a
+    broadcast. Any other such operator warns (``warn_only``) rather than stopping the run.
+    Returns the number of pooling layers changed.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its first handle
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.AdaptiveAvgPool2d) and _is_global(module.output_size):
+            module.forward = types.MethodType(_global_mean, module)
+            changed += 1
+    return changed
+
+
+def _is_global(output_size) -> bool:
+    return tuple(output_size) == (1, 1) if isinstance(output_size, (tuple, list)) else output_size == 1
+
+
+def _global_mean(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=(-2, -1), keepdim=True)
 
 
 # ------------------------------------------------------------------------------------------------
