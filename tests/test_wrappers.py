@@ -132,9 +132,10 @@ def torch_determinism_restored():
 
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.utils.deterministic.fill_uninitialized_memory)
     yield
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.utils.deterministic.fill_uninitialized_memory = saved[5]
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
     if saved[4] is None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
