@@ -156,6 +156,7 @@ def test_the_reproducible_mode_pools_by_a_mean_that_computes_what_the_pool_does(
     assert compute_reproducibly(mean) == 1
     assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert not torch.utils.deterministic.fill_uninitialized_memory
     assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert mean.state_dict().keys() == pooled.state_dict().keys()
     x = torch.randn(4, 3, spec.image_size, spec.image_size, generator=torch.Generator().manual_seed(1)).contiguous(
