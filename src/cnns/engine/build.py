@@ -118,10 +118,10 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     if fuses_squeeze_excitation(device):
         fuse_squeeze_excitation(model)
     keep_gradients_channels_last(model)
-    if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
-        route_slow_depthwise_backward(model)
     if device.type == "cuda" and cfg.train.seed_given:
         compute_reproducibly(model)
+    if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
+        route_slow_depthwise_backward(model)
     if cfg.parallel.recomputation and recomputation_points(cfg):
         recompute_between_splits(model, recomputation_segments(cfg, model))
     elif cfg.parallel.recomputation:

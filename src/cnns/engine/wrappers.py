@@ -7,9 +7,9 @@ or which parameters and state-dict keys it has, so checkpoints always hold the p
                                      fused passes (speed; `cnns.engine.fusion`)
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
+   ``compute_reproducibly``          --seed on a GPU: deterministic kernels, so a run repeats bit for bit
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed;
                                      `cnns.kernels.depthwise`)
-   ``compute_reproducibly``          --seed on a GPU: deterministic kernels, so a run repeats bit for bit
 3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
    or ``recompute_between_splits``   per segment between the seed's recomputation points (--shards 1 splits)
 4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
@@ -76,7 +76,7 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# 2b. reproducible GPU runs
+# 1b. reproducible GPU runs
 
 
 def compute_reproducibly(model: nn.Module) -> int:
