@@ -69,8 +69,9 @@ def test_half_precision_learns_on_the_gpu_in_its_half_type(data_dir, tmp_path, p
     assert float(rows(folder / "validation.csv")[-1]["val_acc"]) > 40.0
 
 
-def test_compile_with_cuda_graphs_under_accumulation_device_iterations_and_ema(data_dir, tmp_path):
-    folder, _ = train(tmp_path, "compiled", *SHORT, "--data-dir", str(data_dir), "--compile",
+@pytest.mark.parametrize("precision", ["16.16", "16.32"])  # 16.32 sums its micro-batches in .grad itself
+def test_compile_with_cuda_graphs_under_accumulation_device_iterations_and_ema(data_dir, tmp_path, precision):
+    folder, _ = train(tmp_path, "compiled", *SHORT, "--data-dir", str(data_dir), "--compile", "--precision", precision,
                       "--gradient-accumulation-count", "2", "--device-iterations", "4", "--ema-decay", "0.9",
                       "--iterations", "16", "--log-freq", "8", "--no-validation")
     state = torch.load(folder / "ckpt-16.pt", weights_only=True)

@@ -95,7 +95,7 @@ def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
     step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
                      cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
                      fp_exceptions=cfg.train.fp_exceptions, mix=mixer, no_sync=no_sync_context(c.replicated),
-                     replicated=c.replicated is not None)
+                     replicated=c.replicated is not None, keep_gradient_buffers=c.cuda_graphs)
     if c.replicated is not None and step.accumulator.enabled:
         c.replicated.register_comm_hook(None, step.accumulator.reduce_hook(None, world.replicas))
     return TrainingParts(length, schedule, optimiser, scaler, step, ema, generators)

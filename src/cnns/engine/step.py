@@ -141,7 +141,8 @@ class TrainStep(_OptimiserStep):
                  scaler: LossScaler, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  grad_accum: int, accumulate_in_float32: bool, fp_exceptions: bool = False,
                  mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 no_sync: Callable[[], ContextManager] = contextlib.nullcontext, replicated: bool = False):
+                 no_sync: Callable[[], ContextManager] = contextlib.nullcontext, replicated: bool = False,
+                 keep_gradient_buffers: bool = False):
         self.model = model
         self.optimiser = optimiser
         self.policy = policy
@@ -151,6 +152,12 @@ class TrainStep(_OptimiserStep):
         self.params = optimiser.params
         self.accumulator = FloatGradientAccumulator(
             self.params, enabled=accumulate_in_float32 and policy.half_weights and (grad_accum > 1 or replicated))
+        # A model that replays CUDA graphs (--compile on a GPU) returns its gradients in the graph's own
+        # memory, which the next micro-batch's replay writes again; autograd would take such a gradient
+        # as `.grad` when none is there, and a second micro-batch would then add into overwritten memory.
+        # So where `.grad` is summed across micro-batches (the float32 accumulator copies it out after each
+        # backward instead), it lives in buffers made outside any graph and zeroed in place each update.
+        self.keep_gradient_buffers = keep_gradient_buffers and not self.accumulator.enabled
         self.fp_exceptions = fp_exceptions
         self.mix = mix
         self.no_sync = no_sync  # replicas: no gradient all-reduce but for the update's last micro-batch
@@ -158,9 +165,19 @@ class TrainStep(_OptimiserStep):
         names = {id(p): name for name, p in model.named_parameters()}
         self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
 
+    def _clear_gradients(self) -> None:
+        if not self.keep_gradient_buffers:
+            self.optimiser.zero_grad(set_to_none=True)
+            return
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)  # in the parameter's layout (channels_last weights)
+            else:
+                param.grad.zero_()
+
     def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
         set_lr(self.optimiser, lr)
-        self.optimiser.zero_grad(set_to_none=True)
+        self._clear_gradients()
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         correct = torch.zeros((), dtype=torch.int64, device=loss_sum.device)
         samples = 0

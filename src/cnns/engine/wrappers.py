@@ -307,6 +307,11 @@ def recompute_between_splits(model: nn.Module, segments: list) -> int:
 # 4. compilation
 
 
+def replays_cuda_graphs(compiled: bool, device: torch.device) -> bool:
+    """Whether `maybe_compile` makes a model on `device` replay CUDA graphs: --compile on a GPU."""
+    return compiled and device.type == "cuda"
+
+
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     """torch.compile the model when --compile asks for it. Off by default.
 
@@ -314,11 +319,12 @@ def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     32 16.16: 0.94-1.0x; ResNet-20 batch 128: 0.96-0.99x): the convolutions stay oneDNN calls and
     Inductor's fused batch-norm/ReLU kernels were no faster than ATen's. On CUDA the reduce-overhead
     mode records CUDA graphs, which removes the per-kernel launch cost that small batches are bound by
-    (not measured here: no GPU).
+    (not measured here: no GPU). A graph's replays write into memory of its own, so the training step
+    keeps its gradients outside it (`TrainStep`'s ``keep_gradient_buffers``).
     """
     if not enabled:
         return model
     first = next(model.parameters(), None)
-    if first is not None and first.device.type == "cuda":
+    if first is not None and replays_cuda_graphs(enabled, first.device):
         return torch.compile(model, mode="reduce-overhead")
     return torch.compile(model)
