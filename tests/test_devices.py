@@ -109,6 +109,42 @@ def test_no_cuda_at_all_is_one_line():
         resolved_training_options("train", [*IMAGENET, "--select-ipus", "0"])
 
 
+@pytest.mark.parametrize("local_size, device, nccl, message", [
+    (3, "cuda", True, "rank 1: the launcher started 3 processes on this host, which has 2 GPUs: each process "
+                      "needs a GPU of its own (launch at most 2 per host, e.g. torchrun --nproc-per-node 2)"),
+    (2, "cuda:1", True, "rank 1: --device cuda:1 would put all 2 processes of this host on one GPU; give "
+                        "--device cuda and each process takes its own (cuda:LOCAL_RANK)"),
+    (2, "cuda", False, "rank 1: processes on GPUs talk through NCCL, which this build of torch"),
+], ids=["more-processes-than-gpus", "one-gpu-for-all", "no-nccl"])
+def test_workers_that_cannot_each_have_a_gpu_are_one_line_before_the_rendezvous(
+        two_gpus, monkeypatch, local_size, device, nccl, message):
+    """Under a launcher each process of a host takes cuda:LOCAL_RANK and NCCL; the rendezvous address is
+    unreachable, so the line must come before anyone waits for the others."""
+    import torch.distributed as dist
+
+    from cnns.errors import ConfigError
+    from cnns.parallel.world import init_world
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    for name, value in {"RANK": "1", "WORLD_SIZE": str(local_size), "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "9",
+                        "CNNS_DIST_TIMEOUT": "5"}.items():  # without the check: a rendezvous error in 5 s
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as error:
+        init_world(local_size, 1, 1, torch.device(device))
+    assert str(error.value).startswith(message)
+
+
+def test_one_worker_per_gpu_passes_the_check(two_gpus, monkeypatch):
+    import torch.distributed as dist
+
+    from cnns.parallel.world import check_a_gpu_per_worker
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    check_a_gpu_per_worker(torch.device("cuda"), rank=1, local_size=2)
+    check_a_gpu_per_worker(torch.device("cuda:1"), rank=0, local_size=1)  # one process a host: its GPU named
+
+
 @pytest.mark.parametrize("choice, replicas", [([], 2), (["--device", "cpu"], None), (["--select-ipus", "AUTO"], 2)])
 def test_replicas_auto_counts_the_devices_the_run_uses(two_gpus, choice, replicas):
     from cnns.parallel.world import usable_cores

@@ -300,6 +300,8 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
     if bn_span > 1 and replicas % bn_span:
         raise ConfigError(f"--BN-span {bn_span} must divide --replicas {replicas}")
     local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+    if device.type == "cuda":
+        check_a_gpu_per_worker(device, rank, local_size)
     if device.type == "cpu":
         # The cores are shared by the local workers: one pool each would oversubscribe them.
         torch.set_num_threads(threads_per_worker(local_size))
@@ -313,8 +315,8 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
                                f"({TIMEOUT_ENV}): {_first_line(exc)}") from None
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":  # the GPU `World.device` gives this process
+        torch.cuda.set_device(device.index if device.index is not None else int(env.get("LOCAL_RANK", "0")))
     try:
         dist.init_process_group(backend, store=dist.PrefixStore(f"cnns/attempt{restart}", store), rank=rank,
                                 world_size=size, timeout=timeout)
@@ -339,6 +341,22 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         world.bn_group = subgroups([[r * shards + s for r in range(start, start + bn_span)]
                                     for s in range(shards) for start in range(0, replicas, bn_span)])
     return world
+
+
+def check_a_gpu_per_worker(device: torch.device, rank: int, local_size: int) -> None:
+    """On CUDA every process of a host takes a GPU of its own, cuda:LOCAL_RANK, and they talk through NCCL,
+    which refuses two processes on one GPU: what stops that is said in one line before anyone waits."""
+    if not dist.is_nccl_available():
+        raise ConfigError(f"rank {rank}: processes on GPUs talk through NCCL, which this build of torch "
+                          f"({torch.__version__}) does not have; install a CUDA build of torch or give --device cpu")
+    count = torch.cuda.device_count()
+    if local_size > count:
+        raise ConfigError(f"rank {rank}: the launcher started {local_size} processes on this host, which has "
+                          f"{count} GPU{'s' if count != 1 else ''}: each process needs a GPU of its own "
+                          f"(launch at most {count} per host, e.g. torchrun --nproc-per-node {count})")
+    if device.index is not None and local_size > 1:
+        raise ConfigError(f"rank {rank}: --device {device} would put all {local_size} processes of this host on "
+                          "one GPU; give --device cuda and each process takes its own (cuda:LOCAL_RANK)")
 
 
 def join_world(options: dict[str, Any], device: torch.device,
