@@ -3,8 +3,10 @@
 Batches arrive as uint8 NHWC. By default they cross to the device as uint8 (the seed's 8-bit I/O,
 a quarter of float32's bytes) and are normalised there into a channels_last float tensor of the
 model's input dtype. With host-side normalisation the float tensor is made on the host instead.
-On CUDA the copy is pinned and non-blocking, and the next batch is staged while the current one
-computes.
+On CUDA the copy is pinned and non-blocking, and the next batch's copy is queued before the current
+batch's step, so the host never waits for a copy. It runs on the compute stream, between two steps, not
+beside one: 8-bit batches are small (ResNet-50's 32 images at 224 px are 4.8 MB, about 0.2 ms at PCIe 4's
+25 GB/s), so a second stream would save little.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class DeviceFeed:
         return images, labels
 
     def __call__(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Device batches, one staged ahead on CUDA so the copy overlaps the previous step's compute."""
+        """Device batches, one staged ahead on CUDA so the host queues its copy without waiting."""
         iterator = iter(batches)
         if not self.pin:
             for images, labels in iterator:
