@@ -172,7 +172,7 @@ class TrainingSession:
                             lambda iteration: self._save(c, parts, iteration), start_iteration,
                             after_update=after_update if parts.ema is not None else None, world=self.world)
         c.model.train()
-        with StopRequest().installed() as stop, self._profiler(cfg):
+        with StopRequest().installed() as stop, self._profiler(cfg, c.device):
             if start_iteration == 0 and cfg.train.ckpts_per_epoch:
                 self._save(c, parts, 0)  # the initial weights; a restored run has it already
             return loop.run(stop)
@@ -299,14 +299,15 @@ class TrainingSession:
         self.log.print(f"Skipped {skipped} image{'' if skipped == 1 else 's'} that could not be decoded "
                        f"(--skip-corrupt-images); first: {', '.join(names)}")
 
-    def _profiler(self, cfg: RunConfig):
+    def _profiler(self, cfg: RunConfig, device: torch.device):
         import contextlib
 
         if not cfg.train.profile:
             return contextlib.nullcontext()
         from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        # The GPU's kernels when the run uses one (a CPU run on a GPU host does not load CUPTI).
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         out = cfg.train.profile_dir or str(self.folder / "profile")
         self.log.print(f"Writing a profiler trace to {out}")
         return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(out))
