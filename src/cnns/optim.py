@@ -320,13 +320,12 @@ class HalfPrecisionOptimiser:
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ConfigError(f"half-precision parameters must share one device, found {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
+        param_device = devices.pop() if devices else torch.device("cpu")
         # --offload-optimiser: every parameter gets a float32 working copy in host memory, where the
         # inner optimiser and its state live; gradients come over, updated weights go back.
         self.offloaded = offload_to is not None
         copied = (*_HALF_TYPES, torch.float32) if self.offloaded else _HALF_TYPES
-        if self.offloaded:
-            device = offload_to
+        device = offload_to if self.offloaded else param_device
         # Flat layout: the copied parameters grouped by dtype, in parameter order within each dtype, so
         # any run of consecutive parameters is one stretch of the buffer per dtype.
         self._offsets: dict[int, int] = {}
@@ -336,8 +335,9 @@ class HalfPrecisionOptimiser:
                 if param.dtype == dtype:
                     self._offsets[i] = offset
                     offset += param.numel()
+        # Offloaded from a GPU: pinned, as gradients and weights cross to and from it every update.
         self._flat = torch.empty(offset, dtype=torch.float32, device=device,
-                                 pin_memory=self.offloaded and device.type == "cpu" and torch.cuda.is_available())
+                                 pin_memory=self.offloaded and param_device.type == "cuda")
         self._flat_grad: Tensor | None = None  # made on first use: callers passing float32 gradients never need it
         self._working: list[Tensor] = list(self.params)  # float32 tensor the inner optimiser updates
         for i, start in self._offsets.items():
