@@ -13,7 +13,7 @@ import processes
 import torch
 from torch import nn
 
-from cnns.engine.wrappers import compute_reproducibly, recompute_blocks
+from cnns.engine.wrappers import choose_gpu_kernels, compute_reproducibly, recompute_blocks
 from cnns.models import ModelSpec, build_model, recomputation_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,3 +166,16 @@ def test_the_reproducible_mode_pools_by_a_mean_that_computes_what_the_pool_does(
     torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("reproducible", [False, True], ids=["fastest", "seeded"])
+def test_a_gpu_run_times_cudnn_algorithms_unless_it_must_repeat_bit_for_bit(reproducible, torch_determinism_restored):
+    torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
+    torch.use_deterministic_algorithms(False)
+    model = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
+    pool = next(m for m in model.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d))
+    choose_gpu_kernels(model, reproducible)
+    assert torch.backends.cudnn.benchmark is not reproducible
+    assert torch.backends.cudnn.deterministic is reproducible
+    assert torch.are_deterministic_algorithms_enabled() is reproducible
+    assert ("forward" in vars(pool)) is reproducible  # the pool computed as a mean only for a seeded run

@@ -26,7 +26,7 @@ from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, 
 from cnns.precision import LossScaler, PrecisionPolicy
 from cnns.engine.fusion import (fuse_norm_activations, fuse_squeeze_excitation, fused_norms,
                                 fuses_squeeze_excitation)
-from cnns.engine.wrappers import (compute_reproducibly, keep_gradients_channels_last, recompute_between_splits,
+from cnns.engine.wrappers import (choose_gpu_kernels, keep_gradients_channels_last, recompute_between_splits,
                                   recompute_blocks, route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
@@ -118,8 +118,8 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
     if fuses_squeeze_excitation(device):
         fuse_squeeze_excitation(model)
     keep_gradients_channels_last(model)
-    if device.type == "cuda" and cfg.train.seed_given:
-        compute_reproducibly(model)
+    if device.type == "cuda":
+        choose_gpu_kernels(model, reproducible=cfg.train.seed_given)
     if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
         route_slow_depthwise_backward(model)
     if cfg.parallel.recomputation and recomputation_points(cfg):

@@ -7,7 +7,8 @@ or which parameters and state-dict keys it has, so checkpoints always hold the p
                                      fused passes (speed; `cnns.engine.fusion`)
 
 1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
-   ``compute_reproducibly``          --seed on a GPU: deterministic kernels, so a run repeats bit for bit
+   ``choose_gpu_kernels``            on a GPU: cuDNN's fastest kernels per shape, or with --seed deterministic
+                                     ones (``compute_reproducibly``), so a run repeats bit for bit
 2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed;
                                      `cnns.kernels.depthwise`)
 3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
@@ -77,6 +78,16 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # 1b. reproducible GPU runs
+
+
+def choose_gpu_kernels(model: nn.Module, reproducible: bool) -> None:
+    """Which kernels a GPU run computes with: with --seed the deterministic ones (`compute_reproducibly`);
+    otherwise cuDNN times its algorithms once for each of the run's few fixed shapes and keeps the fastest
+    (timm's default too)."""
+    if reproducible:
+        compute_reproducibly(model)
+    else:
+        torch.backends.cudnn.benchmark = True
 
 
 def compute_reproducibly(model: nn.Module) -> int:
