@@ -23,9 +23,10 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
-# The CUDA tier (tests marked cuda), one process: the GPU is not shared between test workers.
+# The CUDA tier (tests marked cuda), one process: the GPU is not shared between test workers. `make test`
+# hides any GPU (tests/conftest.py), so it is the same CPU suite on every machine.
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m cuda tests
+	CNNS_TEST_GPU=1 $(PY) -m pytest -q -m cuda tests
 
 benchmark: $(STAMP)
 	$(PY) -m cnns benchmark --spec benchmarks.yml

@@ -6,6 +6,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import os
 
+# `make test` is the CPU suite on every machine. A GPU, where there is one, is hidden from it and from the
+# scripts its tests start, which would otherwise train on it by default (and two workers would share it);
+# `make test-gpu` (CNNS_TEST_GPU=1) runs the CUDA tier there. Set before torch reads it.
+GPU_TIER = os.environ.get("CNNS_TEST_GPU") == "1"
+if not GPU_TIER:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 # pytest-xdist runs two workers on two cores: one torch thread each, and for the scripts the tests
 # launch (they inherit the environment), avoids oversubscription, which makes small convolutions ~100x
 # slower. Set for every test here, so no test module repeats it.
@@ -21,7 +28,7 @@ import pytest  # noqa: E402
 import processes  # noqa: E402
 
 
-NO_GPU = "no CUDA GPU here: make test-gpu runs the CUDA tier on a machine with one"
+NO_GPU = "no CUDA GPU here" if GPU_TIER else "the CUDA tier: make test-gpu runs it on a machine with a GPU"
 
 
 def pytest_collection_modifyitems(config, items):
