@@ -3,7 +3,7 @@
 Replicas all-reduce every gradient once per weight update (float32, DDP buckets). This measures that
 one collective on this machine's processes and backend (gloo on 127.0.0.1 on a CPU, NCCL on CUDA)
 for the float32 gradients of the named models, with one thread per process, so a replica run's
-time per update can be split into compute and communication (README, "Replicas").
+time per update can be split into compute and communication (docs/performance.md, "Replicas on this 2-core CPU").
 """
 
 from __future__ import annotations

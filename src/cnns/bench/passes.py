@@ -4,8 +4,8 @@ The fused normalisation kernels (`cnns.kernels.norm_act`) make three passes over
 backward. This times each on bfloat16 channels_last activations (best of `--calls` calls, malloc tuned as
 training tunes it) and prints its effective bandwidth (bytes it must read and write over its time) beside a
 plain copy of the same tensor, then batch norm + ReLU forward and backward through ATen and through the fused
-passes, so a change to a pass is measured where it matters before a whole-model benchmark (README,
-"The roofline and where an update's time goes").
+passes, so a change to a pass is measured where it matters before a whole-model benchmark (docs/performance.md,
+"The roofline, and `cnns profile`").
 """
 
 from __future__ import annotations

@@ -381,7 +381,8 @@ def auto_replicas(shards: int, device: torch.device, cpu_has_matrix_units: bool 
     per GPU on CUDA. On a CPU with bfloat16 matrix units (AVX512-BF16, AMX) one process on all cores:
     there two one-thread replicas lost to it (ResNet-20 0.91x, ResNet-50 0.90x on an AVX-512-BF16 EPYC;
     1,434 against 1,576 img/s on an AMX Xeon), its convolutions using both cores as well at the full batch
-    as two processes at half; on other CPUs one replica per usable core (README, "Replicas")."""
+    as two processes at half; on other CPUs one replica per usable core (docs/performance.md, "Replicas on this
+    2-core CPU")."""
     if launched():
         return max(1, int(os.environ["WORLD_SIZE"]) // shards)
     if device.type == "cuda":
