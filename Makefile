@@ -21,7 +21,7 @@ train: $(STAMP)
 	$(PY) train.py --config quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # The CUDA tier (tests marked cuda), one process: the GPU is not shared between test workers. `make test`
 # hides any GPU (tests/conftest.py), so it is the same CPU suite on every machine.

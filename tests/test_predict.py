@@ -23,7 +23,9 @@ from cnns.cli.tools import predict_main
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 100
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
+              # every test here reads the trained run: one test worker trains it once (`--dist loadgroup`)
+              pytest.mark.xdist_group("test_predict-run")]
 LINE = re.compile(r"^(?P<path>.+?): (?P<entries>.+)$")
 ENTRY = re.compile(r"^(?P<label>.+) \((?P<p>[0-9.]+)\)$")
 

@@ -18,6 +18,8 @@ from PIL import Image
 from cnns.cli import run_script as run_command
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+# The tests that start from the trained run share one test worker, so the run is trained once (`--dist loadgroup`).
+ON_THE_TRAINED_RUN = pytest.mark.xdist_group("test_weights-pretrained")
 
 # ResNet-18 (timm's resnet18) on 40 px digits, float32, batch norm, seeded.
 RESNET18 = ["--model", "resnet", "--model-size", "18", "--dataset", "imagenet", "--image-size", "40", "--batch-norm",
@@ -68,6 +70,7 @@ def validation_accuracy(folder: Path) -> float:
 # The class count from the data
 
 
+@ON_THE_TRAINED_RUN
 def test_the_digits_give_ten_outputs_and_the_run_records_them(pretrained):
     options = json.loads((pretrained / "arguments.json").read_text())
     assert options["num_classes"] == 10
@@ -91,6 +94,7 @@ def fine_tune(five_digits: Path, folder: Path, *init: str, length: tuple[str, ..
                                  "--warmup-epochs", "0", "--seed", "2", "--logs-path", str(folder), *init])
 
 
+@ON_THE_TRAINED_RUN
 def test_fine_tuning_from_a_run_learns_a_new_task_faster_than_from_scratch(pretrained, five_digits, tmp_path, capsys):
     assert fine_tune(five_digits, tmp_path / "scratch") == 0
     capsys.readouterr()
@@ -103,6 +107,7 @@ def test_fine_tuning_from_a_run_learns_a_new_task_faster_than_from_scratch(pretr
     assert tuned > scratch + 40.0, (tuned, scratch)
 
 
+@ON_THE_TRAINED_RUN
 def test_a_timm_safetensors_file_initialises_the_model(pretrained, five_digits, tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -159,6 +164,7 @@ def predictions(folder: Path, images: Path, capsys) -> list[list[float]]:
     return [[p["probability"] for p in sorted(row["top_k"], key=lambda p: p["class"])] for row in rows]
 
 
+@ON_THE_TRAINED_RUN
 def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, digits, tmp_path, capsys):
     import timm
 
