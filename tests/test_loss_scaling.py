@@ -30,6 +30,8 @@ def test_a_dynamic_scale_skips_an_overflow_halves_and_grows_back():
     restored = LossScaler(1.0, dynamic=True, growth_interval=3)
     restored.load_state_dict(scaler.state_dict())
     assert (restored.scale, restored.clean_steps) == (1024.0, 0)
+    assert scaler.unscale_([torch.ones(4), torch.ones(3, 2), torch.tensor([1.0, math.nan])]) is False  # any tensor
+    assert scaler.scale == 512.0
     never_below_one = LossScaler(1.0, dynamic=True)
     never_below_one.unscale_([torch.tensor([math.nan])])
     assert never_below_one.scale == 1.0

@@ -184,11 +184,11 @@ class LossScaler:
         never does. `all_finite` turns this process's verdict into everyone's (pipeline stages hold
         different gradients, and all of them skip an update or none).
         """
-        if self.active and grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
         if not self.dynamic:
+            if self.active and grads:
+                torch._foreach_mul_(grads, 1.0 / self.scale)
             return True
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        finite = self._unscale_and_check(grads) if grads else True
         if all_finite is not None:
             finite = all_finite(finite)
         if finite:
@@ -200,6 +200,14 @@ class LossScaler:
             self.scale = max(self.scale / 2.0, 1.0)
             self.clean_steps = 0
         return finite
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        # One fused pass that unscales and notes any Inf or NaN (torch.amp.GradScaler's own kernel, on the CPU
+        # as on CUDA): a ResNet-50's gradients 3.5 ms here, against 34 ms for a multiply pass and an isfinite
+        # reduction per tensor.
+        found = torch.zeros(1, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full_like(found, 1.0 / self.scale))
+        return not bool(found.item())
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
