@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnns.bench.runner import (Result, format_table, load_spec, mean_dropping_first, parse_throughputs, select,
-                               set_peak_fractions, write_results)
+from cnns.bench.results import Result, format_table, set_peak_fractions, write_results
+from cnns.bench.runner import mean_dropping_first, parse_throughputs
+from cnns.bench.spec import load_spec, select
 from cnns.cli.tools import benchmark_main as benchmark_command
 from cnns.errors import ConfigError
 
@@ -158,7 +159,8 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
                    "efficientnet-b4-train-synthetic", "resnet20-cifar10-train", "resnet50-infer-synthetic",
                    "resnet50-infer-generated"):
         assert wanted in names
-    from cnns.bench.runner import BACKENDS_KIND, plan_backends
+    from cnns.bench.runner import plan_backends
+    from cnns.bench.spec import BACKENDS_KIND
 
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         if entry.kind == BACKENDS_KIND:
@@ -340,9 +342,9 @@ def test_an_unknown_backend_is_refused():
 
 
 def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(backend_folder, capsys, monkeypatch):
-    from cnns.bench import runner
+    from cnns.bench import rates
 
-    monkeypatch.setattr(runner, "peak_rate", lambda device: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
+    monkeypatch.setattr(rates, "peak_rate", lambda device: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
     spec = _write_spec(backend_folder / "tiny-backends.yml", """\
         benchmarks:
           - name: tiny-resnet8-backends
@@ -411,7 +413,8 @@ def test_inference_backends_entries_are_checked_before_anything_runs(tmp_path):
 
 
 def test_backend_repeats_keep_the_best_run_and_the_median_ratio():
-    from cnns.bench.runner import combine_backend_runs, entry_failed, format_backends_table
+    from cnns.bench.results import entry_failed, format_backends_table
+    from cnns.bench.runner import combine_backend_runs
 
     def row(backend, ips, ratio, compile_s=None, cached=False, **extra):
         return {"backend": backend, "label": backend, "images_per_sec": ips,

@@ -16,7 +16,7 @@ roofline time is the sum over those operators of
   So a batch norm's forward counts its input once and its output once, though any real kernel needs a
   second read for the statistics: the roofline is what no implementation of the same operators can beat,
   and fusing operators (a norm with its activation) is the only way to go below it.
-* The compute peak is the measured best 2048x2048 matmul (`cnns.bench.runner.peak_rate`); the bandwidth
+* The compute peak is the measured best 2048x2048 matmul (`cnns.bench.rates.peak_rate`); the bandwidth
   a STREAM-style triad, ``a = b + s * c`` on float32 arrays far larger than the caches, on all threads
   (`stream_bandwidth`).
 

@@ -35,11 +35,13 @@ machine without a GPU); a selection that holds nothing else is an error.
 A command may say ``{cifar10}``: the runner writes a CIFAR-10-format folder of drawn shapes
 (`cnns.data.builtin.draw_shapes` + `cnns.data.cifar.write_cifar10`; ``cifar10_images:`` in the spec,
 10,000 by default) once and substitutes its path. Nothing is ever downloaded.
+
+The spec is read by `cnns.bench.spec`, the machine's rates measured by `cnns.bench.rates`, and the results
+computed, printed and written by `cnns.bench.results`; this module plans and runs the entries.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -49,15 +51,19 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cnns.bench import roofline
+from cnns.bench.rates import DeviceRates, forward_flops
+from cnns.bench.results import (Result, entry_failed, paired_ratio, print_tables, set_peak_fractions,
+                                write_results)
+from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
 from cnns.errors import ConfigError
-from cnns.precision import HALF_DTYPES, cpu_half_is_emulated, default_half_dtype
+from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
 from cnns.runlog import RunLog
 
 THROUGHPUT = re.compile(r"throughput:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*samples/sec")
@@ -65,70 +71,6 @@ SCRIPTS = {"train.py": "train", "validation.py": "validate"}
 CIFAR_IMAGES = 10_000
 # validation.py with generated/synthetic data evaluates at most this many batches per pass
 INFERENCE_BATCHES_PER_PASS = 20
-
-
-COMMAND_KIND = "command"
-BACKENDS_KIND = "inference-backends"
-KINDS = (COMMAND_KIND, BACKENDS_KIND)
-# The keys of a `kind: inference-backends` entry (besides name, kind, description, timeout), and the
-# cnns.bench.backends.BackendsSpec field each one fills.
-BACKENDS_KEYS = {"model": "arch", "model_size": "size", "batch_size": "batch_size", "image_size": "image_size",
-                 "num_classes": "num_classes", "norm": "norm", "backends": "backends", "warmup": "warmup",
-                 "iterations": "iterations", "rounds": "rounds", "threads": "threads", "seed": "seed"}
-
-
-@dataclass
-class Entry:
-    name: str
-    command: str
-    baseline: bool = True
-    description: str = ""
-    timeout: float = 1800.0
-    kind: str = COMMAND_KIND
-    settings: dict[str, Any] = field(default_factory=dict)  # an inference-backends entry's BACKENDS_KEYS
-    device: str = "cpu"  # where the command and the plain loop run: cpu, cuda or cuda:N
-
-    def missing_device(self) -> str | None:
-        """Why this entry cannot run on this machine, or None."""
-        device = torch.device(self.device)
-        if device.type != "cuda":
-            return None
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            return f"needs {self.device}; this machine has {count} CUDA GPU{'s' if count != 1 else ''}"
-        return None
-
-
-@dataclass
-class Result:
-    name: str
-    command: str
-    model: str = ""
-    mode: str = ""
-    data: str = ""
-    batch_size: int = 0  # the micro-batch
-    grad_accum: int = 1
-    cnns_images_per_sec: float | None = None
-    plain_images_per_sec: float | None = None
-    ratio: float | None = None
-    cnns_peak_fraction: float | None = None
-    plain_peak_fraction: float | None = None
-    flops_per_image: float | None = None
-    cnns_roofline_fraction: float | None = None
-    plain_roofline_fraction: float | None = None
-    roofline_images_per_sec: float | None = None
-    cnns_runs: list[float] = field(default_factory=list)
-    plain_runs: list[float] = field(default_factory=list)
-    # cnns over plain for each repeat in which both sides ran: the two runs are adjacent in time, so they
-    # share the machine's state (a shared host drifts 10-15 % within minutes); their spread shows the noise.
-    pair_ratios: list[float] = field(default_factory=list)
-    baseline_command: str = ""
-    error: str | None = None
-    kind: str = COMMAND_KIND
-    device: str = "cpu"
-    # inference-backends entries: one dict per backend (cnns.bench.backends.BackendResult's fields, the best
-    # repeat's), plus "runs" (images/s per repeat) and "ratios" (over eager float32, per repeat)
-    backends: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,184 +88,6 @@ def mean_dropping_first(values: list[float]) -> float | None:
         return None
     rest = values[1:] or values
     return sum(rest) / len(rest)
-
-
-def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"benchmark spec not found: {path}")
-    try:
-        document = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    raw = document.get("benchmarks")
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{path} has no 'benchmarks:' list")
-    defaults = document.get("defaults") or {}
-    entries = []
-    for item in raw:
-        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) == BACKENDS_KIND:
-            entries.append(backends_entry(path, item, defaults))
-            continue
-        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) not in KINDS:
-            raise ConfigError(f"{path}: benchmark {item.get('name')!r} has kind {item['kind']!r}; "
-                              f"valid kinds: {', '.join(KINDS)}")
-        if not isinstance(item, dict) or "name" not in item or "command" not in item:
-            raise ConfigError(f"{path}: every benchmark needs a name and a command, got {item!r}")
-        known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__ and k != "settings"}
-        entries.append(Entry(**known))
-        _check_device(path, entries[-1])
-    names = [e.name for e in entries]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"{path}: duplicate benchmark names {', '.join(duplicates)}")
-    return entries, document
-
-
-def _check_device(path: Path, entry: Entry) -> None:
-    try:
-        device = torch.device(str(entry.device))
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{path}: benchmark {entry.name} has device {entry.device!r}; use cpu, cuda or cuda:N")
-    entry.device = str(device)
-
-
-def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -> Entry:
-    """A `kind: inference-backends` entry: no command line, the model and batch as keys (BACKENDS_KEYS)."""
-    name = item.get("name")
-    if not name:
-        raise ConfigError(f"{path}: every benchmark needs a name, got {item!r}")
-    common = {"name", "kind", "description", "timeout"}
-    unknown = sorted(k for k in item if k not in common and k not in BACKENDS_KEYS)
-    if unknown:
-        raise ConfigError(f"{path}: benchmark {name}: {', '.join(unknown)} not understood by a {BACKENDS_KIND} "
-                          f"entry; its keys: {', '.join(sorted(BACKENDS_KEYS))}")
-    missing = [k for k in ("model", "model_size", "batch_size") if k not in item]
-    if missing:
-        raise ConfigError(f"{path}: benchmark {name}: a {BACKENDS_KIND} entry needs {', '.join(missing)}")
-    settings = {k: item[k] for k in BACKENDS_KEYS if k in item}
-    backends = settings.get("backends")
-    if backends is not None and (not isinstance(backends, list) or not backends):
-        raise ConfigError(f"{path}: benchmark {name}: backends must be a list, got {backends!r}")
-    timeout = item.get("timeout", defaults.get("timeout", Entry.timeout))
-    from cnns.models.spec import normalise_size
-
-    size = normalise_size(str(settings["model"]).lower(), settings["model_size"])
-    summary = (f"{BACKENDS_KIND} {settings['model']}-{size} "
-               f"{settings.get('image_size', 224)}px batch {settings['batch_size']}: "
-               + ", ".join(backends or _default_backends()))
-    return Entry(name=str(name), command=summary, baseline=False, description=str(item.get("description", "")),
-                 timeout=float(timeout), kind=BACKENDS_KIND, settings=settings)
-
-
-def _default_backends() -> tuple[str, ...]:
-    from cnns.bench.backends import DEFAULT_BACKENDS
-
-    return DEFAULT_BACKENDS
-
-
-def select(entries: list[Entry], names: list[str] | None) -> list[Entry]:
-    if not names:
-        return entries
-    by_name = {e.name: e for e in entries}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ConfigError(f"unknown benchmark {', '.join(unknown)}; valid names: {', '.join(by_name)}")
-    return [by_name[n] for n in names]
-
-
-# ------------------------------------------------------------------------------------------------
-# the machine and the models
-
-
-def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 8, budget_s: float = 3.0,
-                device: torch.device = torch.device("cpu")) -> float:
-    """Best-of GFLOP/s of an n x n matmul in ``dtype`` on ``device``, measured for at most about ``budget_s``
-    seconds.
-
-    A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX, e.g. an AVX2-only EPYC) emulates it
-    about 300x slower than float32: one 2048x2048 product would take a minute. A 256x256 probe
-    estimates the rate first, and the big product is only timed when the budget allows it.
-    """
-    def timed(size: int, count: int) -> float:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
-        a @ b
-        roofline.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(count):
-            a @ b
-        roofline.synchronize(device)
-        return count * 2 * size**3 / (time.perf_counter() - start) / 1e9
-
-    probe = timed(256, 2)
-    if 2 * n**3 / (probe * 1e9) * (repeats + 1) > budget_s:
-        return probe
-    best = 0.0
-    for _ in range(repeats):
-        best = max(best, timed(n, 2))
-    return best
-
-
-def peak_rate(device: torch.device = torch.device("cpu")) -> tuple[float, dict[str, float]]:
-    """The roofline: the faster of the float32 and half matmul rates (GFLOP/s) on ``device``, and both rates.
-
-    On a CPU with bfloat16 arithmetic that is the bfloat16 rate (DESIGN.md's reference); on one
-    without, float32 is what the hardware can do and what the fast path runs. On a GPU the half type is the
-    one 16.x runs there (`cnns.precision.default_half_dtype`).
-    """
-    half = HALF_DTYPES[default_half_dtype(device)] if device.type == "cuda" else torch.bfloat16
-    rates = {str(half).removeprefix("torch."): matmul_rate(half, device=device),
-             "float32": matmul_rate(torch.float32, device=device)}
-    return max(rates.values()), rates
-
-
-@dataclass
-class DeviceRates:
-    """A device's matmul rates and stream bandwidth, measured at the start of an invocation and at its end."""
-
-    device: torch.device
-    peak: float = 0.0
-    rates: dict[str, float] = field(default_factory=dict)
-    bandwidth: float = 0.0
-
-    def measure(self) -> "DeviceRates":
-        """Measure again and keep the best of each figure: a busy moment must not flatter the fractions."""
-        peak, rates = peak_rate(self.device)
-        self.peak = max(self.peak, peak)
-        self.rates = {k: max(v, self.rates.get(k, 0.0)) for k, v in rates.items()}
-        self.bandwidth = max(self.bandwidth, roofline.stream_bandwidth(device=self.device))
-        return self
-
-    def describe(self) -> str:
-        where = "on " + (f"{torch.get_num_threads()} threads" if self.device.type == "cpu" else
-                         f"{self.device}, {torch.cuda.get_device_name(self.device)}")
-        rates = ", ".join(f"{name} {rate:.1f}" for name, rate in self.rates.items())
-        return f"2048x2048 matmul: {rates} GFLOP/s; stream triad {self.bandwidth:.1f} GB/s; {where}"
-
-
-_FLOPS_CACHE: dict[Any, float] = {}
-
-
-def forward_flops(model_spec) -> float:
-    """Forward FLOPs of one image through the model (counted once per model, batch of 1, eval mode)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from cnns.models import build_model
-
-    if model_spec in _FLOPS_CACHE:
-        return _FLOPS_CACHE[model_spec]
-    model = build_model(model_spec).eval()
-    image = torch.zeros(1, 3, model_spec.image_size, model_spec.image_size)
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        model(image)
-    _FLOPS_CACHE[model_spec] = float(counter.get_total_flops())
-    return _FLOPS_CACHE[model_spec]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -616,31 +380,6 @@ def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, logs: Pat
     return result
 
 
-def entry_failed(result: Result) -> bool:
-    """A command entry failed when our side gave no throughput; an inference-backends entry when any backend
-    (or the process) failed. A backend skipped on this machine (bfloat16 where it is emulated) is no failure."""
-    if result.kind == BACKENDS_KIND:
-        return bool(result.error) or not result.backends or any(b.get("error") for b in result.backends)
-    return result.cnns_images_per_sec is None
-
-
-def paired_ratio(result: Result) -> float | None:
-    """The median of the per-repeat ratios: on a shared host whose speed drifts within minutes, the two
-    runs of a repeat see the same machine, while the best run of each side may come from different moments
-    (one ResNet-20 invocation gave pairs of 1.39, 1.13 and 0.89x). With one repeat it is the plain ratio."""
-    return statistics.median(result.pair_ratios) if result.pair_ratios else None
-
-
-def set_peak_fractions(result: Result, peak_gflops: float) -> None:
-    """images/s x FLOPs per image as a fraction of the measured bfloat16 matmul rate."""
-    if not result.flops_per_image or not peak_gflops:
-        return
-    for side in ("cnns", "plain"):
-        rate = getattr(result, f"{side}_images_per_sec")
-        if rate:
-            setattr(result, f"{side}_peak_fraction", rate * result.flops_per_image / (peak_gflops * 1e9))
-
-
 def set_roofline_fractions(result: Result, plan: Plan, peak_gflops: float, bandwidth_gbs: float) -> None:
     """Each side's images/s as a fraction of the roofline's (`cnns.bench.roofline`)."""
     try:
@@ -654,149 +393,6 @@ def set_roofline_fractions(result: Result, plan: Plan, peak_gflops: float, bandw
         rate = getattr(result, f"{side}_images_per_sec")
         if rate:
             setattr(result, f"{side}_roofline_fraction", rate / result.roofline_images_per_sec)
-
-
-# ------------------------------------------------------------------------------------------------
-# output
-
-
-def _fmt(value: float | None, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-def _table_row(r: Result, paired: bool) -> list[str]:
-    row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
-           _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x"),
-           _fmt(None if r.cnns_peak_fraction is None else 100 * r.cnns_peak_fraction, "{:.1f}%"),
-           _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%"),
-           _fmt(r.roofline_images_per_sec, "{:.1f}"),
-           _fmt(None if r.cnns_roofline_fraction is None else 100 * r.cnns_roofline_fraction, "{:.1f}%"),
-           _fmt(None if r.plain_roofline_fraction is None else 100 * r.plain_roofline_fraction, "{:.1f}%")]
-    if paired:
-        row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios) or "-")
-    return row
-
-
-def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float | None = None) -> str:
-    paired = any(len(r.pair_ratios) > 1 for r in results)  # a column worth showing once there are repeats
-    header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio",
-              "cnns %peak", "plain %peak", "roofline img/s", "cnns %roof", "plain %roof"]
-    header += ["ratio per repeat"] if paired else []
-    rows = [_table_row(r, paired) for r in results]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
-             "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
-                 "training FLOPs = 3 x forward; "
-                 "batch MxA = micro-batch x accumulation (both loops).")
-    if any(r.device != "cpu" for r in results):
-        lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
-                     "at the start)")
-    if bandwidth_gbs:
-        lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / {bandwidth_gbs:.1f} GB/s "
-                     "stream triad) (cnns.bench.roofline); %roof = img/s over the roofline's.")
-    if paired:
-        lines.append("img/s: the best run of each side; ratio: the median of the repeats' ratios of adjacent runs.")
-    for r in results:
-        if r.error:
-            lines.append(f"{r.name}: {r.error}")
-    return "\n".join(lines)
-
-
-def _compile_cell(row: dict[str, Any]) -> str:
-    if row.get("compile_s") is None:
-        return "-"
-    return f"{row['compile_s']:.1f}" + (" (cached)" if row.get("cached") else "")
-
-
-def format_backends_table(results: list[Result]) -> str:
-    """The inference-backends entries: one line per backend, and which was fastest in each entry."""
-    repeated = any(len(b.get("runs", [])) > 1 for r in results for b in r.backends)
-    header = ["benchmark", "model", "batch", "backend", "img/s", "latency avg ms", "p99 ms", "vs eager",
-              "compile s", "rel diff"] + (["vs eager per repeat"] if repeated else [])
-    rows = []
-    for r in results:
-        for b in r.backends:
-            measured = b.get("images_per_sec") is not None
-            state = "skipped" if b.get("skipped") else "error"
-            row = [r.name, r.model, str(r.batch_size), b["label"],
-                   _fmt(b.get("images_per_sec"), "{:.2f}") if measured else state,
-                   _fmt(b.get("latency_avg_ms"), "{:.2f}"), _fmt(b.get("latency_p99_ms"), "{:.2f}"),
-                   _fmt(b.get("ratio_vs_eager"), "{:.2f}x"), _compile_cell(b), _fmt(b.get("max_rel_diff"), "{:.1e}")]
-            if repeated:
-                row.append(" ".join(f"{v:.2f}" for v in b.get("ratios", [])) or "-")
-            rows.append(row)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append("All on the same random uint8 NHWC batch, normalisation inside the model, one process per run, "
-                 "the same threads; latency per batch (p99: numpy percentile of the timed batches, warm-up "
-                 "excluded); vs eager: images/s over eager float32's in the same process"
-                 + (" (median of the repeats)" if repeated else "") + "; compile s: export + compilation, "
-                 "not timed (cached: made by an earlier run); rel diff: the largest |logit - eager float32's| over the largest |logit|.")
-    for r in results:
-        measured = [b for b in r.backends if b.get("images_per_sec")]
-        if measured:
-            # By the ratio to eager in the same process where there is one (its median over repeats pairs
-            # runs of the same moment); the best runs of two backends may come from different moments.
-            paired = all(b.get("ratio_vs_eager") for b in measured)
-            fastest = max(measured, key=lambda b: b["ratio_vs_eager"] if paired else b["images_per_sec"])
-            quickest = min(measured, key=lambda b: b["latency_avg_ms"])
-            lines.append(f"{r.name}: fastest {fastest['label']} ({fastest['images_per_sec']:.2f} img/s"
-                         + (f", {fastest['ratio_vs_eager']:.2f}x eager float32" if fastest.get("ratio_vs_eager")
-                            else "") + f"); lowest latency {quickest['label']} ({quickest['latency_avg_ms']:.2f} ms)")
-        for b in r.backends:
-            if b.get("skipped"):
-                lines.append(f"{r.name}: {b['label']} skipped: {b['skipped']}")
-            if b.get("error"):
-                lines.append(f"{r.name}: {b['label']}: {b['error']}")
-        if r.error:
-            lines.append(f"{r.name}: {r.error}")
-    return "\n".join(lines)
-
-
-CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
-               "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
-               "roofline_images_per_sec", "cnns_roofline_fraction", "plain_roofline_fraction",
-               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error", "device",
-               # inference-backends entries: one row per backend
-               "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
-               "compile_s", "max_abs_diff", "max_rel_diff")
-
-
-def _backend_csv_rows(r: Result) -> list[dict[str, Any]]:
-    rows = []
-    for b in r.backends:
-        row = {key: getattr(r, key) for key in ("name", "model", "mode", "data", "batch_size", "grad_accum",
-                                                "command", "kind")}
-        row.update({key: b.get(key) for key in ("backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms",
-                                                "ratio_vs_eager", "compile_s", "max_abs_diff", "max_rel_diff")})
-        row["cnns_runs"] = " ".join(f"{v:.3f}" for v in b.get("runs", []))
-        row["pair_ratios"] = " ".join(f"{v:.3f}" for v in b.get("ratios", []))
-        problems = [f"skipped: {b['skipped']}" if b.get("skipped") else None, b.get("error"), r.error]
-        row["error"] = "; ".join(p for p in problems if p) or None
-        rows.append(row)
-    return rows
-
-
-def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json"
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in results:
-            if r.kind == BACKENDS_KIND:
-                writer.writerows(_backend_csv_rows(r))
-                continue
-            row = asdict(r)
-            row["cnns_runs"] = " ".join(f"{v:.3f}" for v in r.cnns_runs)
-            row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
-            row["pair_ratios"] = " ".join(f"{v:.3f}" for v in r.pair_ratios)
-            writer.writerow(row)
-    json_path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
-    return csv_path, json_path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -907,15 +503,3 @@ class BenchmarkSuite:
         print_tables(results, cpu.peak, cpu.bandwidth)
         print(f"results: {csv_path} {json_path}")
         return 1 if any(entry_failed(r) for r in results) else 0
-
-
-def print_tables(results: list[Result], peak: float, bandwidth: float | None = None) -> None:
-    commands = [r for r in results if r.kind != BACKENDS_KIND]
-    backends = [r for r in results if r.kind == BACKENDS_KIND]
-    print()
-    if commands or not backends:
-        print(format_table(commands, peak, bandwidth))
-    if backends:
-        if commands:
-            print()
-        print(format_backends_table(backends))
