@@ -17,7 +17,7 @@ from cnns.config import RunConfig
 from cnns.engine.build import build_model_for_training, resolve_device, run_seed, seed_everything
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.stages import Stage, build_stage
-from cnns.engine.wrappers import maybe_compile, replays_cuda_graphs
+from cnns.engine.wrappers import maybe_compile
 from cnns.models import count_parameters
 from cnns.parallel.replicas import data_parallel
 from cnns.parallel.world import World
@@ -39,7 +39,6 @@ class Components:
     replicated: nn.Module | None = None  # the DistributedDataParallel wrapper, with replicas
     stage: Stage | None = None  # with pipelining: this process's stage (`model` runs it)
     total_parameters: int = 0  # of the whole model, whatever part of it this process holds
-    cuda_graphs: bool = False  # `model` replays CUDA graphs (--compile on a GPU)
 
     def process_seed(self, offset: int, identical_replicas: bool) -> int:
         """A seed for a per-process random stream: the same on every replica only when asked
@@ -79,5 +78,4 @@ def build_components(cfg: RunConfig, world: World | None = None, *, need_train: 
     replicated = data_parallel(plain, world, device)
     model = maybe_compile(replicated, cfg.train.compile)
     return Components(device, policy, model, plain, sources, feed, seed, world,
-                      replicated if replicated is not plain else None, total_parameters=total_parameters,
-                      cuda_graphs=replays_cuda_graphs(cfg.train.compile, device))
+                      replicated if replicated is not plain else None, total_parameters=total_parameters)

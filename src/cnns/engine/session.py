@@ -27,6 +27,7 @@ from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
+from cnns.engine.wrappers import replays_cuda_graphs
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CheckpointError
 from cnns.models import count_parameters
@@ -95,7 +96,8 @@ def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
     step = TrainStep(c.model, optimiser, c.policy, scaler, cross_entropy_loss(cfg.train.label_smoothing),
                      cfg.train.grad_accum, accumulate_in_float32=cfg.precision.grad_accum_dtype == "float32",
                      fp_exceptions=cfg.train.fp_exceptions, mix=mixer, no_sync=no_sync_context(c.replicated),
-                     replicated=c.replicated is not None, keep_gradient_buffers=c.cuda_graphs)
+                     replicated=c.replicated is not None,
+                     keep_gradient_buffers=replays_cuda_graphs(cfg.train.compile, c.device))
     if c.replicated is not None and step.accumulator.enabled:
         c.replicated.register_comm_hook(None, step.accumulator.reduce_hook(None, world.replicas))
     return TrainingParts(length, schedule, optimiser, scaler, step, ema, generators)

@@ -157,7 +157,9 @@ class TrainStep(_OptimiserStep):
         # as `.grad` when none is there, and a second micro-batch would then add into overwritten memory.
         # So where `.grad` is summed across micro-batches (the float32 accumulator copies it out after each
         # backward instead), it lives in buffers made outside any graph and zeroed in place each update.
-        self.keep_gradient_buffers = keep_gradient_buffers and not self.accumulator.enabled
+        keep = keep_gradient_buffers and not self.accumulator.enabled
+        self._clear_gradients = (self._zero_gradient_buffers if keep
+                                 else functools.partial(optimiser.zero_grad, set_to_none=True))
         self.fp_exceptions = fp_exceptions
         self.mix = mix
         self.no_sync = no_sync  # replicas: no gradient all-reduce but for the update's last micro-batch
@@ -165,10 +167,7 @@ class TrainStep(_OptimiserStep):
         names = {id(p): name for name, p in model.named_parameters()}
         self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
 
-    def _clear_gradients(self) -> None:
-        if not self.keep_gradient_buffers:
-            self.optimiser.zero_grad(set_to_none=True)
-            return
+    def _zero_gradient_buffers(self) -> None:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)  # in the parameter's layout (channels_last weights)
