@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 # torch first, then the package without build isolation: setup.py compiles the fused CPU kernels
 # (src/cnns/kernels) against the venv's own torch instead of a second copy in a build environment.
-$(STAMP): pyproject.toml setup.py $(wildcard src/cnns/kernels/*.cpp src/cnns/kernels/*.h)
+# pyproject.toml holds ranges; constraints.txt the exact versions installed here (and so in CI).
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/cnns/kernels/*.cpp src/cnns/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet 'setuptools>=68' wheel torch==2.14.1
-	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt 'setuptools>=68' wheel torch
+	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -45,6 +45,14 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
 
 def run_script(command: str, argv: list[str] | None = None) -> int:
     """Run one command with clean error handling: CnnsError -> one line, exit 2."""
+    # A torch, torchvision or timm older than pyproject.toml's range (a GPU machine keeps its own) is
+    # one line naming the pip command, before anything fails inside the command.
+    from cnns.versions import check_installed_versions
+
+    line = check_installed_versions()
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(command)(argv)
