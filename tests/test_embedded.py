@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import processes
 
-from cnns.cli import parse_options
+import cnns.commands.infer as infer_command
+from cnns.cli import parse_options, run_script
 from cnns.config import RunConfig, resolve
-from cnns.engine.embedded import build_inference_model, compile_artefact
+from cnns.commands.infer import build_inference_model, compile_artefact, probe_package
+from cnns.errors import CnnsError
 
 ROOT = Path(__file__).resolve().parents[1]
+RN8 = ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10", "--micro-batch-size", "2", "--iterations",
+       "5", "--generated-data", "--precision", "32.32"]
+PROBED = f"torch {torch.__version__} loaded and ran the compiled model in a child process first"
 
 
 def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
@@ -23,6 +32,7 @@ def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
     first = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "Compilation time:" in first.stdout
+    assert PROBED not in first.stdout  # a CPU package loads in this process directly
     artefacts = list(tmp_path.glob("*.pt2"))
     assert len(artefacts) == 1
     second = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
@@ -75,3 +85,62 @@ def test_compiled_artefact_computes_the_eager_logits(tmp_path):
     # terms differs by at most about K x 2^-24 of its magnitude, 5e-5 for ResNet-8's largest fan-in
     # (3 x 3 x 64 = 576); typical errors are sqrt(K) times smaller. Measured 2.4e-7 on logits of 0.7.
     assert torch.allclose(compiled(images), eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> tuple[Path, str]:
+    """One compilation: inference_embedded.py's command, run in this process on the CPU with the probe CUDA
+    gets (a child process loads the package and runs one batch before this process loads it)."""
+    path = tmp_path_factory.mktemp("probed") / "rn8.pt2"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
+        assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 0
+    return path, printed.getvalue()
+
+
+def test_cuda_packages_load_first_in_a_child_process_then_are_measured(probed, monkeypatch, capsys):
+    assert infer_command.PROBED_DEVICE_TYPES == ("cuda",)  # the decision the tests below turn on for the CPU
+    path, first = probed
+    # compiled, then probed, then timed: the probe's seconds are in none of the measured numbers
+    assert first.index("Compilation time:") < first.index(PROBED) < first.index("Inference: 5 batches of 2")
+    assert "latency 99p9:" in first
+    monkeypatch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
+    assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 0
+    again = capsys.readouterr().out
+    assert again.index("Loading the compiled model") < again.index(PROBED) < again.index("Inference: 5 batches")
+    assert "Compilation time:" not in again
+
+
+def test_a_probe_child_that_crashes_stops_the_command_with_one_line(probed, monkeypatch, capsys):
+    """The child loads the real package as the probe does, then dies of SIGSEGV, as torch 2.11.0+cu130 did
+    loading CUDA packages on an H100: the command ends with exit code 2 and one line, nothing timed."""
+    path, _ = probed
+    crashing = infer_command.PROBE_CODE.replace(
+        "logits = runner(", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\nlogits = runner(")
+    assert crashing != infer_command.PROBE_CODE
+    monkeypatch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(infer_command, "PROBE_CODE", crashing)
+    assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 2
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"error: torch {torch.__version__} crashed (SIGSEGV) loading the AOTInductor package "
+                           f"{path} on cpu (tried in a child process; nothing was timed)"), line
+    assert "validation.py --generated-data" in line and "Traceback" not in captured.err
+    assert "Loading the compiled model" in captured.out and "Inference:" not in captured.out
+
+
+def test_a_probe_child_that_fails_or_hangs_is_one_line(tmp_path, monkeypatch):
+    foreign = tmp_path / "foreign.pt2"
+    foreign.write_bytes(b"not a package")
+    with pytest.raises(CnnsError, match=r"cannot load the compiled model .*foreign\.pt2 with torch .*--force-recompile"):
+        probe_package(foreign, (2, 32, 32, 3), torch.device("cpu"))
+    # A child that never finishes is killed at the time limit, its whole process group with it.
+    monkeypatch.setattr(infer_command, "PROBE_TIMEOUT_S", 2)
+    monkeypatch.setattr(infer_command, "PROBE_CODE",
+                        "import os, sys, time\nopen(sys.argv[1] + '.pid', 'w').write(str(os.getpid()))\ntime.sleep(120)")
+    with pytest.raises(CnnsError, match=r"did not load and run the AOTInductor package .* within 2 s") as raised:
+        probe_package(foreign, (2, 32, 32, 3), torch.device("cpu"))
+    assert "\n" not in str(raised.value)
+    pid = int(Path(str(foreign) + ".pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}")  # killed and reaped

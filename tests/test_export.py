@@ -21,7 +21,9 @@ from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
 from cnns.cli.tools import export_main
-from cnns.inference.export import ONNX_OPSET
+from cnns.engine.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
+                                max_batch)
+from cnns.engine.restored import FloatClassifier
 from cnns.models import ModelSpec, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,7 @@ def test_onnx_float_input_with_a_dynamic_batch_computes_the_eager_logits(checkpo
     assert "float32 [batch, 3, 32, 32]" in out and "NCHW" in out and "mean (0.485, 0.456, 0.406), std (1, 1, 1)" in out
     assert "converted from the half-precision weights of the 16.16 (bfloat16) run" in out
     assert "onnxruntime" in out
+    assert "(batch dynamic: any size from 1)" in out  # traced on the CPU for any runtime: no upper limit
     session = onnx_session(path)
     [graph_input] = session.get_inputs()
     assert graph_input.name == "images" and graph_input.type == "tensor(float)"
@@ -177,3 +180,59 @@ def test_bad_options_are_one_line_errors(checkpoint, tmp_path, argv, text):
         export_main(["--restore-path", str(checkpoint), *flat])
     assert "\n" not in str(raised.value)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_dynamic_batch_traced_for_cuda_is_bounded_by_cudnns_batch_norm_limit():
+    """The GPU failure "Constraints violated (batch)! ... 2 <= batch <= 65535", reproduced without a GPU: the
+    model's tensors are fake CUDA tensors (FakeTensorMode), so torch's real C++ kernel selection runs for a
+    CUDA device. Eval-mode batch norm picks cuDNN only for batches up to 65535, which a symbolic batch turns
+    into a guard; with the device's limit in the Dim the export succeeds and records the range from 1."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert max_batch("cpu") is None
+    assert max_batch(torch.device("cuda")) == max_batch("cuda:1") == CUDA_MAX_BATCH == 65535
+
+    def fake_cuda_resnet8(norm: str):
+        with FakeTensorMode(), torch.device("cuda"):
+            spec = ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm=norm, groups=4)
+            return FloatClassifier(build_model(spec)).eval(), torch.randn(2, 3, 32, 32)
+
+    module, example = fake_cuda_resnet8("batch")
+    assert example.device.type == "cuda" and next(module.parameters()).device.type == "cuda"
+    with pytest.raises(CnnsError, match=re.escape("<= 65535")) as raised:
+        export_program(module, example, True, max_batch("cpu"))  # the CPU's range, unbounded
+    assert "\n" not in str(raised.value) and "--batch-size" in str(raised.value)
+    assert batch_range(export_program(module, example, True, max_batch(example.device))) == (1, 65535)
+    assert batch_range(export_program(module, example, False)) is None  # a fixed batch: no range at all
+    # Group norm has no cuDNN batch-size test, and the convolutions add no guard: unbounded there.
+    module, example = fake_cuda_resnet8("group")
+    assert batch_range(export_program(module, example, True)) == (1, None)
+
+
+def test_onnx_export_with_the_cuda_batch_range_runs_batches_of_one_and_three(eager, tmp_path):
+    path = tmp_path / "cuda-range.onnx"
+    opset, batches = export_onnx(FloatClassifier(eager).eval(), float_images(2, 0), True, path, CUDA_MAX_BATCH)
+    assert opset == ONNX_OPSET and batches == (1, CUDA_MAX_BATCH)  # as the traced program recorded it
+    session = onnx_session(path)
+    assert isinstance(session.get_inputs()[0].shape[0], str)  # the file names the batch, without bounds
+    for batch, seed in ((1, 8), (3, 9)):
+        images = float_images(batch, seed)
+        assert_close(session.run(None, {"images": images.numpy()})[0], eager_logits(eager, images))
+
+
+def test_pt2_export_for_cuda_prints_the_recorded_range_and_the_package_runs_one_and_three(
+        checkpoint, eager, tmp_path, monkeypatch, capsys):
+    """`cnns export --format pt2 --device cuda` as it runs on a GPU, but traced and compiled on the CPU: the
+    command asks for the limit of the device it exports for, here answered as for CUDA."""
+    import cnns.commands.export as export_command
+
+    asked = []
+    monkeypatch.setattr(export_command, "max_batch", lambda device: asked.append(device.type) or CUDA_MAX_BATCH)
+    path = tmp_path / "cuda-range.pt2"
+    out = export(capsys, "--restore-path", str(checkpoint), "--format", "pt2", "--out", str(path))
+    assert asked == ["cpu"]
+    assert "float32 [batch, 3, 32, 32] (batch dynamic: any size from 1 to 65535)" in out
+    runner = torch._inductor.aoti_load_package(str(path))
+    for batch, seed in ((1, 10), (3, 11)):
+        images = float_images(batch, seed)
+        assert_close(runner(images).numpy(), eager_logits(eager, images))

@@ -1,0 +1,235 @@
+"""inference_embedded.py: inference from an ahead-of-time compiled model.
+
+The seed's embedded application runtime saved a precompiled Poplar graph and reloaded it to skip
+compilation. Here the first run exports the model with torch.export, compiles it with AOTInductor
+and saves the package (`.pt2`); later runs load the package and start at once (`--force-recompile`
+rebuilds it). The exported graph takes uint8 NHWC images and normalises them itself, so the
+compiled artefact is the whole device side of 8-bit I/O.
+
+On CUDA the package is first loaded and run on one batch in a short-lived child process
+(`probe_package`): a torch whose AOTInductor crashes loading CUDA packages then stops the command with
+one line instead of killing it with a segmentation fault. The probe is not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cnns.config import RunConfig
+from cnns.devices import resolve_device
+from cnns.engine.build import unwrap
+from cnns.engine.restored import NormalisedClassifier
+from cnns.engine.validation import latency_line
+from cnns.errors import CnnsError
+from cnns.precision import PrecisionPolicy
+
+
+def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
+    """The seed's naming: one artefact per model, batch size, iterations per call and weights."""
+    weights = checkpoint.stem if checkpoint else "random"
+    return (f"model_{cfg.model.arch}{cfg.model.size}_bs_{cfg.train.micro_batch_size}_"
+            f"{cfg.precision.precision}_{weights}.pt2")
+
+
+def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
+    from cnns.checkpoint import load_checkpoint
+    from cnns.models import build_model
+
+    model = build_model(cfg.model)
+    if checkpoint is not None:
+        unwrap(model).load_state_dict(load_checkpoint(checkpoint)["model"])
+    dtype, std = input_dtype_and_std(cfg, device)
+    model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+    return NormalisedClassifier(model, std, dtype).eval()
+
+
+def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
+    """The compiled model's dtype and the standard deviations its normalisation divides by."""
+    # Inference has no master weights to keep: half precision means half weights (float32 where the
+    # CPU would only emulate the half type and none was asked for explicitly).
+    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
+                                     half_dtype_given=cfg.precision.half_dtype_given)
+    std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
+    return policy.compute_dtype, std
+
+
+def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> None:
+    with torch.no_grad():
+        exported = torch.export.export(model, (example,))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
+    """Everything the compiled graph depends on. The file name holds only the seed's part of it, so a run
+    whose options differ in the rest (another device, class count, input size or normalisation, a retrained
+    checkpoint) must not load the package another run compiled: it is described beside the package."""
+    weights = None
+    if checkpoint is not None:
+        try:
+            stat = checkpoint.stat()
+            weights = [str(checkpoint.resolve()), stat.st_size, stat.st_mtime_ns]
+        except OSError:  # loading it says what is wrong with it
+            weights = [str(checkpoint)]
+    gpu = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    dtype, std = input_dtype_and_std(cfg, device)
+    return {"model": dataclasses.asdict(cfg.model), "batch": cfg.train.micro_batch_size,
+            "image_size": cfg.data.image_size, "dtype": str(dtype), "std": list(std), "weights": weights,
+            "device": device.type, "gpu_capability": gpu}
+
+
+# The description's fields as the notice names them.
+_DESCRIBED = {"model": "model", "batch": "batch size", "image_size": "image size", "dtype": "precision",
+              "std": "normalisation", "weights": "checkpoint", "device": "device", "gpu_capability": "GPU"}
+
+
+def _description_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def compiled_for_other_options(path: Path, description: dict[str, Any]) -> list[str]:
+    """The described fields in which the package at `path` differs from `description` (none when the package
+    has no description: one copied here by hand is trusted as before)."""
+    try:
+        saved = json.loads(_description_path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    return [_DESCRIBED[key] for key in description if saved.get(key) != description[key]]
+
+
+# Loading a CUDA AOTInductor package can kill the process: with torch 2.11.0+cu130 on an H100,
+# aoti_load_package dies with SIGSEGV in torch.export.pt2_archive._package._load_aoti, for cnns' packages and a
+# tiny plain-torch one alike (this project's GPU run). No public report of that crash was found, and no torch
+# release is documented to load CUDA packages where 2.11.0+cu130 crashes; the nearest records (GitHub,
+# pytorch/pytorch) are fixes to AOTInductor's CUDA packages made after 2.11: #173800 (a CUDA package test
+# failing on the 2.11 release branch; fixed on main by #183981/#184456, May 2026), #185931/#186943 (June 2026:
+# a CUDA package loaded without usable CUDA fell back to the legacy loader and failed obscurely), and crashes
+# in older or other paths: #172739 (open: torch._export.aot_load segfaults), #145441 (2.6.0 RC segfault).
+# So no version list here: on CUDA each package is first loaded in a child process. On the CPU, packages load
+# in-process as before: no CPU load has crashed in this project (the CPU suite loads packages with torch
+# 2.14.1, and the GPU run's crash was CUDA's), so the probe's cost (a second torch import) buys nothing there.
+PROBED_DEVICE_TYPES = ("cuda",)
+# The probe child's time limit: importing torch, loading the package (unzip, dlopen, CUDA context, kernel
+# modules) and one batch take seconds to tens of seconds; a child past this is taken as hung.
+PROBE_TIMEOUT_S = 300
+# The probe child: torch only (no cnns, so no import path to pass on), loading the package exactly as
+# `infer` does and running one batch of zeros of the given shape. Arguments: package, shape, device.
+PROBE_CODE = """\
+import sys
+import torch
+path, shape, device = sys.argv[1], tuple(int(n) for n in sys.argv[2].split(",")), torch.device(sys.argv[3])
+runner = torch._inductor.aoti_load_package(path, device_index=-1 if device.index is None else device.index)
+logits = runner(torch.zeros(shape, dtype=torch.uint8, device=device))
+if device.type == "cuda":
+    torch.cuda.synchronize(device)
+print("probe: logits", tuple(logits.shape))
+"""
+
+
+def _instead() -> str:
+    return ("validation.py --generated-data measures throughput without AOTInductor on this torch; or use a torch "
+            "whose AOTInductor loads CUDA packages")
+
+
+def probe_package(path: Path, shape: tuple[int, ...], device: torch.device) -> float:
+    """Load the package at `path` and run one batch of `shape` on `device` in a child process; returns the
+    seconds it took. A child that dies by a signal, fails or hangs is a CnnsError of one line."""
+    command = [sys.executable, "-c", PROBE_CODE, str(path), ",".join(str(n) for n in shape), str(device)]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # its own process group, killed whole below
+    try:
+        _, err = child.communicate(timeout=PROBE_TIMEOUT_S)
+    except BaseException as exc:  # hung, or this process interrupted: the child must not outlive the probe
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.communicate()
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        raise CnnsError(f"torch {torch.__version__} did not load and run the AOTInductor package {path} on {device} "
+                        f"within {PROBE_TIMEOUT_S} s (tried in a child process; nothing was timed): "
+                        f"{_instead()}") from None
+    if child.returncode < 0:
+        try:
+            name = signal.Signals(-child.returncode).name
+        except ValueError:
+            name = f"signal {-child.returncode}"
+        raise CnnsError(f"torch {torch.__version__} crashed ({name}) loading the AOTInductor package {path} on "
+                        f"{device} (tried in a child process; nothing was timed): {_instead()}")
+    if child.returncode != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        reason = lines[-1].strip()[:200] if lines else f"exit code {child.returncode}"
+        raise CnnsError(f"cannot load the compiled model {path} with torch {torch.__version__} on {device}: {reason} "
+                        f"(use --force-recompile; if it fails again, {_instead()})")
+    return time.perf_counter() - start
+
+
+def infer(cfg: RunConfig, notices: list[str], restore_path: str | None = None, artefact_path: str | None = None,
+          force_recompile: bool = False) -> int:
+    """inference_embedded.py: compile the model once (or load the compiled artefact) and time it."""
+    for notice in notices:
+        print(f"notice: {notice}")
+    device = resolve_device(cfg.device)
+    checkpoint = Path(restore_path) if restore_path else None
+    path = Path(artefact_path or artefact_name(cfg, checkpoint))
+    batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
+    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(cfg.train.seed or 0))
+    description = artefact_description(cfg, checkpoint, device)
+    stale = compiled_for_other_options(path, description) if path.exists() else []
+    if stale:
+        print(f"The compiled model at {path} was built for another {', '.join(stale)}: compiling it again")
+    if path.exists() and not stale and not force_recompile:
+        print(f"Loading the compiled model from {path}")
+    else:
+        model = build_inference_model(cfg, checkpoint, device)
+        print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
+        start = time.perf_counter()
+        _description_path(path).unlink(missing_ok=True)  # never beside a package it does not describe
+        compile_artefact(model, images.to(device), path)
+        _description_path(path).write_text(json.dumps(description, indent=1) + "\n")
+        print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
+    if device.type in PROBED_DEVICE_TYPES:  # before this process loads it, and before anything is timed
+        seconds = probe_package(path, tuple(images.shape), device)
+        print(f"torch {torch.__version__} loaded and ran the compiled model in a child process first "
+              f"({seconds:.1f}s, not timed)")
+    try:
+        runner = torch._inductor.aoti_load_package(str(path), device_index=_device_index(device))
+    except Exception as exc:  # a foreign or truncated file: one clear line
+        raise CnnsError(f"cannot load the compiled model {path}: {str(exc).splitlines()[0][:200]}"
+                        " (use --force-recompile)") from None
+    return _measure(runner, images.to(device), iterations=cfg.train.iterations or 100, device=device)
+
+
+def _device_index(device: torch.device) -> int:
+    """aoti_load_package's device_index: -1 is the current device of the package's kind."""
+    return -1 if device.index is None else device.index
+
+
+def _measure(runner, images: torch.Tensor, iterations: int, device: torch.device) -> int:
+    runner(images)  # warm-up: the first call allocates
+    latencies = []
+    start = time.perf_counter()
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        runner(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        latencies.append(1000.0 * (time.perf_counter() - t0))
+    seconds = time.perf_counter() - start
+    print(f"Inference: {iterations} batches of {images.shape[0]}, "
+          f"throughput: {iterations * images.shape[0] / seconds:.2f} samples/sec, time: {seconds:.6f}")
+    print(latency_line(latencies))
+    return 0
