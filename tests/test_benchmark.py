@@ -17,7 +17,7 @@ import torch
 
 from cnns.bench.results import Result, format_table, set_peak_fractions, write_results
 from cnns.bench.runner import mean_dropping_first, parse_throughputs
-from cnns.bench.spec import load_spec, select
+from cnns.bench.spec import BACKENDS_KIND, load_spec, select
 from cnns.cli.tools import benchmark_main as benchmark_command
 from cnns.errors import ConfigError
 
@@ -160,7 +160,6 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
                    "resnet50-infer-generated"):
         assert wanted in names
     from cnns.bench.runner import plan_backends
-    from cnns.bench.spec import BACKENDS_KIND
 
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         if entry.kind == BACKENDS_KIND:
@@ -169,9 +168,24 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
             plan = _plan(entry, Path("/tmp/unused"))
         assert plan.baseline["batch_size"] == plan.batch_size > 0
         assert plan.baseline["device"] == plan.device == entry.device and plan.argv[-2:] == ["--device", entry.device]
-    assert {e.name for e in entries if e.device == "cuda"} == {
-        "resnet50-train-synthetic-gpu", "efficientnet-b0-train-synthetic-gpu", "resnet20-cifar10-train-gpu",
+    gpu = {e.name: e for e in entries if e.device == "cuda"}
+    assert set(gpu) == {
+        "resnet50-train-synthetic-gpu", "resnet50-train-synthetic-gn-gpu", "resnet50-train-synthetic-gn-gpu-eager",
+        "efficientnet-b0-train-synthetic-gpu", "efficientnet-b0-train-synthetic-gn-gpu", "resnet20-cifar10-train-gpu",
         "resnet50-infer-synthetic-gpu"}
+    # The issue's GPU list, as its reporter measured it: batch 256 for ImageNet, 512 for ResNet-20, each beside
+    # the plain loop eager and compiled; ResNet-50 group norm also with cnns eager.
+    with _cuda_present(bfloat16=True):
+        gpu_plans = {name: _plan(entry, Path("/tmp/unused")) for name, entry in gpu.items()}
+    assert {(p.model_spec.arch, p.model_spec.size, p.model_spec.norm, p.mode, p.batch_size)
+            for p in gpu_plans.values()} == {
+        ("resnet", "50", "batch", "train", 256), ("resnet", "50", "group", "train", 256),
+        ("efficientnet", "B0", "batch", "train", 256), ("efficientnet", "B0", "group", "train", 256),
+        ("resnet", "20", "batch", "train", 512), ("resnet", "50", "batch", "infer", 256)}
+    assert all(p.baseline_modes == ("eager", "compiled") for p in gpu_plans.values())
+    assert gpu_plans["resnet20-cifar10-train-gpu"].data == "cifar"
+    assert [n for n, p in gpu_plans.items() if "--no-compile" in p.argv] == ["resnet50-train-synthetic-gn-gpu-eager"]
+    assert all(e.baseline_modes == ("eager",) for e in entries if e.device == "cpu" and e.kind != BACKENDS_KIND)
     # The issue's backend comparison: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
     backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
     assert {(p.model_spec.arch, p.model_spec.size, p.batch_size, p.model_spec.image_size)
@@ -260,6 +274,144 @@ def test_where_an_entry_runs_is_its_device_key_and_nothing_else(tmp_path):
         "--ckpts-per-epoch 0", "--ckpts-per-epoch 0 --device cuda")))
     with pytest.raises(ConfigError, match="benchmark tiny-cpu: say where it runs with the entry's device: key"):
         _plan(entries[0], tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# the plain loop eager and compiled: `baseline_modes` (eager on the CPU, eager and compiled on a GPU)
+
+
+def test_baseline_modes_default_by_device_and_a_wrong_mode_is_one_line(tmp_path):
+    entries, _ = load_spec(_write_spec(tmp_path / "spec.yml", GPU_AND_CPU))
+    assert [e.baseline_modes for e in entries] == [("eager",), ("eager", "compiled")]
+    chosen = GPU_AND_CPU.replace("- name: tiny-gpu", "- name: tiny-gpu\n        baseline_modes: [compiled]")
+    chosen = chosen.replace("- name: tiny-cpu", "- name: tiny-cpu\n        baseline_modes: [eager, compiled]")
+    entries, _ = load_spec(_write_spec(tmp_path / "chosen.yml", chosen))
+    assert [e.baseline_modes for e in entries] == [("eager", "compiled"), ("compiled",)]
+    with pytest.raises(ConfigError, match=r"benchmark tiny-gpu has baseline mode 'jit'; valid modes: eager, compiled$"):
+        load_spec(_write_spec(tmp_path / "bad.yml", chosen.replace("[compiled]", "[eager, jit]")))
+    with pytest.raises(ConfigError, match="baseline_modes must be a list of eager, compiled"):
+        load_spec(_write_spec(tmp_path / "empty.yml", chosen.replace("[compiled]", "[]")))
+
+
+def _scripted_runs(monkeypatch, values):
+    """run_and_read answering `values` in turn, recording which plain-loop mode each run was (None: cnns)."""
+    from cnns.bench import runner
+
+    calls, answers = [], iter(values)
+
+    def run_and_read(argv, timeout, log_path):
+        plain = argv[1:3] == ["-m", "cnns.bench.baseline"]
+        calls.append(("compiled" if json.loads(argv[3])["compile"] else "eager") if plain else None)
+        return next(answers), ""
+
+    monkeypatch.setattr(runner, "run_and_read", run_and_read)
+    return calls
+
+
+def test_a_gpu_entry_runs_the_plain_loop_eager_and_compiled_beside_cnns(tmp_path, monkeypatch):
+    from cnns.bench import runner
+
+    cpu, gpu = load_spec(_write_spec(tmp_path / "spec.yml", GPU_AND_CPU))[0]
+    with _cuda_present(bfloat16=True):
+        plan = _plan(gpu, tmp_path)
+    assert plan.baseline_modes == ("eager", "compiled")
+    assert plan.baseline_for("eager")["compile"] is False and plan.baseline_for("compiled")["compile"] is True
+    assert plan.baseline_for("compiled") == {**plan.baseline, "compile": True}  # the same loop otherwise
+    assert 2 <= plan.baseline["workers"] <= 8
+    # Two repeats, alternating: cnns, eager, compiled | compiled, eager, cnns.
+    calls = _scripted_runs(monkeypatch, [1000.0, 500.0, 800.0, 850.0, 520.0, 1040.0])
+    result = runner.run_entry(gpu, plan, ROOT, repeats=2, with_baseline=True, logs=None)
+    assert calls == [None, "eager", "compiled", "compiled", "eager", None]
+    assert result.baseline_modes == ["eager", "compiled"] and result.error is None
+    assert result.plain_runs == [500.0, 520.0] and result.plain_compiled_runs == [800.0, 850.0]
+    assert result.plain_images_per_sec == 520.0 and result.plain_compiled_images_per_sec == 850.0
+    assert result.pair_ratios == pytest.approx([2.0, 2.0]) and result.ratio == pytest.approx(2.0)
+    assert result.pair_ratios_compiled == pytest.approx([1.25, 1040 / 850])
+    assert result.ratio_compiled == pytest.approx((1.25 + 1040 / 850) / 2)
+    assert '"compile": true' in result.baseline_command and '"compile": false' in result.baseline_command
+    # A CPU entry runs the plain loop once, eagerly, as before; --no-baseline runs neither.
+    calls = _scripted_runs(monkeypatch, [300.0, 200.0])
+    result = runner.run_entry(cpu, _plan(cpu, tmp_path), ROOT, repeats=1, with_baseline=True, logs=None)
+    assert calls == [None, "eager"] and result.ratio == 1.5 and result.plain_compiled_images_per_sec is None
+    assert _plan(cpu, tmp_path).baseline["workers"] == 2
+    calls = _scripted_runs(monkeypatch, [1000.0])
+    result = runner.run_entry(gpu, plan, ROOT, repeats=1, with_baseline=False, logs=None)
+    assert calls == [None] and result.baseline_modes == [] and result.ratio is None and result.ratio_compiled is None
+
+
+def _tiny_baseline(**fields) -> str:
+    spec = {"mode": "train", "arch": "resnet", "size": "8", "num_classes": 10, "image_size": 32, "norm": "batch",
+            "groups": 1, "group_dim": 1, "expand_ratio": 1, "convolution_groups": 1, "batch_size": 4,
+            "data": "synthetic", "iterations": 2, "log_freq": 1, "workers": 0, **fields}
+    return json.dumps(spec)
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch, capsys, mode):
+    # A real torch.compile of a CIFAR ResNet-8 costs about 80 s on 2 cores: the model handed to torch.compile
+    # is recorded instead, and the loop runs what it returns.
+    from cnns.bench import baseline
+
+    compiled = []
+
+    def fake_compile(model, **kwargs):
+        compiled.append((model, kwargs))
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert baseline.main([_tiny_baseline(mode=mode)]) == 0
+    assert compiled == []  # eager: as written
+    capsys.readouterr()
+    assert baseline.main([_tiny_baseline(mode=mode, compile=True)]) == 0
+    [(model, kwargs)] = compiled
+    assert kwargs == {}  # the default mode, as a user writes it
+    assert model.training == (mode == "train")  # compiled in the mode it runs in
+    assert next(model.parameters()).dtype == torch.float32
+    assert any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+               for p in model.parameters())
+    printed = capsys.readouterr().out
+    assert "plain loop: torch.compile(model), default mode" in printed
+    assert len(parse_throughputs(printed)) == (2 if mode == "train" else 1)
+
+
+def test_the_plain_loop_on_a_gpu_autocasts_to_bfloat16_where_it_computes_it():
+    from cnns.bench.baseline import autocast_dtype
+
+    for bfloat16, half in ((True, torch.bfloat16), (False, torch.float16)):
+        with _cuda_present(bfloat16=bfloat16):
+            assert autocast_dtype(torch.device("cuda")) == half
+
+
+def test_table_csv_and_json_hold_both_plain_loops_and_their_ratios(tmp_path):
+    gpu = Result("g", "train.py", model="resnet-50 224px on cuda", mode="train", data="synthetic", batch_size=256,
+                 device="cuda", baseline_modes=["eager", "compiled"], cnns_images_per_sec=5500.0,
+                 plain_images_per_sec=3900.0, ratio=5500 / 3900, plain_compiled_images_per_sec=5000.0,
+                 ratio_compiled=1.1, flops_per_image=3 * 4.1e9, cnns_runs=[5500.0], plain_runs=[3900.0],
+                 plain_compiled_runs=[5000.0], pair_ratios=[5500 / 3900], pair_ratios_compiled=[1.1])
+    cpu = Result("c", "train.py", model="resnet-20 32px", mode="train", cnns_images_per_sec=300.0,
+                 plain_images_per_sec=200.0, ratio=1.5, pair_ratios=[1.5])
+    set_peak_fractions(gpu, 500_000.0)
+    assert gpu.plain_compiled_peak_fraction == pytest.approx(5000 * 3 * 4.1e9 / 500e12)
+
+    assert "compiled" not in format_table([cpu], 600.0)  # CPU entries: the table as before
+    table = format_table([gpu, cpu], 600.0)
+    header, _, gpu_row, cpu_row = table.splitlines()[:4]
+    columns = [c.strip() for c in header.split(" | ")]
+    assert columns[5:10] == ["cnns img/s", "plain img/s", "ratio", "compiled img/s", "vs compiled"]
+    assert [c.strip() for c in gpu_row.split(" | ")][5:10] == ["5500.00", "3900.00", "1.41x", "5000.00", "1.10x"]
+    assert [c.strip() for c in cpu_row.split(" | ")][5:10] == ["300.00", "200.00", "1.50x", "-", "-"]
+    assert "torch.compile(model)" in table
+
+    csv_path, json_path = write_results([gpu, cpu], {}, tmp_path, "results")
+    with open(csv_path, newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    assert float(rows["g"]["plain_images_per_sec"]) == 3900.0 and float(rows["g"]["ratio"]) == pytest.approx(5500 / 3900)
+    assert float(rows["g"]["plain_compiled_images_per_sec"]) == 5000.0 and float(rows["g"]["ratio_compiled"]) == 1.1
+    assert rows["g"]["baseline_modes"] == "eager compiled" and rows["g"]["plain_compiled_runs"] == "5000.000"
+    assert rows["c"]["baseline_modes"] == "eager" and rows["c"]["plain_compiled_images_per_sec"] == ""
+    [g, c] = json.loads(json_path.read_text())["results"]
+    assert (g["plain_images_per_sec"], g["plain_compiled_images_per_sec"], g["ratio_compiled"]) == (3900.0, 5000.0, 1.1)
+    assert g["pair_ratios_compiled"] == [1.1] and c["ratio_compiled"] is None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,15 +1,20 @@
 """The plain PyTorch loop that `cnns benchmark` compares against: what a user writes by hand.
 
-DESIGN.md's reference: a Dataset + DataLoader (2 worker processes) + torchvision v2 transforms per
-image, the model in channels_last, bfloat16 autocast (float16 on CUDA; float32 on a CPU without bfloat16
-arithmetic, where cnns runs float32 too), float32 weights and
-`torch.optim.SGD` with momentum. The model comes from `cnns.models.build_model`, so both sides train
-exactly the same network on the same batch size and the same kind of data:
+DESIGN.md's reference: a Dataset + DataLoader (2 worker processes on the CPU) + torchvision v2 transforms
+per image, the model in channels_last, bfloat16 autocast (float32 on a CPU without bfloat16 arithmetic, where
+cnns runs float32 too; float16 with a GradScaler on a GPU without bfloat16, Volta/Turing, where cnns runs
+float16 too), float32 weights and `torch.optim.SGD` with momentum. The model comes from
+`cnns.models.build_model`, so both sides train exactly the same network on the same batch size and the same
+kind of data:
 
 * ``synthetic``: one random batch made once on the device, no input pipeline at all;
 * ``generated``: random uint8 images on the host, through a DataLoader with v2 ToDtype/Normalize;
 * ``cifar``: the CIFAR-10 binary files, per-image RandomCrop(32, padding 4) + RandomHorizontalFlip +
   ToDtype + Normalize in 2 DataLoader workers.
+
+With ``compile`` the model is ``torch.compile(model)``d as a user writes it (the default mode; the
+optimiser step stays eager); compilation happens in the first iterations, which the runner's reading
+drops with the first printed value.
 
 It prints the seed's step line (``throughput: X samples/sec``) every ``log_freq`` iterations (and the
 validation line per inference pass), so `cnns.bench.runner` reads both sides with one parser.
@@ -64,6 +69,7 @@ class BaselineSpec:
     device: str = "cpu"
     seed: int = 0
     profile_dir: str | None = None  # `cnns profile`: a profiler trace of the training loop goes there
+    compile: bool = False  # torch.compile(model), default mode
 
     @classmethod
     def from_json(cls, text: str) -> "BaselineSpec":
@@ -78,6 +84,17 @@ def build_plain_model(spec: BaselineSpec) -> torch.nn.Module:
                            group_dim=spec.group_dim, expand_ratio=spec.expand_ratio,
                            convolution_groups=spec.convolution_groups)
     return build_model(model_spec)
+
+
+def prepared_model(spec: BaselineSpec, device: torch.device, training: bool) -> torch.nn.Module:
+    """The plain model on the device in channels_last, in training or eval mode, and ``torch.compile``d
+    when the spec says so."""
+    model = build_plain_model(spec).to(device, memory_format=torch.channels_last).train(training)
+    print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
+    if spec.compile:
+        print("plain loop: torch.compile(model), default mode", flush=True)
+        return torch.compile(model)
+    return model
 
 
 class CifarBinary(torch.utils.data.Dataset):
@@ -147,29 +164,30 @@ def make_batches(spec: BaselineSpec, device: torch.device, train: bool):
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """float16 on CUDA, bfloat16 on a CPU that computes it; None (float32) on a CPU that would emulate it.
+    """bfloat16 on a CPU or GPU that computes it; float16 on a GPU without bfloat16 arithmetic (Volta,
+    Turing: the GradScaler comes with it); None (float32) on a CPU that would emulate bfloat16.
 
     On an AVX2-only CPU bfloat16 autocast runs ResNet-20 about 10x slower than float32: nobody writing
-    the plain loop by hand would keep it there, and cnns runs float32 on such a CPU too.
+    the plain loop by hand would keep it there, and cnns runs float32 on such a CPU too. On an Ampere or
+    later GPU bfloat16 needs no loss scaling (no GradScaler, whose step reads its inf check on the host
+    every update), as the issue's reference loop ran it, and cnns's 16.x computes bfloat16 there too.
     """
-    from cnns.precision import cpu_half_is_emulated
+    from cnns.precision import cpu_half_is_emulated, gpu_computes_bfloat16
 
     if device.type == "cuda":
-        return torch.float16
+        return torch.bfloat16 if gpu_computes_bfloat16(device) else torch.float16
     return None if cpu_half_is_emulated(device, torch.bfloat16) else torch.bfloat16
 
 
 def train(spec: BaselineSpec) -> None:
     device = torch.device(spec.device)
     torch.manual_seed(spec.seed)
-    model = build_plain_model(spec).to(device, memory_format=torch.channels_last)
-    print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
+    model = prepared_model(spec, device, training=True)
     optimiser = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
                                 weight_decay=spec.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")
     half = autocast_dtype(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16 and device.type == "cuda")
     batches = make_batches(spec, device, train=True)
-    model.train()
     start = interval_start = time.perf_counter()
     with profiled(spec.profile_dir):
         for iteration in range(1, spec.iterations + 1):
@@ -212,8 +230,7 @@ def print_step_line(spec: BaselineSpec, iteration: int, loss: torch.Tensor, star
 def infer(spec: BaselineSpec) -> None:
     device = torch.device(spec.device)
     torch.manual_seed(spec.seed)
-    model = build_plain_model(spec).to(device, memory_format=torch.channels_last).eval()
-    print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
+    model = prepared_model(spec, device, training=False)
     batches = make_batches(spec, device, train=False)
     half = autocast_dtype(device)
     for _ in range(spec.repeat):

@@ -12,6 +12,12 @@ from typing import Any
 
 from cnns.bench.spec import BACKENDS_KIND, COMMAND_KIND
 
+# The measured sides of a command entry: cnns, the plain loop eager, the plain loop torch.compile'd. Each has
+# <side>_images_per_sec, <side>_runs, <side>_peak_fraction and <side>_roofline_fraction; each plain side has
+# its ratio (cnns over it) and per-repeat ratios: ratio / pair_ratios (eager), ratio_compiled /
+# pair_ratios_compiled (compiled).
+SIDES = ("cnns", "plain", "plain_compiled")
+
 
 @dataclass
 class Result:
@@ -40,6 +46,15 @@ class Result:
     error: str | None = None
     kind: str = COMMAND_KIND
     device: str = "cpu"
+    # The plain loop's modes that ran beside cnns (spec.BASELINE_MODES): eager fills the plain_* fields and
+    # ratio / pair_ratios, compiled the plain_compiled_* fields and ratio_compiled / pair_ratios_compiled.
+    baseline_modes: list[str] = field(default_factory=lambda: ["eager"])
+    plain_compiled_images_per_sec: float | None = None
+    ratio_compiled: float | None = None
+    plain_compiled_peak_fraction: float | None = None
+    plain_compiled_roofline_fraction: float | None = None
+    plain_compiled_runs: list[float] = field(default_factory=list)
+    pair_ratios_compiled: list[float] = field(default_factory=list)
     # inference-backends entries: one dict per backend (cnns.bench.backends.BackendResult's fields, the best
     # repeat's), plus "runs" (images/s per repeat) and "ratios" (over eager float32, per repeat)
     backends: list[dict[str, Any]] = field(default_factory=list)
@@ -53,18 +68,20 @@ def entry_failed(result: Result) -> bool:
     return result.cnns_images_per_sec is None
 
 
-def paired_ratio(result: Result) -> float | None:
-    """The median of the per-repeat ratios: on a shared host whose speed drifts within minutes, the two
-    runs of a repeat see the same machine, while the best run of each side may come from different moments
-    (one ResNet-20 invocation gave pairs of 1.39, 1.13 and 0.89x). With one repeat it is the plain ratio."""
-    return statistics.median(result.pair_ratios) if result.pair_ratios else None
+def paired_ratio(result: Result, mode: str = "eager") -> float | None:
+    """The median of the per-repeat ratios against the plain loop in `mode` (eager or compiled): on a shared
+    host whose speed drifts within minutes, the runs of a repeat see the same machine, while the best run of
+    each side may come from different moments (one ResNet-20 invocation gave pairs of 1.39, 1.13 and 0.89x).
+    With one repeat it is the plain ratio."""
+    pairs = result.pair_ratios_compiled if mode == "compiled" else result.pair_ratios
+    return statistics.median(pairs) if pairs else None
 
 
 def set_peak_fractions(result: Result, peak_gflops: float) -> None:
     """images/s x FLOPs per image as a fraction of the measured bfloat16 matmul rate."""
     if not result.flops_per_image or not peak_gflops:
         return
-    for side in ("cnns", "plain"):
+    for side in SIDES:
         rate = getattr(result, f"{side}_images_per_sec")
         if rate:
             setattr(result, f"{side}_peak_fraction", rate * result.flops_per_image / (peak_gflops * 1e9))
@@ -74,25 +91,37 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _table_row(r: Result, paired: bool) -> list[str]:
+def _percent(fraction: float | None) -> str:
+    return _fmt(None if fraction is None else 100 * fraction, "{:.1f}%")
+
+
+def _table_row(r: Result, paired: bool, compiled: bool) -> list[str]:
     row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
-           _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x"),
-           _fmt(None if r.cnns_peak_fraction is None else 100 * r.cnns_peak_fraction, "{:.1f}%"),
-           _fmt(None if r.plain_peak_fraction is None else 100 * r.plain_peak_fraction, "{:.1f}%"),
-           _fmt(r.roofline_images_per_sec, "{:.1f}"),
-           _fmt(None if r.cnns_roofline_fraction is None else 100 * r.cnns_roofline_fraction, "{:.1f}%"),
-           _fmt(None if r.plain_roofline_fraction is None else 100 * r.plain_roofline_fraction, "{:.1f}%")]
+           _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x")]
+    if compiled:
+        row += [_fmt(r.plain_compiled_images_per_sec, "{:.2f}"), _fmt(r.ratio_compiled, "{:.2f}x")]
+    row += [_percent(r.cnns_peak_fraction), _percent(r.plain_peak_fraction), _fmt(r.roofline_images_per_sec, "{:.1f}"),
+            _percent(r.cnns_roofline_fraction), _percent(r.plain_roofline_fraction)]
+    if compiled:
+        row.append(_percent(r.plain_compiled_roofline_fraction))
     if paired:
         row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios) or "-")
+        if compiled:
+            row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios_compiled) or "-")
     return row
 
 
 def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float | None = None) -> str:
-    paired = any(len(r.pair_ratios) > 1 for r in results)  # a column worth showing once there are repeats
-    header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio",
-              "cnns %peak", "plain %peak", "roofline img/s", "cnns %roof", "plain %roof"]
+    # columns worth showing once there are repeats, and once a plain loop ran compiled (the GPU entries)
+    paired = any(len(r.pair_ratios) > 1 or len(r.pair_ratios_compiled) > 1 for r in results)
+    compiled = any("compiled" in r.baseline_modes for r in results)
+    header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio"]
+    header += ["compiled img/s", "vs compiled"] if compiled else []
+    header += ["cnns %peak", "plain %peak", "roofline img/s", "cnns %roof", "plain %roof"]
+    header += ["compiled %roof"] if compiled else []
     header += ["ratio per repeat"] if paired else []
-    rows = [_table_row(r, paired) for r in results]
+    header += ["vs compiled per repeat"] if paired and compiled else []
+    rows = [_table_row(r, paired, compiled) for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
              "-|-".join("-" * w for w in widths)]
@@ -100,6 +129,10 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
                  "training FLOPs = 3 x forward; "
                  "batch MxA = micro-batch x accumulation (both loops).")
+    if compiled:
+        lines.append("plain: the plain loop as written (eager); compiled: the same loop with torch.compile(model) "
+                     "(default mode), its compilation in the dropped first interval; ratio / vs compiled: cnns "
+                     "img/s over each.")
     if any(r.device != "cpu" for r in results):
         lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
                      "at the start)")
@@ -172,7 +205,10 @@ CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnn
                "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error", "device",
                # inference-backends entries: one row per backend
                "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
-               "compile_s", "max_abs_diff", "max_rel_diff")
+               "compile_s", "max_abs_diff", "max_rel_diff",
+               # the plain loop torch.compile'd (baseline_modes: compiled, the GPU entries' default)
+               "baseline_modes", "plain_compiled_images_per_sec", "ratio_compiled", "plain_compiled_peak_fraction",
+               "plain_compiled_roofline_fraction", "plain_compiled_runs", "pair_ratios_compiled")
 
 
 def _backend_csv_rows(r: Result) -> list[dict[str, Any]]:
@@ -204,6 +240,9 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
             row["cnns_runs"] = " ".join(f"{v:.3f}" for v in r.cnns_runs)
             row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
             row["pair_ratios"] = " ".join(f"{v:.3f}" for v in r.pair_ratios)
+            row["plain_compiled_runs"] = " ".join(f"{v:.3f}" for v in r.plain_compiled_runs)
+            row["pair_ratios_compiled"] = " ".join(f"{v:.3f}" for v in r.pair_ratios_compiled)
+            row["baseline_modes"] = " ".join(r.baseline_modes)
             writer.writerow(row)
     json_path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
     return csv_path, json_path

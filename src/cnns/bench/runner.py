@@ -5,8 +5,10 @@ For every entry the runner
    throughput the way the seed's benchmarking README says: the mean of the printed
    ``throughput: X samples/sec`` values, dropping the first (it includes warm-up);
 2. runs the plain hand-written loop of DESIGN.md (`cnns.bench.baseline`) on the same model, batch size
-   and kind of data, in a subprocess too, and reads it the same way;
-3. alternates the two ``--repeats`` times (ours, plain, plain, ours, ...) so that both see the same
+   and kind of data, in a subprocess too, and reads it the same way, once per mode the entry's
+   ``baseline_modes`` names: ``eager`` and/or ``compiled`` (``torch.compile(model)``, default mode; both by
+   default on a GPU, eager alone on the CPU), each with images/s and a ratio of its own;
+3. alternates the sides ``--repeats`` times (ours, plain, plain, ours, ...) so that both see the same
    machine, and reports the best run of each as images/s (other processes on a shared machine only ever
    slow a run down) and, as the ratio, the median of each repeat's ratio of its two adjacent runs (a
    shared host's speed drifts within minutes, so the two best runs may come from different moments);
@@ -59,7 +61,7 @@ import torch
 
 from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, forward_flops
-from cnns.bench.results import (Result, entry_failed, paired_ratio, print_tables, set_peak_fractions,
+from cnns.bench.results import (SIDES, Result, entry_failed, paired_ratio, print_tables, set_peak_fractions,
                                 write_results)
 from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
 from cnns.errors import ConfigError
@@ -109,6 +111,24 @@ class Plan:
     baseline: dict[str, Any]
     activation_dtype: torch.dtype = torch.bfloat16  # what both loops compute in (the roofline's bytes)
     device: str = "cpu"  # where both loops run
+    baseline_modes: tuple[str, ...] = ("eager",)  # the plain loop's runs beside the command (spec.BASELINE_MODES)
+
+    def baseline_for(self, mode: str) -> dict[str, Any]:
+        """The plain loop's BaselineSpec fields for one of its modes: eager, or compiled."""
+        return {**self.baseline, "compile": mode == "compiled"}
+
+
+# The Result fields of each plain-loop mode: (images/s etc. prefix, ratio suffix, log-file side name).
+PLAIN_SIDES = {"eager": ("plain", "", "plain"), "compiled": ("plain_compiled", "_compiled", "plain-compiled")}
+
+
+def plain_loop_workers(device: str) -> int:
+    """The plain loop's DataLoader workers: 2 on the 2-core CPU that computes too (DESIGN.md); on a GPU
+    machine the host only feeds, so as many as a user would give it there (up to 8, its cores allowing)."""
+    if torch.device(device).type == "cpu":
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, min(8, cores))
 
 
 def package_root() -> Path:
@@ -182,7 +202,7 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         "convolution_groups": m.convolution_groups, "batch_size": batch, "data": data,
         "grad_accum": cfg.train.grad_accum if mode == "train" else 1,
         "iterations": iterations, "log_freq": max(1, min(cfg.train.log_freq, iterations)), "repeat": repeat,
-        "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": 2,
+        "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": plain_loop_workers(entry.device),
         "lr": cfg.optim.learning_rate, "momentum": cfg.optim.momentum if cfg.optim.optimiser != "SGD" else 0.0,
         "weight_decay": cfg.optim.weight_decay, "device": entry.device,
     }
@@ -190,7 +210,7 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
     label += f" on {entry.device}" if entry.device != "cpu" else ""
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,
                 activation_dtype(cfg.precision.precision, cfg.precision.half_dtype, torch.device(entry.device)),
-                entry.device)
+                entry.device, tuple(entry.baseline_modes or ("eager",)))
 
 
 def activation_dtype(precision: str, half_dtype: str, device: torch.device) -> torch.dtype:
@@ -257,15 +277,19 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
     advances by one per run."""
     log = log or RunLog(None)
     ours_argv = command_argv(plan.script, plan.argv, spec_dir)
-    plain_argv = [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plan.baseline)]
+    modes = list(plan.baseline_modes) if with_baseline and entry.baseline else []
+    plain_argvs = {mode: [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plan.baseline_for(mode))]
+                   for mode in plan.baseline_modes}
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
                     data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum,
-                    baseline_command=shlex.join(plain_argv[1:]), device=plan.device)
+                    baseline_command=" ; ".join(shlex.join(argv[1:]) for argv in plain_argvs.values()),
+                    device=plan.device, baseline_modes=modes)
     errors = []
     for r in range(repeats):
         sides = [("cnns", ours_argv, result.cnns_runs)]
-        if with_baseline and entry.baseline:
-            sides.append(("plain", plain_argv, result.plain_runs))
+        for mode in modes:
+            prefix, _, side = PLAIN_SIDES[mode]
+            sides.append((side, plain_argvs[mode], getattr(result, f"{prefix}_runs")))
         if r % 2 == 1:
             sides.reverse()  # alternate which side goes first
         this_repeat = {}
@@ -281,8 +305,10 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
                 runs.append(value)
                 this_repeat[side] = value
                 log.print(f"  [{entry.name}] {side}: {value:.2f} images/s")
-        if this_repeat.get("plain") and "cnns" in this_repeat:
-            result.pair_ratios.append(this_repeat["cnns"] / this_repeat["plain"])
+        for mode in modes:
+            _, suffix, side = PLAIN_SIDES[mode]
+            if this_repeat.get(side) and "cnns" in this_repeat:
+                getattr(result, f"pair_ratios{suffix}").append(this_repeat["cnns"] / this_repeat[side])
     if errors:
         result.error = "; ".join(errors)
     try:
@@ -291,9 +317,11 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
         result.error = ((result.error + "; ") if result.error else "") + f"flop count failed: {exc}"
     if result.cnns_runs:
         result.cnns_images_per_sec = max(result.cnns_runs)
-    if result.plain_runs:
-        result.plain_images_per_sec = max(result.plain_runs)
-    result.ratio = paired_ratio(result)
+    for mode in modes:
+        prefix, suffix, _ = PLAIN_SIDES[mode]
+        if getattr(result, f"{prefix}_runs"):
+            setattr(result, f"{prefix}_images_per_sec", max(getattr(result, f"{prefix}_runs")))
+        setattr(result, f"ratio{suffix}", paired_ratio(result, mode))
     return result
 
 
@@ -389,7 +417,7 @@ def set_roofline_fractions(result: Result, plan: Plan, peak_gflops: float, bandw
         result.error = ((result.error + "; ") if result.error else "") + f"roofline failed: {exc}"
         return
     result.roofline_images_per_sec = plan.batch_size * plan.grad_accum / seconds
-    for side in ("cnns", "plain"):
+    for side in SIDES:
         rate = getattr(result, f"{side}_images_per_sec")
         if rate:
             setattr(result, f"{side}_roofline_fraction", rate / result.roofline_images_per_sec)
@@ -473,7 +501,8 @@ class BenchmarkSuite:
             print(rates.describe(), flush=True)
         results = []
         log = RunLog(None)
-        runs = sum(repeats * (2 if baseline and entry.baseline else 1) for entry, _ in plans)
+        runs = sum(repeats * (1 + len(plan.baseline_modes) if isinstance(plan, Plan) and baseline and entry.baseline
+                              else 1) for entry, plan in plans)
         with log.progress(runs, description="benchmark", unit="run") as bar:
             for entry, plan in plans:
                 log.print(f"{entry.name}: {entry.command}")

@@ -3,6 +3,11 @@
 An entry is either a seed command line (``kind: command``, the default) run beside the plain loop, or
 ``kind: inference-backends``: a model, batch and image size measured on several inference backends
 (`cnns.bench.backends`). `cnns.bench.runner` runs them.
+
+A command entry's ``baseline_modes`` says how the plain loop runs beside it: ``eager``, ``compiled``
+(``torch.compile(model)``, default mode), or both, each one a run of its own. It defaults to ``[eager]`` on
+the CPU (where compilation measured no faster and costs about a minute) and ``[eager, compiled]`` on a GPU,
+where cnns compiles by default and a user's plain loop would be compiled too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from cnns.errors import ConfigError
 COMMAND_KIND = "command"
 BACKENDS_KIND = "inference-backends"
 KINDS = (COMMAND_KIND, BACKENDS_KIND)
+BASELINE_MODES = ("eager", "compiled")  # the plain loop as written, and torch.compile(model) of it
 # The keys of a `kind: inference-backends` entry (besides name, kind, description, timeout), and the
 # cnns.bench.backends.BackendsSpec field each one fills.
 BACKENDS_KEYS = {"model": "arch", "model_size": "size", "batch_size": "batch_size", "image_size": "image_size",
@@ -35,6 +41,8 @@ class Entry:
     kind: str = COMMAND_KIND
     settings: dict[str, Any] = field(default_factory=dict)  # an inference-backends entry's BACKENDS_KEYS
     device: str = "cpu"  # where the command and the plain loop run: cpu, cuda or cuda:N
+    # the plain loop's runs (BASELINE_MODES); None until loaded: [eager] on the CPU, [eager, compiled] on a GPU
+    baseline_modes: tuple[str, ...] | None = None
 
     def missing_device(self) -> str | None:
         """Why this entry cannot run on this machine, or None."""
@@ -74,6 +82,7 @@ def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
         known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__ and k != "settings"}
         entries.append(Entry(**known))
         _check_device(path, entries[-1])
+        _check_baseline_modes(path, entries[-1])
     names = [e.name for e in entries]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -89,6 +98,23 @@ def _check_device(path: Path, entry: Entry) -> None:
     if device is None or device.type not in ("cpu", "cuda"):
         raise ConfigError(f"{path}: benchmark {entry.name} has device {entry.device!r}; use cpu, cuda or cuda:N")
     entry.device = str(device)
+
+
+def _check_baseline_modes(path: Path, entry: Entry) -> None:
+    modes = entry.baseline_modes
+    if modes is None:
+        entry.baseline_modes = ("eager",) if entry.device == "cpu" else BASELINE_MODES
+        return
+    if isinstance(modes, str):
+        modes = [modes]
+    if not isinstance(modes, (list, tuple)) or not modes:
+        raise ConfigError(f"{path}: benchmark {entry.name}: baseline_modes must be a list of "
+                          f"{', '.join(BASELINE_MODES)}, got {modes!r}")
+    wrong = [m for m in modes if m not in BASELINE_MODES]
+    if wrong:
+        raise ConfigError(f"{path}: benchmark {entry.name} has baseline mode {', '.join(map(repr, wrong))}; "
+                          f"valid modes: {', '.join(BASELINE_MODES)}")
+    entry.baseline_modes = tuple(dict.fromkeys(modes))
 
 
 def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -> Entry:
