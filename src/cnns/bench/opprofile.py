@@ -16,6 +16,9 @@ as normalisation forward and backward (the activation and residual addition they
 ATen computes a convolution's input and weight gradients in one operator; its time is split between
 them in the proportion of the two halves of each of the model's convolutions timed alone
 (`convolution_backward_split`), with the stem's input gradient, which neither loop computes, left out.
+
+A CUDA entry is profiled by its GPU kernels instead (`cnns.bench.gpuprofile`): the same marks, each kernel in
+the update that launched it, its family by its name, and each family against its roofline on the GPU.
 """
 
 from __future__ import annotations
@@ -211,10 +214,11 @@ def convolution_backward_split(model_spec, batch_size: int, dtype: torch.dtype) 
 # running both sides
 
 
-def profile_arguments(updates: int, folder: Path) -> list[str]:
-    """What train.py's command line gets appended (its last values win): one warm-up update, then ``updates``,
+def profile_arguments(updates: int, folder: Path, warmup: int = 1) -> list[str]:
+    """What train.py's command line gets appended (its last values win): ``warmup`` updates, then ``updates``,
     traced into the entry's ``folder`` where `profile_entry` reads it."""
-    return ["--iterations", str(updates + 1), "--log-freq", "1", "--profile", "--profile-dir", str(folder / "cnns")]
+    return ["--iterations", str(updates + warmup), "--log-freq", "1", "--profile", "--profile-dir",
+            str(folder / "cnns")]
 
 
 def run_profiled(argv: list[str], timeout: float, env: dict[str, str], log_path: Path) -> None:
@@ -240,24 +244,37 @@ class ProfileReport:
 
 
 def profile_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float,
-                  run: Callable[[list[str], float, dict[str, str], Path], None] = run_profiled) -> ProfileReport:
+                  run: Callable[[list[str], float, dict[str, str], Path], None] = run_profiled, eager: bool = False,
+                  warmup: int = 1, rates=None):
     """Both sides of one planned training entry (`cnns.bench.runner.Plan`, whose command line already carries
-    `profile_arguments`), profiled into ``folder``."""
+    `profile_arguments` with ``warmup``), profiled into ``folder``: a `ProfileReport` of CPU operators, or for a
+    CUDA entry a `cnns.bench.gpuprofile.GpuProfileReport` of GPU kernels (with ``eager``, cnns's side once more
+    without compilation; ``rates``: the GPU's measured `cnns.bench.rates.DeviceRates`, measured when None)."""
     import sys
 
     from cnns.bench.runner import command_argv, subprocess_env
 
+    if torch.device(plan.device).type == "cuda":
+        from cnns.bench.gpuprofile import profile_cuda_entry
+
+        return profile_cuda_entry(name, plan, spec_dir, folder, timeout, run, eager=eager, rates=rates,
+                                  warmup=warmup)
     folder.mkdir(parents=True, exist_ok=True)
     run(command_argv(plan.script, plan.argv, spec_dir), timeout, subprocess_env(), folder / "cnns.log")
     baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
     run([sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], timeout, subprocess_env(),
         folder / "plain.log")
     share = convolution_backward_split(plan.model_spec, plan.batch_size, plan.activation_dtype)
-    return ProfileReport(name, breakdown_of_trace(folder / "cnns", share),
-                         breakdown_of_trace(folder / "plain", share), share)
+    return ProfileReport(name, breakdown_of_trace(folder / "cnns", share, warmup),
+                         breakdown_of_trace(folder / "plain", share, warmup), share)
 
 
-def format_report(report: ProfileReport) -> str:
+def format_report(report) -> str:
+    """The table of a `ProfileReport` (CPU operators) or a `cnns.bench.gpuprofile.GpuProfileReport`."""
+    if not isinstance(report, ProfileReport):
+        from cnns.bench.gpuprofile import format_gpu_report
+
+        return format_gpu_report(report)
     cnns, plain = report.cnns, report.plain
     lines = [f"{report.name}: milliseconds per update (mean of {cnns.updates} updates after the first)",
              f"{'family':<28} {'cnns ms':>9} {'%':>6} {'plain ms':>9} {'%':>6}"]

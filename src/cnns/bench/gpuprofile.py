@@ -1,0 +1,460 @@
+"""cnns profile on a GPU: an update's GPU time by kernel family, against each family's roofline.
+
+For a CUDA entry of benchmarks.yml both loops record CUDA activity (``ProfilerActivity.CUDA``), and the
+trace holds, besides the CPU's operators, every kernel, copy and memset the GPU ran (Chrome events of
+category ``kernel``, ``gpu_memcpy``, ``gpu_memset``), each with the correlation id of the CPU call that
+launched it (``cudaLaunchKernel``, ``cudaGraphLaunch``, ``cuLaunchKernel``... of category ``cuda_runtime`` or
+``cuda_driver``, and the ``ac2g`` flow events between the two).
+
+**Which update a kernel belongs to.** Kernels run asynchronously: one launched late in an update may run
+after the CPU has left the update, or while it is inside the next one. A kernel belongs to the update whose
+CPU span (its `cnns.profiling.UPDATE` mark) holds the launch that its correlation id names (the runtime or
+driver event, else the ``ac2g`` flow's start); a kernel whose launch the trace does not hold falls back on
+its own start, in the update whose start is the last one before it. Kernels launched outside every update
+(the loop's host synchronisation, the profiler's own) belong to none. The first ``skip`` updates (warm-up,
+compilation, CUDA-graph recording) are left out, as on the CPU.
+
+**Families.** A kernel launched inside the loop's optimiser mark (`cnns.profiling.OPTIMISER`) is the
+optimiser's, inside its data mark the data's (the input's copy to the GPU, augmentation there); otherwise
+its family is its name's (`kernel_family`, the table `KERNEL_NAMES` below, first match wins):
+
+    convolution | normalisation statistics | normalisation apply | activation | add | optimiser | copies |
+    data | other
+
+* cuDNN's and CUTLASS's convolution kernels and cuBLAS's GEMMs (the classifier) are *convolution*; their
+  layout transposes (``nchwToNhwcKernel``) are *copies*, tried first since their names carry ``cudnn``.
+* A normalisation kernel that reduces (forward statistics, the backward's per-channel sums, cuDNN's
+  one-kernel training passes) is *normalisation statistics*; the elementwise passes (normalise and
+  scale, the input gradient) are *normalisation apply*.
+* Inductor's Triton kernels are named ``triton_<kind>_fused_<aten ops>_<n>``: *kind* ``red`` (a reduction)
+  and ``per`` (a persistent reduction) reduce, ``poi`` is pointwise, ``tem`` a GEMM/convolution template. A
+  kernel's family is that of the first of these its ops hold: a normalisation (statistics for ``red``/``per``,
+  apply for ``poi``), the optimiser's foreach ops, an addition, an activation. So a kernel fusing batch norm
+  with the residual addition and the ReLU is *normalisation apply* (the pass the norm needs anyway; what
+  fusion saved shows as the *add* and *activation* rows' absence), and
+  ``triton_red_fused_native_batch_norm_backward_threshold_backward_14`` is *normalisation statistics*. A
+  pointwise kernel that only moves data into a layout (``triton_poi_fused_0``,
+  ``triton_poi_fused_convolution_0``: a convolution's input put in channels_last) is *copies*.
+
+A family's time is the sum of its kernels' durations (kernels that overlap on two streams both count). The
+update's *wall* time runs from its start to the later of its CPU end and the end of its last kernel (never
+past the next update's start); *GPU busy* is the union of all GPU activity within that window (overlapping
+kernels counted once) and *launch gaps* the wall time less the busy time: the time the GPU sat idle.
+
+**Rooflines** (`family_rooflines`), per update, from `cnns.bench.roofline`'s operators of the model
+(recorded on the meta device, in the run's activation dtype) with the GPU's measured matmul rate in that
+dtype and its stream bandwidth (`cnns.bench.rates.DeviceRates`): each operator takes max(FLOPs / rate,
+minimal bytes / bandwidth).
+
+* convolution: the convolutions, forward and both gradients, and the classifier's matmuls;
+* normalisation statistics: the bytes the reductions cannot avoid reading, the norm's input forward, its
+  input and output gradient backward (the activation-sized inputs of the norm's operators);
+* normalisation apply: the norm's operators' minimal bytes (input read, output written; backward: input and
+  gradient read, input gradient written);
+* activation, add, optimiser: their operators' minimal bytes (the optimiser: weight, gradient and momentum
+  read, weight and momentum written, float32);
+* copies, data, other and launch gaps have none: the model's arithmetic needs no copy and no idle GPU, and
+  *other* (pooling, the loss, squeeze-excitation's products) is not one kind of work.
+
+The row *norm + act + add* sums the four memory-bound families, against roofline.py's minimal for their
+operators together: a norm's input read once for both of its passes, which is what fusing a norm with its
+statistics and its neighbours can reach and no sequence of separate kernels can.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnns import profiling
+from cnns.errors import CnnsError
+
+CONVOLUTION = "convolution"
+NORM_STATISTICS = "normalisation statistics"
+NORM_APPLY = "normalisation apply"
+ACTIVATION = "activation"
+ADD = "add"
+OPTIMISER = "optimiser"
+COPIES = "copies"
+DATA = "data"
+OTHER = "other"
+KERNEL_FAMILIES = (CONVOLUTION, NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD, OPTIMISER, COPIES, DATA, OTHER)
+LAUNCH_GAPS = "launch gaps"
+MEMORY_BOUND = (NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD)  # the "norm + act + add" row
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+MARKS = {profiling.OPTIMISER: OPTIMISER, profiling.DATA: DATA}
+
+# Substrings (regular expressions) of lower-cased kernel names and their family, tried in order.
+KERNEL_NAMES: tuple[tuple[str, str], ...] = (
+    # Copies first: cuDNN's layout transposes carry "cudnn" in their names but compute nothing; memset-like
+    # fills (zeroing gradients and accumulators) move bytes the model's arithmetic does not need either.
+    (r"memcpy|memset", COPIES), (r"direct_copy|copy_kernel|catarraybatchedcopy", COPIES),
+    (r"nchwtonhwc|nhwctonchw", COPIES), (r"fillfunctor|fill_kernel", COPIES),
+    # The optimiser's multi-tensor kernels and the loss scaler's checks, wherever they are launched.
+    (r"multi_tensor_apply|foreach|fused_sgd|fusedsgd|adam|non_finite_check_and_unscale|amp_update_scale",
+     OPTIMISER),
+    # Normalisation that reduces: batch norm's statistics and its backward's per-channel sums (ATen),
+    # Welford reductions (var_mean), group norm's moments and parameter gradients, cuDNN's training
+    # passes (a reduction and the normalisation in one persistent kernel: the reduction is what it cannot
+    # avoid, so it counts here).
+    (r"collect_statistics|batch_norm_backward_reduce|reduce_statistics|update_stats|welford", NORM_STATISTICS),
+    (r"rowwisemoments|compute_?stats|computefusedparams|computeinternalgradients|gammabetabackward"
+     r"|computebackwardfusedparams", NORM_STATISTICS),
+    (r"bn_fw_tr|bn_bw|batchnorm_fwtr|batchnorm_bwtr", NORM_STATISTICS),
+    # Normalisation's elementwise passes: batch norm's transform and backward_elemt, group norm's
+    # elementwise lambdas, cuDNN's inference pass.
+    (r"batch_?norm|group_?norm|layer_?norm|bn_fw_inf", NORM_APPLY),
+    # Convolutions (cuDNN, its xmma/CUTLASS engines, ATen's depthwise kernels) and GEMMs (cuBLAS, cuBLASLt's
+    # nvjet kernels: the classifier). Their names can carry an epilogue's "relu": tried before activations.
+    (r"conv(?!ert)|cudnn|implicit_gemm|xmma|cutlass|dgrad|wgrad|fprop|winograd|gemm|gemv|nvjet"
+     r"|splitkreduce|sm[0-9]{2,3}_", CONVOLUTION),
+    # Activations: ReLU runs as clamp_min (launch_clamp_scalar) forward and threshold backward.
+    (r"clamp|relu|threshold|silu|sigmoid|hardswish|hardsigmoid|hardtanh|gelu|mish", ACTIVATION),
+    # Elementwise additions: residual additions and the gradients' accumulations.
+    (r"functor_add|functoronself_add|add_kernel", ADD),
+)
+_KERNEL_PATTERNS = tuple((re.compile(pattern), family) for pattern, family in KERNEL_NAMES)
+
+# Inductor's Triton kernels: triton_<kind>_fused_<the aten ops it holds>_<n>.
+_TRITON = re.compile(r"^triton_(?P<kind>[a-z]+)_(?P<ops>.*)$")
+_TRITON_NORMS = ("batch_norm", "group_norm", "layer_norm", "rms_norm", "var_mean")
+_TRITON_OPTIMISER = ("foreach", "fused_sgd", "adam")
+_TRITON_ACTIVATIONS = ("relu", "threshold", "silu", "sigmoid", "hardswish", "hardsigmoid", "hardtanh", "clamp",
+                       "gelu", "mish")
+# The ops of a pointwise kernel that only puts data in a layout (a convolution's input in channels_last).
+_TRITON_LAYOUT = {"", "to", "copy", "clone", "cat", "permute", "view", "unsafe", "transpose", "t", "expand",
+                  "convolution", "reshape", "squeeze", "unsqueeze", "slice", "select", "alias", "contiguous"}
+
+
+def kernel_family(name: str) -> str:
+    """The family of a GPU kernel (or copy, or memset) by its name: the rules of the module docstring."""
+    lowered = name.lower()
+    triton = _TRITON.match(lowered)
+    if triton:
+        return _triton_family(triton["kind"], triton["ops"])
+    for pattern, family in _KERNEL_PATTERNS:
+        if pattern.search(lowered):
+            return family
+    return OTHER
+
+
+def _triton_family(kind: str, ops: str) -> str:
+    ops = re.sub(r"_?\d+$", "", ops.removeprefix("fused")).strip("_")  # the aten ops, without the kernel's index
+    if kind == "tem":  # a GEMM/convolution template (max-autotune)
+        return CONVOLUTION
+    padded = f"_{ops}_"
+    tokens = set(ops.split("_"))
+    if any(norm in ops for norm in _TRITON_NORMS):
+        return NORM_STATISTICS if kind in ("red", "per") else NORM_APPLY
+    if any(op in ops for op in _TRITON_OPTIMISER):
+        return OPTIMISER
+    if "_add_" in padded:
+        return ADD
+    if tokens & set(_TRITON_ACTIVATIONS):
+        return ACTIVATION
+    if kind == "poi" and tokens <= _TRITON_LAYOUT:
+        return COPIES
+    return OTHER
+
+
+# ------------------------------------------------------------------------------------------------
+# the trace read: kernels in updates
+
+
+@dataclass
+class GpuUpdate:
+    """One update's GPU account, microseconds."""
+
+    family_us: dict[str, float] = field(default_factory=dict)
+    wall_us: float = 0.0
+    busy_us: float = 0.0
+
+    @property
+    def gaps_us(self) -> float:
+        return self.wall_us - self.busy_us
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def gpu_updates(events: list[dict[str, Any]], skip: int = 1, where: str = "the trace") -> list[GpuUpdate]:
+    """Each update after the first ``skip``: its kernels' time by family, its wall and busy time."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    cpu = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation")]
+    updates = sorted((e for e in cpu if e.get("name") == profiling.UPDATE), key=lambda e: e["ts"])
+    if len(updates) <= skip:
+        raise CnnsError(f"{where} holds {len(updates)} update(s); {skip} warm-up update(s) and at least one more "
+                        f"are needed")
+    gpu = [e for e in spans if str(e.get("cat", "")).lower() in GPU_CATEGORIES]
+    if not gpu:
+        raise CnnsError(f"{where} holds no GPU kernels: its profiler did not record CUDA activity "
+                        f"(ProfilerActivity.CUDA)")
+    launches = {e["args"]["correlation"]: e["ts"] for e in spans
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    flows = {e["id"]: e["ts"] for e in events if e.get("ph") == "s" and e.get("cat") == "ac2g" and "id" in e}
+    marks = sorted((e["ts"], e["ts"] + e["dur"], MARKS[e["name"]]) for e in cpu if e.get("name") in MARKS)
+    starts = [u["ts"] for u in updates]
+
+    def launch_of(kernel) -> float | None:
+        correlation = kernel.get("args", {}).get("correlation")
+        if correlation is None:
+            return None
+        return launches.get(correlation, flows.get(correlation))
+
+    attributed: list[list[tuple[dict[str, Any], str]]] = [[] for _ in updates]
+    for kernel in gpu:
+        launch = launch_of(kernel)
+        if launch is not None:
+            index = bisect.bisect_right(starts, launch) - 1
+            if index < 0 or launch > updates[index]["ts"] + updates[index]["dur"]:
+                continue  # launched outside every update
+            mark = next((family for start, end, family in marks if start <= launch <= end), None)
+            attributed[index].append((kernel, mark or kernel_family(kernel["name"])))
+        else:  # no launch in the trace: the kernel's own start
+            index = bisect.bisect_right(starts, kernel["ts"]) - 1
+            if index >= 0:
+                attributed[index].append((kernel, kernel_family(kernel["name"])))
+    intervals = [(k["ts"], k["ts"] + k["dur"]) for k in gpu]
+    out = []
+    for index in range(skip, len(updates)):
+        update, mine = updates[index], attributed[index]
+        start = update["ts"]
+        end = max([update["ts"] + update["dur"]] + [k["ts"] + k["dur"] for k, _ in mine])
+        if index + 1 < len(updates):
+            end = min(end, starts[index + 1])
+        families: dict[str, float] = {}
+        for kernel, family in mine:
+            families[family] = families.get(family, 0.0) + kernel["dur"]
+        busy = _union_us([(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start])
+        out.append(GpuUpdate(families, end - start, busy))
+    return out
+
+
+@dataclass
+class GpuBreakdown:
+    """Milliseconds per update (means over ``updates`` updates) by kernel family, the update's wall time and
+    the GPU's busy time within it."""
+
+    ms: dict[str, float] = field(default_factory=dict)
+    update_ms: float = 0.0
+    busy_ms: float = 0.0
+    updates: int = 0
+
+    @property
+    def gaps_ms(self) -> float:
+        return self.update_ms - self.busy_ms
+
+
+def breakdown_of_updates(updates: list[GpuUpdate]) -> GpuBreakdown:
+    count = len(updates)
+    ms = {family: sum(u.family_us.get(family, 0.0) for u in updates) / count / 1e3 for family in KERNEL_FAMILIES}
+    return GpuBreakdown(ms, sum(u.wall_us for u in updates) / count / 1e3,
+                        sum(u.busy_us for u in updates) / count / 1e3, count)
+
+
+def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
+    from cnns.bench.opprofile import read_trace
+
+    try:
+        events = read_trace(folder)
+    except FileNotFoundError as exc:
+        raise CnnsError(str(exc)) from None
+    return breakdown_of_updates(gpu_updates(events, skip, where=f"the profiler trace in {folder}"))
+
+
+# ------------------------------------------------------------------------------------------------
+# rooflines
+
+
+def _roofline_family(op_name: str) -> str | None:
+    """The kernel family that does an ATen operator's work (`cnns.bench.roofline` names), or None."""
+    if op_name in ("convolution", "convolution_backward", "mm", "addmm", "bmm"):
+        return CONVOLUTION
+    if any(norm in op_name for norm in ("batch_norm", "group_norm", "layer_norm")):
+        return NORM_APPLY  # and its statistics: `_norm_statistics_bytes`
+    if op_name.rstrip("_") in ("relu", "threshold_backward", "silu", "silu_backward", "sigmoid", "sigmoid_backward",
+                               "hardswish", "hardswish_backward", "clamp_min", "gelu", "gelu_backward"):
+        return ACTIVATION
+    if op_name in ("add", "add_"):
+        return ADD
+    if op_name == "optimiser":
+        return OPTIMISER
+    return None
+
+
+def model_operators_with_reads(model_spec, batch_size: int, dtype: torch.dtype):
+    """`cnns.bench.roofline.model_operators` of a training step, each with the bytes of its activation-sized
+    inputs (those with as many elements as its largest input): what a normalisation's reductions read."""
+    from torch.utils._pytree import tree_flatten
+
+    from cnns.bench import roofline
+    from cnns.models import build_model
+
+    class Recorder(roofline._OpRecorder):
+        def __init__(self):
+            super().__init__()
+            self.reads: list[float] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = len(self.ops)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if len(self.ops) > before:
+                inputs = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+                largest = max((t.numel() for t in inputs), default=0)
+                self.reads.append(roofline._nbytes([t for t in inputs if t.numel() == largest]))
+            return out
+
+    with torch.device("meta"):
+        model = build_model(model_spec)
+    model = model.to(dtype=dtype, memory_format=torch.channels_last).train()
+    size = model_spec.image_size
+    images = torch.empty(batch_size, 3, size, size, device="meta", dtype=dtype).contiguous(
+        memory_format=torch.channels_last)
+    labels = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    recorder = Recorder()
+    with recorder:
+        torch.nn.functional.cross_entropy(model(images).float(), labels).backward()
+    params = sum(p.numel() for p in model.parameters())
+    # SGD with momentum, as roofline.model_operators counts it
+    optimiser = roofline.OpCost("optimiser", 2.0 * params, 5 * 4 * params)
+    return list(zip(recorder.ops, recorder.reads)) + [(optimiser, 0.0)]
+
+
+def family_rooflines(model_spec, batch_size: int, accumulation: int, dtype: torch.dtype, matmul_gflops: float,
+                     bandwidth_gbs: float) -> dict[str, float]:
+    """Roofline milliseconds per update of the families that have one, and of ``norm + act + add``."""
+    def seconds(flops: float, moved: float) -> float:
+        return max(flops / (matmul_gflops * 1e9), moved / (bandwidth_gbs * 1e9))
+
+    out = {family: 0.0 for family in (CONVOLUTION, NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD, OPTIMISER)}
+    fused = 0.0  # norm + act + add: roofline.py's minimal of their operators together
+    for op, reads in model_operators_with_reads(model_spec, batch_size, dtype):
+        family = _roofline_family(op.name)
+        if family is None:
+            continue
+        times = 1 if family == OPTIMISER else accumulation
+        out[family] += times * seconds(op.flops, op.bytes)
+        if family == NORM_APPLY:
+            out[NORM_STATISTICS] += times * seconds(0.0, reads)
+        if family in MEMORY_BOUND:
+            fused += times * seconds(op.flops, op.bytes)
+    out = {family: s * 1e3 for family, s in out.items()}
+    out["norm + act + add"] = fused * 1e3
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+
+
+@dataclass
+class GpuProfileReport:
+    name: str
+    sides: dict[str, GpuBreakdown]  # "cnns", optionally "cnns eager", "plain"
+    rooflines: dict[str, float] = field(default_factory=dict)  # ms per update by family; empty if it failed
+    rates_line: str = ""
+    dtype: str = ""
+    skipped: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def _cell(value: float | None, width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+
+
+def format_gpu_report(report: GpuProfileReport) -> str:
+    sides = report.sides
+    first = next(iter(sides.values()))
+    lines = [f"{report.name}: GPU milliseconds per update (mean of {first.updates} updates after the first "
+             f"{report.skipped}), by kernel family"]
+    if report.rates_line:
+        lines.append(f"roofline: {report.dtype} {report.rates_line}")
+    header = f"{'family':<26}" + "".join(f" {side + ' ms':>13} {'%':>6}" for side in sides)
+    header += f" {'roofline ms':>12}" + "".join(f" {side + '/roofline':>19}" for side in sides if side != "plain")
+    lines.append(header)
+
+    def row(label: str, values: dict[str, float], roofline: float | None) -> str:
+        text = f"{label:<26}"
+        for side, value in values.items():
+            wall = sides[side].update_ms
+            text += f" {value:13.2f} {100 * value / wall if wall else 0.0:5.1f}%"
+        text += f" {_cell(roofline, 12)}"
+        for side, value in values.items():
+            if side != "plain":
+                text += f" {_cell(value / roofline if roofline else None, 19)}"
+        return text
+
+    for family in KERNEL_FAMILIES:
+        lines.append(row(family, {side: b.ms.get(family, 0.0) for side, b in sides.items()},
+                         report.rooflines.get(family)))
+    lines.append(row(LAUNCH_GAPS, {side: b.gaps_ms for side, b in sides.items()}, None))
+    lines.append(row("GPU busy", {side: b.busy_ms for side, b in sides.items()}, None))
+    lines.append(row("update (wall)", {side: b.update_ms for side, b in sides.items()}, None))
+    lines.append(row("norm + act + add", {side: sum(b.ms.get(f, 0.0) for f in MEMORY_BOUND)
+                                          for side, b in sides.items()}, report.rooflines.get("norm + act + add")))
+    lines.append("kernel families overlap where streams run concurrently; launch gaps = wall - GPU busy; "
+                 "norm + act + add's roofline reads a norm's input once for both passes")
+    lines.extend(report.notes)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# running the sides
+
+
+CUDA_WARMUP = 3  # updates left out on a GPU: compilation, CUDA-graph warm-up and recording
+
+
+def profile_cuda_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float, run, eager: bool = False,
+                       rates=None, warmup: int = CUDA_WARMUP) -> GpuProfileReport:
+    """Both sides of one planned CUDA training entry (its command line already carries
+    `cnns.bench.opprofile.profile_arguments`), and with ``eager`` cnns again without compilation."""
+    import json
+    import sys
+
+    from cnns.bench.runner import command_argv, subprocess_env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cnns_argv = command_argv(plan.script, plan.argv, spec_dir)
+    runs = [("cnns", cnns_argv, folder / "cnns")]
+    if eager:  # the last --profile-dir and --compile/--no-compile win
+        runs.append(("cnns eager", cnns_argv + ["--no-compile", "--profile-dir", str(folder / "cnns-eager")],
+                     folder / "cnns-eager"))
+    baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
+    runs.append(("plain", [sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], folder / "plain"))
+    sides = {}
+    for side, argv, trace_dir in runs:
+        run(argv, timeout, subprocess_env(), folder / f"{side.replace(' ', '-')}.log")
+        sides[side] = gpu_breakdown_of_trace(trace_dir, warmup)
+    report = GpuProfileReport(name, sides, skipped=warmup)
+    if rates is None:
+        from cnns.bench.rates import DeviceRates
+
+        rates = DeviceRates(torch.device(plan.device)).measure()
+    dtype = str(plan.activation_dtype).removeprefix("torch.")
+    matmul = rates.rates.get(dtype)
+    report.dtype = dtype if matmul else f"{dtype} (not measured: the peak)"
+    matmul = matmul or rates.peak
+    report.rates_line = (f"matmul {matmul:.0f} GFLOP/s, stream {rates.bandwidth:.0f} GB/s "
+                         f"({rates.describe()})")
+    try:
+        report.rooflines = family_rooflines(plan.model_spec, plan.batch_size, plan.grad_accum,
+                                            plan.activation_dtype, matmul, rates.bandwidth)
+    except Exception as exc:  # a report, never a reason to lose the measurement
+        report.notes.append(f"no rooflines: {exc}")
+    return report
