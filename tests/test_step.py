@@ -3,6 +3,7 @@ passes are run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -117,3 +118,25 @@ def test_kept_gradient_buffers_change_nothing_without_graph_replays():
     reference, _ = _weights_after_three_updates(lambda: nn.Sequential(nn.Linear(16, 4)), keep_gradient_buffers=False)
     kept, _ = _weights_after_three_updates(lambda: nn.Sequential(nn.Linear(16, 4)), keep_gradient_buffers=True)
     assert torch.equal(kept, reference)
+
+
+@pytest.mark.parametrize("as_computed", [False, True], ids=["after-backward", "pipeline-hooks"])
+def test_float32_sums_start_in_memory_of_their_own_not_in_a_replayed_gradient(as_computed):
+    """16.16 keeps norm parameters in float32; with --compile on a GPU their gradients are a CUDA graph's
+    outputs, rewritten by the next micro-batch's replay. The float32 sum over micro-batches must start from a
+    copy, or it ends up holding the last micro-batch's gradient twice (the CUDA tier's 'accessing tensor output
+    of CUDAGraphs that has been overwritten' failure)."""
+    from cnns.engine.step import FloatGradientAccumulator
+
+    norm_scale = nn.Parameter(torch.ones(4))  # float32, as 16.16's norm parameters
+    replay_memory = torch.zeros(4)
+    accumulator = FloatGradientAccumulator([norm_scale], enabled=True)
+    if as_computed:
+        accumulator.accumulate_as_computed()  # the pipeline's way: a hook as each gradient is accumulated
+    gradients = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 20.0, 30.0, 40.0])]
+    for gradient in gradients:
+        (_ReplayedGradient.apply(norm_scale, replay_memory) * gradient).sum().backward()
+        if not as_computed:
+            accumulator.after_backward()
+    [summed] = accumulator.gradients()
+    assert summed.dtype == torch.float32 and torch.equal(summed, gradients[0] + gradients[1])

@@ -58,9 +58,8 @@ class FloatGradientAccumulator:
     def _add(self, index: int, param: nn.Parameter) -> None:
         if self.buffers is None:
             self.buffers = [None] * len(self.params)
-        grad = param.grad.float()
         current = self.buffers[index]
-        self.buffers[index] = grad if current is None else current.add_(grad)
+        self.buffers[index] = _owned_float32(param.grad) if current is None else current.add_(param.grad)
         param.grad = None
 
     def after_backward(self) -> None:
@@ -71,7 +70,7 @@ class FloatGradientAccumulator:
         else:
             grads = [p.grad for p in self.params]
             if self.buffers is None:
-                self.buffers = [g.float() for g in grads]
+                self.buffers = [_owned_float32(g) for g in grads]
             else:
                 torch._foreach_add_(self.buffers, [g.float() for g in grads])
         for p in self.params:
@@ -109,6 +108,14 @@ class FloatGradientAccumulator:
             return reduced.then(store)
 
         return hook
+
+
+def _owned_float32(grad: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a gradient in memory of the accumulator's own. ``.float()`` alone returns a float32
+    gradient itself (16.16 keeps its norm parameters in float32), and a model that replays CUDA graphs
+    (--compile on a GPU) returns gradients in the graph's memory, which the next micro-batch's replay
+    rewrites: a sum started on it would hold the next micro-batch's gradient, not this one's."""
+    return grad.float() if grad.dtype != torch.float32 else grad.clone()
 
 
 class _OptimiserStep:
@@ -205,7 +212,7 @@ class TrainStep(_OptimiserStep):
 class PipelinedTrainStep(_OptimiserStep):
     """One weight update of one pipeline stage.
 
-    The schedule (`cnns.parallel.pipeline.build_schedule`) runs the update's micro-batches through the
+    The schedule (`cnns.parallel.pipeline.build_pipeline_schedule`) runs the update's micro-batches through the
     stages: the first stage feeds the images, the last computes the loss (in float32, divided by the
     micro-batch count as one process's accumulation does) and the metrics; gradients accumulate in each
     stage. Then each stage averages its gradients over its replicas (one all-reduce of the update's sum,
@@ -217,7 +224,7 @@ class PipelinedTrainStep(_OptimiserStep):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad_accum: int,
                  accumulate_in_float32: bool, world, fp_exceptions: bool = False,
                  mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
-        from cnns.parallel.pipeline import StageClock, build_schedule
+        from cnns.parallel.pipeline import StageClock, build_pipeline_schedule
 
         self.optimiser = optimiser
         self.scaler = scaler
@@ -230,7 +237,7 @@ class PipelinedTrainStep(_OptimiserStep):
         self.accumulator = FloatGradientAccumulator(
             self.params, enabled=accumulate_in_float32 and policy.half_weights and grad_accum > 1)
         self.accumulator.accumulate_as_computed()
-        self.schedule = build_schedule(stage.schedule, stage.pipeline_stage, grad_accum, self._loss)
+        self.schedule = build_pipeline_schedule(stage.schedule, stage.pipeline_stage, grad_accum, self._loss)
         self.clock = StageClock(stage.pipeline_stage, stage.pipeline_stage.device)
         names = dict(zip(map(id, stage.module.model.parameters()),
                          (name for name, _ in stage.module.model.named_parameters())))
