@@ -54,3 +54,20 @@ def reap_children():
     yield
     left = processes.reap()
     assert not left, f"the test left processes running: {left}"
+
+
+@pytest.fixture(scope="session")
+def shapes_cifar10(tmp_path_factory):
+    """Makes a learnable CIFAR-10 binary folder of the built-in dataset's drawn shapes: `train` training and
+    `test` test images drawn with `seed`, in a new folder named cifar-10-<name>-... (the name tells the
+    dataset, as the seed's rule reads it)."""
+    from cnns.data.builtin import draw_shapes
+    from cnns.data.cifar import write_cifar10
+
+    def make(name: str, *, train: int, test: int, seed: int) -> Path:
+        folder = tmp_path_factory.mktemp(f"cifar-10-{name}")
+        images, labels = draw_shapes(train + test, seed=seed)
+        write_cifar10(folder, (images[:train], labels[:train]), (images[train:], labels[train:]))
+        return folder
+
+    return make

@@ -30,8 +30,6 @@ import processes
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 from cnns.errors import DataError
 
 from test_tfrecord import colour_jpeg, colour_of, frame, imagenet_example
@@ -97,11 +95,8 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cifar(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-bad-input")
-    images, labels = draw_shapes(40, seed=3)
-    write_cifar10(folder, (images[:30], labels[:30]), (images[30:], labels[30:]))
-    return folder
+def cifar(shapes_cifar10) -> Path:
+    return shapes_cifar10("bad-input", train=30, test=10, seed=3)
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
@@ -352,12 +347,15 @@ MISTYPED = ["is not a cnns checkpoint: its 'iteration' entry is a str, not int"]
 ], ids=lambda value: value.__name__ if callable(value) else value if isinstance(value, str) else "")
 def test_damaged_checkpoint_is_one_line_and_leaves_the_run_folder_alone(trained_run, tmp_path, capfd, script, damage,
                                                                         fragments, real):
+    """Every checkpoint of the run damaged alike: nothing readable to continue from or to validate. (With one
+    damaged and others readable, restore.py and validation.py go on with the others: tests/test_validation.py.)"""
     folder = copy_of(trained_run, tmp_path)
-    damage(folder / "ckpt-2.pt")
+    for path in folder.glob("ckpt-*.pt"):
+        damage(path)
     before = digest(folder)
     args = ("--restore-path", str(folder))
     out = run_script(script, *args, cwd=tmp_path) if real else run_in_process(capfd, script, *args, cwd=tmp_path)
-    assert_one_line_error(out, str(folder / "ckpt-2.pt"), *fragments)
+    assert_one_line_error(out, f"no readable checkpoint in {folder}", str(folder / "ckpt-2.pt"), *fragments)
     assert digest(folder) == before
 
 

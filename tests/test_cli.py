@@ -232,3 +232,20 @@ def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--pipeline with --shards 1: one stage; its --pipeline-splits are the recomputation points" in out.stdout
     assert "step:" in out.stdout
+
+
+def test_a_run_resolves_its_configuration_once_and_the_engine_never_again(monkeypatch, tmp_path):
+    """The command line becomes one frozen RunConfig per process; what the processes agree on later comes back
+    as a replace of it, so a training run (validation after it included) builds it exactly once."""
+    from cnns.cli import run_script
+    from cnns.config import RunConfig
+
+    built = []
+    original = RunConfig.from_options.__func__
+    monkeypatch.setattr(RunConfig, "from_options", classmethod(lambda cls, o: built.append(cls) or original(cls, o)))
+    folder = tmp_path / "run"
+    assert run_script("train", ["--synthetic-data", "--dataset", "cifar-10", "--model-size", "8", "--iterations", "2",
+                                "--micro-batch-size", "8", "--seed", "3", "--validation-images", "16",
+                                "--logs-path", str(folder)]) == 0
+    assert len(built) == 1
+    assert json.loads((folder / "arguments.json").read_text())["seed"] == 3

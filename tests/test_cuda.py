@@ -21,8 +21,6 @@ import torch
 
 import processes
 
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 
 pytestmark = pytest.mark.cuda
 
@@ -33,11 +31,8 @@ HALF = "bfloat16" if GPUS and torch.cuda.is_bf16_supported(including_emulation=F
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-cuda")
-    images, labels = draw_shapes(2200, seed=4)
-    write_cifar10(folder, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("cuda", train=2000, test=200, seed=4)
 
 
 def train(tmp_path: Path, name: str, *args: str, script: str = "train.py") -> tuple[Path, str]:

@@ -160,7 +160,7 @@ def test_the_data_loader_pins_memory_only_for_a_gpu_run(two_gpus, tmp_path, devi
     from test_imagenet_training import encoded, picture
 
     from cnns.config import RunConfig
-    from cnns.data.pipeline import build_sources
+    from cnns.data.sources import build_sources
 
     root = tmp_path / "tree"
     for split in ("train", "validation"):
@@ -209,3 +209,34 @@ def test_pipeline_stage_timing_holds_a_bounded_number_of_cuda_events(monkeypatch
     Event.query = lambda self: True  # the end of the run: everything has completed
     totals = clock.totals()
     assert totals["forward"] == totals["backward"] == pytest.approx(10_000 * 0.002)
+
+
+@pytest.mark.parametrize("choice, compiled", [([], True), (["--device", "cuda:1"], True), (["--device", "cpu"], False),
+                                              (["--no-compile"], False)],
+                         ids=["gpu-default", "gpu-index", "cpu", "no-compile"])
+def test_a_gpu_run_compiles_by_default_and_a_cpu_run_does_not(two_gpus, choice, compiled):
+    options, _ = resolved_training_options("train", [*PLAIN, *choice])
+    assert options["compile"] is compiled
+    # Pipeline stages do not compile yet: a GPU default must not make a pipelined run fail.
+    staged, _ = resolved_training_options("train", [*PLAIN, *choice, "--shards", "2", "--pipeline",
+                                                    "--pipeline-splits", "layer2"])
+    assert staged["compile"] is False
+
+
+def test_validation_compiles_as_its_run_trained_or_as_the_device_decides(two_gpus, tmp_path):
+    import json
+
+    from cnns.cli.parsing import resolved_evaluation_options
+
+    _, options, _ = resolved_evaluation_options("validate", PLAIN)  # no run: the device decides
+    assert options["compile"] is True
+    trained, _ = resolved_training_options("train", [*PLAIN, "--device", "cpu"])
+    (tmp_path / "arguments.json").write_text(json.dumps(trained))
+    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
+    assert options["compile"] is False and options["half_dtype_given"] is False  # the run's, kept
+    on_the_gpu, _ = resolved_training_options("train", PLAIN)
+    (tmp_path / "arguments.json").write_text(json.dumps({**on_the_gpu, "half_dtype_given": True}))
+    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
+    assert options["compile"] is True and options["half_dtype_given"] is True
+    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path), "--no-compile"])
+    assert options["compile"] is False

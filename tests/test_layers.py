@@ -88,9 +88,9 @@ def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_every_module():
     # Guards the reader itself: a parser that found nothing would pass every check below.
-    assert {"cnns.cli", "cnns.cli.commands", "cnns.runs", "cnns.tasks", "cnns.engine.session"} <= set(GRAPH)
+    assert {"cnns.cli", "cnns.cli.commands", "cnns.runs", "cnns.commands.train", "cnns.engine.session"} <= set(GRAPH)
     assert any(target == "cnns.cli.parsing" for target, _ in GRAPH["cnns.cli"])
-    assert any(target == "cnns.runs" for target, _ in GRAPH["cnns.inference.predict"])
+    assert any(target == "cnns.runs" for target, _ in GRAPH["cnns.engine.restored"])
     assert sum(len(edges) for edges in GRAPH.values()) > 150
 
 
@@ -124,34 +124,37 @@ def test_layers_named_in_the_readme_hold():
     """The README's layer list, as code: each folder may import only the layers below it."""
     below = {
         "cnns.cli": None,  # the top floor: anything
-        "cnns.tasks": {"cnns.bench", "cnns.inference", "cnns.engine", "cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data",
-                       "cnns.models", "cnns.config", "cnns.options", "cnns.checkpoint", "cnns.runlog",
-                       "cnns.errors"},
-        "cnns.bench": {"cnns.inference", "cnns.engine", "cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models",
-                       "cnns.config", "cnns.options", "cnns.precision", "cnns.checkpoint", "cnns.runlog",
+        "cnns.commands": {"cnns.bench", "cnns.engine", "cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data",
+                          "cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.checkpoint",
+                          "cnns.runlog", "cnns.errors", "cnns.commands"},
+        "cnns.bench": {"cnns.engine", "cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models",
+                       "cnns.config", "cnns.devices", "cnns.precision", "cnns.checkpoint", "cnns.runlog",
                        "cnns.kernels", "cnns.profiling", "cnns.errors", "cnns.bench"},
-        "cnns.inference": {"cnns.engine", "cnns.runs", "cnns.weights", "cnns.data", "cnns.models", "cnns.config", "cnns.precision",
-                           "cnns.checkpoint", "cnns.errors", "cnns.inference"},
-        "cnns.engine": {"cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models", "cnns.kernels", "cnns.config",
-                        "cnns.precision", "cnns.optim", "cnns.schedules", "cnns.checkpoint", "cnns.runlog",
-                        "cnns.plots", "cnns.profiling", "cnns.errors", "cnns.engine"},
-        "cnns.runs": {"cnns.data", "cnns.models", "cnns.config", "cnns.options", "cnns.checkpoint", "cnns.runlog",
-                      "cnns.errors"},
+        "cnns.engine": {"cnns.runs", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models", "cnns.kernels",
+                        "cnns.config", "cnns.devices", "cnns.precision", "cnns.optim", "cnns.stochastic_rounding",
+                        "cnns.schedules",
+                        "cnns.checkpoint", "cnns.runlog", "cnns.plots", "cnns.profiling", "cnns.errors", "cnns.engine"},
+        "cnns.runs": {"cnns.data", "cnns.models", "cnns.config", "cnns.checkpoint", "cnns.runlog", "cnns.errors"},
         "cnns.weights": {"cnns.models", "cnns.checkpoint", "cnns.errors"},
-        "cnns.parallel": {"cnns.models", "cnns.errors", "cnns.parallel"},
+        "cnns.parallel": {"cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.errors",
+                          "cnns.parallel"},
         "cnns.data": {"cnns.config", "cnns.errors", "cnns.data"},
-        "cnns.config": {"cnns.models", "cnns.options", "cnns.errors"},
+        "cnns.config": {"cnns.models", "cnns.devices", "cnns.errors", "cnns.config"},
         "cnns.models": {"cnns.errors", "cnns.models"},
-        "cnns.options": set(),
-        **{leaf: {"cnns.errors", leaf} for leaf in ("cnns.precision", "cnns.schedules", "cnns.checkpoint",
-                                                  "cnns.runlog", "cnns.plots", "cnns.profiling")},
-        "cnns.optim": {"cnns.errors", "cnns.kernels", "cnns.optim"},
+        **{leaf: {"cnns.errors", leaf} for leaf in ("cnns.precision", "cnns.devices", "cnns.versions",
+                                                  "cnns.schedules", "cnns.checkpoint", "cnns.runlog", "cnns.plots",
+                                                  "cnns.profiling")},
+        "cnns.optim": {"cnns.errors", "cnns.kernels", "cnns.stochastic_rounding", "cnns.optim"},
+        "cnns.stochastic_rounding": {"cnns.errors", "cnns.kernels", "cnns.stochastic_rounding"},
         "cnns.kernels": {"cnns.errors", "cnns.profiling", "cnns.kernels"},
     }
 
     def layer(module: str) -> str:
         parts = module.split(".")
         return ".".join(parts[:2])
+
+    missing = {layer(name) for name in GRAPH if name.count(".") >= 1} - set(below) - {"cnns.__main__", "cnns.errors"}
+    assert not missing, f"layers missing from the table: {sorted(missing)}"
 
     wrong = []
     for name, edges in GRAPH.items():
@@ -161,3 +164,27 @@ def test_layers_named_in_the_readme_hold():
         wrong += [f"{MODULES[name].relative_to(SRC.parent)}:{line} imports {target}"
                   for target, line in edges if layer(target) not in allowed]
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_only_the_command_line_imports_the_benchmarks():
+    """bench/ is a leaf: the training path never reaches it, only `cnns benchmark` and its kin (and train.py's
+    --dataset-benchmark, a command of its own) do."""
+    wrong = [f"{MODULES[name].relative_to(SRC.parent)}:{line} imports {target}"
+             for name, edges in GRAPH.items() if not name.startswith(("cnns.cli", "cnns.commands", "cnns.bench"))
+             for target, line in edges if target.startswith("cnns.bench")]
+    assert not wrong, "imports of cnns.bench outside the command line:\n" + "\n".join(wrong)
+
+
+def test_the_engine_reads_no_raw_options():
+    """Below the commands, code reads the typed RunConfig; its flat `arguments` are only written (arguments.json,
+    W&B) and compared between processes."""
+    allowed = {"cnns.runs", "cnns.runlog", "cnns.parallel.world"}
+    readers = []
+    for name, path in MODULES.items():
+        if name.startswith(("cnns.cli", "cnns.commands", "cnns.config")) or name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("arguments", "options") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "cfg":
+                readers.append(f"{MODULES[name].relative_to(SRC.parent)}:{node.lineno} reads cfg.{node.attr}")
+    assert not readers, "raw options read below the commands:\n" + "\n".join(readers)

@@ -12,8 +12,6 @@ import torch
 from torch import nn
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 from cnns.precision import LossScaler, PrecisionPolicy
 
 
@@ -46,11 +44,8 @@ def test_a_static_scale_only_divides_and_never_reads_back():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-scaling")
-    images, labels = draw_shapes(48, seed=9)
-    write_cifar10(folder, (images[:32], labels[:32]), (images[32:], labels[32:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("scaling", train=32, test=16, seed=9)
 
 
 def test_a_float16_run_that_overflows_skips_updates_backs_off_and_then_trains(data_dir, tmp_path):

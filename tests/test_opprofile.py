@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cnns import profiling
-from cnns.bench.opprofile import FAMILIES, family_times, read_trace, split_convolution_backward
+from cnns.bench.opprofile import FAMILIES, family_times, split_convolution_backward
+from cnns.bench.traces import read_trace
 from cnns.cli.tools import profile_main
 from cnns.engine.fusion import fused_norms
 

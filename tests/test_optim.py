@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-import cnns.optim
+import cnns.stochastic_rounding
 from cnns.errors import ConfigError
 from cnns.kernels import rounding
 from cnns.optim import (
@@ -14,8 +14,8 @@ from cnns.optim import (
     build_optimiser,
     parameter_groups,
     set_lr,
-    stochastic_round,
 )
+from cnns.stochastic_rounding import stochastic_round
 
 # --------------------------------------------------------------------------------------------
 # stochastic rounding
@@ -33,7 +33,7 @@ def bfloat16_rounding(request, monkeypatch):
     if request.param == "pass" and not rounding.available():
         pytest.skip("the rounding pass was not built")
     if request.param == "operators":
-        monkeypatch.setattr(cnns.optim, "_rounding_kernel", lambda: None)
+        monkeypatch.setattr(cnns.stochastic_rounding, "_rounding_kernel", lambda: None)
     return request.param
 
 

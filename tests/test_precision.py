@@ -14,10 +14,8 @@ import processes
 import torch
 from torch import nn
 
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 from cnns.models import ModelSpec, build_model
-from cnns.optim import stochastic_round
+from cnns.stochastic_rounding import stochastic_round
 from cnns.precision import PrecisionPolicy, cpu_half_is_emulated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +49,8 @@ def test_a_cpu_without_bfloat16_arithmetic_runs_float32_unless_the_half_type_is_
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert precision.cpu_half_is_emulated(CPU, torch.bfloat16) is (not native)
     assert not precision.cpu_half_is_emulated(torch.device("cuda"), torch.float16)
-    chosen = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, avoid_emulated_half=True)
-    forced = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, avoid_emulated_half=False)
+    chosen = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, half_dtype_given=False)
+    forced = PrecisionPolicy.resolve("16.16", "bfloat16", CPU, half_dtype_given=True)
     assert forced.weight_dtype == torch.bfloat16 and not forced.note
     if native:
         assert chosen == forced
@@ -60,7 +58,7 @@ def test_a_cpu_without_bfloat16_arithmetic_runs_float32_unless_the_half_type_is_
         assert chosen.weight_dtype == chosen.compute_dtype == torch.float32 and not chosen.use_autocast
         assert "no bfloat16 arithmetic" in chosen.note and "--half-dtype bfloat16" in chosen.note
     # 32.32 never needs the fallback.
-    assert PrecisionPolicy.resolve("32.32", "bfloat16", CPU, avoid_emulated_half=True).note == ""
+    assert PrecisionPolicy.resolve("32.32", "bfloat16", CPU, half_dtype_given=False).note == ""
 
 
 def test_whether_the_half_type_was_explicit_is_kept_through_arguments_json():
@@ -101,9 +99,9 @@ def test_half_input_through_a_float32_norm_layer_matches_float32(half, norm):
 def test_bfloat16_stochastic_rounding_is_unbiased_across_its_cache_sized_pieces(monkeypatch):
     # More elements than one piece of the blocked torch implementation (GPUs', and CPUs' without the C++
     # pass, which tests/test_optim.py checks), with the value changing halfway.
-    import cnns.optim
+    import cnns.stochastic_rounding
 
-    monkeypatch.setattr(cnns.optim, "_rounding_kernel", lambda: None)
+    monkeypatch.setattr(cnns.stochastic_rounding, "_rounding_kernel", lambda: None)
     count = (1 << 21) + 12345
     gap = 2.0**-7
     x = torch.full((count,), 1.0 + 0.25 * gap)
@@ -118,13 +116,13 @@ def test_bfloat16_stochastic_rounding_is_unbiased_across_its_cache_sized_pieces(
 
 @pytest.mark.parametrize("implementation", ["pass", "operators"])
 def test_stochastic_rounding_is_reproducible_from_the_generator_state(implementation, monkeypatch):
-    import cnns.optim
+    import cnns.stochastic_rounding
     from cnns.kernels import rounding
 
     if implementation == "pass" and not rounding.available():
         pytest.skip("the rounding pass was not built")
     if implementation == "operators":
-        monkeypatch.setattr(cnns.optim, "_rounding_kernel", lambda: None)
+        monkeypatch.setattr(cnns.stochastic_rounding, "_rounding_kernel", lambda: None)
     x = torch.randn(100_003)
     a = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(9))
     b = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(9))
@@ -163,11 +161,8 @@ sys.exit(0 if not applied or min(faults[1:]) < faults[0] // 10 else 1)
 
 
 @pytest.fixture(scope="module")
-def learnable_cifar(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-precision")
-    images, labels = draw_shapes(3000, seed=4)
-    write_cifar10(folder, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
-    return folder
+def learnable_cifar(shapes_cifar10) -> Path:
+    return shapes_cifar10("precision", train=2000, test=1000, seed=4)
 
 
 # On a CPU that only emulates bfloat16 (AVX2) a 16.16 epoch costs about 10x a float32 one: 15 epochs there

@@ -287,4 +287,4 @@ def test_the_run_folder_reads_back_what_training_wrote(run_folder):
     assert run.class_names() == (list(BUILTIN_CLASSES), str(Path(run.config.data.data_dir) / "batches.meta.txt"))
     evaluation = run.evaluation_config()  # validation.py's view: one process, the run's model and batch
     assert evaluation.parallel.replicas == 1 and evaluation.model == run.config.model
-    assert evaluation.options["global_batch_size"] == run.options["global_batch_size"]
+    assert evaluation.train.global_batch_size == run.options["global_batch_size"]

@@ -23,8 +23,6 @@ import torch
 
 import processes
 
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,11 +40,8 @@ COMMON = ("--dataset", "cifar-10", "--model-size", "8", "--precision", "32.32", 
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-replicas")
-    images, labels = draw_shapes(TRAIN_IMAGES + TEST_IMAGES, seed=12)
-    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("replicas", train=TRAIN_IMAGES, test=TEST_IMAGES, seed=12)
 
 
 def free_port() -> int:

@@ -18,8 +18,6 @@ import processes
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 from cnns.engine.build import RunLength
 from cnns.engine.loop import StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics
@@ -31,11 +29,8 @@ TRAIN_IMAGES = 640
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-restore")
-    images, labels = draw_shapes(TRAIN_IMAGES + 32, seed=8)
-    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]), (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("restore", train=TRAIN_IMAGES, test=32, seed=8)
 
 
 def script(name: str, *args: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""cnns.bench.splits: profiling the places a model can be cut, and the balanced pipeline split."""
+"""cnns.parallel.planning: profiling the places a model can be cut, and the balanced pipeline split."""
 
 import contextlib
 import itertools
@@ -9,7 +9,7 @@ import pytest
 import processes
 import torch
 
-from cnns.bench.splits import (balanced_cuts, format_report, prepare_model, profile_cuts, propose,
+from cnns.parallel.planning import (balanced_cuts, format_report, prepare_model, profile_cuts, propose,
                                propose_from_profile)
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec, count_parameters, split_points

@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 
 TRAIN_IMAGES, MICRO_BATCH = 32, 8  # 4 updates per epoch
 EXPONENT = -8
@@ -28,12 +26,8 @@ LR0 = 2.0**EXPONENT * MICRO_BATCH  # the seed's rule: 2^exponent x global batch
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-options")
-    images, labels = draw_shapes(TRAIN_IMAGES + 16, seed=21)
-    write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]),
-                  (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("options", train=TRAIN_IMAGES, test=16, seed=21)
 
 
 def train(data_dir: Path, logs: Path, *args: str) -> Path:

@@ -13,8 +13,6 @@ import pytest
 import processes
 import torch
 
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,12 +35,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def small_cifar(tmp_path_factory) -> Path:
+def small_cifar(shapes_cifar10) -> Path:
     """A learnable CIFAR-10 folder: 640 training and 200 test images of drawn shapes."""
-    folder = tmp_path_factory.mktemp("cifar-10-small")
-    images, labels = draw_shapes(840, seed=3)
-    write_cifar10(folder, (images[:640], labels[:640]), (images[640:], labels[640:]))
-    return folder
+    return shapes_cifar10("small", train=640, test=200, seed=3)
 
 
 def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cifar, tmp_path):

@@ -15,8 +15,6 @@ import processes
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGES = 48
@@ -39,11 +37,8 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cifar-10-tiny")
-    images, labels = draw_shapes(128 + TEST_IMAGES, seed=6)
-    write_cifar10(folder, (images[:128], labels[:128]), (images[128:], labels[128:]))
-    return folder
+def data_dir(shapes_cifar10) -> Path:
+    return shapes_cifar10("tiny", train=128, test=TEST_IMAGES, seed=6)
 
 
 @pytest.fixture(scope="module")
@@ -146,24 +141,16 @@ def foreign(path: Path) -> None:
     torch.save({"model": collections.OrderedDict(), "payload": subprocess.CompletedProcess(["x"], 0)}, path)
 
 
-def test_a_truncated_checkpoint_stops_validation_py_before_anything_is_written(run_copy, tmp_path):
-    truncate(run_copy / "ckpt-2.pt")
-    before = snapshot(run_copy)
-    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=2)
-    assert "Traceback" not in out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: cannot read checkpoint") and "ckpt-2.pt" in lines[0]
-    assert "truncated" in lines[0]
-    assert snapshot(run_copy) == before
-
-
 @pytest.mark.parametrize("damage, message", [(truncate, "truncated"), (foreign, "weights_only")])
-@pytest.mark.parametrize("command, argv", [("validate", []), ("restore", []), ("weight-avg", ["--mode", "mean"])])
-def test_a_damaged_checkpoint_stops_every_command_before_anything_is_written(run_copy, capsys, damage, message,
-                                                                             command, argv):
+@pytest.mark.parametrize("command", ["validate-file", "weight-avg"])
+def test_a_damaged_checkpoint_a_command_must_read_stops_it_before_anything_is_written(run_copy, capsys, damage,
+                                                                                       message, command):
+    """validation.py given the file itself, and weight_avg.py, whose average needs every chosen checkpoint."""
     damage(run_copy / "ckpt-4.pt")
     before = snapshot(run_copy)
-    assert run_command(command, ["--restore-path", str(run_copy), *argv]) == 2
+    argv = (["validate", "--restore-path", str(run_copy / "ckpt-4.pt")] if command == "validate-file" else
+            ["weight-avg", "--restore-path", str(run_copy), "--mode", "mean"])
+    assert run_command(argv[0], argv[1:]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot read checkpoint") and "ckpt-4.pt" in err[0]
     assert message in err[0]
@@ -175,4 +162,42 @@ def test_a_checkpoint_of_another_model_is_one_clear_error(run_copy, capsys):
     assert run_command("validate", ["--restore-path", str(run_copy), "--model-size", "14"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match the model resnet-14" in err[0]
+    assert snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize("damage", [truncate, foreign], ids=["truncated", "foreign"])
+def test_validation_names_an_unreadable_checkpoint_and_validates_the_others(run_copy, tmp_path, damage):
+    damage(run_copy / "ckpt-4.pt")
+    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=1)
+    validated = re.findall(r"^Validation top-1 accuracy: .*\[(ckpt-\d+)\]", out.stdout, re.MULTILINE)
+    assert validated == ["ckpt-0", "ckpt-2"]
+    assert "ckpt-4.pt" in out.stdout.splitlines()[-1] and "unreadable" in out.stdout.splitlines()[-1]
+    assert "Traceback" not in out.stderr
+    assert [r["name"] for r in read_csv(run_copy / "validation.csv")] == ["ckpt-0", "ckpt-2"]
+
+
+@pytest.mark.parametrize("damage", [truncate, foreign], ids=["truncated", "foreign"])
+def test_restore_skips_an_unreadable_newest_checkpoint_and_ends_where_the_run_ended(trained_run, run_copy, tmp_path,
+                                                                                    damage):
+    """The newest checkpoint unreadable (a copy cut short, another program's file): restore.py continues from the
+    one before it, says which it skipped, keeps its bytes aside, and (seeded, on the CPU) trains to the same
+    weights as the uninterrupted run."""
+    damage(run_copy / "ckpt-4.pt")
+    damaged = (run_copy / "ckpt-4.pt").read_bytes()
+    out = run_script("restore.py", "--restore-path", str(run_copy), cwd=tmp_path)
+    assert "skipped the unreadable checkpoint" in out.stdout and "kept as ckpt-4.pt.unreadable" in out.stdout
+    assert (run_copy / "ckpt-4.pt.unreadable").read_bytes() == damaged
+    assert f"Restoring training from latest checkpoint: {run_copy / 'ckpt-2.pt'}" in out.stdout
+    restored = torch.load(run_copy / "ckpt-4.pt", weights_only=True)["model"]
+    uninterrupted = torch.load(trained_run / "ckpt-4.pt", weights_only=True)["model"]
+    assert restored.keys() == uninterrupted.keys()
+    assert all(torch.equal(restored[k], uninterrupted[k]) for k in restored)
+
+
+def test_restore_with_no_readable_checkpoint_is_one_line_and_leaves_the_folder(run_copy, tmp_path):
+    for path in run_copy.glob("ckpt-*.pt"):
+        truncate(path)
+    before = snapshot(run_copy)
+    out = run_script("restore.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=2)
+    assert out.stderr.startswith("error: no readable checkpoint in") and out.stderr.count("\n") == 1
     assert snapshot(run_copy) == before

@@ -170,7 +170,8 @@ def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, 
 
     from cnns.cli.tools import export_main
     from cnns.data.augment import normalise
-    from cnns.inference.predict import decoded_images, evaluation_transform, image_files, run_config
+    from cnns.commands.predict import decoded_images, evaluation_transform, image_files
+    from cnns.engine.restored import run_config
 
     out = tmp_path / "digits-resnet18"
     assert export_main(["--restore-path", str(pretrained), "--format", "safetensors", "--out", str(out)]) == 0
@@ -205,7 +206,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     from safetensors import safe_open
 
     from cnns.cli.tools import export_main
-    from cnns.inference.predict import restore_model
+    from cnns.engine.restored import restore_model
 
     run = tmp_path / "run"
     assert run_command("train", ["--model", model, "--model-size", size, "--dataset", "imagenet", "--image-size", "64",

@@ -179,3 +179,19 @@ def test_a_gpu_run_times_cudnn_algorithms_unless_it_must_repeat_bit_for_bit(repr
     assert torch.backends.cudnn.deterministic is reproducible
     assert torch.are_deterministic_algorithms_enabled() is reproducible
     assert ("forward" in vars(pool)) is reproducible  # the pool computed as a mean only for a seeded run
+
+
+def test_a_model_that_cannot_compile_stops_with_one_line_naming_no_compile():
+    from cnns.engine.wrappers import compilation_failures_named
+    from cnns.errors import ConfigError
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("this backend cannot lower aten.convolution")
+
+    model = torch.compile(nn.Conv2d(3, 4, 3), backend=failing_backend)
+    with pytest.raises(ConfigError) as error, compilation_failures_named():
+        model(torch.randn(2, 3, 8, 8))
+    line = str(error.value)
+    assert "--no-compile" in line and "cannot lower aten.convolution" in line and "\n" not in line
+    with compilation_failures_named():  # anything else passes through untouched
+        assert nn.Conv2d(3, 4, 3)(torch.randn(1, 3, 8, 8)).shape == (1, 4, 6, 6)

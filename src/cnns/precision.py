@@ -39,14 +39,14 @@ class PrecisionPolicy:
 
     @classmethod
     def resolve(cls, precision: str, half_dtype: str, device: torch.device,
-                avoid_emulated_half: bool = False) -> "PrecisionPolicy":
+                half_dtype_given: bool = True) -> "PrecisionPolicy":
         """The policy for ``precision`` on ``device``.
 
-        ``avoid_emulated_half``: when the half type was not chosen explicitly and this CPU has no
-        bfloat16 arithmetic, run float32 instead (see :func:`cpu_half_is_emulated`).
+        ``half_dtype_given``: whether the half type was chosen explicitly (--half-dtype); when it was not
+        and this CPU has no bfloat16 arithmetic, run float32 instead (see :func:`cpu_half_is_emulated`).
         """
         half = HALF_DTYPES[half_dtype]
-        if precision != "32.32" and avoid_emulated_half and cpu_half_is_emulated(device, half):
+        if precision != "32.32" and not half_dtype_given and cpu_half_is_emulated(device, half):
             return cls(torch.float32, torch.float32, device.type, use_autocast=False, note=(
                 f"precision {precision}: this CPU has no {half_dtype} arithmetic (no AVX512-BF16 or AMX), so "
                 f"{half_dtype} would be emulated about 10x slower than float32; running in float32. "

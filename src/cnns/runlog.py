@@ -14,7 +14,7 @@ import string
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
                     "train_acc_avg", "it_time", "img_per_sec", "total_time")
@@ -71,7 +71,7 @@ class RunLog:
 
             self._tb = SummaryWriter(log_dir=str(folder / "tensorboard"))
 
-    def start_wandb(self, project: str, name: str, options: dict[str, Any]) -> None:
+    def start_wandb(self, project: str, name: str, options: Mapping[str, Any]) -> None:
         """Weights & Biases, offline unless WANDB_MODE says otherwise (no network is assumed)."""
         import os
 
@@ -82,7 +82,7 @@ class RunLog:
 
             raise ConfigError("--wandb needs the wandb package: pip install 'cnns[wandb]'") from None
         os.environ.setdefault("WANDB_MODE", "offline")
-        self._wandb = wandb.init(project=project, name=name, config=options,
+        self._wandb = wandb.init(project=project, name=name, config=dict(options),
                                  dir=str(self.folder) if self.folder else None)
 
     def print(self, line: str = "") -> None:
@@ -115,7 +115,7 @@ class RunLog:
     def notice(self, line: str) -> None:
         self.print(f"notice: {line}")
 
-    def write_arguments(self, options: dict[str, Any], filename: str = "arguments.json") -> None:
+    def write_arguments(self, options: Mapping[str, Any], filename: str = "arguments.json") -> None:
         if self.folder is not None:
             write_arguments(self.folder, options, filename)
 
@@ -156,9 +156,9 @@ class RunLog:
         sys.stdout.flush()
 
 
-def write_arguments(folder: Path, options: dict[str, Any], filename: str = "arguments.json") -> None:
+def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "arguments.json") -> None:
     """Every resolved option, as JSON: what restore.py and validation.py read back."""
-    text = json.dumps(options, sort_keys=True, indent=4, separators=(",", ": "), default=str)
+    text = json.dumps(dict(options), sort_keys=True, indent=4, separators=(",", ": "), default=str)
     (Path(folder) / filename).write_text(text + "\n")
 
 

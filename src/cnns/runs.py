@@ -33,7 +33,7 @@ from typing import Any
 from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig, check_option_types, resolve
 from cnns.errors import CheckpointError, ConfigError
-from cnns.options import option_defaults
+from cnns.config.table import option_defaults
 from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
@@ -42,10 +42,12 @@ _FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "datase
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """The checkpoint a run continues from, read (and so checked) before anything is written."""
+    """The checkpoint a run continues from, read (and so checked) before anything is written, and the newer
+    ones that could not be read (path, reason)."""
 
     path: Path
     state: dict[str, Any]
+    skipped: tuple[tuple[Path, str], ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,13 +165,31 @@ def checkpoint_weights(checkpoint: Path, which: str = "raw") -> dict[str, Any]:
 
 
 def newest_restore_point(folder: Path, world) -> RestorePoint | None:
-    """The newest checkpoint of the run folder, read (and so checked), or None when it has none.
-    With replicas rank 0 chooses it, so every process continues from the same one."""
-    checkpoints = list_checkpoints(folder) if world.is_writer else []
-    newest = world.broadcast(str(checkpoints[-1][1]) if checkpoints else None)
+    """The newest readable checkpoint of the run folder, or None when it has none. A newer one that cannot be
+    read (a copy cut short, a crash of the disk) is skipped and named; none readable is a CheckpointError.
+    With replicas rank 0 chooses, so every process continues from the same one."""
+    chosen: tuple[str | None, list[tuple[str, str]]] = (None, [])
+    state = None
+    if world.is_writer:
+        skipped = []
+        for _, path in reversed(list_checkpoints(folder)):
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as exc:
+                skipped.append((str(path), str(exc)))
+                continue
+            chosen = (str(path), skipped)
+            break
+        else:
+            chosen = (None, skipped)
+    newest, skipped = world.broadcast(chosen)
     if newest is None:
+        if skipped:
+            raise CheckpointError(f"no readable checkpoint in {folder}: {skipped[0][1]}")
         return None
-    return RestorePoint(Path(newest), load_checkpoint(Path(newest)))
+    if state is None:
+        state = load_checkpoint(Path(newest))
+    return RestorePoint(Path(newest), state, tuple((Path(path), reason) for path, reason in skipped))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,32 +248,11 @@ def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
         options["pipeline"] = options["pipeline"] or values["shards"] > 1
     elif values.get("pipeline_splits") is not None:
         options["pipeline_splits"] = values["pipeline_splits"]
+    if options["shards"] > 1 and not options.get("pipeline_splits"):
+        raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
     if options["shards"] > 1:
-        if not options.get("pipeline_splits"):
-            raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
-        check_pipeline_splits(options)
-    return options
-
-
-def check_pipeline_splits(options: dict[str, Any]) -> None:
-    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again), or
-    `auto` for more than one stage."""
-    from cnns.models import ModelError, build_model, describe_split_points, resolve_splits, split_points
-
-    splits, shards = list(options["pipeline_splits"]), options["shards"]
-    if splits == ["auto"]:
-        if shards < 2:
-            raise ConfigError("--pipeline-splits auto chooses where to cut stages: it needs --shards 2 or more")
-        return
-    cfg = RunConfig.from_options(options)
-    model = build_model(cfg.model)
-    try:
-        resolve_splits(cfg.model, model, splits)
-    except ModelError as error:
-        raise ConfigError(str(error)) from None
-    if shards > 1 and len(splits) != shards - 1:
-        raise ConfigError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(splits)} "
-                          f"({' '.join(splits)}); valid splits: {describe_split_points(split_points(cfg.model, model))}")
+        options["compile"] = False  # pipeline stages do not compile (yet); the updates are the same
+    return options  # the splits are checked against the model by the restore command
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +274,16 @@ def agree_on_run_folder(cfg: RunConfig, world) -> Path | None:
     return Path(world.agree_on("run_folder", make))
 
 
+def open_new_run(cfg: RunConfig, world) -> tuple[Path | None, RestorePoint | None, RunLog, Path | None]:
+    """train.py's run folder for this process: (the folder every process agreed on, None for --compile-only;
+    after the launcher restarted the workers, the first attempt's newest checkpoint to continue from; this
+    process's log; the folder another rank writes its own files to, if any)."""
+    folder = agree_on_run_folder(cfg, world)
+    restore = newest_restore_point(folder, world) if world.restart > 0 and folder is not None else None
+    log, instance_folder = run_log_for(cfg, world, folder)
+    return folder, restore, log, instance_folder
+
+
 def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path | None]:
     """Rank 0 writes the run folder; another rank writes <run folder>/instance_<rank> when asked to
     (--log-all-instances / --ckpt-all-instances) and is otherwise silent."""
@@ -286,7 +295,7 @@ def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Pat
     instance.mkdir(exist_ok=True)
     if cfg.log.all_instances:
         return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
-    write_arguments(instance, cfg.options)
+    write_arguments(instance, cfg.arguments)
     return RunLog(None, quiet=True), instance
 
 

@@ -189,7 +189,7 @@ def train(spec: BaselineSpec) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16 and device.type == "cuda")
     batches = make_batches(spec, device, train=True)
     start = interval_start = time.perf_counter()
-    with profiled(spec.profile_dir):
+    with profiled(spec.profile_dir, device):
         for iteration in range(1, spec.iterations + 1):
             with profiling.marked(profiling.UPDATE):
                 optimiser.zero_grad(set_to_none=True)
@@ -207,13 +207,15 @@ def train(spec: BaselineSpec) -> None:
                 interval_start = time.perf_counter()
 
 
-def profiled(folder: str | None):
-    """A profiler writing a trace into ``folder`` as train.py's --profile does, or nothing."""
+def profiled(folder: str | None, device: torch.device):
+    """A profiler writing a trace into ``folder`` as train.py's --profile does (the GPU's kernels too when the
+    loop runs on one), or nothing."""
     if folder is None:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-    return profile(activities=[ProfilerActivity.CPU], on_trace_ready=tensorboard_trace_handler(folder))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(folder))
 
 
 def print_step_line(spec: BaselineSpec, iteration: int, loss: torch.Tensor, start: float, interval_start: float) -> None:

@@ -1,6 +1,6 @@
 """The input pipeline alone: `cnns bench-data` and `train.py --dataset-benchmark`.
 
-Both run the real pipeline (cnns.data.pipeline.build_sources, the one training uses) with no model
+Both run the real pipeline (cnns.data.sources.build_sources, the one training uses) with no model
 and report images/s. `cnns bench-data` can also time, in the same invocation, the standard
 torchvision pipeline on a JPEG tree (ImageFolder + PIL RandomResizedCrop/flip/ToTensor in a
 DataLoader with as many workers) and print the ratio, and it can write a synthetic JPEG tree to
@@ -90,7 +90,7 @@ def data_config(data_dir: str, dataset: str | None, workers: int, image_size: in
 
 def data_layout(data_dir: str, dataset: str | None) -> str:
     from cnns.data.imagenet import detect_imagenet
-    from cnns.data.pipeline import resolve_dataset
+    from cnns.data.sources import resolve_dataset
 
     found, folder = resolve_dataset(data_config(data_dir, dataset, 0, 224))
     return detect_imagenet(folder) if found == "imagenet" else found
@@ -98,7 +98,7 @@ def data_layout(data_dir: str, dataset: str | None) -> str:
 
 def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int) -> Iterator:
     """Endless batches from the pipeline training uses."""
-    from cnns.data.pipeline import build_sources
+    from cnns.data.sources import build_sources
 
     sources = build_sources(cfg, micro_batch_size=batch_size, eval_batch_size=batch_size, seed=seed,
                             device=torch.device("cpu"), need_train=train, need_eval=not train)
@@ -307,18 +307,18 @@ def bench_data_command(args: BenchDataRequest) -> int:
 
 def benchmark_batches_for(cfg: RunConfig, batches_per_epoch: int) -> int:
     """--iterations N: N updates' worth of micro-batches; otherwise --epochs worth of them."""
-    if cfg.options.get("iterations"):
-        return int(cfg.options["iterations"]) * cfg.train.grad_accum
-    return max(1, round(float(cfg.options.get("epochs") or 1) * batches_per_epoch))
+    if cfg.train.iterations:
+        return cfg.train.iterations * cfg.train.grad_accum
+    return max(1, round(float(cfg.train.epochs or 1) * batches_per_epoch))
 
 
 def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> dict[str, Any]:
     """The seed's --dataset-benchmark: the training input pipeline alone, as the run would build it
     (generated data included), for the run's length; returns the numbers it prints."""
-    from cnns.data.pipeline import build_sources
+    from cnns.data.sources import build_sources
 
     sources = build_sources(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
-                            eval_batch_size=cfg.train.micro_batch_size, seed=int(cfg.options.get("seed") or 0),
+                            eval_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed or 0,
                             device=torch.device("cpu"), need_eval=False)
     total = benchmark_batches_for(cfg, len(sources.train))
     warmup = min(total - 1, max(1, total // 10))

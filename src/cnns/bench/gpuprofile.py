@@ -268,7 +268,7 @@ def breakdown_of_updates(updates: list[GpuUpdate]) -> GpuBreakdown:
 
 
 def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
-    from cnns.bench.opprofile import read_trace
+    from cnns.bench.traces import read_trace
 
     try:
         events = read_trace(folder)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from cnns import profiling
+from cnns.bench.traces import read_trace
 from cnns.errors import CnnsError
 
 FAMILIES = ("convolution forward", "convolution input-gradient", "convolution weight-gradient",
@@ -74,13 +75,6 @@ class Breakdown:
     ms: dict[str, float] = field(default_factory=dict)
     update_ms: float = 0.0  # the wall time of an update, mean
     updates: int = 0
-
-
-def read_trace(folder: Path) -> list[dict[str, Any]]:
-    traces = sorted(Path(folder).glob("*.pt.trace.json"))
-    if not traces:
-        raise FileNotFoundError(f"no profiler trace in {folder}")
-    return json.loads(traces[-1].read_text())["traceEvents"]
 
 
 def family_times(events: list[dict[str, Any]], skip: int = 1) -> tuple[dict[str, float], float, int]:

@@ -1,4 +1,9 @@
-"""Parsing a seed command line: configs.yml defaults, overridden by the command line, resolved."""
+"""A seed command line resolved: configs.yml defaults, overridden by the command line, filled by the seed's
+rules, and (for a finished run) merged with the run's own arguments.json.
+
+`resolve_command_line` is the one way from argv to a configuration: the flat options (what arguments.json and
+--print-config show) and the frozen `RunConfig` made from them once, which is all a command reads.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import os
 import shlex
 from typing import Any
 
-from cnns.config import NUM_CLASSES, load_named_config, resolve
-from cnns.options import IPU_ONLY_OPTIONS, build_parser
+from dataclasses import dataclass
+
+from cnns.config import NUM_CLASSES, RunConfig, load_named_config, resolve
+from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -33,7 +40,7 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     if values.get("replicas") == "auto":
         import torch  # only when asked
 
-        from cnns.engine.build import resolve_device
+        from cnns.devices import resolve_device
         from cnns.parallel.world import auto_replicas
         from cnns.precision import cpu_half_is_emulated
 
@@ -83,35 +90,53 @@ def classes_in_the_data(options: dict[str, Any]) -> int:
     return NUM_CLASSES.get(dataset, 10)
 
 
-def half_type_of_the_device(values: dict[str, Any]) -> None:
-    """--half-dtype, when not given, from the device the run will use (--device, --select-ipus or the
-    default): bfloat16 on a CPU and on a GPU with bfloat16 arithmetic, float16 (with loss scaling) on one
-    without. Decided once, here, so that arguments.json records it and every later command keeps it."""
-    values["half_dtype_given"] = values.get("half_dtype") is not None
-    if values.get("half_dtype") is None:
-        from cnns.engine.build import resolve_device
-        from cnns.precision import default_half_dtype
+def device_defaults(values: dict[str, Any], decided: set[str] | frozenset[str] = frozenset()) -> None:
+    """What the device the run will use (--device, --select-ipus or the machine's default) decides when the
+    command line does not: --half-dtype (bfloat16 on a CPU and on a GPU with bfloat16 arithmetic, float16 with
+    loss scaling on one without) and --compile (on a GPU, as the seed always compiled its graph; not on a CPU,
+    where it measured no faster, nor with pipeline stages, which do not compile yet). Decided once, here, so
+    that arguments.json records it and every later command keeps it; `decided` names options another source
+    (a run's arguments.json) already gives."""
+    if "half_dtype" not in decided:
+        values["half_dtype_given"] = values.get("half_dtype") is not None
+    missing = [key for key in ("half_dtype", "compile") if values.get(key) is None and key not in decided]
+    if not missing:
+        return
+    from cnns.devices import resolve_device
+    from cnns.precision import default_half_dtype
 
-        values["half_dtype"] = default_half_dtype(resolve_device(values.get("device"), values.get("select_ipus")))
+    device = resolve_device(values.get("device"), values.get("select_ipus"))
+    if "half_dtype" in missing:
+        values["half_dtype"] = default_half_dtype(device)
+    if "compile" in missing:
+        values["compile"] = device.type == "cuda" and (values.get("shards") or 1) == 1
 
 
 def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """validation.py / weight_avg.py: (values, resolved options, notices). The half type is the training
-    run's (its arguments.json) or the command line's; where neither gives one, the device's, as for
-    training (a validation.py without --restore-path on a GPU without bfloat16 runs float16)."""
+    """validation.py / weight_avg.py: (values, resolved options, notices). The half type and compilation are
+    the training run's (its arguments.json) or the command line's; where neither gives one, the device's, as
+    for training (a validation.py without --restore-path on a GPU without bfloat16 runs float16, compiled)."""
     from cnns.runs import evaluation_options
 
     values, notices = parse_options(script, argv)
+    if script == "weight-avg":  # averaging is file work: its one validation runs in this process
+        values.update(replicas=1, BN_span=1)
     options, run = evaluation_options(values)
-    if values.get("half_dtype") is None and "half_dtype" not in run:
-        half_type_of_the_device(values)
+    if any(values.get(key) is None and key not in run for key in ("half_dtype", "compile")):
+        device_defaults(values, decided=set(run))
         options, _ = evaluation_options(values)
     return values, options, notices
 
 
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     values, notices = parse_options(script, argv)
-    half_type_of_the_device(values)
+    return _training_options(values), notices
+
+
+def _training_options(values: dict[str, Any]) -> dict[str, Any]:
+    """train.py's rule: the device's half type, the dataset from the folder's contents, the class count from
+    the data, and a seed (drawn here when not given, so that arguments.json records it)."""
+    device_defaults(values)
     if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
         values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))
     options = resolve(values)
@@ -124,9 +149,44 @@ def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, A
     else:
         options["seed"] = int(options["seed"])
         options["seed_specified"] = True
-    return options, notices
+    return options
 
 
 def print_config(options: dict[str, Any]) -> int:
     print(json.dumps(options, sort_keys=True, indent=4, default=str))
     return 0
+
+
+def inference_options(values: dict[str, Any]) -> dict[str, Any]:
+    """inference_embedded.py's options from its command line's values: one process, no pipeline, no
+    validation, and generated data unless synthetic data was asked for."""
+    device_defaults(values)
+    values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
+    values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
+    return resolve(values)
+
+
+@dataclass(frozen=True)
+class ResolvedCommandLine:
+    """A command line resolved: its own values (what it gave, None where not), the flat options, the frozen
+    configuration made from them, and the notices to print (IPU-only options named once)."""
+
+    values: dict[str, Any]
+    options: dict[str, Any]
+    config: RunConfig
+    notices: list[str]
+
+
+def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
+    """train / validate / weight-avg / infer: argv to the run's configuration, by the script's merge rule
+    (`cnns.runs` for a finished run's folder). restore.py takes its run folder's options instead
+    (`cnns.runs.restore_options`)."""
+    if script == "train":
+        values, notices = parse_options(script, argv)
+        options = _training_options(values)
+    elif script == "infer":
+        values, notices = parse_options(script, argv)
+        options = inference_options(values)
+    else:
+        values, options, notices = resolved_evaluation_options(script, argv)
+    return ResolvedCommandLine(values, options, RunConfig.from_options(options), notices)

@@ -1,8 +1,7 @@
 """The commands the seed did not have: `cnns predict`, `cnns export`, `cnns benchmark`, `cnns bench-data`.
 
-Each declares its options, parses argv into plain values and calls one function below
-(`cnns.inference.predict.predict`, `cnns.inference.export.export`, `cnns.bench.runner.BenchmarkSuite`,
-`cnns.bench.data.bench_data_command`).
+Each declares its options, parses argv into plain values and calls its file of `cnns.commands`
+(predict, export, benchmark).
 """
 
 from __future__ import annotations
@@ -11,9 +10,8 @@ import argparse
 import os
 from typing import Any
 
-from cnns.cli.parsing import half_type_of_the_device, parse_options
-from cnns.errors import ConfigError
-from cnns.options import SeedArgumentParser
+from cnns.cli.parsing import device_defaults, parse_options
+from cnns.config.table import SeedArgumentParser
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
 WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
@@ -24,7 +22,7 @@ WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-de
 
 
 def predict_parser() -> argparse.ArgumentParser:
-    from cnns.inference.predict import WEIGHT_CHOICES
+    from cnns.engine.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns predict",
@@ -41,7 +39,7 @@ def predict_parser() -> argparse.ArgumentParser:
 
 
 def predict_main(argv: list[str]) -> int:
-    from cnns.inference.predict import predict
+    from cnns.commands.predict import predict
 
     args = predict_parser().parse_args(argv)
     return predict(args.restore_path, args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
@@ -53,8 +51,8 @@ def predict_main(argv: list[str]) -> int:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    from cnns.inference.export import FORMATS
-    from cnns.inference.predict import WEIGHT_CHOICES
+    from cnns.commands.export import FORMATS
+    from cnns.engine.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns export",
@@ -81,7 +79,7 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: list[str]) -> int:
-    from cnns.inference.export import export
+    from cnns.commands.export import export
 
     args = export_parser().parse_args(argv)
     return export(args.restore_path, args.format, args.out, batch_size=args.batch_size,
@@ -118,21 +116,16 @@ def seed_script_options(script: str, args: list[str]) -> dict[str, Any]:
     from cnns.config import resolve
 
     values, _ = parse_options(SCRIPTS[script], args)
-    half_type_of_the_device(values)
+    device_defaults(values)
     return resolve(values)
 
 
 def benchmark_main(argv: list[str]) -> int:
-    from cnns.bench.runner import BenchmarkSuite
+    from cnns.commands.benchmark import benchmark
 
     args = benchmark_parser().parse_args(argv)
-    suite = BenchmarkSuite(args.spec, args.benchmark, args.output_dir, args.data_dir)
-    if args.list:
-        print("\n".join(suite.listing()))
-        return 0
-    options = {name: seed_script_options(script, script_args)
-               for name, (script, script_args) in suite.seed_commands().items()}
-    return suite.run(options, repeats=args.repeats, baseline=not args.no_baseline, keep_runs=args.keep_runs)
+    return benchmark(args.spec, args.benchmark, args.output_dir, args.data_dir, args.list, args.repeats,
+                     baseline=not args.no_baseline, keep_runs=args.keep_runs, seed_options=seed_script_options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,6 +141,8 @@ def profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME", required=True,
                         help="Training entries to profile.")
     parser.add_argument("--updates", type=int, default=3, help="Updates profiled after one warm-up update.")
+    parser.add_argument("--eager-too", action="store_true",
+                        help="On a CUDA entry that compiles, profile cnns once more without compilation (--no-compile).")
     parser.add_argument("--output-dir", default="benchmark-results", help="Where the traces and logs go.")
     parser.add_argument("--data-dir", default=None,
                         help="Where the generated CIFAR-10 folder is kept (default: <output-dir>/data/cifar10).")
@@ -155,29 +150,11 @@ def profile_parser() -> argparse.ArgumentParser:
 
 
 def profile_main(argv: list[str]) -> int:
-    from cnns.bench import opprofile
-    from cnns.bench.runner import BenchmarkSuite, plan_entry
+    from cnns.commands.benchmark import profile
 
     args = profile_parser().parse_args(argv)
-    if args.updates < 1:
-        raise ConfigError(f"--updates must be at least 1, got {args.updates}")
-    suite = BenchmarkSuite(args.spec, args.benchmark, args.output_dir, args.data_dir)
-    plans = []
-    for entry in suite.entries:
-        script, script_args = suite.seed_commands().get(entry.name, ("", []))
-        if script != "train.py":
-            raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
-        if entry.device != "cpu":  # its families are CPU operators: a GPU's kernels would be launch times
-            raise ConfigError(f"benchmark {entry.name}: cnns profile takes CPU entries; this one runs on {entry.device}")
-        folder = suite.run_dir / entry.name
-        script_args = script_args + opprofile.profile_arguments(args.updates, folder)
-        plans.append((entry, folder, plan_entry(entry, script, script_args, seed_script_options(script, script_args))))
-    for entry, folder, plan in plans:
-        print(f"{entry.name}: profiling {args.updates} updates of each side ...", flush=True)
-        report = opprofile.profile_entry(entry.name, plan, suite.spec_path.resolve().parent, folder, entry.timeout)
-        print(opprofile.format_report(report), flush=True)
-    print(f"traces and logs: {suite.run_dir}")
-    return 0
+    return profile(args.spec, args.benchmark, args.updates, args.output_dir, args.data_dir,
+                   seed_options=seed_script_options, eager_too=args.eager_too)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +200,7 @@ def bench_data_parser() -> argparse.ArgumentParser:
 
 
 def bench_data_main(argv: list[str]) -> int:
-    from cnns.bench.data import BenchDataRequest, bench_data_command
+    from cnns.bench.data import BenchDataRequest
+    from cnns.commands.benchmark import bench_data
 
-    return bench_data_command(BenchDataRequest(**vars(bench_data_parser().parse_args(argv))))
+    return bench_data(BenchDataRequest(**vars(bench_data_parser().parse_args(argv))))

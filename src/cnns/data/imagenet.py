@@ -407,7 +407,7 @@ CACHE_MEMORY_FRACTION = 0.25
 
 
 class ImageNetBatches:
-    """The batch-source protocol of cnns.data.pipeline over build_imagenet_loader: len() batches
+    """The batch-source protocol of cnns.data.sources over build_imagenet_loader: len() batches
     per epoch, epoch(e, start_batch) yields (uint8 NHWC, int64) batches, num_samples, num_classes.
     Training uses whole batches on every rank (every rank then runs the same number of steps), and
     with global_batch_size whole global batches (TrainingSampler); evaluation keeps the last partial

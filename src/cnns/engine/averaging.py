@@ -15,17 +15,13 @@ named weight_avg*.pt, which validation.py picks up.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from cnns.config import RunConfig
-from cnns.errors import CheckpointError, ConfigError
+from cnns.errors import CheckpointError
 from cnns.runlog import RunLog
-
-if TYPE_CHECKING:
-    from cnns.engine.validation import Target
 
 Checkpoints = list[tuple[int, Path]]
 
@@ -103,54 +99,3 @@ def average_name(mode: str, count: int, decay: float, discard_last: int) -> str:
     name = "weight_avg_mean" if mode == "mean" else f"weight_avg_exp_{decay}"
     name += f"_last{count}"
     return name + (f"_discard{discard_last}" if discard_last else "")
-
-
-def weight_avg_command(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: float | None,
-                       discard_last: int, validate: bool, notices: list[str]) -> int:
-    """weight_avg.py: average the chosen checkpoints, save the result, then validate it."""
-    from cnns.engine.components import build_components
-    from cnns.engine.validation import check_targets_match, targets_of, validate_targets
-
-    decay = 0.97 if decay is None else decay
-    _check_averaging_options(mode, count, decay, discard_last)
-    if not folder.is_dir():
-        raise CheckpointError(f"--restore-path {folder} is not a run folder")
-    checkpoints = trained_checkpoints(folder)
-    if not checkpoints:
-        raise CheckpointError(f"no trained checkpoints (ckpt-<iteration>.pt, iteration > 0) in {folder}")
-    chosen = last_checkpoints(checkpoints, count, discard_last)
-    if not chosen:
-        raise CheckpointError(f"--discard-last {discard_last} leaves none of the {len(checkpoints)} checkpoints")
-    # Read and check everything before writing to the run folder.
-    probes = [target for target in targets_of([path for _, path in chosen]) if not target.use_ema]
-    _check_same_model(probes)
-    components = build_components(cfg, need_train=False) if validate else None
-    if components is not None:
-        check_targets_match(probes[:1], components.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
-    log = RunLog(folder)
-    for notice in notices:
-        log.notice(notice)
-    path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log)
-    if components is not None:
-        validate_targets(targets_of([path]), components, log, cfg.train.global_batch_size, 1)
-    log.close()
-    return 0
-
-
-def _check_averaging_options(mode: str, count: int | None, decay: float, discard_last: int) -> None:
-    if mode not in ("mean", "exponential"):
-        raise ConfigError(f"--mode must be mean or exponential, got {mode!r}")
-    if count is not None and count < 1:
-        raise ConfigError(f"-N must be at least 1, got {count}")
-    if discard_last < 0:
-        raise ConfigError(f"--discard-last must not be negative, got {discard_last}")
-    if not 0.0 <= decay <= 1.0:
-        raise ConfigError(f"--decay must be between 0 and 1, got {decay}")
-
-
-def _check_same_model(probes: list["Target"]) -> None:
-    first = probes[0]
-    for probe in probes[1:]:
-        if probe.weights.keys() != first.weights.keys() or any(
-                probe.weights[k].shape != first.weights[k].shape for k in first.weights):
-            raise CheckpointError(f"{probe.path} and {first.path} do not hold the same model: cannot average them")

@@ -1,9 +1,9 @@
-"""Wiring: a RunConfig becomes the objects the loop runs. The only place that reads the RunConfig.
+"""Wiring: a RunConfig becomes the model, optimiser, schedule and loss scaler the loop runs.
 
 Order of model wrapping is fixed: build -> training-time norm settings -> precision -> channels_last
 -> device -> the wrappers of `cnns.engine.wrappers` (backward layouts, depthwise routing,
-recomputation) -> cross-replica batch norm (--BN-span) -> replicas (DDP, `cnns.engine.components`)
--> compilation. Checkpoints always save the plain model (`unwrap`), so their keys are those of a
+recomputation) -> the parallel wrappers of `cnns.engine.parallelize` (cross-replica batch norm, pipeline
+stage or DDP, compilation). Checkpoints always save the plain model (`unwrap`), so their keys are those of a
 single-process run of the same model.
 """
 
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.errors import ConfigError
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
@@ -29,27 +28,6 @@ from cnns.engine.fusion import (fuse_norm_activations, fuse_squeeze_excitation, 
 from cnns.engine.wrappers import (choose_gpu_kernels, keep_gradients_channels_last, recompute_between_splits,
                                   recompute_blocks, route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
-
-
-def resolve_device(requested: str | None, select_ipus: list[str] | None = None) -> torch.device:
-    """--device wins; the seed's --select-ipus N means cuda:N; otherwise CUDA when present."""
-    if requested:
-        name = requested
-    elif select_ipus and str(select_ipus[0]).lower() != "auto":
-        name = f"cuda:{int(select_ipus[0])}"
-    else:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name} requested but CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise ConfigError(f"device {name} requested but this machine has {count} GPU{'s' if count != 1 else ''} "
-                          f"({', '.join(f'cuda:{i}' for i in range(count))})")
-    return device
 
 
 def seed_everything(seed: int) -> None:
@@ -103,9 +81,10 @@ def keep_freed_host_memory(device: torch.device) -> bool:
 def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: torch.device,
                              bn_group=None) -> nn.Module:
     """The plain model, on the device, with the run-time wrappers of `cnns.engine.wrappers` in their
-    order, and batch-norm statistics over the --BN-span group of replicas when there is one."""
+    order; the fused batch norms take their statistics over the --BN-span group of replicas when there is one
+    (the parallel wrappers come after, `cnns.engine.parallelize`)."""
     from cnns.models import build_model, recomputation_blocks
-    from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
+    from cnns.parallel.batchnorm import batch_norm_span
 
     keep_freed_host_memory(device)  # before the model and the data allocate anything large
     model = build_model(cfg.model)
@@ -119,14 +98,13 @@ def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: to
         fuse_squeeze_excitation(model)
     keep_gradients_channels_last(model)
     if device.type == "cuda":
-        choose_gpu_kernels(model, reproducible=cfg.train.seed_given)
+        choose_gpu_kernels(model, reproducible=cfg.train.seed_specified)
     if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
         route_slow_depthwise_backward(model)
     if cfg.parallel.recomputation and recomputation_points(cfg):
         recompute_between_splits(model, recomputation_segments(cfg, model))
     elif cfg.parallel.recomputation:
         recompute_blocks(model, recomputation_blocks(cfg.model, model))
-    model, _ = cross_replica_batch_norm(model, bn_group, device)
     return model
 
 
@@ -185,15 +163,14 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
     )
 
 
-def build_schedule(cfg: RunConfig, total_steps: int, epochs: float) -> ScheduleSpec:
+def build_lr_schedule(cfg: RunConfig, total_steps: int, epochs: float) -> ScheduleSpec:
     o = cfg.optim
     warmup = warmup_steps_from_epochs(total_steps, o.warmup_epochs, epochs) if o.warmup_epochs else 0
     warmup = min(warmup, total_steps - 1) if o.lr_schedule == "polynomial" else min(warmup, total_steps)
     return ScheduleSpec(
         kind=o.lr_schedule, base_lr=o.learning_rate, total_steps=total_steps, warmup_steps=warmup,
         decay=o.learning_rate_decay, boundaries=o.learning_rate_schedule,
-        decay_rate=o.lr_decay_rate if o.lr_decay_rate is not None else 0.97,
-        num_drops=o.lr_drops if o.lr_drops is not None else 146,
+        decay_rate=o.lr_decay_rate, num_drops=o.lr_drops,
         poly_power=o.poly_power, end_ratio=o.poly_end_ratio,
     )
 

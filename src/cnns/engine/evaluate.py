@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from cnns.engine.feed import DeviceFeed
+from cnns.engine.wrappers import compilation_failures_named
 from cnns.precision import PrecisionPolicy
 
 
@@ -52,7 +53,7 @@ def evaluate(model: nn.Module, batches, feed: DeviceFeed, policy: PrecisionPolic
     start = time.perf_counter()
     for images, labels in feed(batches):
         batch_start = time.perf_counter()
-        with policy.autocast():
+        with policy.autocast(), compilation_failures_named():
             logits = model(images)
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top5 == labels[:, None]

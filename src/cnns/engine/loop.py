@@ -19,6 +19,7 @@ from cnns import profiling
 from cnns.engine.build import RunLength
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
+from cnns.engine.wrappers import compilation_failures_named
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.schedules import ScheduleSpec, lr_at
@@ -148,8 +149,9 @@ class TrainingLoop:
         return every is not None and before // every < after // every
 
     def _log_due(self, last_log: int, done: int) -> bool:
-        # The first synchronisation of a run (or of a restored run) always prints, as a sign of life.
-        return self._crossed(self.length.log_every, last_log, done) or last_log == self.start_iteration
+        # Exactly the cadence --log-freq / --logs-per-epoch asks (the seed's); the first update's
+        # `Compilation time:` line is the run's sign of life before the first step line.
+        return self._crossed(self.length.log_every, last_log, done)
 
     def _checkpoint_due(self, last_sync: int, done: int) -> bool:
         return self._crossed(self.length.ckpt_every, last_sync, done) and done >= self.length.ckpt_offset
@@ -177,7 +179,8 @@ class TrainingLoop:
                     micro = [next(stream) for _ in range(self.grad_accum)]
                 lr = lr_at(self.schedule, iteration)
                 try:
-                    metrics = self.step(micro, lr)
+                    with compilation_failures_named():
+                        metrics = self.step(micro, lr)
                 except NonFiniteError as exc:
                     raise NonFiniteError(f"floating-point exception at iteration {iteration + 1}: {exc} "
                                          "(--fp-exceptions)") from None

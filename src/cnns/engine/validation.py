@@ -1,7 +1,5 @@
-"""validation.py: validate a run's checkpoints, one checkpoint, or a random model for throughput.
-
-Also the validation after training (`validate_run_folder`), so that both print the same lines and
-skip what validation.csv already holds.
+"""Validating checkpoints: what validation.py (`cnns.commands.validate`) and the validation after training
+(`validate_run_folder`) share, so that both print the same lines and skip what validation.csv already holds.
 
 Everything that can fail (unreadable or foreign checkpoints, a model that does not match, missing
 data) is checked before the first line is written to the run folder: a failed command leaves the
@@ -21,11 +19,9 @@ import torch
 from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.build import unwrap
-from cnns.engine.components import Components, build_components
+from cnns.engine.components import Components
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
-from cnns.models import count_parameters
-from cnns.parallel.world import World
 from cnns.runlog import RunLog, validated_names
 
 EMA_SUFFIX = "_ema"
@@ -85,6 +81,17 @@ def targets_of(files: list[Path], skip_iteration_zero: bool = False) -> list[Tar
     return targets
 
 
+def readable_targets(files: list[Path]) -> tuple[list[Target], list[tuple[Path, str]]]:
+    """`targets_of` for every file that can be read, and the others with the reason (path, reason)."""
+    targets, unreadable = [], []
+    for path in files:
+        try:
+            targets += targets_of([path])
+        except CheckpointError as exc:
+            unreadable.append((path, str(exc)))
+    return targets, unreadable
+
+
 def check_targets_match(targets: list[Target], model: torch.nn.Module, description: str) -> None:
     model_state = unwrap(model).state_dict()
     for target in targets:
@@ -103,7 +110,7 @@ def generated_validation_limit(cfg: RunConfig, c: Components, log: RunLog, train
         return None
     source, replicas = c.sources.eval, c.world.replicas
     batch = len(next(iter(source.epoch(0)))[1])
-    asked = cfg.options.get("validation_images")
+    asked = cfg.train.validation_images
     images = asked or trained_images or DEFAULT_GENERATED_BATCHES * batch * replicas
     batches = max(1, min(len(source), -(-images // (batch * replicas))))
     why = ("--validation-images" if asked else "as many as the run trained on" if trained_images
@@ -135,7 +142,7 @@ def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.
             if batches is not None:
                 data = itertools.islice(data, batches)
             with log.progress(batches or len(c.sources.eval), description=f"validating {name}", unit="batch") as bar:
-                result = _summed_over_processes(evaluate(c.model, _advancing(data, bar), c.feed, c.policy), c)
+                result = summed_over_processes(evaluate(c.model, _advancing(data, bar), c.feed, c.policy), c)
             log_validation(log, name, iteration, epoch, result)
             results.append(result)
     return results
@@ -149,7 +156,7 @@ def _advancing(batches, bar):
             bar.update(1)
 
 
-def _summed_over_processes(result: EvalResult, c: Components) -> EvalResult:
+def summed_over_processes(result: EvalResult, c: Components) -> EvalResult:
     if not c.world.distributed:
         return result
     top1, top5, count = c.world.sum([result.correct_top1, result.correct_top5, result.count])
@@ -178,63 +185,3 @@ def validate_run_folder(folder: Path, c: Components, log: RunLog, global_batch_s
     rows = c.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets])
     weights = [t.weights for t in targets] if c.world.is_writer else [None] * len(rows)
     return _validate(rows, weights, c, log, batches=batches)
-
-
-def validate_command(cfg: RunConfig, restore_path: Path | None, repeat: int, notices: list[str],
-                     world: World | None = None) -> int:
-    """validation.py. With replicas every process validates its share of the images and rank 0
-    writes; each process reads the checkpoints itself (the run folder is on a shared file system)."""
-    world = world or World()
-    if restore_path is None:
-        return _validate_random_model(cfg, repeat, notices, world)
-    folder, files = checkpoint_files(restore_path)
-    done = validated_names(folder) if restore_path.is_dir() else set()
-    targets = targets_of(files)
-    todo = [t for t in targets if t.name not in done]
-    c = build_components(cfg, world, need_train=False)
-    check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
-    # Nothing was written so far; from here on the checks have passed.
-    log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
-    for notice in notices:
-        log.notice(notice)
-    if c.policy.note:
-        log.print(c.policy.note)
-    log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
-    for target in targets:
-        if target.name in done:
-            log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
-    batches = generated_validation_limit(cfg, c, log, None)
-    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat, batches)
-    log.close()
-    return 0
-
-
-def _nominal_train_images(cfg: RunConfig) -> int:
-    """Only for checkpoints that do not record their epoch (the seed's rule: the dataset's size)."""
-    from cnns.data.pipeline import NOMINAL_TRAIN_IMAGES
-
-    return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
-
-
-def _validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:
-    """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
-    log = RunLog(None, quiet=not world.is_writer)
-    for notice in notices:
-        log.notice(notice)
-    c = build_components(cfg, world, need_train=False)
-    if c.policy.note:
-        log.print(c.policy.note)
-    log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
-    total: EvalResult | None = None
-    batches = generated_validation_limit(cfg, c, log, None)
-    for _ in range(repeat):
-        data = c.sources.eval.epoch(0)
-        if batches is not None:
-            data = itertools.islice(data, batches)
-        result = _summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
-        log_validation(log, "random_init", -1, 0.0, result)
-        total = result if total is None else total.merged(result)
-    if total is not None and total.latencies_ms:
-        # Drop the first pass's first batch: it includes one-off warm-up.
-        log.print(latency_line(total.latencies_ms[1:] or total.latencies_ms))
-    return 0

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cnns.errors import ConfigError
 from cnns.kernels import depthwise
 
 # ------------------------------------------------------------------------------------------------
@@ -324,7 +325,9 @@ def replays_cuda_graphs(compiled: bool, device: torch.device) -> bool:
 
 
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    """torch.compile the model when --compile asks for it. Off by default.
+    """torch.compile the model when --compile asks for it: the default on a GPU, off on a CPU
+    (`cnns.cli.parsing.device_defaults`). Compilation happens at the first call; a model that cannot
+    compile fails there (`compilation_failures_named`), never silently eager.
 
     On this 2-core CPU it measured no faster and costs about a minute of compilation (ResNet-50 batch
     32 16.16: 0.94-1.0x; ResNet-20 batch 128: 0.96-0.99x): the convolutions stay oneDNN calls and
@@ -339,3 +342,19 @@ def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     if first is not None and replays_cuda_graphs(enabled, first.device):
         return torch.compile(model, mode="reduce-overhead")
     return torch.compile(model)
+
+
+@contextlib.contextmanager
+def compilation_failures_named():
+    """torch.compile compiles at a model's first call (and again for a new shape): a model or option it cannot
+    compile stops the command with one line that names the way out, instead of dynamo's traceback (dynamo's
+    own fallback to eager, ``suppress_errors``, stays off: a run asked to compile never runs eager silently)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        yield
+    except TorchDynamoException as exc:
+        cause = getattr(exc, "inner_exception", None) or exc  # a backend's own error, under dynamo's wrapping
+        reason = next((line for line in str(cause).splitlines() if line.strip()), type(cause).__name__)[:300]
+        raise ConfigError(f"torch.compile could not compile the model ({reason}); run again with --no-compile "
+                          "to run it eagerly") from None

@@ -1,5 +1,5 @@
 // Stochastic rounding of float32 to bfloat16, the last pass of every 16.16 weight update on a CPU
-// (cnns.optim.stochastic_round).
+// (cnns.stochastic_rounding.stochastic_round).
 //
 // No library has it. Written with torch operators (cnns.optim's fallback, used on GPUs and where this is not
 // built) the noise comes from the CPU generator, which is sequential (mt19937): 15 of the 27 ms that a

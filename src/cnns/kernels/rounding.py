@@ -1,6 +1,6 @@
 """Stochastic rounding of float32 to bfloat16 in one parallel pass (the C++ loop of ``rounding.cpp``).
 
-`cnns.optim.stochastic_round` uses it on the CPU where it was built: the noise of element i is a hash of
+`cnns.stochastic_rounding.stochastic_round` uses it on the CPU where it was built: the noise of element i is a hash of
 (key, i), with one key drawn from the optimiser's generator per call, instead of 16 bits per element drawn
 from torch's sequential CPU generator. Same distribution, another stream: a run is reproducible on the same
 build, as its checkpoints promise.

@@ -1,4 +1,5 @@
-"""`train.py --replicas N` without a launcher: start the N local workers with torchrun's own agent.
+"""Starting and joining a run's processes: `train.py --replicas N` without a launcher starts the N local
+workers with torchrun's own agent; every process then joins the world (`join_run`).
 
 The seed's single command line still works (its `TestReplicatedTraining` runs exactly that), and it
 behaves as `torchrun --standalone --nproc-per-node N -m cnns train ...` would: the same agent
@@ -17,7 +18,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from cnns.parallel.world import timeout_seconds
+from cnns.parallel.world import join_world, launched, timeout_seconds
 
 # Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
 SHUTDOWN_TIMEOUT_S = 300
@@ -51,3 +52,26 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
     except SignalException as exc:
         # The agent forwarded the signal; the workers checkpointed and said how to continue.
         return 0 if exc.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(exc.sigval)
+
+
+def needs_local_workers(replicas: int, shards: int) -> bool:
+    """Several processes asked for and none started by a launcher: this process starts them."""
+    return replicas * shards > 1 and not launched()
+
+
+def join_run(cfg) -> tuple:
+    """(this process's World, the RunConfig every process agreed on, the notices rank 0 prints): the world on
+    the run's device, rank 0's seed, and rank 0's cuts for --pipeline-splits auto."""
+    from cnns.devices import resolve_device
+    from cnns.parallel.planning import settle_auto_splits
+
+    device = resolve_device(cfg.device)
+    notices: list[str] = []
+
+    def agree(world, cfg):
+        cfg, notice = settle_auto_splits(cfg, world, device)
+        notices.extend([notice] if notice else [])
+        return cfg
+
+    world, cfg = join_world(cfg, device, agree)
+    return world, cfg, notices

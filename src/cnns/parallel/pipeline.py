@@ -145,7 +145,7 @@ class ScheduleSequential(PipelineScheduleSingle):
         stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
 
 
-def build_schedule(name: str, stage: PipelineStage, micro_batches: int, loss_fn: Callable) -> PipelineScheduleSingle:
+def build_pipeline_schedule(name: str, stage: PipelineStage, micro_batches: int, loss_fn: Callable) -> PipelineScheduleSingle:
     """The named schedule over `micro_batches` per update. The loss function already divides by the
     micro-batch count (as one process's accumulation does), so the schedule leaves gradients as they are."""
     kinds = {"Grouped": ScheduleGPipe, "Interleaved": Schedule1F1B, "Sequential": ScheduleSequential}

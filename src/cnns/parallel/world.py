@@ -359,21 +359,21 @@ def check_a_gpu_per_worker(device: torch.device, rank: int, local_size: int) -> 
                           "one GPU; give --device cuda and each process takes its own (cuda:LOCAL_RANK)")
 
 
-def join_world(options: dict[str, Any], device: torch.device,
-               settle: Callable[[World], None] | None = None) -> World:
-    """This process's place among the replicas and stages. Every process then takes rank 0's seed,
-    then whatever `settle(world)` makes every process agree on (rank 0's choice of --pipeline-splits
-    auto), and must have been given the same options as rank 0."""
-    world = init_world(options["replicas"], options["shards"], options["BN_span"], device)
+def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | None = None) -> tuple[World, Any]:
+    """This process's place among the replicas and stages, and the run's configuration (`cnns.config.RunConfig`)
+    as every process agrees on it: rank 0's seed, then whatever `agree(world, cfg)` returns (rank 0's choice
+    of --pipeline-splits auto). Every process must have been given the same options as rank 0."""
+    p = cfg.parallel
+    world = init_world(p.replicas, p.shards, p.bn_span, device)
     try:
-        options["seed"] = world.broadcast(options["seed"])
-        if settle is not None:
-            settle(world)
-        world.check_same_options(options)
+        cfg = cfg.with_seed(world.broadcast(cfg.train.seed))
+        if agree is not None:
+            cfg = agree(world, cfg)
+        world.check_same_options(dict(cfg.arguments))
     except BaseException:
         world.close()
         raise
-    return world
+    return world, cfg
 
 
 def auto_replicas(shards: int, device: torch.device, cpu_has_matrix_units: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""`cnns splits --model resnet --model-size 50 --shards 4`: where to cut a model into pipeline stages.
+"""Planning a pipeline: where to cut a model into stages (`cnns splits`, and --pipeline-splits auto).
 
 A pipeline runs as fast as its slowest stage, and the seed's split names say nothing about how much
 work lies between them. This profiles the model as the pieces a pipeline stage is made of
@@ -18,7 +18,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +84,7 @@ def prepare_model(spec: ModelSpec, device: torch.device, precision: str = "32.32
                   half_dtype: str = "bfloat16") -> tuple[nn.Module, PrecisionPolicy]:
     """The model as training holds it (weights' type, channels_last, on the device, train mode), without
     the training wrappers: what the pieces cost depends on that layout and type, not on the wrappers."""
-    policy = PrecisionPolicy.resolve(precision, half_dtype, device, avoid_emulated_half=True)
+    policy = PrecisionPolicy.resolve(precision, half_dtype, device, half_dtype_given=False)
     model = build_model(spec)
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
@@ -294,16 +294,17 @@ def split_proposal(cfg: RunConfig, stages: int, device: torch.device) -> Proposa
     return propose(cfg.model, model, stages, cfg.train.micro_batch_size, device, policy.autocast)
 
 
-def settle_auto_splits(options: dict[str, Any], world, notices: list[str], device: torch.device) -> None:
+def settle_auto_splits(cfg: RunConfig, world, device: torch.device) -> tuple[RunConfig, str | None]:
     """--pipeline-splits auto: rank 0 profiles the model and every process takes its proposal
-    (`world` is the run's `cnns.parallel.world.World`)."""
-    if options.get("pipeline_splits") != ["auto"]:
-        return
-    names = None
+    (`world` is the run's `cnns.parallel.world.World`). Returns the configuration with the splits, and on
+    rank 0 the notice that names them."""
+    if cfg.parallel.splits != ("auto",):
+        return cfg, None
+    names, notice = None, None
     if world.is_writer:
-        proposal = split_proposal(RunConfig.from_options(options), options["shards"], device)
+        proposal = split_proposal(cfg, cfg.parallel.shards, device)
         names = proposal.names
         times = ", ".join(f"{1000 * t:.1f}" for t in proposal.stage_seconds)
-        notices.append(f"--pipeline-splits auto: {' '.join(names)} (measured forward + backward per stage and "
-                       f"micro-batch: {times} ms; `cnns splits` shows every cut)")
-    options["pipeline_splits"] = world.broadcast(names)
+        notice = (f"--pipeline-splits auto: {' '.join(names)} (measured forward + backward per stage and "
+                  f"micro-batch: {times} ms; `cnns splits` shows every cut)")
+    return cfg.with_splits(world.broadcast(names)), notice

@@ -1,0 +1,48 @@
+"""train.py: a new run, trained from its resolved configuration.
+
+`cnns.cli` parses the command line and resolves it once into a frozen `RunConfig`; this runs it: the checks
+made before anything is written, the worker processes started when several are asked for and no launcher
+started them, this process's place among them, the run folder, and the training session. (train.py
+--dataset-benchmark times the input pipeline alone: `cnns.commands.benchmark.dataset_benchmark`.)
+"""
+
+from __future__ import annotations
+
+from cnns.commands.checks import (check_data_before_writing, check_supported, parallel_notices, print_split_points,
+                                  wants_split_names)
+from cnns.config import RunConfig
+from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
+from cnns.engine.session import TrainingSession
+from cnns.runs import open_new_run
+from cnns.weights import initial_weights
+
+
+def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
+    """train.py: a new run folder, trained (or the split names it takes). `relaunch` is the command line each
+    worker process is started with."""
+    if wants_split_names(cfg):
+        return print_split_points(cfg)
+    check_supported(cfg)
+    notices = notices + parallel_notices(cfg)
+    check_data_before_writing(cfg)
+    initial = initial_weights(cfg.train.init_path, cfg.model) if cfg.train.init_path else None
+    if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
+        return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+    world, cfg, agreed = join_run(cfg)
+    try:
+        folder, restore, log, instance_folder = open_new_run(cfg, world)
+        if folder is not None:
+            log.print(f" Saving to {folder}")
+        for notice in notices + agreed:
+            log.notice(notice)
+        log.write_arguments(cfg.arguments)
+        if cfg.log.wandb and world.is_writer:
+            log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
+        try:
+            code = TrainingSession(cfg, log, folder, world, instance_folder, initial).run(restore=restore)
+        finally:
+            log.close()
+        world.settle()
+        return code
+    finally:
+        world.close()

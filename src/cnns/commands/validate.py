@@ -1,0 +1,107 @@
+"""validation.py: a run's checkpoints (or one checkpoint) validated, or a random model timed on generated data.
+
+The configuration is the run's arguments.json overridden by the command line (`cnns.runs.evaluation_options`),
+resolved once by `cnns.cli`. With replicas every process validates its share of the images and rank 0 writes;
+each process reads the checkpoints itself (the run folder is on a shared file system). Everything that can
+fail (unreadable or foreign checkpoints, a model that does not match, missing data) is checked before the
+first line is written to the run folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from cnns.commands.checks import check_data_before_writing, check_supported
+from cnns.config import RunConfig
+from cnns.engine.components import build_components
+from cnns.engine.evaluate import EvalResult, evaluate
+from cnns.engine.validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
+                                    log_validation, readable_targets, summed_over_processes, targets_of,
+                                    validate_targets)
+from cnns.errors import CheckpointError
+from cnns.models import count_parameters
+from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
+from cnns.parallel.world import World
+from cnns.runlog import RunLog, validated_names
+
+
+def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
+    check_supported(cfg)
+    if restore_path:
+        check_data_before_writing(cfg)
+    if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
+        return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+    world, cfg, _ = join_run(cfg)
+    try:
+        if not restore_path:
+            return validate_random_model(cfg, repeat, notices, world)
+        return validate_checkpoints(cfg, Path(restore_path), repeat, notices, world)
+    finally:
+        world.close()
+
+
+def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notices: list[str], world: World) -> int:
+    """Every checkpoint of a run folder not yet in its validation.csv, or the one file given. A checkpoint of
+    the folder that cannot be read is named and the others are validated (exit code 1); a single file that
+    cannot be read is an error."""
+    folder, files = checkpoint_files(restore_path)
+    done = validated_names(folder) if restore_path.is_dir() else set()
+    if restore_path.is_dir():
+        targets, unreadable = readable_targets(files)
+        if not targets:
+            raise CheckpointError(f"no readable checkpoint in {folder}: {unreadable[-1][1]}")
+    else:
+        targets, unreadable = targets_of(files), []
+    todo = [t for t in targets if t.name not in done]
+    c = build_components(cfg, world, need_train=False)
+    check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
+    # Nothing was written so far; from here on the checks have passed.
+    log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
+    for notice in notices:
+        log.notice(notice)
+    for path, reason in unreadable:
+        log.notice(f"not validated, unreadable: {reason}")
+    if c.policy.note:
+        log.print(c.policy.note)
+    log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
+    for target in targets:
+        if target.name in done:
+            log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
+    batches = generated_validation_limit(cfg, c, log, None)
+    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat, batches)
+    if unreadable:
+        log.print(f"Not validated ({len(unreadable)} unreadable): {', '.join(str(path) for path, _ in unreadable)}")
+    log.close()
+    return 1 if unreadable else 0
+
+
+def _nominal_train_images(cfg: RunConfig) -> int:
+    """Only for checkpoints that do not record their epoch (the seed's rule: the dataset's size)."""
+    from cnns.data.sources import NOMINAL_TRAIN_IMAGES
+
+    return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
+
+
+def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:
+    """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
+    log = RunLog(None, quiet=not world.is_writer)
+    for notice in notices:
+        log.notice(notice)
+    c = build_components(cfg, world, need_train=False)
+    if c.policy.note:
+        log.print(c.policy.note)
+    log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
+    total: EvalResult | None = None
+    batches = generated_validation_limit(cfg, c, log, None)
+    for _ in range(repeat):
+        data = c.sources.eval.epoch(0)
+        if batches is not None:
+            data = itertools.islice(data, batches)
+        result = summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
+        log_validation(log, "random_init", -1, 0.0, result)
+        total = result if total is None else total.merged(result)
+    if total is not None and total.latencies_ms:
+        # Drop the first pass's first batch: it includes one-off warm-up.
+        log.print(latency_line(total.latencies_ms[1:] or total.latencies_ms))
+    return 0

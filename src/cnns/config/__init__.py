@@ -1,0 +1,22 @@
+"""A run's configuration: the options table, configs.yml, the seed's default rules, the frozen RunConfig.
+
+* `table`: every option of every seed script (argparse), and the IPU-only options accepted with a notice.
+* `files`: configs.yml read, and values checked against the table's types.
+* `defaults`: the seed's rules that fill and check every option (`resolve`), giving the flat options that
+  ``arguments.json`` and ``--print-config`` show.
+* `run`: `RunConfig`, the frozen, typed form that the commands build once per process and everything below
+  them reads.
+"""
+
+from cnns.config.defaults import (BUILTIN_DATA_DIR, CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES,
+                                  infer_dataset_from_name, resolve, run_name)
+from cnns.config.files import check_option_types, default_configs_path, load_named_config
+from cnns.config.run import (DataConfig, LogConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                             TrainConfig, parse_fractions)
+
+__all__ = [
+    "BUILTIN_DATA_DIR", "CIFAR_LIKE", "EXPONENTIAL_DECAY_RATE", "EXPONENTIAL_DROPS", "NUM_CLASSES", "DataConfig",
+    "LogConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "TrainConfig",
+    "check_option_types", "default_configs_path", "infer_dataset_from_name", "load_named_config",
+    "parse_fractions", "resolve", "run_name",
+]

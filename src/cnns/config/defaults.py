@@ -1,0 +1,299 @@
+"""The seed's default rules: a parsed command line becomes every option, filled and checked.
+
+Resolution follows the seed: a named configuration from ``configs.yml`` supplies defaults, the command
+line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
+derived values (global batch size, learning rate, run name) are computed. The result is a flat dict of
+the seed's option names: what ``arguments.json`` and ``--print-config`` show, and what ``restore.py``
+reads back. `cnns.config.run.RunConfig` is the frozen, typed form the rest of the package reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from cnns.config.files import _option_actions
+from cnns.errors import ConfigError
+
+CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
+NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
+# EfficientNet's own input sizes (Tan and Le), the seed's ImageNet default for each size.
+EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
+BUILTIN_DATA_DIR = "data/builtin"
+# The seed's exponential schedule: the learning rate times 0.97, 146 times over the run.
+EXPONENTIAL_DECAY_RATE = 0.97
+EXPONENTIAL_DROPS = 146
+
+# ----------------------------------------------------------------------------------------------
+# dataset- and model-dependent defaults (the seed's set_defaults functions)
+
+
+def _dataset_defaults(o: dict[str, Any]) -> None:
+    if o.get("generated_data") or o.get("synthetic_data"):
+        if not o.get("dataset"):
+            raise ConfigError("please name the generated or synthetic dataset with --dataset")
+        o["mixup_alpha"], o["cutmix_lambda"] = 0.0, 1.0  # mixing means nothing on random data
+        return
+    if not o.get("data_dir"):
+        if o.get("dataset") == "builtin":
+            o["data_dir"] = BUILTIN_DATA_DIR
+        elif os.environ.get("DATA_DIR"):
+            o["data_dir"] = os.environ["DATA_DIR"]
+        else:
+            raise ConfigError("cannot find CIFAR/ImageNet data: set the DATA_DIR environment variable or use --data-dir")
+    if not o.get("dataset"):
+        o["dataset"] = infer_dataset_from_name(o["data_dir"])
+
+
+def infer_dataset_from_name(data_dir: str) -> str | None:
+    """The seed's rule: the dataset is named in the folder's path. Contents are checked later."""
+    lowered = str(data_dir).lower()
+    if "imagenet" in lowered:
+        return "imagenet"
+    if "cifar100" in lowered or "cifar-100" in lowered:
+        return "cifar-100"
+    if "cifar" in lowered:
+        return "cifar-10"
+    if "builtin" in lowered:
+        return "builtin"
+    return None  # decided from the folder's contents once data is read
+
+
+def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
+    if o.get(key) is None:
+        o[key] = value
+
+
+def _model_defaults(o: dict[str, Any]) -> None:
+    cifar = o["dataset"] in CIFAR_LIKE or o["dataset"] is None
+    model = o["model"]
+    lars = o["optimiser"] == "LARS"
+    if model == "efficientnet":
+        size = str(o.get("model_size") or ("cifar" if cifar else "B0"))
+        o["model_size"] = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
+        _set_if_unset(o, "micro_batch_size", 8 if cifar else 4)
+        if not cifar:
+            _set_if_unset(o, "image_size", EFFICIENTNET_IMAGE_SIZES.get(o["model_size"], 224))
+        _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-5))
+        _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-5)
+        exponents = {"SGD": -7.0, "momentum": -10.0, "RMSprop": -14.0, "LARS": -7.0}
+        _set_if_unset(o, "base_learning_rate_exponent", -6.0 if cifar else exponents[o["optimiser"]])
+        if o["optimiser"] == "RMSprop" and not cifar:
+            _set_if_unset(o, "rmsprop_base_decay_exp", -14.0)
+        if o["epochs"] is None and o["iterations"] is None:
+            o["epochs"] = 300.0 if cifar else 350.0
+        if not cifar and not o.get("label_smoothing"):
+            o["label_smoothing"] = 0.1
+        if not o.get("batch_norm") and not o.get("group_norm"):
+            o["group_norm"] = True
+        _set_if_unset(o, "groups", 4)
+        _set_if_unset(o, "group_dim", 1)
+        _set_if_unset(o, "expand_ratio", 6)
+        return
+    # ResNet and ResNeXt
+    resnext = model == "resnext"
+    default_size = ("29" if cifar else "50") if resnext else ("20" if cifar else "18")
+    o["model_size"] = str(o.get("model_size") or default_size)
+    _set_if_unset(o, "micro_batch_size", 32 if cifar else 4)
+    _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-4))
+    _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-4)
+    if cifar:
+        _set_if_unset(o, "base_learning_rate_exponent", -6.0)
+    else:
+        _set_if_unset(o, "base_learning_rate_exponent", {"momentum": -11.0}.get(o["optimiser"], -8.0))
+    if o["epochs"] is None and o["iterations"] is None:
+        o["epochs"] = 160.0 if cifar else 100.0
+    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75" if cifar else "0.3,0.6,0.8,0.9")
+    if not o.get("batch_norm") and not o.get("group_norm"):
+        o["batch_norm" if cifar else "group_norm"] = True
+    _set_if_unset(o, "groups", 16 if cifar else 32)
+    if resnext:
+        _set_if_unset(o, "convolution_groups", 8 if cifar else 32)
+        _set_if_unset(o, "group_dim", 16 if cifar else 4)
+
+
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "model": "resnet",
+    "optimiser": "SGD",
+    "momentum": 0.9,
+    "rmsprop_epsilon": 0.001,
+    "lars_eeta": 0.001,
+    "lars_epsilon": 0.0,
+    "lr_schedule": "stepped",
+    "learning_rate_decay": 0.1,
+    "warmup_epochs": 5.0,
+    "poly_lr_decay_power": 2.0,
+    "poly_lr_end_ratio": 1e-5,
+    "gradient_accumulation_count": 1,
+    "gradient_accumulation_dtype": "float32",
+    "replicas": 1,
+    "shards": 1,
+    "pipeline": False,
+    "pipeline_schedule": "Grouped",  # the seed's default
+    "enable_recomputation": False,
+    "precision": "16.16",
+    "stochastic_rounding": True,
+    "device_iterations": 1000,
+    "label_smoothing": 0.0,
+    "ckpts_per_epoch": 1.0,
+    "epochs_per_ckpt": 0.0,
+    "ckpt_epochs_offset": 0.0,
+    "validation": True,
+    "BN_span": 1,
+    "BN_decay": 0.97,
+    "mixup_alpha": 0.0,
+    "cutmix_lambda": 1.0,
+    "cutmix_version": 1,
+    "dataset_percentage_to_use": 100,
+    "dataset_cache": True,
+    "normalise_input": False,
+    "eight_bit_io": False,
+    "log_dir": "logs",
+    "logs_per_epoch": 16.0,
+    "log_freq": 500,
+    "wandb": False,
+    "wandb_project": "cnns",
+    "tensorboard": False,
+    "compile": False,
+    "auto_loss_scaling": False,
+    "rts": False,
+    "offload_optimiser": False,
+    "enable_half_partials": False,
+    "fp_exceptions": False,
+    "profile": False,
+    "compile_only": False,
+    "generated_data": False,
+    "synthetic_data": False,
+    "dataset_benchmark": False,
+    "standard_imagenet": False,
+    "distributed": False,
+}
+
+
+def _precision_defaults(o: dict[str, Any]) -> None:
+    # An explicit --half-dtype runs that type even where the hardware would only emulate it.
+    # (A run's arguments.json carries the answer already: restore and validation keep it.) train.py
+    # chooses it from the run's device before this (cnns.cli.parsing.device_defaults); options
+    # from elsewhere (benchmarks, tests) without one get the CPU's.
+    o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
+    _set_if_unset(o, "half_dtype", "bfloat16")
+    # The seed's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
+    _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
+
+
+def _power_of_two(exponent: float, option: str) -> float:
+    try:
+        return 2.0 ** exponent
+    except OverflowError:
+        raise ConfigError(f"{option} {exponent} is too large: 2^{exponent} overflows") from None
+
+
+def _training_defaults(o: dict[str, Any]) -> None:
+    o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
+    if o.get("abs_learning_rate") is not None:
+        if o["abs_learning_rate"] <= 0:
+            raise ConfigError(f"--abs-learning-rate must be positive, got {o['abs_learning_rate']}")
+        o["base_learning_rate_exponent"] = math.log2(o["abs_learning_rate"] / o["global_batch_size"])
+        o["learning_rate"] = float(o["abs_learning_rate"])
+    else:
+        exponent = o["base_learning_rate_exponent"]
+        power = _power_of_two(exponent, "--base-learning-rate-exponent")
+        o["learning_rate"] = power * o["global_batch_size"]
+        if power == 0 or not math.isfinite(o["learning_rate"]):
+            raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
+                              f"{o['learning_rate']}: choose one between about -1000 and 1000")
+    if o.get("rmsprop_base_decay_exp") is not None and o.get("rmsprop_decay") is None:
+        o["rmsprop_decay"] = 1 - _power_of_two(o["rmsprop_base_decay_exp"], "--rmsprop-base-decay-exp") * \
+            o["global_batch_size"]
+    _set_if_unset(o, "rmsprop_decay", 0.9)
+    if o["optimiser"] == "LARS" and not o.get("lars_weight_decay"):
+        o["lars_weight_decay"] = o["weight_decay"]
+    for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
+        if o.get(key) is not None and o[key] < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
+    if o.get("epochs_per_ckpt"):
+        per_epoch = 1.0 / o["epochs_per_ckpt"]
+        # Both on one command line are refused by the parser. A run's arguments.json (read again by
+        # validation.py) holds both, the second derived from the first.
+        if o["ckpts_per_epoch"] != 1 and not math.isclose(o["ckpts_per_epoch"], per_epoch):
+            raise ConfigError("cannot use --epochs-per-ckpt and --ckpts-per-epoch together")
+        o["ckpts_per_epoch"] = per_epoch
+    if o["lr_schedule"] == "polynomial_decay_lr":
+        o["lr_schedule"] = "polynomial"
+    if o["lr_schedule"] == "polynomial" and o.get("abs_end_learning_rate") is not None:
+        o["poly_lr_end_ratio"] = o["abs_end_learning_rate"] / o["learning_rate"]
+    if o["lr_schedule"] == "exponential":
+        _set_if_unset(o, "lr_decay_rate", EXPONENTIAL_DECAY_RATE)
+        _set_if_unset(o, "lr_drops", EXPONENTIAL_DROPS)
+    if o.get("warmup_epochs") and o.get("epochs") is None:
+        o["warmup_epochs"] = 0.0  # seed: warm-up is defined in epochs and needs --epochs
+    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
+    _set_if_unset(o, "pipeline_num_parallel", 2)
+
+
+def _check_finite(o: dict[str, Any]) -> None:
+    """Numbers that are not finite (--epochs nan), before anything uses them."""
+    for key, action in _option_actions().items():
+        value = o.get(key)
+        if action.type is float and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{action.option_strings[0]} must be a finite number, got {value}")
+
+
+def _validate(o: dict[str, Any]) -> None:
+    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations"):
+        if o[key] is not None and o[key] < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
+    if o.get("epochs") is not None and o["epochs"] <= 0:
+        raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
+    if o.get("iterations") is not None and o["iterations"] < 1:
+        raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
+    if o.get("num_classes") is not None and o["num_classes"] < 1:
+        raise ConfigError(f"--num-classes must be at least 1, got {o['num_classes']}")
+    if o["BN_span"] > 1 and isinstance(o["replicas"], int) and o["replicas"] > 1 and o["replicas"] % o["BN_span"]:
+        raise ConfigError(f"--BN-span {o['BN_span']} must divide --replicas {o['replicas']}")
+    if o["shards"] > 1 and not o["pipeline"]:
+        raise ConfigError("--shards should be used in combination with --pipeline")
+    if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
+        raise ConfigError("--pipeline-splits should be used in combination with --pipeline")
+    if o["dataset"] in CIFAR_LIKE and o.get("image_size") not in (None, 32):
+        raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
+    if not 1 <= o["dataset_percentage_to_use"] <= 100:
+        raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
+    if o["label_smoothing"] < 0 or o["label_smoothing"] >= 1:
+        raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
+
+
+def run_name(o: dict[str, Any]) -> str:
+    """The seed's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4."""
+    accumulation = o["gradient_accumulation_count"]
+    accum_tag = f"x{accumulation}p" if o["pipeline"] else (f"x{accumulation}a" if accumulation > 1 else "")
+    replica_tag = f"x{o['replicas']}r" if o["replicas"] > 1 else ""
+    norm_tag = f"_GN{o['groups']}" if o.get("group_norm") else "_BN"
+    if o["model"] == "efficientnet":
+        name = f"EfficientNet-{o['model_size']}_bs{o['micro_batch_size']}{accum_tag}{replica_tag}{norm_tag}"
+    else:
+        prefix = "RNX" if o["model"] == "resnext" else "RN"
+        name = f"{prefix}{o['model_size']}_bs{o['micro_batch_size']}{replica_tag}{accum_tag}{norm_tag}"
+        name += f"_{o['precision']}" + ("_noSR" if not o["stochastic_rounding"] else "")
+    if o.get("image_size") and o["dataset"] == "imagenet" and o["image_size"] != 224:
+        name += f"_{o['image_size']}x{o['image_size']}"
+    if o.get("name_suffix"):
+        name += f"_{o['name_suffix']}"
+    return name
+
+
+def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
+    """Fill every option: generic defaults, dataset/model defaults, derived values. Pure: no I/O."""
+    o = dict(cli_values)
+    _check_finite(o)
+    for key, value in GENERIC_DEFAULTS.items():
+        _set_if_unset(o, key, value)
+    _dataset_defaults(o)
+    _model_defaults(o)
+    _precision_defaults(o)
+    _training_defaults(o)
+    _validate(o)
+    o["name"] = run_name(o)
+    return o
+

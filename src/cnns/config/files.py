@@ -1,0 +1,169 @@
+"""configs.yml read, and option values checked against the options table's types.
+
+`load_named_config` reads one named configuration (its values are defaults the command line
+overrides); `check_option_types` checks a configuration's or a run's arguments.json values against
+the parsers' declared types, so a wrong value is named with its file and option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
+from cnns.errors import ConfigError
+
+REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs.yml"
+
+# ----------------------------------------------------------------------------------------------
+# configs.yml
+
+
+def default_configs_path() -> Path:
+    """configs.yml beside the root scripts (the repository), else the current folder's."""
+    if REPO_CONFIGS.exists():
+        return REPO_CONFIGS
+    return Path("configs.yml")
+
+
+def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The options of configuration `name`, YAML merge keys resolved.
+
+    ConfigError, naming the file, when it cannot be read, is not YAML, is not a mapping of
+    configuration names to mappings of options, or gives an option a value of the wrong type."""
+    path = Path(path) if path else default_configs_path()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"configuration file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        configs = yaml.safe_load(text)
+    # PyYAML raises YAMLError for most bad text, but ValueError, TypeError or RecursionError from its
+    # constructors for some (an impossible date, a too deeply nested value): all mean "not valid YAML".
+    except Exception as exc:  # noqa: BLE001
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"configuration file {path} is not valid YAML: {reason}") from None
+    if not isinstance(configs, dict):
+        raise ConfigError(f"configuration file {path} does not map configuration names to options")
+    if name not in configs:
+        import difflib
+
+        names = sorted(str(key) for key in configs)
+        near = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+        if near:
+            raise ConfigError(f"unknown config {name!r} in {path}; did you mean {' or '.join(map(repr, near))}?")
+        raise ConfigError(f"unknown config {name!r} in {path}; available configs: {', '.join(names) or 'none'}")
+    config = configs[name]
+    where = f"config {name!r} in {path}"
+    if not isinstance(config, dict) or not all(isinstance(key, str) for key in config):
+        raise ConfigError(f"{where} is not a mapping of option names to values")
+    for first, second in (("batch_size", "micro_batch_size"), ("epochs", "iterations"),
+                          ("epochs_per_ckpt", "ckpts_per_epoch")):
+        if config.get(first) is not None and config.get(second) is not None:
+            raise ConfigError(f"{where} gives both {first} and {second}: keep one of them")
+    check_option_types(config, where, strings_are_parsed=True)
+    return dict(config)
+
+
+def check_option_types(values: dict[str, Any], where: str, strings_are_parsed: bool) -> None:
+    """ConfigError naming `where` and the option when a value has a type its option cannot take: an
+    integer option given a list, a flag given a number, a value outside an option's choices.
+
+    For configs.yml (`strings_are_parsed`), a string is left to the argument parser, which converts
+    it as it would on the command line; in a run's arguments.json values are already typed. None
+    (unset) is accepted everywhere; options the parsers do not declare are not checked, except the
+    few values that resolution derives (global batch size, learning rate, seed, ...)."""
+    actions = _option_actions()
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in _DERIVED_TYPES:
+            kinds = _DERIVED_TYPES[key]
+            if isinstance(value, bool) != (kinds == (bool,)) or not isinstance(value, kinds):
+                raise ConfigError(f"{where}: {key} must be {_kind_name(kinds)}, got {_shown(value)}")
+            continue
+        action = actions.get(_CONFIG_ALIASES.get(key, key))
+        if action is None:
+            continue
+        problem = _option_value_problem(action, value, strings_are_parsed)
+        if problem:
+            raise ConfigError(f"{where}: {key} must be {problem}, got {_shown(value)}")
+
+
+# configs.yml keys that are another option's (the seed's deprecated spelling, see cnns.cli.parse_options).
+_CONFIG_ALIASES = {"batch_size": "micro_batch_size"}
+# Values that resolve() derives, as arguments.json holds them.
+_DERIVED_TYPES: dict[str, tuple[type, ...]] = {
+    "global_batch_size": (int,), "learning_rate": (int, float), "seed_specified": (bool,),
+    "half_dtype_given": (bool,), "name": (str,), "command": (str,),
+}
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    return " or ".join(dict.fromkeys(names.get(kind, kind.__name__) for kind in kinds))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _option_value_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
+    """What `value` should be for the parser action, or None when it fits."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return None if isinstance(value, bool) else "true or false"
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        if not isinstance(value, list) and action.dest not in IPU_ONLY_OPTIONS:  # those are ignored anyway
+            return "a list"
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            problem = _scalar_problem(action, item, strings_are_parsed=False)
+            if problem:
+                return f"a list of {problem.removeprefix('a ').removeprefix('an ')}s"
+        return None
+    return _scalar_problem(action, value, strings_are_parsed)
+
+
+def _scalar_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
+    if not isinstance(value, (str, int, float, bool)):
+        return "a single value"
+    parsed_string = isinstance(value, str) and strings_are_parsed
+    if not parsed_string:  # a string for configs.yml is converted (or refused) by the parser itself
+        if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+            return "an integer"
+        if action.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return "a number"
+    if action.choices is not None:
+        candidate = value
+        if parsed_string and callable(action.type):
+            try:
+                candidate = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                pass
+        if isinstance(candidate, bool) or candidate not in action.choices:
+            return "one of " + ", ".join(repr(choice) for choice in action.choices)
+    return None
+
+
+@lru_cache(maxsize=None)
+def _option_actions() -> dict[str, Any]:
+    """argparse actions by destination, over the scripts that take training options."""
+    actions: dict[str, Any] = {}
+    for script in ("train", "validate", "weight-avg", "infer"):
+        for action in build_parser(script)._actions:
+            if action.dest != "help":
+                # The first action of a destination is the option's own (--stochastic-rounding ON|OFF),
+                # whose type the parser uses for a default; later ones are its --no-... spellings.
+                actions.setdefault(action.dest, action)
+    return actions
+

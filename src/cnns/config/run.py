@@ -1,0 +1,244 @@
+"""The frozen, typed configuration of one run: what every part of the package below the commands reads.
+
+`RunConfig.from_options` turns the resolved flat options (`cnns.config.defaults.resolve`) into typed
+objects with plain field names, once per process. Values the processes agree on later (the seed,
+automatic pipeline splits) come back as a `dataclasses.replace` of it (`with_seed`, `with_splits`); the
+flat options stay beside it, read-only, only to be written as ``arguments.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from cnns.config.defaults import CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES
+from cnns.devices import requested_device
+from cnns.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------
+# Typed configuration: what the rest of the package sees
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str | None
+    data_dir: str | None
+    source: str  # "files" | "generated" | "synthetic"
+    num_classes: int
+    image_size: int | None
+    workers: int
+    normalise_imagenet: bool  # ImageNet mean/std; otherwise the seed's mean subtraction
+    host_normalisation: bool
+    percentage: int
+    cache: bool
+    mixup_alpha: float
+    cutmix_lambda: float
+    cutmix_version: int
+    skip_corrupt: bool = False  # --skip-corrupt-images: drop and count undecodable images
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    precision: str  # "32.32" | "16.32" | "16.16"
+    half_dtype: str  # "bfloat16" | "float16"
+    half_dtype_given: bool  # chosen explicitly: used even where the CPU only emulates it
+    stochastic_rounding: bool
+    loss_scaling: float
+    auto_loss_scaling: bool
+    grad_accum_dtype: str
+    half_partials: bool
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    replicas: int
+    shards: int
+    pipeline: bool
+    splits: tuple[str, ...] | None
+    schedule: str
+    recomputation: bool
+    bn_span: int
+    rts: bool
+    offload_optimiser: bool
+    identical_seeding: bool  # --identical-replica-seeding
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int
+    eval_batch_size: int  # --validation-micro-batch-size, else the micro-batch size
+    grad_accum: int
+    global_batch_size: int
+    epochs: float | None
+    iterations: int | None
+    device_iterations: int
+    ckpts_per_epoch: float
+    ckpt_epochs_offset: float
+    logs_per_epoch: float
+    log_freq: int
+    seed: int | None
+    seed_specified: bool  # --seed was on the command line (the seed is recorded either way)
+    validation: bool
+    label_smoothing: float
+    weight_avg_N: tuple[int, ...]
+    weight_avg_exp: tuple[float, ...]
+    ema_decay: float | None
+    compile: bool
+    fp_exceptions: bool
+    profile: bool
+    profile_dir: str | None
+    compile_only: bool
+    bn_momentum: float
+    validation_images: int | None  # generated data: images validated per checkpoint
+    init_path: str | None  # --init-path: the weights a new run starts from
+    dataset_benchmark: bool  # --dataset-benchmark: time the input pipeline alone
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimiser: str
+    learning_rate: float
+    momentum: float
+    weight_decay: float
+    rmsprop_decay: float
+    rmsprop_epsilon: float
+    lars_eeta: float
+    lars_epsilon: float
+    lars_weight_decay: float
+    lr_schedule: str
+    warmup_epochs: float
+    learning_rate_decay: float
+    learning_rate_schedule: tuple[float, ...]
+    lr_decay_rate: float  # the exponential schedule's (the seed's defaults unless given)
+    lr_drops: int
+    poly_power: float
+    poly_end_ratio: float
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_dir: str
+    logs_path: str | None
+    name: str
+    wandb: bool
+    wandb_project: str
+    tensorboard: bool
+    all_instances: bool  # --log-all-instances: every process logs, not only rank 0
+    ckpt_all_instances: bool  # --ckpt-all-instances: every process saves checkpoints
+    command: str  # the command line, as the run's log shows it
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: Any  # cnns.models.ModelSpec
+    data: DataConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    log: LogConfig
+    device: str | None  # --device (or --select-ipus N as cuda:N); None: the machine's default
+    # The resolved flat options, read-only: written as arguments.json (and compared between processes),
+    # never read by the engine.
+    arguments: Mapping[str, Any] = field(repr=False, compare=False, default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_options(cls, o: dict[str, Any]) -> "RunConfig":
+        from cnns.models import ModelSpec  # models are optional for pure option handling
+
+        dataset = o["dataset"]
+        # None: a folder whose name and contents show no dataset (missing or empty, reported when the
+        # data is read); the model defaults were CIFAR's (_model_defaults), so the model is built so too.
+        cifar = dataset in CIFAR_LIKE or dataset is None
+        source = "synthetic" if o["synthetic_data"] else ("generated" if o["generated_data"] else "files")
+        image_size = 32 if cifar else o.get("image_size")
+        # The run's class count (arguments.json records it; a run of an older version: the dataset's).
+        num_classes = o.get("num_classes") or NUM_CLASSES.get(dataset, 10)
+        model = ModelSpec(
+            arch=o["model"], size=str(o["model_size"]), num_classes=num_classes,
+            image_size=image_size or 224, norm="group" if o.get("group_norm") else "batch",
+            groups=o["groups"], group_dim=o.get("group_dim") or 1, expand_ratio=o.get("expand_ratio") or 6,
+            convolution_groups=o.get("convolution_groups") or 32,
+            **({"group_width": o["group_dim"]} if o["model"] == "resnext" and o.get("group_dim") else {}),
+        )
+        data = DataConfig(
+            dataset=dataset, data_dir=o.get("data_dir"), source=source,
+            num_classes=num_classes, image_size=image_size,
+            workers=o["pipeline_num_parallel"], normalise_imagenet=bool(o["normalise_input"]),
+            host_normalisation=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
+            percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],
+            mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
+            skip_corrupt=bool(o.get("skip_corrupt_images")),
+        )
+        precision = PrecisionConfig(
+            precision=o["precision"], half_dtype=o["half_dtype"],
+            half_dtype_given=bool(o.get("half_dtype_given")), stochastic_rounding=o["stochastic_rounding"],
+            loss_scaling=o["loss_scaling"], auto_loss_scaling=o["auto_loss_scaling"],
+            grad_accum_dtype=o["gradient_accumulation_dtype"], half_partials=o["enable_half_partials"],
+        )
+        parallel = ParallelConfig(
+            replicas=o["replicas"], shards=o["shards"], pipeline=o["pipeline"],
+            splits=tuple(o["pipeline_splits"]) if o.get("pipeline_splits") is not None else None,
+            schedule=o["pipeline_schedule"], recomputation=o["enable_recomputation"], bn_span=o["BN_span"],
+            rts=o["rts"], offload_optimiser=o["offload_optimiser"],
+            identical_seeding=bool(o.get("identical_replica_seeding")),
+        )
+        train = TrainConfig(
+            micro_batch_size=o["micro_batch_size"],
+            eval_batch_size=o.get("validation_micro_batch_size") or o["micro_batch_size"], grad_accum=o["gradient_accumulation_count"],
+            global_batch_size=o["global_batch_size"], epochs=o.get("epochs"), iterations=o.get("iterations"),
+            device_iterations=o["device_iterations"], ckpts_per_epoch=o["ckpts_per_epoch"],
+            ckpt_epochs_offset=o["ckpt_epochs_offset"] or 0.0,
+            logs_per_epoch=o["logs_per_epoch"], log_freq=o["log_freq"],
+            seed=int(o["seed"]) if o.get("seed") is not None else None,
+            seed_specified=bool(o.get("seed_specified", False)), validation=o["validation"],
+            label_smoothing=o["label_smoothing"], weight_avg_N=tuple(o.get("weight_avg_N") or ()),
+            weight_avg_exp=tuple(o.get("weight_avg_exp") or ()), ema_decay=o.get("ema_decay"),
+            compile=o["compile"], fp_exceptions=o["fp_exceptions"], profile=o["profile"],
+            profile_dir=o.get("profile_dir"), compile_only=o["compile_only"],
+            bn_momentum=1.0 - o["BN_decay"], validation_images=o.get("validation_images"),
+            init_path=o.get("init_path"), dataset_benchmark=bool(o.get("dataset_benchmark")),
+        )
+        optim = OptimConfig(
+            optimiser=o["optimiser"], learning_rate=o["learning_rate"], momentum=o["momentum"],
+            weight_decay=o["weight_decay"], rmsprop_decay=o["rmsprop_decay"], rmsprop_epsilon=o["rmsprop_epsilon"],
+            lars_eeta=o["lars_eeta"], lars_epsilon=o["lars_epsilon"], lars_weight_decay=o["lars_weight_decay"],
+            lr_schedule=o["lr_schedule"], warmup_epochs=o["warmup_epochs"] or 0.0,
+            learning_rate_decay=o["learning_rate_decay"],
+            learning_rate_schedule=parse_fractions(o["learning_rate_schedule"]),
+            lr_decay_rate=_unless_none(o.get("lr_decay_rate"), EXPONENTIAL_DECAY_RATE),
+            lr_drops=_unless_none(o.get("lr_drops"), EXPONENTIAL_DROPS),
+            poly_power=o["poly_lr_decay_power"], poly_end_ratio=o["poly_lr_end_ratio"],
+        )
+        log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
+                        wandb_project=o["wandb_project"], tensorboard=o["tensorboard"],
+                        all_instances=bool(o.get("log_all_instances")),
+                        ckpt_all_instances=bool(o.get("ckpt_all_instances")), command=o.get("command", ""))
+        return cls(model=model, data=data, precision=precision, parallel=parallel, train=train, optim=optim,
+                   log=log, device=requested_device(o.get("device"), o.get("select_ipus")),
+                   arguments=MappingProxyType(dict(o)))
+
+    def with_seed(self, seed: int) -> "RunConfig":
+        """The configuration with the seed every process agreed on (rank 0's), or a restored run's."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=int(seed)),
+                                   arguments=MappingProxyType({**self.arguments, "seed": int(seed)}))
+
+    def with_splits(self, names: list[str]) -> "RunConfig":
+        """The configuration with the pipeline's cut points chosen (--pipeline-splits auto)."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, splits=tuple(names)),
+                                   arguments=MappingProxyType({**self.arguments, "pipeline_splits": list(names)}))
+
+
+def parse_fractions(value: Any) -> tuple[float, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    try:
+        return tuple(float(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--learning-rate-schedule must be comma-separated fractions, got {value!r}") from None
+
+
+def _unless_none(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,132 @@
+"""What a checkpoint holds, and how replicas and pipeline stages write and restore it: one place.
+
+A checkpoint holds everything a continuation needs to be exact: the plain model (its keys those of a
+single-process run, whatever the replicas, stages or compilation), the optimiser (with its stochastic-rounding
+generator; a sharded optimiser's state consolidated first), the loss scaler, every random stream (each rank's
+with replicas), the moving average of the weights, the iteration (which fixes the data position and the
+learning rate) and the seed. Every process calls `save`: the replicas average their batch-norm statistics, the
+stages send their parts to rank 0, and rank 0 (with --ckpt-all-instances every unpipelined rank) writes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
+from cnns.engine.build import unwrap
+from cnns.engine.components import Components
+from cnns.engine.parts import TrainingParts
+from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
+from cnns.errors import CheckpointError
+from cnns.parallel.replicas import average_running_statistics
+from cnns.parallel.world import World
+from cnns.runlog import RunLog
+from cnns.runs import RestorePoint
+
+
+class Checkpointer:
+    """Saves and restores one training run's state (`c` and `parts`) in `folder` (another rank's own
+    `instance_folder` with --ckpt-all-instances)."""
+
+    def __init__(self, c: Components, parts: TrainingParts, log: RunLog, folder: Path, instance_folder: Path | None,
+                 global_batch_size: int, every_instance: bool, sharded_optimiser: bool):
+        self.c, self.parts, self.log = c, parts, log
+        self.world: World = c.world
+        self.folder, self.instance_folder = folder, instance_folder
+        self.global_batch_size = global_batch_size
+        self.every_instance = every_instance  # --ckpt-all-instances
+        self.sharded_optimiser = sharded_optimiser  # --rts: the whole optimiser state is on rank 0 only
+
+    def save(self, iteration: int) -> None:
+        """Called by every process: a sharded optimiser's state and every rank's random streams are
+        gathered first; rank 0 (and with --ckpt-all-instances every rank) writes."""
+        world, c, parts = self.world, self.c, self.parts
+        average_running_statistics(c.plain_model, world)  # every replica saves the same model
+        parts.optimiser.consolidate()
+        rng = capture_rng_state(parts.generators)
+        every_rng = world.gather(rng) if world.distributed else None
+        stage_parts = self._gather_stages() if c.stage is not None else None
+        if world.is_writer:
+            start = time.perf_counter()
+            state = self._state(iteration, rng, with_optimiser=stage_parts is None)
+            if stage_parts is not None:  # the whole model, optimiser and average from the stages
+                state.update(whole_from_parts(c.stage, stage_parts))
+            if every_rng is not None:
+                state["rng_by_rank"] = every_rng
+            path = checkpoint_path(self.folder, iteration)
+            save_checkpoint(path, state)
+            if iteration == 0:
+                self.log.print(f"Saved initial checkpoint to {path}")
+            else:
+                self.log.print(f"Saved checkpoint to {path} in {time.perf_counter() - start:.3f}s")
+        elif self.every_instance and self.instance_folder is not None and c.stage is None:
+            # A sharded optimiser's whole state exists on rank 0 only.
+            state = self._state(iteration, rng, with_optimiser=not self.sharded_optimiser)
+            save_checkpoint(checkpoint_path(self.instance_folder, iteration), state)
+
+    def _gather_stages(self) -> list | None:
+        """Replica 0's stages send their parts of the model, optimiser and average to the writer."""
+        c, parts, part = self.c, self.parts, None
+        if self.world.replica_rank == 0:  # (a sharded optimiser's state is whole there only)
+            part = stage_part(c.stage, c.plain_model.state_dict(), parts.optimiser.state_dict(),
+                              parts.ema.state_dict() if parts.ema is not None else None)
+        return self.world.gather_to_writer(part)
+
+    def _state(self, iteration: int, rng: dict[str, Any], with_optimiser: bool) -> dict[str, Any]:
+        c, parts = self.c, self.parts
+        state = {
+            "model": unwrap(c.model).state_dict(),
+            "loss_scaler": parts.scaler.state_dict(),
+            "rng": rng,
+            "iteration": iteration,
+            "epoch": self.epoch_of(iteration),
+            "seed": c.seed,
+            "replicas": self.world.replicas,
+        }
+        if with_optimiser:
+            state["optimiser"] = parts.optimiser.state_dict()
+        if parts.ema is not None:
+            state["ema"] = parts.ema.state_dict()
+        return state
+
+    def epoch_of(self, iteration: int) -> float:
+        return self.global_batch_size * iteration / self.c.sources.train.num_samples
+
+    def restore(self, restore: RestorePoint) -> tuple[int, list[str]]:
+        """The checkpoint's state in place: (its iteration, the notices of what could not be carried)."""
+        state, path = restore.state, restore.path
+        c, parts = self.c, self.parts
+        if "seed" in state and int(state["seed"]) != c.seed:
+            raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
+                                  f"arguments.json says {c.seed}: it belongs to another run")
+        try:
+            model, optimiser = state["model"], state["optimiser"]
+            ema = state["ema"] if parts.ema is not None else None
+            if c.stage is not None:  # a whole-model checkpoint dealt out to this stage
+                model = stage_model_state(c.stage, model)
+                optimiser = stage_optimiser_state(c.stage, optimiser, self.world)
+                ema = stage_model_state(c.stage, ema) if ema is not None else None
+            unwrap(c.model).load_state_dict(model)
+            parts.optimiser.load_state_dict(optimiser)
+            parts.scaler.load_state_dict(state["loss_scaler"])
+            notes = restore_rng_state(_rng_of_this_process(state, self.world), parts.generators)
+            if parts.optimiser.streams_restarted:
+                notes.append("the stochastic-rounding stream was written on another kind of device: it "
+                             "continues from a seed derived from it (the run is no longer bitwise repeatable)")
+            if ema is not None:
+                parts.ema.load_state_dict(ema)
+            return int(state["iteration"]), notes
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            reason = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
+            raise CheckpointError(f"{path} does not match this run's model or optimiser: {reason}") from None
+
+
+
+def _rng_of_this_process(state: dict[str, Any], world: World) -> dict[str, Any]:
+    """This rank's random streams when the checkpoint was written by as many processes, else rank 0's."""
+    every = state.get("rng_by_rank")
+    if isinstance(every, list) and len(every) == world.size:
+        return every[world.rank]
+    return state["rng"]

@@ -1,0 +1,120 @@
+"""A trained run's model rebuilt for inference: `cnns predict` and `cnns export` start here.
+
+The model is rebuilt from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
+(`cnns.runs.RunFolder.evaluation_config`), a checkpoint's raw or moving-average weights are loaded, and it
+runs in float32 in eval mode whatever the training precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cnns.data.augment import IMAGENET_MEAN, normalise
+from cnns.errors import CheckpointError, ConfigError
+
+WEIGHT_CHOICES = ("raw", "ema")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rebuilding a run's model (shared with cnns export)
+
+
+@dataclass
+class RestoredModel:
+    """A run's model with one checkpoint's weights, float32, eval mode, on `device`."""
+
+    cfg: object  # cnns.config.RunConfig
+    model: nn.Module
+    checkpoint: Path
+    weights: str  # "raw" or "ema"
+    trained_precision: str  # e.g. "16.16 (bfloat16)"
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    device: torch.device
+
+    @property
+    def description(self) -> str:
+        from cnns.models.spec import display_name
+
+        return display_name(self.cfg.model)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.cfg.model.image_size)
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.cfg.model.num_classes)
+
+
+def run_config(folder: Path, checkpoint: Path):
+    """The run's RunConfig, rebuilt from its arguments.json as validation.py rebuilds it."""
+    from cnns.runs import RunFolder
+
+    if not (folder / "arguments.json").is_file():
+        raise CheckpointError(f"{folder} has no arguments.json: cannot tell which model {checkpoint.name} holds "
+                              "(--restore-path must be a cnns run folder or a checkpoint inside one)")
+    return RunFolder.open(folder).evaluation_config(checkpoint)
+
+
+def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) on the 0..1 scale, as the device feed normalises training and validation batches."""
+    from cnns.engine.feed import DeviceFeed
+
+    feed = DeviceFeed(torch.device("cpu"), torch.float32, imagenet_normalisation=cfg.data.normalise_imagenet)
+    return tuple(float(v) for v in feed.mean), tuple(float(v) for v in feed.std)
+
+
+def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.device | str = "cpu") -> RestoredModel:
+    """Rebuild the run's model and load a checkpoint's raw or EMA weights, in float32, eval mode.
+
+    CheckpointError (one line, naming the file) for a missing or foreign checkpoint, a run folder
+    without arguments.json, weights that do not fit the model, or --weights ema on a checkpoint
+    that holds no moving average."""
+    from cnns.checkpoint import check_matches_model
+    from cnns.models import build_model
+    from cnns.runs import checkpoint_weights, locate_checkpoint
+
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
+    device = torch.device(device)
+    folder, checkpoint = locate_checkpoint(restore_path)
+    cfg = run_config(folder, checkpoint)
+    state_dict = checkpoint_weights(checkpoint, weights)
+    model = build_model(cfg.model)
+    description = f"{cfg.model.arch}-{cfg.model.size}"
+    check_matches_model(checkpoint, state_dict, model.state_dict(), description)
+    model.load_state_dict(state_dict)  # half-precision tensors are converted to the float32 parameters
+    model = model.float().to(device).eval()
+    precision = cfg.precision.precision
+    trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
+    mean, std = input_normalisation(cfg)
+    return RestoredModel(cfg, model, checkpoint, weights, trained, mean, std, device)
+
+
+class FloatClassifier(nn.Module):
+    """float32 NCHW normalised images -> float32 logits (names the graph's input "images")."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images).float()
+
+
+class NormalisedClassifier(nn.Module):
+    """uint8 NHWC images -> logits: the device-side normalisation folded into the exported graph."""
+
+    def __init__(self, model: nn.Module, std: tuple[float, ...], dtype: torch.dtype):
+        super().__init__()
+        self.model = model
+        self.std = std
+        self.dtype = dtype
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(normalise(images, IMAGENET_MEAN, self.std, self.dtype)).float()
