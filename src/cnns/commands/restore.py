@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cnns.commands.checks import check_data_before_writing, check_supported
 from cnns.config import RunConfig
+from cnns.engine.session import TrainingSession
 from cnns.errors import CheckpointError
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
@@ -35,14 +36,7 @@ def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         if world.is_writer:
             for path, reason in point.skipped:
                 log.notice(f"skipped the unreadable checkpoint {path}, kept as {set_aside(path).name}: {reason}")
-        from cnns.engine.session import TrainingSession
-
-        try:
-            code = TrainingSession(cfg, log, run.path, world, instance_folder).run(restore=point)
-        finally:
-            log.close()
-        world.settle()
-        return code
+        return TrainingSession(cfg, log, run.path, world, instance_folder).run_to_the_end(point)
     finally:
         world.close()
 

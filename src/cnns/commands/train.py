@@ -38,11 +38,6 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
         log.write_arguments(cfg.arguments)
         if cfg.log.wandb and world.is_writer:
             log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
-        try:
-            code = TrainingSession(cfg, log, folder, world, instance_folder, initial).run(restore=restore)
-        finally:
-            log.close()
-        world.settle()
-        return code
+        return TrainingSession(cfg, log, folder, world, instance_folder, initial).run_to_the_end(restore)
     finally:
         world.close()

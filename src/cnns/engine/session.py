@@ -58,6 +58,16 @@ class TrainingSession:
         self.instance_folder = instance_folder
         self.initial = initial  # --init-path: the weights a new run starts from
 
+    def run_to_the_end(self, restore: RestorePoint | None = None) -> int:
+        """`run`, then the log closed and, once the run succeeded, every process waited for before the
+        process groups go (`World.settle`; on a failure a peer may be gone)."""
+        try:
+            code = self.run(restore)
+        finally:
+            self.log.close()
+        self.world.settle()
+        return code
+
     def run(self, restore: RestorePoint | None = None) -> int:
         cfg, log = self.cfg, self.log
         c = build_components(cfg, self.world, need_eval=cfg.train.validation)
