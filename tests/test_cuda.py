@@ -107,12 +107,31 @@ def test_validation_and_export_on_the_gpu(data_dir, tmp_path):
     assert all(int(r["val_size"]) == 200 for r in rows(folder / "validation.csv"))
     assert "Validation top-1 accuracy" in out
     package = tmp_path / "rn8.pt2"
-    processes.run([sys.executable, "-m", "cnns", "export", "--restore-path", str(folder), "--format", "pt2",
-                   "--device", "cuda", "--out", str(package)], check=True, capture_output=True, text=True,
-                  cwd=tmp_path, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    out = processes.run([sys.executable, "-m", "cnns", "export", "--restore-path", str(folder), "--format", "pt2",
+                         "--device", "cuda", "--eight-bit-io", "--out", str(package)], capture_output=True, text=True,
+                        cwd=tmp_path, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 to 65535" in out.stdout  # the dynamic batch's range on a GPU (cuDNN batch norm's eval-mode limit)
+    skip_where_this_torch_crashes_loading(package)
     compiled = torch._inductor.aoti_load_package(str(package))
-    logits = compiled(torch.randn(2, 3, 32, 32, device="cuda"))
-    assert logits.shape == (2, 10) and logits.device.type == "cuda"
+    for batch in (1, 3):
+        logits = compiled(torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, device="cuda"))
+        assert logits.shape == (batch, 10) and logits.device.type == "cuda"
+
+
+def skip_where_this_torch_crashes_loading(package: Path) -> None:
+    """Load the package in a child first (as inference_embedded.py does): where this torch dies loading CUDA
+    AOTInductor packages (SIGSEGV with 2.11.0+cu130 on an H100), the test skips with that line instead of
+    taking pytest down with it."""
+    from cnns.commands.infer import probe_package
+    from cnns.errors import CnnsError
+
+    try:
+        probe_package(package, (2, 32, 32, 3), torch.device("cuda"))
+    except CnnsError as exc:
+        if "crashed (" in str(exc):
+            pytest.skip(f"this torch cannot load CUDA AOTInductor packages: {exc}")
+        raise
 
 
 def test_inference_embedded_compiles_an_aotinductor_artefact_for_the_gpu(tmp_path):
@@ -120,8 +139,11 @@ def test_inference_embedded_compiles_an_aotinductor_artefact_for_the_gpu(tmp_pat
                          "--dataset", "cifar-10", "--micro-batch-size", "4", "--iterations", "20", "--device", "cuda",
                          "--artefact-path", str(tmp_path / "rn8.pt2")], capture_output=True, text=True, cwd=tmp_path,
                         timeout=900)
+    if out.returncode == 2 and "crashed (" in out.stderr:  # the command's one line where this torch cannot load it
+        pytest.skip(f"this torch cannot load CUDA AOTInductor packages: {out.stderr.strip()}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "rn8.pt2").is_file()
+    assert "latency avg:" in out.stdout
 
 
 @pytest.mark.skipif(GPUS < 2, reason="cnns runs one process per GPU: two replicas or stages need two GPUs")
