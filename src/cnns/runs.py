@@ -16,9 +16,9 @@ command line's values override them:
   layout (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because
   checkpoints hold the whole model and pipelines compute the same updates at any stage count.
 * **inference_embedded.py** and **cnns benchmark** take no run folder options (a checkpoint file,
-  or none); **train.py** makes a new folder (`agree_on_run_folder`).
+  or none); **train.py** makes a new folder (`open_new_run`).
 
-This module sits below `cli/` (which parses argv into the values these rules take), `inference/`
+This module sits below `cli/` (which parses argv into the values these rules take), `commands/`, the engine
 and `bench/`, and above the modules that read the files (`checkpoint`, `config`, `runlog`).
 """
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cnns.config import RunConfig
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.errors import CheckpointError, ConfigError
 
@@ -20,14 +21,14 @@ WEIGHT_CHOICES = ("raw", "ema")
 
 
 # ----------------------------------------------------------------------------------------------
-# Rebuilding a run's model (shared with cnns export)
+# A run's model with one checkpoint's weights
 
 
 @dataclass
 class RestoredModel:
     """A run's model with one checkpoint's weights, float32, eval mode, on `device`."""
 
-    cfg: object  # cnns.config.RunConfig
+    cfg: RunConfig
     model: nn.Module
     checkpoint: Path
     weights: str  # "raw" or "ema"
@@ -94,6 +95,10 @@ def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.
     trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
     mean, std = input_normalisation(cfg)
     return RestoredModel(cfg, model, checkpoint, weights, trained, mean, std, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model behind the graph's input: float NCHW, or uint8 NHWC normalised inside (the seed's 8-bit I/O)
 
 
 class FloatClassifier(nn.Module):
