@@ -6,9 +6,9 @@ never installed, from pyproject.toml beside it. A GPU machine keeps its own CUDA
 (`pip install -e .` with ranges, or `--no-deps`), so what is installed may be anything; the command
 line checks it once before a command runs and names what to run instead of failing deep inside.
 
-Versions are compared by PEP 440's ordering, written out here (a few lines) so that this leaf needs no
-third-party package: local suffixes are ignored (2.11.0+cu130 is 2.11.0) and a pre-release comes before
-its release (2.12.0.dev20260101 < 2.12.0 but > 2.11), as pip orders them.
+Versions are compared and requirement lines read by `packaging`, pip's own library (a dependency of timm's
+huggingface_hub, declared in pyproject.toml too); local suffixes are ignored (2.11.0+cu130 is 2.11.0) and a
+pre-release comes before its release (2.12.0.dev20260101 < 2.12.0 but > 2.11), as pip orders them.
 """
 
 from __future__ import annotations
@@ -19,44 +19,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Mapping
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
 CHECKED = ("torch", "torchvision", "timm")
 
-# PEP 440's public version, case-insensitive, with its alternative spellings (1.0rc1, 1.0-post1, 1.0.dev).
-_VERSION = re.compile(
-    r"""^\s*v?(?:(?P<epoch>\d+)!)?(?P<release>\d+(?:\.\d+)*)
-        (?:[-_.]?(?P<pre_l>a|b|c|rc|alpha|beta|pre|preview)[-_.]?(?P<pre_n>\d*))?
-        (?:-(?P<post_n1>\d+)|[-_.]?(?:post|rev|r)[-_.]?(?P<post_n2>\d*))?
-        (?:[-_.]?dev[-_.]?(?P<dev_n>\d*))?
-        (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?\s*$""",
-    re.VERBOSE | re.IGNORECASE,
-)
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
 
-# `torch>=2.11` in a requirement line (the name as written, then its lower bound); a marker
-# (`; extra == "test"`) excludes the line.
-_MINIMUM = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*[^;]*?>=\s*(?P<version>[^,;\s]+)")
-
-
-def version_key(version: str) -> tuple | None:
-    """A key that sorts versions as PEP 440 (and pip) does, or None for a string that is not a version."""
-    match = _VERSION.match(version)
-    if match is None:
+def version_key(version: str) -> Version | None:
+    """The public version (its local suffix dropped), ordered as pip orders them, or None for a string that is
+    not a version."""
+    try:
+        return Version(Version(version).public)
+    except InvalidVersion:
         return None
-    release = [int(part) for part in match["release"].split(".")]
-    while len(release) > 1 and release[-1] == 0:  # 2.11 == 2.11.0
-        release.pop()
-    post = match["post_n1"] or match["post_n2"]
-    has_post = match["post_n1"] is not None or match["post_n2"] is not None
-    dev = match["dev_n"]
-    if match["pre_l"]:
-        pre = (_PRE_RANK[match["pre_l"].lower()], int(match["pre_n"] or 0))
-    elif dev is not None and not has_post:
-        pre = (-1,)  # 2.12.0.dev1 comes before 2.12.0a1
-    else:
-        pre = (3,)  # a release comes after its pre-releases
-    return (int(match["epoch"] or 0), tuple(release), pre,
-            (int(post or 0),) if has_post else (-1,),
-            (0, int(dev or 0)) if dev is not None else (1,))
 
 
 def is_older(installed: str, minimum: str) -> bool | None:
@@ -68,15 +44,19 @@ def is_older(installed: str, minimum: str) -> bool | None:
 
 
 def _minimums_from(requirements: list[str]) -> dict[str, str]:
+    """{name: lower bound} of the checked packages among requirement lines (an extra's lines excluded)."""
     found = {}
     for line in requirements:
-        if ";" in line and "extra" in line.split(";", 1)[1]:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
             continue
-        match = _MINIMUM.match(line)
-        if match is not None:
-            name = re.sub(r"[-_.]+", "-", match["name"]).lower()
-            if name in CHECKED:
-                found[name] = match["version"]
+        if requirement.marker is not None and "extra" in str(requirement.marker):
+            continue
+        name = canonicalize_name(requirement.name)
+        bounds = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+        if name in CHECKED and bounds:
+            found[name] = bounds[0]
     return found
 
 
