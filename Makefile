@@ -21,8 +21,9 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py --config quickstart
 
+# --durations=10: the ten slowest tests end the report, so the next slow one is seen when it arrives.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests
 
 # The CUDA tier (tests marked cuda), one process: the GPU is not shared between test workers. `make test`
 # hides any GPU (tests/conftest.py), so it is the same CPU suite on every machine.
