@@ -7,14 +7,13 @@ A TFRecord file is a sequence of records, each framed as::
 and each record's data is a serialised ``tf.train.Example`` protocol buffer holding the JPEG bytes
 (``image/encoded``) and the 1-based class (``image/class/label``).
 
-Written by hand here, because no library we depend on does it: the record framing, the CRC32C
-check (numpy fallback; the ``google-crc32c`` package is used when installed) and a minimal
-protobuf wire-format parser for ``tf.train.Example``. Decoding and augmentation use torchvision.
+Written by hand here, because no library we depend on does it: the record framing and a minimal
+protobuf wire-format parser for ``tf.train.Example``. The CRC32C check is ``google-crc32c``'s (a declared
+dependency); decoding and augmentation use torchvision.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import struct
@@ -28,14 +27,6 @@ import torch
 from torch.utils.data import Dataset
 
 from cnns.errors import DataError
-
-try:  # A C implementation (SSE4.2 / ARM CRC instructions): ~10 µs for a 100 KB JPEG.
-    import google_crc32c as _google_crc32c
-
-    if getattr(_google_crc32c, "implementation", "c") != "c":
-        _google_crc32c = None  # its pure-Python fallback is slower than ours below
-except ImportError:  # pragma: no cover - depends on the environment
-    _google_crc32c = None
 
 SPLITS = ("train", "validation")
 IMAGENET_CLASSES = 1000
@@ -72,101 +63,21 @@ def find_shards(folder: str | os.PathLike, split: str) -> list[Path]:
 # CRC32C (Castagnoli)
 # ----------------------------------------------------------------------------------------------
 
-_POLY = 0x82F63B78  # reflected Castagnoli polynomial
 
-
-def _byte_table() -> np.ndarray:
-    """table[b] = register after shifting byte b through 8 steps of the reflected CRC."""
-    table = np.arange(256, dtype=np.uint32)
-    for _ in range(8):
-        table = np.where(table & 1, (table >> 1) ^ np.uint32(_POLY), table >> 1).astype(np.uint32)
-    return table
-
-
-_TABLE = _byte_table()
-_TABLE_LIST = _TABLE.tolist()
-_BIT_POSITIONS = np.arange(32, dtype=np.uint32)
-_CHUNK_LOG2 = 4  # the numpy path runs all 16-byte chunks of the data in lockstep
-_PYTHON_LOOP_LIMIT = 512  # below this many bytes a plain loop beats numpy's per-call overhead
-
-
-def _register_update(register: int, data: bytes | memoryview) -> int:
-    """Table-driven CRC register update, one byte at a time (for short inputs only)."""
-    table = _TABLE_LIST
-    for byte in bytes(data):
-        register = table[(register ^ byte) & 0xFF] ^ (register >> 8)
-    return register
-
-
-def _apply_operator(columns: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Apply a linear map over GF(2)^32, given as the images of the 32 unit vectors, to `values`."""
-    bits = ((values[..., None] >> _BIT_POSITIONS) & 1).astype(bool)
-    return np.bitwise_xor.reduce(np.where(bits, columns, np.uint32(0)), axis=-1).astype(np.uint32)
-
-
-@lru_cache(maxsize=None)
-def _zeros_operator(log2_bytes: int) -> np.ndarray:
-    """The register map 'feed 2**log2_bytes zero bytes', as 32 columns. It is linear, and the
-    CRC of A||B is this map (for len(B)) applied to the CRC register of A, xor the register of B."""
-    if log2_bytes == 0:
-        units = np.uint32(1) << _BIT_POSITIONS
-        return (_TABLE[units & 0xFF] ^ (units >> 8)).astype(np.uint32)
-    half = _zeros_operator(log2_bytes - 1)
-    return _apply_operator(half, half)
-
-
-@lru_cache(maxsize=None)
-def _zeros_byte_tables(log2_bytes: int) -> np.ndarray:
-    """The same map as 4 lookup tables, one per register byte: 4 gathers per value instead of 32
-    bit tests, for the pairwise combination of thousands of chunk registers."""
-    byte_values = np.arange(256, dtype=np.uint32)
-    columns = _zeros_operator(log2_bytes)
-    return np.stack([_apply_operator(columns, byte_values << np.uint32(8 * byte)) for byte in range(4)])
-
-
-def _feed_zeros_many(log2_bytes: int, registers: np.ndarray) -> np.ndarray:
-    tables = _zeros_byte_tables(log2_bytes)
-    return (tables[0][registers & 0xFF] ^ tables[1][(registers >> 8) & 0xFF]
-            ^ tables[2][(registers >> 16) & 0xFF] ^ tables[3][registers >> 24])
-
-
-def _feed_zeros(register: int, count: int) -> int:
-    """The register after `count` zero bytes, in O(log count) operator applications."""
-    value = np.array(register, dtype=np.uint32)
-    for power in range(count.bit_length()):
-        if count >> power & 1:
-            value = _apply_operator(_zeros_operator(power), value)
-    return int(value)
-
-
-def _crc32c_numpy(data: bytes | memoryview) -> int:
-    """CRC32C vectorised with numpy: the data is front-padded with zeros (which leave a zero register
-    unchanged) to 2**k chunks of 16 bytes, the chunk registers are computed together, then combined
-    pairwise with the zero-feeding operators: ~0.5 ms for a 110 KB JPEG, where a byte loop takes ~30 ms."""
-    size = len(data)
-    if size < _PYTHON_LOOP_LIMIT:
-        return _register_update(0xFFFFFFFF, data) ^ 0xFFFFFFFF
-    chunk = 1 << _CHUNK_LOG2
-    chunk_count = 1 << math.ceil(math.log2(math.ceil(size / chunk)))
-    padded = np.zeros(chunk_count * chunk, dtype=np.uint8)
-    padded[padded.size - size:] = np.frombuffer(data, dtype=np.uint8)
-    chunks = padded.reshape(chunk_count, chunk)
-    registers = np.zeros(chunk_count, dtype=np.uint32)
-    for column in range(chunk):
-        registers = _TABLE[(registers ^ chunks[:, column]) & 0xFF] ^ (registers >> 8)
-    level = _CHUNK_LOG2
-    while registers.size > 1:
-        registers = _feed_zeros_many(level, registers[0::2]) ^ registers[1::2]
-        level += 1
-    # The standard initial register 0xFFFFFFFF contributes linearly: fed through all `size` bytes.
-    return int(registers[0]) ^ _feed_zeros(0xFFFFFFFF, size) ^ 0xFFFFFFFF
+@lru_cache(maxsize=1)
+def _crc32c_value() -> Callable[[bytes], int]:
+    """google-crc32c's CRC32C (SSE4.2 / ARM CRC instructions), imported on first use so that a missing
+    package is one line when a TFRecord is read, not an ImportError for every command."""
+    try:
+        import google_crc32c
+    except ImportError:
+        raise DataError("reading TFRecords needs the google-crc32c package: pip install google-crc32c") from None
+    return google_crc32c.value
 
 
 def crc32c(data: bytes | memoryview) -> int:
     """CRC32C (Castagnoli) of `data`, as TFRecord uses it."""
-    if _google_crc32c is not None:
-        return _google_crc32c.value(bytes(data))
-    return _crc32c_numpy(data)
+    return _crc32c_value()(bytes(data))
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
