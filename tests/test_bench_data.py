@@ -3,16 +3,18 @@ and the synthetic JPEG tree it can write. Tiny sizes: these check behaviour, nev
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from cnns.cli.tools import bench_data_main as bench_data_command
-from cnns.data.jpegtree import IMAGENET_LIKE_SIZES, make_jpeg_tree
+from cnns.data.jpegtree import IMAGENET_LIKE_SIZES, JPEG_QUALITIES, make_jpeg_tree, photo_like_jpeg
 from cnns.errors import ConfigError
 from test_tfrecord import reference_masked_crc
 
@@ -28,6 +30,16 @@ def tree(tmp_path_factory) -> Path:
     return root
 
 
+def quality_of(image: Image.Image) -> int | None:
+    """The PIL quality whose luminance table `image` was saved with (None if no quality 1-100 gives it)."""
+    tables = {}
+    for quality in range(1, 101):
+        buffer = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buffer, "JPEG", quality=quality)
+        tables[tuple(Image.open(buffer).quantization[0])] = quality
+    return tables.get(tuple(image.quantization[0]))
+
+
 def test_jpeg_tree_is_imagenet_like_and_reproducible(tree, tmp_path):
     files = sorted((tree / "train").glob("*/*.JPEG"))
     assert len(files) == 8 and len(list((tree / "validation").glob("*/*.JPEG"))) == 4
@@ -35,11 +47,25 @@ def test_jpeg_tree_is_imagenet_like_and_reproducible(tree, tmp_path):
     for path in files:
         with Image.open(path) as image:
             assert image.format == "JPEG" and image.mode == "RGB" and image.size in IMAGENET_LIKE_SIZES
-        assert 20_000 < path.stat().st_size < 250_000  # photo-like, not flat colour or pure noise
+            assert JpegImagePlugin.get_sampling(image) == 2  # 4:2:0 chroma
+            assert quality_of(image) in JPEG_QUALITIES
+            decoded = np.asarray(image.convert("RGB"))
+        assert decoded.shape == (image.size[1], image.size[0], 3) and decoded.std() > 10  # decodes, not flat
     again = make_jpeg_tree(tmp_path, images=8, classes=2, validation_images=4, processes=1)
     assert again["bytes"] > 0 and (tmp_path / "train" / files[0].parent.name / files[0].name).read_bytes() \
         == files[0].read_bytes()
     assert make_jpeg_tree(tree, images=8, classes=2, validation_images=4)["bytes"] == 0  # kept, not rewritten
+
+
+def test_jpeg_tree_bytes_are_imagenet_like():
+    """The README states the tree's mean size and bytes (about 460 x 425 px, about 95 KB). The images are a
+    pure function of (seed, index), so these figures are exact for the first 40 images: the mean lies
+    within 20 % of 95 KB (the sizes' spread, about 40 KB, puts a 40-image mean's standard error near 6 KB),
+    and every file between 15 KB (a small smooth image at quality 90) and 300 KB (an 800 x 600 textured one
+    at 96)."""
+    sizes = [len(photo_like_jpeg(0, index)) for index in range(40)]
+    assert 0.8 * 95_000 < np.mean(sizes) < 1.2 * 95_000
+    assert all(15_000 < size < 300_000 for size in sizes)
 
 
 def test_bench_data_times_both_pipelines_at_each_worker_count(tree, tmp_path, capsys):
