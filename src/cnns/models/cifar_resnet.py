@@ -5,7 +5,7 @@ projection shortcuts). These have a 3x3 16-channel stem, no max-pool, three stag
 option-A shortcuts: where a unit changes shape, the identity is subsampled by the stride and zero-padded to
 the new channel count, so the shortcuts have no parameters (ResNet-20: 269,722 parameters at 10 classes).
 The 9n+2 depths use bottleneck units of width 16/32/64 expanded fourfold to 64/128/256 channels with 1x1
-projection shortcuts where the shape changes, as the seed's CIFAR bottleneck ResNets did (seed code).
+projection shortcuts where the shape changes, as the CIFAR bottleneck ResNets of Graphcore's application did.
 
 Module names follow timm's ResNet (conv1/bn1/act1, layer1..layer3, global_pool, fc) so that the split
 naming and any code that walks ResNets treats both alike.
@@ -46,7 +46,7 @@ def option_a_shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Mo
 def projection_shortcut(
     in_channels: int, out_channels: int, stride: int, norm_layer: Callable[[int], nn.Module]
 ) -> nn.Module:
-    """Option-B shortcut: strided 1x1 convolution and norm, used by the bottleneck units (seed code)."""
+    """Option-B shortcut: strided 1x1 convolution and norm, as Graphcore's application's bottleneck units have."""
     if stride == 1 and in_channels == out_channels:
         return nn.Identity()
     return nn.Sequential(
@@ -102,7 +102,8 @@ class Bottleneck(nn.Module):
         self.bn3 = norm_layer(out_channels)
         self.shortcut = projection_shortcut(in_channels, out_channels, stride, norm_layer)
         if isinstance(self.shortcut, nn.Identity):
-            # The seed starts identity units as identities: the residual branch's last scale at zero.
+            # As in Graphcore's application, identity units start as identities: the residual branch's last
+            # scale at zero.
             nn.init.zeros_(self.bn3.weight)
         self.act3 = nn.ReLU(inplace=True)
 

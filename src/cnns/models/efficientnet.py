@@ -1,10 +1,11 @@
-"""EfficientNet B0-B7 from timm, with the seed's group size (--group-dim) and expansion ratio (--expand-ratio).
+"""EfficientNet B0-B7 from timm, with the group size (--group-dim) and expansion ratio (--expand-ratio) of
+Graphcore's application.
 
 timm's ``efficientnet_b*`` factories fix the expansion ratio inside their block definitions, so the model is
 assembled here from timm's own parts (``decode_arch_def``, ``round_channels``, ``EfficientNet``) with the
-ratio substituted and each block's group size set by the seed's rule (see ``seed_group_size``). With
-group_dim=1 and expand_ratio=6 the result is timm's efficientnet_b* exactly: the same modules, names and
-parameter counts (B0: 5,288,548 at 1000 classes), so standard weights load.
+ratio substituted and each block's group size set by the rule of Graphcore's application (see
+``group_size_for``). With group_dim=1 and expand_ratio=6 the result is timm's efficientnet_b* exactly: the
+same modules, names and parameter counts (B0: 5,288,548 at 1000 classes), so standard weights load.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ SCALING = {
     "B5": (1.6, 2.2),
     "B6": (1.8, 2.6),
     "B7": (2.0, 3.1),
-    # The seed's unofficial size for 32x32 inputs: half of B0's width, B0's depth, and stride 1 in the stem
-    # and in stage 2, so 32x32 images leave the last stage as 4x4 (seed code, Models/efficientnet.py).
+    # The unofficial size of Graphcore's application for 32x32 inputs (its Models/efficientnet.py): half of
+    # B0's width, B0's depth, and stride 1 in the stem and in stage 2, so 32x32 images leave the last stage
+    # as 4x4.
     "cifar": (0.5, 1.0),
 }
 
@@ -56,11 +58,12 @@ def arch_def(expand_ratio: int, stage2_stride: int = 2) -> list[list[str]]:
     ]
 
 
-def seed_group_size(channels: int, group_dim: int) -> int:
-    """Channels per group of a grouped convolution over ``channels``, the seed's way (seed code).
+def group_size_for(channels: int, group_dim: int) -> int:
+    """Channels per group of a grouped convolution over ``channels``, as Graphcore's application computes it.
 
-    The seed splits the channels into max(channels // group_dim, 1) groups, so a layer narrower than twice
-    the group dim becomes one group (EfficientNet-B4's second 24-channel block with group dim 16).
+    Graphcore's application splits the channels into max(channels // group_dim, 1) groups, so a layer
+    narrower than twice the group dim becomes one group (EfficientNet-B4's second 24-channel block with
+    group dim 16).
     """
     groups = max(channels // group_dim, 1)
     if channels % groups:
@@ -81,7 +84,7 @@ def set_group_sizes(block_args: list[list[dict]], stem_channels: int, round_chs,
     for stage in block_args:
         for block in stage:
             channels = in_channels if block["block_type"] == "ds" else make_divisible(in_channels * block["exp_ratio"])
-            block["group_size"] = seed_group_size(channels, group_dim)
+            block["group_size"] = group_size_for(channels, group_dim)
             in_channels = round_chs(block["out_chs"])
 
 

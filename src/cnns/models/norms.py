@@ -1,4 +1,4 @@
-"""Normalisation layer factories for the seed's --batch-norm / --group-norm --groups G.
+"""Normalisation layer factories for --batch-norm / --group-norm --groups G.
 
 Both keep the parameter count: GroupNorm, like BatchNorm, has one scale and one shift per channel.
 """
@@ -16,7 +16,7 @@ def fitted_groups(groups: int, channels: int) -> int:
     """The number of GroupNorm groups to use for ``channels`` when ``groups`` was asked for.
 
     GroupNorm needs the groups to divide the channels. Where ``groups`` does not (EfficientNet-B0 has
-    24- and 40-channel layers, CIFAR ResNets 16-channel ones, the seed's default is 32 groups) take the
+    24- and 40-channel layers, CIFAR ResNets 16-channel ones, and the default is 32 groups) take the
     largest divisor of ``channels`` below it, so one --groups value serves every layer of every model.
     """
     groups = min(groups, channels)

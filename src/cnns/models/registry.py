@@ -33,5 +33,5 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Trainable parameters, as the seed's 'Total Parameters:' line counts them."""
+    """Trainable parameters, as the 'Total Parameters:' line of Graphcore's application counts them."""
     return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)

@@ -11,24 +11,24 @@ from .norms import norm_layer
 from .spec import ModelSpec
 
 # ResNeXt-29 (Xie et al. 2017, section 5.3): three stages of three bottleneck units, output widths 256/512/1024
-# (the seed's --widenet layout); other 9n+2 depths have n units per stage.
+# (the --widenet layout of Graphcore's application); other 9n+2 depths have n units per stage.
 CIFAR_RESNEXT_PLANES = (64, 128, 256)  # timm's Bottleneck expands each by 4
 CIFAR_STEM_WIDTH = 64  # Xie et al.'s stem; also the width timm's single-conv stem hands to layer1
 
 
-# The seed's shallow ImageNet depths, which timm has no named model for: units per stage of basic
-# (2 convolutions) or bottleneck (3) blocks, depth = convolutions per unit x units + stem + classifier.
+# The shallow ImageNet depths of Graphcore's application, which timm has no named model for: units per
+# stage of basic (2 convolutions) or bottleneck (3) blocks, depth = convolutions per unit x units + stem + classifier.
 # Every stage's first unit has a projection shortcut, as in timm's ResNet (ResNeXt-14: 9,411,880
-# parameters, the seed's count less its 4th stem input channel).
-SEED_ONLY_DEPTHS = {"10": (BasicBlock, (1, 1, 1, 1)), "14": (Bottleneck, (1, 1, 1, 1)),
-                    "26": (Bottleneck, (2, 2, 2, 2))}
+# parameters: Graphcore's application counted a 4th stem input channel).
+GRAPHCORE_ONLY_DEPTHS = {"10": (BasicBlock, (1, 1, 1, 1)), "14": (Bottleneck, (1, 1, 1, 1)),
+                         "26": (Bottleneck, (2, 2, 2, 2))}
 
 
 def imagenet_resnet(spec: ModelSpec) -> ResNet:
     """timm's resnet{18,34,50,101,152}: the torchvision layout, so standard weights load; ResNet-10/14/26
-    (the seed's) from timm's ResNet with the seed's unit counts."""
-    if spec.size in SEED_ONLY_DEPTHS:
-        block, layers = SEED_ONLY_DEPTHS[spec.size]
+    (Graphcore's application's own depths) from timm's ResNet with its unit counts."""
+    if spec.size in GRAPHCORE_ONLY_DEPTHS:
+        block, layers = GRAPHCORE_ONLY_DEPTHS[spec.size]
         return ResNet(block=block, layers=layers, num_classes=spec.num_classes,
                       norm_layer=norm_layer(spec.norm, spec.groups))
     return timm.create_model(
@@ -40,7 +40,7 @@ def imagenet_resnet(spec: ModelSpec) -> ResNet:
 
 
 def imagenet_resnext(spec: ModelSpec) -> ResNet:
-    """timm's resnext{50,101}_32x4d (and the seed's 14, 26 and 152 with timm's ResNet and the same
+    """timm's resnext{50,101}_32x4d (and Graphcore's application's 14, 26 and 152 with timm's ResNet and the same
     bottleneck units: 152 has 3/8/36/3 of them) with the spec's cardinality and group width (32, 4)."""
     if spec.size in ("14", "26", "152"):
         layers = {"14": (1, 1, 1, 1), "26": (2, 2, 2, 2), "152": (3, 8, 36, 3)}[spec.size]

@@ -1,4 +1,4 @@
-"""What to build: the model description, its validation and the names the seed gives it."""
+"""What to build: the model description, its validation and the names Graphcore's application gives it."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ ARCHITECTURES = ("resnet", "resnext", "efficientnet")
 NORMS = ("batch", "group")
 
 # Inputs at most this large get the CIFAR-style networks (3x3 stem, no max-pool, three stages);
-# larger inputs get the ImageNet definitions. CIFAR images are always 32x32 (the seed rejects
-# --image-size for CIFAR), while ImageNet models are trained at reduced sizes such as 64 px.
+# larger inputs get the ImageNet definitions. CIFAR images are always 32x32 (Graphcore's application
+# rejects --image-size for CIFAR), while ImageNet models are trained at reduced sizes such as 64 px.
 CIFAR_MAX_IMAGE_SIZE = 32
 
 # He et al. 2015: 6n+2 layers with basic blocks, 9n+2 with bottleneck blocks.
 CIFAR_RESNET_BASIC_SIZES = ("8", "14", "20", "32", "44", "56", "110")
 CIFAR_RESNET_BOTTLENECK_SIZES = ("11", "29", "38", "47", "65")
 IMAGENET_RESNET_SIZES = ("10", "14", "18", "26", "34", "50", "101", "152")
-# ResNeXt-29 is Xie et al.'s; the seed also built the other 9n+2 depths (its default was 11).
+# ResNeXt-29 is Xie et al.'s; Graphcore's application also built the other 9n+2 depths
+# (its default was 11).
 CIFAR_RESNEXT_SIZES = ("11", "29", "38", "47", "56", "65")
 IMAGENET_RESNEXT_SIZES = ("14", "26", "50", "101", "152")
 EFFICIENTNET_SIZES = tuple(f"B{i}" for i in range(8)) + ("cifar",)
@@ -70,10 +71,10 @@ class ModelSpec:
     num_classes: int
     image_size: int  # <= 32: CIFAR-style networks; else ImageNet definitions
     norm: str = "batch"  # "batch" | "group"
-    groups: int = 32  # GroupNorm groups (seed --groups)
-    group_dim: int = 1  # EfficientNet: group size of the depthwise convolutions (seed --group-dim; 1 = depthwise)
-    expand_ratio: int = 6  # EfficientNet expansion ratio of the inverted-residual blocks (seed --expand-ratio)
-    convolution_groups: int = 32  # ResNeXt cardinality (seed --convolution-groups)
+    groups: int = 32  # GroupNorm groups (--groups)
+    group_dim: int = 1  # EfficientNet: group size of the depthwise convolutions (--group-dim; 1 = depthwise)
+    expand_ratio: int = 6  # EfficientNet expansion ratio of the inverted-residual blocks (--expand-ratio)
+    convolution_groups: int = 32  # ResNeXt cardinality (--convolution-groups)
     group_width: int = 4  # ResNeXt channels per group (the "4d" of 32x4d)
 
     def __post_init__(self) -> None:
@@ -104,12 +105,13 @@ class ModelSpec:
 
 
 def run_name_prefix(spec: ModelSpec) -> str:
-    """The seed's model tag at the start of a run name: RN20, RN50, RNX29, RNX101, EfficientNet-B0."""
+    """The model tag at the start of a run name, as Graphcore's application writes it: RN20, RN50, RNX29,
+    RNX101, EfficientNet-B0."""
     if spec.arch == "resnet":
         return f"RN{spec.size}"
     if spec.arch == "resnext":
         return f"RNX{spec.size}"
-    # The seed upper-cased the size: EfficientNet-B4, EfficientNet-CIFAR.
+    # Graphcore's application upper-cased the size: EfficientNet-B4, EfficientNet-CIFAR.
     return f"EfficientNet-{spec.size.upper()}"
 
 

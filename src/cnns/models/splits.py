@@ -1,5 +1,5 @@
-"""Pipeline split names: the seed's names for the places a model can be cut, and the model as a
-sequence of pieces that a pipeline stage runs between two cuts.
+"""Pipeline split names: the names Graphcore's application gives the places a model can be cut, and the
+model as a sequence of pieces that a pipeline stage runs between two cuts.
 
 A cut is identified by the qualified name of the module after which it happens (everything up to and
 including that module runs in one stage, the rest in the next ones), or, inside an EfficientNet block,
@@ -7,16 +7,16 @@ by ``<block>@<child>``: after that child of the block. Cuts fall where a single 
 state: between residual units (ResNet/ResNeXt) or blocks (EfficientNet), and inside EfficientNet blocks
 without a skip connection.
 
-Names accepted for each cut (seed code, Models/resnet_base.py and Models/efficientnet.py):
+Names accepted for each cut (Graphcore's application: Models/resnet_base.py and Models/efficientnet.py):
 - ResNet/ResNeXt unit u (1-based) of stage s (1-based): ``stage{s}/unit{u}/relu``, the older
   ``b{s}/{u-1}/relu`` and our module name ``layer{s}.{u-1}``; the end of a stage also as ``layer{s}``.
 - EfficientNet: ``block0`` (the stem) and ``block{N}{letter}`` for block ``letter`` (a, b, ...) of stage N
-  (1-based, as in Keras and the seed); our module name ``blocks.{N-1}.{i}``, a stage end also ``blocks.{N-1}``.
-  As in the seed, a block without a skip connection (each stage's first) is cut in sub-steps:
-  ``block{N}a`` after its expansion convolution, ``block{N}a/b`` after the depthwise convolution and
-  squeeze-excitation, ``block{N}a/c`` after the projection (the whole block). Stage 1's first block has no
-  expansion (a depthwise-separable block): there ``block1a`` is the whole block and ``block1a/b`` the
-  depthwise part.
+  (1-based, as in Keras and Graphcore's application); our module name ``blocks.{N-1}.{i}``, a stage end
+  also ``blocks.{N-1}``. As in Graphcore's application, a block without a skip connection (each stage's
+  first) is cut in sub-steps: ``block{N}a`` after its expansion convolution, ``block{N}a/b`` after the
+  depthwise convolution and squeeze-excitation, ``block{N}a/c`` after the projection (the whole block).
+  Stage 1's first block has no expansion (a depthwise-separable block): there ``block1a`` is the whole
+  block and ``block1a/b`` the depthwise part.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def describe_split_points(points: dict[str, str]) -> str:
 
 
 def main_split_names(spec: ModelSpec, model: nn.Module) -> list[str]:
-    """The first (the seed's) name of every cut, in model order."""
+    """The first name of every cut (the one Graphcore's application uses), in model order."""
     first: dict[str, str] = {}
     for name, cut in split_points(spec, model).items():
         first.setdefault(cut, name)

@@ -1,7 +1,7 @@
 """Starting and joining a run's processes: `train.py --replicas N` without a launcher starts the N local
 workers with torchrun's own agent; every process then joins the world (`join_run`).
 
-The seed's single command line still works (its `TestReplicatedTraining` runs exactly that), and it
+Graphcore's single command line still works (its `TestReplicatedTraining` runs exactly that), and it
 behaves as `torchrun --standalone --nproc-per-node N -m cnns train ...` would: the same agent
 (torch.distributed.launcher), the same environment in the workers, SIGTERM/SIGINT forwarded to
 every worker (each finishes its update, they agree to stop, one checkpoint is written), workers in
@@ -61,7 +61,7 @@ def needs_local_workers(replicas: int, shards: int) -> bool:
 
 def join_run(cfg) -> tuple:
     """(this process's World, the RunConfig every process agreed on, the notices rank 0 prints): the world on
-    the run's device, rank 0's seed, and rank 0's cuts for --pipeline-splits auto."""
+    the run's device, rank 0's random seed, and rank 0's cuts for --pipeline-splits auto."""
     from cnns.devices import resolve_device
     from cnns.parallel.planning import settle_auto_splits
 

@@ -1,13 +1,14 @@
 """Pipelined model parallelism: one stage of a model per process, on torch.distributed.pipelining.
 
-Every process builds the whole model the same way (same seed: identical initial weights), cuts it
+Every process builds the whole model the same way (same random seed: identical initial weights), cuts it
 into the pieces of `cnns.models.splits.model_pieces`, and keeps only its stage's pieces: the other
 modules are removed, so the stage's state dict is the matching part of the whole model's, under
 the same keys. Checkpoints merge the stages' parts back into the whole model (`cnns.engine.stages`).
 
-The schedules are torch's, under the seed's names: Grouped is `ScheduleGPipe` (all forwards, then
-all backwards), Interleaved is `Schedule1F1B`; Sequential (one micro-batch through every stage,
-forward and backward, before the next) is `ScheduleSequential` below, which torch does not have.
+The schedules are torch's, under the names Graphcore's application gives them: Grouped is
+`ScheduleGPipe` (all forwards, then all backwards), Interleaved is `Schedule1F1B`; Sequential (one
+micro-batch through every stage, forward and backward, before the next) is `ScheduleSequential` below,
+which torch does not have.
 
 Activations cross between stages as contiguous NHWC tensors: the model runs channels_last, and a
 channels_last NCHW tensor viewed as NHWC is contiguous, so nothing is copied to send it (a send
@@ -120,7 +121,7 @@ def as_sent(x: torch.Tensor, micro_batch: int, nhwc: bool) -> torch.Tensor:
 
 
 class ScheduleSequential(PipelineScheduleSingle):
-    """The seed's Sequential schedule: one micro-batch goes forward through every stage and back
+    """The Sequential schedule of Graphcore's application: one micro-batch goes forward through every stage and back
     before the next one starts (no overlap between stages; for debugging, and the layout of a
     sharded model). torch has no such schedule; this is its GPipe loop with the backward of each
     micro-batch moved right after its forward."""

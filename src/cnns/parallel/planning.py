@@ -1,13 +1,13 @@
 """Planning a pipeline: where to cut a model into stages (`cnns splits`, and --pipeline-splits auto).
 
-A pipeline runs as fast as its slowest stage, and the seed's split names say nothing about how much
+A pipeline runs as fast as its slowest stage, and Graphcore's split names say nothing about how much
 work lies between them. This profiles the model as the pieces a pipeline stage is made of
 (`cnns.models.splits.model_pieces`, cut at every possible split), one micro-batch forward and backward
 per piece, and proposes the ``--pipeline-splits`` that minimise the slowest stage's time (an exact
 linear partition). Per cut it reports what lies before it (parameters, activations saved for backward,
 time) and the tensor a stage sends across it per micro-batch.
 
-Times are those of this machine, measured piece by piece: they leave out the pipeline's communication
+Times are those of the machine it runs on, measured piece by piece: they leave out the pipeline's communication
 and bubbles, and one process measures them, so on a CPU stages that later share the cores run slower.
 """
 
@@ -49,7 +49,7 @@ class PieceCost:
 class CutCost:
     """One place to cut, and everything before it (the pieces up to and including the one it ends)."""
 
-    name: str  # the seed's name of the cut (``main_split_names``)
+    name: str  # the cut's name in Graphcore's application (``main_split_names``)
     cut: str  # the cut id (a value of ``split_points``)
     piece: int  # index in ``Profile.pieces`` of the piece ending at this cut
     params: int

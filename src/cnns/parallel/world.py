@@ -284,7 +284,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
     Under a launcher the process count must be replicas x shards. The process group's store is
     prefixed per restart attempt: torchrun's agent keeps one store across restarts, and without
     the prefix restarted gloo workers read the dead attempt's addresses and fail to connect
-    (measured with torch 2.14.1, `torchrun --max-restarts 1`).
+    (seen with torch 2.14.1 under `torchrun --max-restarts 1`).
     """
     if not launched():
         if replicas * shards > 1:
@@ -361,7 +361,7 @@ def check_a_gpu_per_worker(device: torch.device, rank: int, local_size: int) -> 
 
 def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | None = None) -> tuple[World, Any]:
     """This process's place among the replicas and stages, and the run's configuration (`cnns.config.RunConfig`)
-    as every process agrees on it: rank 0's seed, then whatever `agree(world, cfg)` returns (rank 0's choice
+    as every process agrees on it: rank 0's random seed, then whatever `agree(world, cfg)` returns (rank 0's choice
     of --pipeline-splits auto). Every process must have been given the same options as rank 0."""
     p = cfg.parallel
     world = init_world(p.replicas, p.shards, p.bn_span, device)
@@ -378,11 +378,10 @@ def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | N
 
 def auto_replicas(shards: int, device: torch.device, cpu_has_matrix_units: bool = False) -> int:
     """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
-    per GPU on CUDA. On a CPU with bfloat16 matrix units (AVX512-BF16, AMX) one process on all cores:
-    there two one-thread replicas lost to it (ResNet-20 0.91x, ResNet-50 0.90x on an AVX-512-BF16 EPYC;
-    1,434 against 1,576 img/s on an AMX Xeon), its convolutions using both cores as well at the full batch
-    as two processes at half; on other CPUs one replica per usable core (docs/performance.md, "Replicas on this
-    2-core CPU")."""
+    per GPU on CUDA. On a CPU with bfloat16 matrix units (AVX512-BF16, AMX) one process on all cores: its
+    convolutions use the cores as well at the full batch as one-thread replicas do at a fraction of it, so
+    replicas only add the all-reduce (measured in docs/performance.md, "Replicas on this 2-core CPU"); on
+    other CPUs one replica per usable core."""
     if launched():
         return max(1, int(os.environ["WORLD_SIZE"]) // shards)
     if device.type == "cuda":
