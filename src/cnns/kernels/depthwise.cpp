@@ -1,10 +1,10 @@
 // Backward of a depthwise convolution (one input channel per group) for channels_last CPU training.
 //
 // Written by hand because the library's kernels are pathological for the shapes of EfficientNet on CPUs
-// with bfloat16 arithmetic (cnns issue 17): oneDNN's input gradient of a strided depthwise convolution and
-// its weight gradient of a 5x5 one run at a few percent of memory speed (96 channels, 112 px, stride 2,
-// batch 32: 97 ms in bfloat16 and 41 in float32 for the input gradient; 240 channels, 28 px, 5x5: 30 and
-// 15 ms for the weight gradient, where the forward takes 1 ms), and ATen's own fallback is slower still.
+// with bfloat16 arithmetic: oneDNN's input gradient of a strided depthwise convolution and its weight
+// gradient of a 5x5 one run far below memory speed (many times slower than the same layer's forward, in
+// bfloat16 and to a lesser degree in float32), and ATen's own fallback is slower still
+// (docs/performance-history.md has the timings per shape).
 // Depthwise arithmetic is light (k*k multiply-adds per value), so written as a loop over contiguous channels
 // it can run near the speed of reading its operands.
 //

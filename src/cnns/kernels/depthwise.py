@@ -1,7 +1,7 @@
 """Backward of depthwise convolutions on channels_last CPU activations (the C++ loops of ``depthwise.cpp``).
 
-oneDNN's input gradient of a strided depthwise convolution and its weight gradient of a 5x5 one run at a few
-percent of memory speed on the CPUs measured (depthwise.cpp's header has the figures); these compute the same
+oneDNN's input gradient of a strided depthwise convolution and its weight gradient of a 5x5 one run far below
+memory speed (docs/performance-history.md has the timings per shape); these compute the same
 sums, accumulated in float32 as oneDNN's bfloat16 kernels accumulate, for float32 or bfloat16 activations.
 `cnns.engine.wrappers.route_slow_depthwise_backward` decides which convolutions use them.
 """

@@ -2,7 +2,7 @@
 
 ``x * gate(mean_hw(x))`` with torch's operators makes, on a bfloat16 channels_last tensor, a float32 copy of x
 for the mean, a multiply, and in the backward two full multiplies, a sum and the mean's broadcast gradient
-added into x's: measured on EfficientNet-B0 (batch 32, 16.16) 250 ms of a 760 ms step. The same arithmetic
+added into x's: a large share of an EfficientNet training step (docs/performance-history.md). The same arithmetic
 is one statistics pass and one scale pass forward, one reduction and one apply backward, all of which
 ``norm_act.cpp`` already has: the per-sample channel means are its moments with one group per sample, the
 scale its affine pass, ``sum_hw(dy * x)`` its backward reduction (no activation, zero mean), and

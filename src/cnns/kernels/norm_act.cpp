@@ -3,9 +3,9 @@
 // Written by hand because no library has them: ATen's batch norm, ReLU, SiLU and add each make their own
 // pass over memory (forward: statistics, normalise, activate, add; backward: activation gradient, two
 // reductions, input gradient), and on CPUs whose bfloat16 matrix units make the convolutions fast those
-// passes are most of a training step (cnns issue 17). Here a training norm+act is three passes forward
-// (moments, one apply) and two backward (one reduction that also writes the pre-activation gradient, one
-// apply), aiming at memory speed (`python -m cnns.bench.passes` measures each).
+// passes are most of a training step. Here a training norm+act is three passes forward (moments, one
+// apply) and two backward (one reduction that also writes the pre-activation gradient, one apply), aiming
+// at memory speed (`python -m cnns.bench.passes` measures each).
 //
 // Every kernel sees a channels_last activation as a (G, R, C) row-major array: G independent groups of
 // statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
@@ -52,8 +52,8 @@ inline float exp_vectorisable(float x) {
 
 inline float sigmoid(float z) { return 1.0f / (1.0f + exp_vectorisable(-z)); }
 
-// The same exp and sigmoid on kLanes values (the compiler kept the scalar ones' loops scalar: EfficientNet's
-// batch norm + SiLU passes ran slower than ATen's until these).
+// The same exp and sigmoid on kLanes values: the compiler kept loops that call the scalar ones scalar, which
+// left EfficientNet's batch norm + SiLU passes slower than ATen's.
 inline vfloat floor_vector(vfloat v) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vfloat>(
@@ -97,7 +97,7 @@ inline vfloat exp_vector(vfloat x) {
 }
 
 // 1 / d within a float ulp or two: a 14-bit estimate and one Newton step, where a vector division held the SiLU
-// passes to its throughput (a forward SiLU pass over 29 MB: 5.6 ms with vdivps).
+// passes to the divider's throughput.
 inline vfloat reciprocal(vfloat d) {
 #if defined(__AVX512F__)
   const vfloat r = reinterpret_cast<vfloat>(_mm512_rcp14_ps(reinterpret_cast<__m512>(d)));
@@ -109,7 +109,7 @@ inline vfloat reciprocal(vfloat d) {
 
 // For bfloat16 results (8 significant bits) a cheaper exp and sigmoid: a degree-4 polynomial (relative error
 // below 4e-5) and the 14-bit reciprocal estimate. The SiLU passes are bound by instruction throughput on a CPU
-// that splits 512-bit operations: a forward SiLU pass over 29 MB 3.9 -> 2.3 ms (ATen's SiLU alone: 2.5 ms).
+// that splits 512-bit operations, and fewer instructions per value is what makes them faster there.
 inline vfloat exp_vector_coarse(vfloat x) {
 #if defined(__AVX512F__)
   const __m512 v = _mm512_min_ps(_mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-87.3f)),
@@ -200,15 +200,14 @@ void check_coefficients(const at::Tensor& t, const at::Tensor& x, const char* na
 }
 
 // Rows read at a time by column_moments: few enough that their cache lines stay in L1 while every column
-// chunk passes over them (in a standalone trial on 512-byte rows: 8 rows 31 GB/s, 32 rows 12, a plain read 38).
+// chunk passes over them (more rows per tile evict them before the last chunk has read them).
 constexpr int64_t kTileRows = 8;
 // Vectors per column chunk: 2 * kChunk sums in registers, half the register file (32 AVX-512, 16 AVX2).
 constexpr int kChunk = kLanes == 16 ? 8 : 4;
 
 // Adds sum(d) and sum(d * d), d = x - k, down `rows` rows (`stride` values apart) to a and b, for the
 // columns [c0, c0 + V * kLanes). The 2V sums stay in registers over a tile of rows: summing into memory row
-// by row, as the other passes can afford, made this read-only pass store-bound (11-19 GB/s on a bfloat16
-// (32, 256, 56, 56) tensor; 27 this way).
+// by row, as the other passes can afford, made this read-only pass store-bound.
 template <int V, typename T>
 inline void column_moments(const T* __restrict__ x, int64_t stride, int64_t rows, int64_t c0,
                            const float* __restrict__ k, float* __restrict__ a, float* __restrict__ b) {
@@ -286,7 +285,7 @@ std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
   for (int64_t g = 0; g < G; ++g) {
     std::fill(sa.begin(), sa.end(), 0.0);
     std::fill(sb.begin(), sb.end(), 0.0);
-    for (int64_t block = 0; block < blocks; ++block)  // row by row: contiguous (a column walk was 0.5 ms)
+    for (int64_t block = 0; block < blocks; ++block)  // row by row: contiguous (a column walk strides)
       for (int64_t c = 0; c < C; ++c) {
         sa[c] += p1[(g * blocks + block) * C + c];
         sb[c] += p2[(g * blocks + block) * C + c];
@@ -551,9 +550,9 @@ at::Tensor input_gradient(const at::Tensor& gz, const at::Tensor& x, const at::T
   return input_gradient_impl<float>(gz, x, a, b, d);
 }
 
-// The per-channel arithmetic between the passes, in float64 loops over (G, C): a few microseconds, where the
-// same ~20 small torch operators per call cost 70-90 us forward + backward, more than the passes of a late
-// ResNet layer or a CIFAR one (cnns issue 17).
+// The per-channel arithmetic between the passes, in float64 loops over (G, C), in the same C++ call: as ~20
+// small torch operators per call, their dispatch cost more than the passes of a late ResNet layer or a
+// CIFAR one.
 
 // The parameter as (C) float64, or `fill` where the norm has none.
 std::vector<double> per_channel(const c10::optional<at::Tensor>& p, int64_t C, double fill) {

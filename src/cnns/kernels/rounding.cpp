@@ -2,13 +2,14 @@
 // (cnns.stochastic_rounding.stochastic_round).
 //
 // No library has it. Written with torch operators (cnns.optim's fallback, used on GPUs and where this is not
-// built) the noise comes from the CPU generator, which is sequential (mt19937): 15 of the 27 ms that a
-// ResNet-50's 25.6M weights took on 2 cores, and three more passes over memory. Here the noise is a
-// counter-based hash of (key, element index), so any thread computes any element's noise and one parallel
-// pass reads the float32 values and writes the bfloat16 ones. The hash is SplitMix64's output function over
-// its Weyl sequence (Steele, Lea and Flood 2014; the sequence passes BigCrush as a generator): 64 bits per
-// block of 4 elements, 16 bits each. The key is one draw from the optimiser's generator per call, so the
-// stream restarts from a checkpoint's generator state and does not depend on the thread count.
+// built) the noise comes from the CPU generator, which is sequential (mt19937): most of the pass's time, on
+// one thread, and three more passes over memory (docs/performance.md, "Fused normalisation", has the
+// figures). Here the noise is a counter-based hash of (key, element index), so any thread computes any
+// element's noise and one parallel pass reads the float32 values and writes the bfloat16 ones. The hash is
+// SplitMix64's output function over its Weyl sequence (Steele, Lea and Flood 2014; the sequence passes
+// BigCrush as a generator): 64 bits per block of 4 elements, 16 bits each. The key is one draw from the
+// optimiser's generator per call, so the stream restarts from a checkpoint's generator state and does not
+// depend on the thread count.
 //
 // Rounding: bfloat16 is the top half of a float32's bits. Adding 16 uniform bits to the low half carries into
 // the top half with probability (low half) / 2^16, which is the stochastic rounding of the magnitude; a finite

@@ -20,7 +20,7 @@
 namespace cnns_kernels {
 
 // Element access by storage type: float, or the bits of a bfloat16 (uint16_t, so that the compiler sees plain
-// integers it can vectorise; c10::BFloat16's struct and its NaN branch kept the loops scalar, 5-10x slower).
+// integers it can vectorise; c10::BFloat16's struct and its NaN branch kept the loops scalar).
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -82,9 +82,8 @@ inline vfloat load_vector(const uint16_t* p) {
 }
 // Stores kLanes floats as bfloat16, rounded to nearest even with NaN kept a NaN, as from_float does: one
 // AVX512-BF16 conversion (the AVX-512 build requires it), where the five-instruction integer rounding below
-// held compute-bound passes back (a forward SiLU pass over 29 MB 5.2 -> 3.9 ms; the compiler's
-// vectorisation of from_float had shuffled masks between 32-lane halves, a normalise + ReLU pass 2.70 -> 2.31
-// ms on a 51 MB tensor with the integer rounding). It differs from from_float only on subnormal floats, which
+// held compute-bound passes back (the compiler's vectorisation of from_float shuffled masks between 32-lane
+// halves; docs/performance-history.md has the timings). It differs from from_float only on subnormal floats, which
 // it flushes to zero.
 inline void store_vector(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_vector(uint16_t* p, vfloat v) {
