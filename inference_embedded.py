@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The seed's inference_embedded.py: `python inference_embedded.py --help` lists the options (same as `cnns infer`)."""
+"""inference_embedded.py with the command line of Graphcore's application (same as `cnns infer`).
+
+`python inference_embedded.py --help` lists the options."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The seed's restore.py: `python restore.py --help` lists the options (same as `cnns restore`)."""
+"""restore.py with the command line of Graphcore's application (same as `cnns restore`).
+
+`python restore.py --help` lists the options."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The seed's train.py: `python train.py --help` lists the options (same as `cnns train`)."""
+"""train.py with the command line of Graphcore's application (same as `cnns train`).
+
+`python train.py --help` lists the options."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The seed's validation.py: `python validation.py --help` lists the options (same as `cnns validate`)."""
+"""validation.py with the command line of Graphcore's application (same as `cnns validate`).
+
+`python validation.py --help` lists the options."""
 import sys
 from pathlib import Path
 

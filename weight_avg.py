@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The seed's weight_avg.py: `python weight_avg.py --help` lists the options (same as `cnns weight-avg`)."""
+"""weight_avg.py with the command line of Graphcore's application (same as `cnns weight-avg`).
+
+`python weight_avg.py --help` lists the options."""
 import sys
 from pathlib import Path
 

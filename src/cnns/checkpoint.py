@@ -103,7 +103,8 @@ _ENTRY_TYPES: dict[str, tuple[type, ...]] = {
 
 def _check_records(path: Path) -> bool:
     """torch.load does not check the CRC-32 that a checkpoint's zip archive keeps of each record, so
-    bytes damaged inside a tensor would load as wrong weights: check them (~40 ms per 200 MB).
+    bytes damaged inside a tensor would load as wrong weights: check them (one CRC pass over bytes torch.load
+    reads anyway).
     Returns whether the file is a whole zip archive; one that is not (truncated, random bytes, the
     legacy format) is left to torch.load."""
     # zipfile, like torch.load, raises many types for damaged bytes (BadZipFile, zlib.error, EOFError,

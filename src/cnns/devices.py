@@ -1,7 +1,8 @@
 """Which device a run uses: the rule written once, on the lowest floor, for every command.
 
-`--device` (cpu, cuda, cuda:N) wins; the seed's `--select-ipus N` means GPU N; otherwise the GPU when this
-machine has one. The half type that 16.x computes in on a device is `cnns.precision.default_half_dtype`.
+`--device` (cpu, cuda, cuda:N) wins; `--select-ipus N` (Graphcore's application's option) means GPU N;
+otherwise the GPU when this machine has one. The half type that 16.x computes in on a device is
+`cnns.precision.default_half_dtype`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ _UNMARKED = contextlib.nullcontext()
 def marked(name: str) -> contextlib.AbstractContextManager:
     """A context in which the profiler's events belong to ``name``; nothing when no profiler is running.
 
-    ``record_function`` enters and leaves through two dispatcher calls even with the profiler off (4 us
-    here): 40 fused passes per ResNet-20 update paid 0.2 ms for marks nobody recorded.
+    ``record_function`` enters and leaves through two dispatcher calls even with the profiler off, so
+    every fused pass of every update would pay for marks nobody records (docs/performance.md, "Why
+    ResNet-50 with batch norm and ResNet-20 miss their ratio goals here", has the figure).
     """
     return record_function(name) if torch.autograd._profiler_enabled() else _UNMARKED

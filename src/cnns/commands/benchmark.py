@@ -12,7 +12,8 @@ from cnns.errors import ConfigError
 def benchmark(spec: str, names: list[str] | None, output_dir: str, data_dir: str | None, listing: bool,
               repeats: int | None, baseline: bool, keep_runs: bool,
               seed_options: Callable[[str, list[str]], dict[str, Any]]) -> int:
-    """Each entry's seed command line is resolved by `seed_options` (the command line's own resolution)."""
+    """Each entry's command line (train.py or validation.py, as Graphcore's application takes them) is resolved
+    by `seed_options` (the command line's own resolution)."""
     from cnns.bench.runner import BenchmarkSuite
 
     suite = BenchmarkSuite(spec, names, output_dir, data_dir)
@@ -69,8 +70,9 @@ def bench_data(request) -> int:
 
 
 def dataset_benchmark(cfg, notices: list[str]) -> int:
-    """train.py --dataset-benchmark (the seed's): the run's training input pipeline alone, as the run would build
-    it, for the run's length; no model, no run folder. `cfg` is the run's `cnns.config.RunConfig`."""
+    """train.py --dataset-benchmark (an option of Graphcore's application): the run's training input pipeline
+    alone, as the run would build it, for the run's length; no model, no run folder. `cfg` is the run's
+    `cnns.config.RunConfig`."""
     from cnns.bench.data import dataset_benchmark as time_the_pipeline
     from cnns.commands.checks import check_data_before_writing
 

@@ -15,7 +15,7 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
 * **Input.** By default ``images``: float32 NCHW, RGB, already normalised as training normalises
   (``(pixel / 255 - mean) / std`` with the run's constants, printed). With ``--eight-bit-io``:
   uint8 NHWC RGB pixels 0..255, the normalisation folded into the graph (as
-  `cnns.engine.restored.NormalisedClassifier`, the seed's 8-bit I/O). Images must already be
+  `cnns.engine.restored.NormalisedClassifier`, the 8-bit I/O of Graphcore's application). Images must already be
   image_size x image_size (resized and cropped as `cnns predict` does). The output ``logits`` is
   float32 [batch, classes]: softmax gives probabilities.
 * **Batch size.** ``--batch-size dynamic`` (the default) exports the batch dimension as a

@@ -1,6 +1,6 @@
 """inference_embedded.py: inference from an ahead-of-time compiled model.
 
-The seed's embedded application runtime saved a precompiled Poplar graph and reloaded it to skip
+The embedded runtime of Graphcore's application saved a precompiled Poplar graph and reloaded it to skip
 compilation. Here the first run exports the model with torch.export, compiles it with AOTInductor
 and saves the package (`.pt2`); later runs load the package and start at once (`--force-recompile`
 rebuilds it). The exported graph takes uint8 NHWC images and normalises them itself, so the
@@ -36,7 +36,7 @@ from cnns.precision import PrecisionPolicy
 
 
 def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
-    """The seed's naming: one artefact per model, batch size, iterations per call and weights."""
+    """The naming of Graphcore's application: one artefact per model, batch size, iterations per call and weights."""
     weights = checkpoint.stem if checkpoint else "random"
     return (f"model_{cfg.model.arch}{cfg.model.size}_bs_{cfg.train.micro_batch_size}_"
             f"{cfg.precision.precision}_{weights}.pt2")
@@ -71,7 +71,7 @@ def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> Non
 
 
 def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
-    """Everything the compiled graph depends on. The file name holds only the seed's part of it, so a run
+    """Everything the compiled graph depends on. The file name holds only the part Graphcore's naming has, so a run
     whose options differ in the rest (another device, class count, input size or normalisation, a retrained
     checkpoint) must not load the package another run compiled: it is described beside the package."""
     weights = None

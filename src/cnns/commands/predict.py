@@ -32,7 +32,7 @@ What it does, step by step:
   cropped away, because CIFAR objects fill the frame. Then the uint8 NHWC batch is normalised as
   training normalises it on the device (`cnns.engine.feed.DeviceFeed`'s constants through
   `cnns.data.augment.normalise`): minus the ImageNet mean, divided by the ImageNet std with
-  ``--normalise-input`` and by 1 without it (the seed's mean subtraction).
+  ``--normalise-input`` and by 1 without it (the mean subtraction of Graphcore's application).
 * **Output.** Per image, in order, one line ``path: label (p), label (p), ...`` with the top-k
   classes and their softmax probabilities (4 decimals), or with ``--json`` one JSON object per line:
   ``{"path": ..., "top_k": [{"class": index, "label": name, "probability": p}, ...]}``. A line on

@@ -1,6 +1,7 @@
-"""weight_avg.py: a run's last checkpoints averaged (the seed's mean or exponential average), written beside
-them as weight_avg_*.pt, and validated unless the command line says --no-validation (the training run's
-does not carry over). Everything is read and checked before the run folder is written."""
+"""weight_avg.py: a run's last checkpoints averaged (the mean or exponential average of Graphcore's
+application), written beside them as weight_avg_*.pt, and validated unless the command line says
+--no-validation (the training run's does not carry over). Everything is read and checked before the run
+folder is written."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cnns.engine.validation import Target, check_targets_match, targets_of, vali
 from cnns.errors import CheckpointError, ConfigError
 from cnns.runlog import RunLog
 
-DEFAULT_DECAY = 0.97  # the seed's exponential averaging decay (--decay)
+DEFAULT_DECAY = 0.97  # Graphcore's application's exponential averaging decay (--decay)
 
 
 def weight_average(cfg: RunConfig, restore_path: str | None, mode: str, count: int | None, decay: float | None,

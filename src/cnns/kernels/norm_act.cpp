@@ -5,7 +5,7 @@
 // reductions, input gradient), and on CPUs whose bfloat16 matrix units make the convolutions fast those
 // passes are most of a training step. Here a training norm+act is three passes forward (moments, one
 // apply) and two backward (one reduction that also writes the pre-activation gradient, one apply), aiming
-// at memory speed (`python -m cnns.bench.passes` measures each).
+// at memory speed.
 //
 // Every kernel sees a channels_last activation as a (G, R, C) row-major array: G independent groups of
 // statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
