@@ -14,8 +14,9 @@ if not GPU_TIER:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # pytest-xdist runs two workers on two cores: one torch thread each, and for the scripts the tests
-# launch (they inherit the environment), avoids oversubscription, which makes small convolutions ~100x
-# slower. Set for every test here, so no test module repeats it.
+# launch (they inherit the environment), avoids oversubscription: two workers each running a thread per
+# core would contend for the same cores, and small convolutions suffer most. Set for every test here, so no
+# test module repeats it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
@@ -60,7 +61,7 @@ def reap_children():
 def shapes_cifar10(tmp_path_factory):
     """Makes a learnable CIFAR-10 binary folder of the built-in dataset's drawn shapes: `train` training and
     `test` test images drawn with `seed`, in a new folder named cifar-10-<name>-... (the name tells the
-    dataset, as the seed's rule reads it)."""
+    dataset, as the rule of Graphcore's application reads it)."""
     from cnns.data.builtin import draw_shapes
     from cnns.data.cifar import write_cifar10
 

@@ -46,8 +46,8 @@ def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
 
 
 def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(tmp_path):
-    """The seed's file name says model, batch, precision and weights; a CIFAR-100 run of the same model
-    must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
+    """The file name of Graphcore's application says model, batch, precision and weights; a CIFAR-100 run of
+    the same model must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
     def run(dataset: str, *extra: str):
         argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
                 "--dataset", dataset, "--micro-batch-size", "2", "--iterations", "3", "--generated-data",

@@ -161,7 +161,7 @@ def test_uint8_normalised_on_device_equals_float_normalised_on_host(dtype, toler
 
     images = torch.randint(0, 256, (3, 20, 24, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([1, 2, 3])
-    # The float pipeline a user of the seed would write: scale to [0, 1], then torchvision's Normalize.
+    # The float pipeline a user of Graphcore's application would write: scale to [0, 1], then torchvision's Normalize.
     std = IMAGENET_STD if imagenet_std else (1.0, 1.0, 1.0)
     reference = v2.Normalize(IMAGENET_MEAN, std)(images.permute(0, 3, 1, 2).float() / 255)
     outputs = {}

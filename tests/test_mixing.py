@@ -99,7 +99,7 @@ def test_cutmix_version_1_lambda_distribution():
     assert torch.allclose(targets.sum(dim=1), torch.ones(4)) and 0.0 <= weight <= 1.0
 
 
-def test_mix_batch_composes_mixup_then_cutmix_like_the_seed():
+def test_mix_batch_composes_mixup_then_cutmix_as_graphcore_does():
     count, classes = 6, 10
     images = torch.randn(count, 3, 8, 8)
     labels = torch.tensor([1, 4, 7, 2, 9, 0])
@@ -108,7 +108,7 @@ def test_mix_batch_composes_mixup_then_cutmix_like_the_seed():
     assert mixed.shape == images.shape and targets.shape == (count, classes)
     assert torch.allclose(targets.sum(dim=1), torch.ones(count))
 
-    # Replay the same draws step by step and compare with the seed's four-label formula.
+    # Replay the same draws step by step and compare with the four-label formula of Graphcore's application.
     g = generator(7)
     onehot = one_hot(labels, classes)
     after_mixup, mixup_targets, m = mixup(images, onehot, 0.2, g)
@@ -128,7 +128,7 @@ def test_label_smoothing_matches_the_seed_and_torch():
     assert smoothed[0, 0] == pytest.approx(0.9) and smoothed[0, 1] == pytest.approx(0.1 / 4)
     plain = soft_target_cross_entropy(logits, labels)
     assert torch.allclose(plain, torch.nn.functional.cross_entropy(logits, labels))
-    # The seed's e over the K-1 other classes is torch's label_smoothing with e * K / (K - 1).
+    # Graphcore's e over the K-1 other classes is torch's label_smoothing with e * K / (K - 1).
     assert torch.allclose(soft_target_cross_entropy(logits, one_hot(labels, 5), 0.1),
                           torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1 * 5 / 4))
 

@@ -1,4 +1,4 @@
-"""cnns.models: architectures, parameter counts, seed names and split points."""
+"""cnns.models: architectures, parameter counts, the names Graphcore's application uses and split points."""
 
 import pytest
 import timm
@@ -151,11 +151,11 @@ def test_efficientnet_group_dim_and_expand_ratio():
     grouped = [model.blocks[0][0].conv_dw, model.blocks[0][1].conv_dw] + [b.conv_dw for b in expanded]
     for conv in grouped:
         channels = conv.in_channels
-        # The seed's rule: channels // 16 groups, at least one (B4's second 24-channel block: one group).
+        # Graphcore's rule: channels // 16 groups, at least one (B4's second 24-channel block: one group).
         assert conv.groups == max(channels // 16, 1)
     assert model.blocks[0][1].conv_dw.groups == 1
     assert all(conv.in_channels // conv.groups == 16 for conv in grouped if conv.in_channels % 16 == 0)
-    # The seed's point: about the parameters of the standard B4.
+    # The point of Graphcore's group dim: about the parameters of the standard B4.
     assert count_parameters(model) / 1e6 == pytest.approx(19.3, abs=0.1)
 
 
@@ -176,8 +176,8 @@ def test_group_dim_that_cannot_split_the_channels_is_a_model_error():
         build("efficientnet", "B0", 1000, IMAGENET, group_dim=7)
 
 
-SEED_SPLITS = [
-    # configs.yml and the benchmark command lines of the seed
+GRAPHCORE_SPLITS = [
+    # configs.yml and the benchmark command lines of Graphcore's application
     (("resnet", "50"), ["stage1/unit3/relu", "stage2/unit4/relu", "stage3/unit4/relu"]),
     (("resnet", "50"), ["stage1/unit3/relu", "stage2/unit4/relu", "stage3/unit6/relu"]),
     (("resnet", "50"), ["stage1/unit1/relu", "stage1/unit3/relu", "stage2/unit1/relu", "stage2/unit3/relu",
@@ -191,8 +191,8 @@ SEED_SPLITS = [
 ]
 
 
-@pytest.mark.parametrize("model_name, names", SEED_SPLITS)
-def test_every_seed_split_resolves_to_a_module(model_name, names):
+@pytest.mark.parametrize("model_name, names", GRAPHCORE_SPLITS)
+def test_every_graphcore_split_resolves_to_a_module(model_name, names):
     spec = ModelSpec(*model_name, num_classes=1000, image_size=IMAGENET)
     model = build_model(spec)
     modules = resolve_splits(spec, model, names)
@@ -201,7 +201,7 @@ def test_every_seed_split_resolves_to_a_module(model_name, names):
         model.get_submodule(module.split("@")[0])  # "<block>@<child>": a cut inside that block
 
 
-def test_seed_split_names_old_and_new_name_the_same_cut():
+def test_graphcore_split_names_old_and_new_name_the_same_cut():
     spec = ModelSpec("resnet", "50", 1000, IMAGENET)
     points = split_points(spec, build_model(spec))
     assert points["stage1/unit3/relu"] == points["b1/2/relu"] == points["layer1.2"] == "layer1.2"
@@ -219,7 +219,7 @@ def test_efficientnet_split_names():
     assert points["block2c"] == "blocks.1.2"
     assert points["block7b"] == "blocks.6.1"  # B4 stages: 2, 4, 4, 6, 6, 8, 2 blocks
     assert list(points)[:4] == ["block0", "block1a/b", "block1a", "block1a/c"]
-    # The seed's sub-block cuts of a block without a skip connection (each stage's first).
+    # Graphcore's sub-block cuts of a block without a skip connection (each stage's first).
     assert points["block2a"] == "blocks.1.0@bn1"  # after the expansion
     assert points["block2a/b"] == "blocks.1.0@se"  # after depthwise + squeeze-excitation
     assert points["block2a/c"] == points["blocks.1.0"] == "blocks.1.0"  # after the projection
@@ -338,13 +338,13 @@ def test_valid_sizes():
 
 
 @pytest.mark.parametrize("arch, size, parameters", [
-    ("resnext", "14", 9_411_880),  # the seed's pipelining tests print 9,415,016 with a 4th stem input channel
+    ("resnext", "14", 9_411_880),  # Graphcore's pipelining tests print 9,415,016 (a 4th stem input channel)
     ("resnext", "26", 15_389_480),
     ("resnet", "10", 5_418_792),
     ("resnet", "14", 10_064_936),
     ("resnet", "26", 15_995_176),
 ])
-def test_the_seed_only_imagenet_depths(arch, size, parameters):
+def test_the_imagenet_depths_only_graphcore_has(arch, size, parameters):
     from cnns.models import ModelSpec, build_model, count_parameters
 
     spec = ModelSpec(arch=arch, size=size, num_classes=1000, image_size=224, norm="batch", groups=32,
@@ -356,7 +356,7 @@ def test_the_seed_only_imagenet_depths(arch, size, parameters):
     assert 2 + convs_per_unit * sum(len(getattr(model, f"layer{i}")) for i in range(1, 5)) == int(size)
 
 
-def test_resnext_152_has_the_seed_units():
+def test_resnext_152_has_graphcores_units():
     from cnns.models import ModelSpec, build_model
 
     model = build_model(ModelSpec(arch="resnext", size="152", num_classes=10, image_size=224, norm="batch",

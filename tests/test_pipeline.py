@@ -1,6 +1,6 @@
 """Pipelined model parallelism on real processes (gloo over 127.0.0.1): a 2-stage ResNet-20 computes
 the same updates as one process with the same micro-batches under every schedule, checkpoints hold
-the whole model and restore at any stage count, the seed's pipelining command lines run, stages x
+the whole model and restore at any stage count, Graphcore's pipelining command lines run, stages x
 replicas run as 4 processes.
 
 Every process runs under a bounded timeout (test_replicas's helpers) and is killed on expiry.
@@ -24,7 +24,7 @@ ONE_THREAD = {"CNNS_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.multiprocess
 
-# The issue's configuration: ResNet-20, 4 micro-batches per update, 32.32, --seed, 6 updates.
+# The smallest run that shows a pipeline: ResNet-20, 4 micro-batches per update, 32.32, --seed, 6 updates.
 PIPELINE = ("--dataset", "cifar-10", "--model-size", "20", "--precision", "32.32", "--micro-batch-size", "8",
             "--gradient-accumulation-count", "4", "--iterations", "6", "--log-freq", "3", "--ckpts-per-epoch", "0",
             "--seed", "3", "--optimiser", "momentum", "--warmup-epochs", "0", "--no-validation")
@@ -152,11 +152,12 @@ def test_stages_by_replicas_with_batch_norm_spans_and_sharded_state_equal_the_re
     assert "Optimiser state sharded over 2 replicas (--rts)" in out
 
 
-# The seed's pipelining tests (one update each, generated ImageNet). The seed counted a 4th stem input
-# channel (its --fused-preprocessing padded images to 4 channels); with 3 channels these are the counts.
-SEED_PIPELINES = {
-    # Images of 64x64 where the seed's lines do not depend on the size (parameters, batch): one update
-    # in seconds. EfficientNet-B1's run name carries its 240x240.
+# The pipelining tests of Graphcore's application (one update each, generated ImageNet). It counted a 4th
+# stem input channel (its --fused-preprocessing padded images to 4 channels); with 3 channels these are the
+# counts.
+GRAPHCORE_PIPELINES = {
+    # Images of 64x64 where those lines do not depend on the size (parameters, batch), so that one update
+    # stays small. EfficientNet-B1's run name carries its 240x240.
     "resnext14-2-stages": (("--model", "resnext", "--model-size", "14", "--shards", "2",
                             "--pipeline-splits", "stage3/unit1/relu", "--micro-batch-size", "2",
                             "--gradient-accumulation-count", "2", "--image-size", "64"), ["Total Parameters:9411880"]),
@@ -176,14 +177,14 @@ SEED_PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SEED_PIPELINES))
+@pytest.mark.parametrize("name", list(GRAPHCORE_PIPELINES))
 def test_the_seed_pipelining_command_lines_train(tmp_path, name):
-    args, expected = SEED_PIPELINES[name]
+    args, expected = GRAPHCORE_PIPELINES[name]
     out, err = train_with(tmp_path, "--dataset", "imagenet", "--generated-data", "--pipeline", "--no-validation",
                           "--enable-recomputation", "--iterations", "1", *args, "--log-dir", str(tmp_path / "logs"))
     for line in expected:
         assert line in out, out
-    (folder,) = (tmp_path / "logs").iterdir()  # named as the seed names runs (..._240x240 for B1)
+    (folder,) = (tmp_path / "logs").iterdir()  # named as Graphcore's application names runs (..._240x240 for B1)
     assert re.search(r"loss: +\d+\.\d+", out)
     assert "Traceback" not in err
     # The checkpoint holds the whole model, as one process's would.

@@ -165,8 +165,8 @@ def learnable_cifar(shapes_cifar10) -> Path:
     return shapes_cifar10("precision", train=2000, test=1000, seed=4)
 
 
-# On a CPU that only emulates bfloat16 (AVX2) a 16.16 epoch costs about 10x a float32 one: 15 epochs there
-# would take 11 minutes of the suite's 15. It trains 6 and is held to the margins such a short run allows.
+# On a CPU that only emulates bfloat16 (AVX2) a 16.16 epoch costs many float32 ones: 15 epochs there would
+# be most of the suite's time. It trains 6 and is held to the margins such a short run allows.
 EMULATED_BFLOAT16 = cpu_half_is_emulated(CPU, torch.bfloat16)
 EPOCHS = 6 if EMULATED_BFLOAT16 else 15
 

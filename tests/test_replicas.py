@@ -233,7 +233,7 @@ def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
     out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), script="validation.py")
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)  # printed with 3 decimals
-    # validation.py itself over 2 processes (the seed runs it under poprun): the same count and accuracy.
+    # validation.py itself over 2 processes (Graphcore's application runs it under poprun): the same count and accuracy.
     out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), "--replicas", "2", script="validation.py")
     assert f"{accuracy:6.3f}%" in out
     with open(folder / "validation.csv") as f:
@@ -262,7 +262,7 @@ def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
 
 
 def test_torchrun_instances_log_and_checkpoint_with_equal_weights(data_dir, tmp_path):
-    # The seed's popdist test: every instance's checkpoint holds the same model. With batch norm, each
+    # Graphcore's popdist test: every instance's checkpoint holds the same model. With batch norm, each
     # replica tracks running statistics of its own shard; they are averaged before every checkpoint.
     folder = tmp_path / "instances"
     batch_norm = ["--batch-norm" if a == "--group-norm" else a for a in COMMON]

@@ -60,7 +60,7 @@ def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cif
     assert "Time to train:" in out.stdout
 
 
-def test_stepped_schedule_logs_the_seed_learning_rates(small_cifar, tmp_path):
+def test_stepped_schedule_logs_graphcores_learning_rates(small_cifar, tmp_path):
     out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size", "8",
                      "--micro-batch-size", "32", "--epochs", "10", "--warmup-epochs", "0",
                      "--learning-rate-decay", "0.1", "--learning-rate-schedule", "0.5,0.75,0.875",

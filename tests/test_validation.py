@@ -43,9 +43,10 @@ def data_dir(shapes_cifar10) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_run(data_dir, tmp_path_factory) -> Path:
-    """The seed's test: 4 updates, metrics every 2, a checkpoint at every synchronisation, no validation.
+    """As Graphcore's application tests it: 4 updates, metrics every 2, a checkpoint at every synchronisation,
+    no validation.
 
-    Trained in this process (a new interpreter costs seconds of start-up on two busy cores).
+    Trained in this process (a new interpreter would import torch again).
     """
     folder = tmp_path_factory.mktemp("runs") / "run"
     assert run_command("train", ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8",
@@ -92,7 +93,7 @@ def test_global_batch_size_places_a_checkpoint_without_its_epoch(run_copy, capsy
     # Checkpoints written here record their epoch (4 updates of 16 of the run's 128 images: 0.5) ...
     assert run_command("validate", ["--restore-path", str(run_copy / "ckpt-4.pt"), "--global-batch-size", "64"]) == 0
     assert "[ckpt-4] (iteration:      4, epoch:   0.50," in capsys.readouterr().out
-    # ... one that does not is placed as the seed placed every one: iterations x the global batch over
+    # ... one that does not is placed as Graphcore's application placed every one: iterations x the global batch over
     # the dataset's size (CIFAR-10: 50,000 images).
     state = torch.load(run_copy / "ckpt-4.pt", weights_only=True)
     del state["epoch"]

@@ -80,7 +80,7 @@ def test_a_cuda_torch_is_told_to_install_a_cuda_build_of_the_same_kind():
 def test_a_missing_timm_and_the_lowest_supported_stack():
     assert check_installed_versions({"torch": "2.11.0+cu130", "torchvision": "0.26.0+cu130", "timm": None},
                                     MINIMUMS) == "timm is not installed (cnns needs >=1.0.29): pip install 'timm>=1.0.29'"
-    # the GPU machine's stack of the issue, and a nightly above it, are inside the range
+    # the lowest supported CUDA stack, and a nightly above it, are inside the range
     assert check_installed_versions({"torch": "2.11.0+cu130", "torchvision": "0.26.0+cu130", "timm": "1.0.29"},
                                     MINIMUMS) is None
     assert check_installed_versions({"torch": "2.12.0.dev20260101+cu130", "torchvision": "0.27.0.dev20260101",
