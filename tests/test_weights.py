@@ -182,7 +182,7 @@ def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, 
     assert config["label_names"] == [f"digit{d}" for d in range(10)]
     assert config["pretrained_cfg"]["input_size"] == [3, 40, 40]
 
-    # The issue's own call; and timm's local-dir form, from config.json alone.
+    # timm's documented call for a local file; and timm's local-dir form, from config.json alone.
     model = timm.create_model("resnet18", pretrained=True, num_classes=10,
                               pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=10)).eval()
     from_folder = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
