@@ -1,11 +1,32 @@
 """The input pipeline alone: `cnns bench-data` and `train.py --dataset-benchmark`.
 
 Both run the real pipeline (cnns.data.sources.build_sources, the one training uses) with no model
-and report images/s. `cnns bench-data` can also time, in the same invocation, the standard
-torchvision pipeline on a JPEG tree (ImageFolder + PIL RandomResizedCrop/flip/ToTensor in a
-DataLoader with as many workers) and print the ratio, and it can write a synthetic JPEG tree to
-measure on (--make-jpeg-tree). What each pipeline hands over differs by design: cnns yields uint8
-NHWC batches that the device normalises (8-bit I/O); torchvision yields float32 NCHW batches.
+and report images/s, and images/s per worker core (the rate over the worker processes: the figure
+that says how many cores a GPU's step needs). `cnns bench-data` can also time, in the same
+invocation and alternating with it round by round, torchvision's usual loader on a JPEG tree
+(ImageFolder + PIL RandomResizedCrop/flip, or Resize + CenterCrop, PILToTensor: uint8 out, as cnns
+hands over) in a DataLoader with as many workers, and print the ratio; and it can write a synthetic
+ImageNet-like JPEG tree to measure on (--make-jpeg-tree).
+
+On ImageNet files it first prints the account of one image's time (ImageAccount). The stages a
+worker runs for each image are timed in this process, one thread, over the same files: read (the
+file's bytes, or the TFRecord record's image bytes), header + crop draw, decode, crop + resize and
+flip; with the native decoder the last three are its own clocks inside the one call that writes
+the image into its batch slot, with the fallback decoder the Python steps are timed one by one.
+The stages are timed inside one timed step per image, so what lies between them (the loop, the
+calls' argument handling) is a row of its own and the rows add up to the step. Two costs cannot be
+timed inside one image's step, so they come from the real loader's delivered rate instead:
+
+* into the batch = per-image time of the loader with 0 workers (the batches made in this process:
+  sampling, the batch buffers, labels, the hand-over, but no other process) - the in-process step;
+* across to the main process = per-image time of the loader with 1 worker - with 0 workers (the
+  batch leaving the worker and arriving in the main process).
+
+Run it under `taskset -c N` (one core) so that the main process's share of the one-worker run is
+paid on the worker's core, as it is when every core has a worker; with a free core beside the
+worker, "across" shows only the worker's side. Beside the account: the decode-only cap, the whole
+image decoded and nothing else (TorchCodec's libjpeg-turbo decoder) on the same files, the rate
+above which a loader must decode less than the whole image.
 """
 
 from __future__ import annotations
@@ -15,15 +36,25 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
 from cnns.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from cnns.data.decoding import Crop, Placement
+    from cnns.data.imagenet import ImageNetTransform
+    from cnns.data.imagefolder import ImageFolderDataset
+    from cnns.data.tfrecord import TFRecordDataset
+
+    ImageDataset = ImageFolderDataset | TFRecordDataset
 
 BASELINE_CROP_AREA = (0.05, 1.0)
 
@@ -43,6 +74,11 @@ class Measurement:
     @property
     def images_per_second(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def per_worker_core(self) -> float:
+        """images/s over the worker processes (with none, the main process is the one core)."""
+        return self.images_per_second / max(1, self.workers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,15 +143,17 @@ def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int) -> It
 
 
 def baseline_transform(train: bool, image_size: int):
-    """The usual torchvision recipe on PIL images (the reference ImageNet training scripts)."""
+    """The usual torchvision recipe on PIL images (the reference ImageNet training scripts), handing over
+    uint8 (PILToTensor, not ToTensor's float32) as cnns does, so neither side pays for a conversion the
+    other skips."""
     from torchvision import transforms as T
 
     from cnns.data.imagenet import evaluation_resize
 
     if train:
         return T.Compose([T.RandomResizedCrop(image_size, scale=BASELINE_CROP_AREA), T.RandomHorizontalFlip(),
-                          T.ToTensor()])
-    return T.Compose([T.Resize(evaluation_resize(image_size)), T.CenterCrop(image_size), T.ToTensor()])
+                          T.PILToTensor()])
+    return T.Compose([T.Resize(evaluation_resize(image_size)), T.CenterCrop(image_size), T.PILToTensor()])
 
 
 def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, image_size: int, seed: int) -> Iterator:
@@ -210,16 +248,262 @@ def compare_rounds(ours: list[Measurement], theirs: list[Measurement] | None) ->
 
 def results_table(comparisons: list[Comparison]) -> str:
     """A markdown table: one row per pipeline and worker count, with the ratio to torchvision."""
-    lines = ["| pipeline | data | transforms | workers | batch | image size | images/s | vs torchvision |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| pipeline | data | transforms | workers | batch | image size | images/s | per worker core "
+             "| vs torchvision |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for comparison in comparisons:
         rows = [(comparison.cnns, f"{comparison.ratio:.2f}x" if comparison.ratio else "-")]
         if comparison.baseline is not None:
             rows.append((comparison.baseline, "1.00x"))
         for m, ratio in rows:
             lines.append(f"| {m.pipeline} | {m.layout} | {m.transforms} | {m.workers} | {m.batch_size} "
-                         f"| {m.image_size} | {m.images_per_second:.1f} | {ratio} |")
+                         f"| {m.image_size} | {m.images_per_second:.1f} | {m.per_worker_core:.1f} | {ratio} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The account of one image
+# ----------------------------------------------------------------------------------------------
+
+STAGES = ("read", "header", "decode", "resize", "flip")
+STAGE_LABELS = {"header": "header + crop draw", "decode": "decode", "resize": "crop + resize", "flip": "flip"}
+READ_LABELS = {"folder": "read (the file's bytes)", "tfrecord": "read (the TFRecord record's image bytes)"}
+WARMUP_IMAGES = 8  # timed for nothing first: imports, first allocations
+
+
+@dataclass
+class StageTimes:
+    """Nanoseconds summed over `images` images in one process and one thread: each stage, and the whole
+    per-image step timed around them (so `step` is at least the stages' sum; the rest is `between`)."""
+
+    images: int = 0
+    read: int = 0
+    header: int = 0
+    decode: int = 0
+    resize: int = 0
+    flip: int = 0
+    step: int = 0
+    whole: int = 0  # images decoded whole by the fallback decoder (the rest: their region, natively)
+
+    @property
+    def stages(self) -> int:
+        return sum(getattr(self, stage) for stage in STAGES)
+
+    @property
+    def between(self) -> int:
+        return self.step - self.stages
+
+    def seconds_per_image(self, nanoseconds: int) -> float:
+        return nanoseconds / max(1, self.images) / 1e9
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """As in a DataLoader worker, which runs torch on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def account_indices(size: int, count: int) -> list[int]:
+    """`count` indices spread evenly over the split (a folder tree is sorted by class: every class is seen)."""
+    count = max(1, min(size, count))
+    return [index * size // count for index in range(count)]
+
+
+def time_native_step(native: ModuleType, data: bytes, place: Placement, slot: torch.Tensor) -> tuple[int, ...]:
+    """(header + crop draw, decode, crop + resize, flip) nanoseconds of one image by the native decoder: the
+    worker's own calls, the last three from the decoder's clocks inside its one call."""
+    start = time.perf_counter_ns()
+    height, width, _ = native.header(data)
+    crop = place(height, width)
+    drawn = time.perf_counter_ns()
+    decode, resize, flip = native.decode_resized_into(data, slot, crop.box, crop.flip, timings=True)
+    return drawn - start, decode, resize, flip
+
+
+def time_fallback_step(data: bytes, source: str, place: Placement, slot: torch.Tensor) -> tuple[int, ...]:
+    """(header + crop draw, decode, crop + resize, flip) nanoseconds of one image by the fallback decoder's
+    Python steps: the whole image decoded (TorchCodec), the crop drawn from its size, cut and resized into
+    the slot, then mirrored there (the worker mirrors while copying into the slot, so the flip row is the
+    cost of mirroring, not of that copy)."""
+    from cnns.data.decoding import decode_whole, resize_crop_into
+
+    start = time.perf_counter_ns()
+    image = decode_whole(data, source)
+    decoded = time.perf_counter_ns()
+    crop = place(image.shape[0], image.shape[1])
+    drawn = time.perf_counter_ns()
+    resize_crop_into(image, replace(crop, flip=False), slot)
+    resized = time.perf_counter_ns()
+    if crop.flip:
+        slot.copy_(slot.flip(1))
+    return drawn - decoded, decoded - start, resized - drawn, time.perf_counter_ns() - resized
+
+
+def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageNetTransform) -> StageTimes:
+    """StageTimes over `indices` (epoch 0's crops), one image at a time into a batch slot as a worker does,
+    by the native decoder where `transform`'s decoder uses it, else by the fallback's steps."""
+    from cnns.data.decoding import native_jpeg
+
+    module = native_jpeg() if transform.decoder.use_native else None
+    slot = torch.empty((transform.image_size, transform.image_size, 3), dtype=torch.uint8)
+
+    def step(index: int) -> tuple[int, ...]:
+        def place(height: int, width: int) -> Crop:
+            return transform.crop(height, width, (index, 0) if transform.train else index)
+
+        start = time.perf_counter_ns()
+        data, _, source = dataset.read(index)
+        read = time.perf_counter_ns() - start
+        if module is not None and data[:2] == b"\xff\xd8":
+            try:
+                return (read, *time_native_step(module, data, place, slot), 0)
+            except module.JpegError:  # as in the worker: a JPEG the native decoder refuses is decoded whole
+                pass
+        return (read, *time_fallback_step(data, source, place, slot), 1)
+
+    times = StageTimes()
+    with torch_threads(1):
+        for index in indices[:WARMUP_IMAGES]:
+            step(index)
+        for index in indices:
+            start = time.perf_counter_ns()
+            read, header, decode, resize, flip, whole = step(index)
+            times.step += time.perf_counter_ns() - start
+            times.images += 1
+            times.read += read
+            times.header += header
+            times.decode += decode
+            times.resize += resize
+            times.flip += flip
+            times.whole += whole
+    return times
+
+
+def time_whole_decoding(dataset: ImageDataset, indices: Sequence[int]) -> tuple[float, str]:
+    """(seconds per image, decoder): the whole image decoded to RGB and nothing else, from bytes already
+    in memory, one thread: TorchCodec's decoder (libjpeg-turbo for JPEG)."""
+    from torchcodec.decoders import decode_image
+
+    encoded = [torch.frombuffer(bytearray(dataset.read(index)[0]), dtype=torch.uint8) for index in indices]
+    with torch_threads(1):
+        for data in encoded[:WARMUP_IMAGES]:
+            decode_image(data, mode="RGB")
+        start = time.perf_counter_ns()
+        for data in encoded:
+            decode_image(data, mode="RGB")
+        elapsed = time.perf_counter_ns() - start
+    return elapsed / len(encoded) / 1e9, "TorchCodec, libjpeg-turbo"
+
+
+@dataclass
+class ImageAccount:
+    """Where one image's time goes (the module's docstring says how each row is measured)."""
+
+    layout: str
+    transforms: str
+    image_size: int
+    decoder: str
+    stages: StageTimes
+    no_workers: Measurement  # the loader with 0 workers: batches made in this process
+    one_worker: Measurement  # the loader with 1 worker
+    decode_only_seconds: float  # per image: the whole image decoded, nothing else
+    decode_only_decoder: str
+    baseline: Measurement | None  # torchvision's loader with 1 worker
+    cores: int  # the CPUs this process may run on (taskset)
+
+    @property
+    def in_process_seconds(self) -> float:
+        return self.stages.seconds_per_image(self.stages.step)
+
+    @property
+    def into_the_batch_seconds(self) -> float:
+        return 1 / self.no_workers.images_per_second - self.in_process_seconds
+
+    @property
+    def across_seconds(self) -> float:
+        return 1 / self.one_worker.images_per_second - 1 / self.no_workers.images_per_second
+
+    @property
+    def delivered_seconds(self) -> float:
+        return 1 / self.one_worker.images_per_second
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds per image of each row that adds up to the delivered time, in the worker's order."""
+        per_image = self.stages.seconds_per_image
+        rows = {stage: per_image(getattr(self.stages, stage)) for stage in STAGES}
+        rows["between"] = per_image(self.stages.between)
+        rows["into the batch"] = self.into_the_batch_seconds
+        rows["across"] = self.across_seconds
+        return rows
+
+
+def measure_account(plan: BenchPlan, images: int, one_worker: Measurement | None,
+                    baseline: Measurement | None) -> ImageAccount:
+    """The account on the plan's files: `one_worker` / `baseline` are reused when the comparison already
+    measured one worker, else the loader is measured here."""
+    from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
+
+    dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
+    indices = account_indices(len(dataset), images)
+    transform = ImageNetTransform(plan.train, plan.image_size, plan.seed)
+    stages = time_stages(dataset, indices, transform)
+    decoder = transform.decoder.name
+    decode_only, decode_only_decoder = time_whole_decoding(dataset, indices)
+    no_workers = measure(plan, "cnns", 0)
+    one_worker = one_worker or measure(plan, "cnns", 1)
+    return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, decoder, stages, no_workers,
+                        one_worker, decode_only, decode_only_decoder, baseline, len(os.sched_getaffinity(0)))
+
+
+def decode_label(stages: StageTimes) -> str:
+    if stages.whole == 0:
+        return "decode (the crop's region, native)"
+    if stages.whole == stages.images:
+        return "decode (the whole image, TorchCodec)"
+    return f"decode (region, native; {stages.whole} of {stages.images} images whole, TorchCodec)"
+
+
+def account_table(account: ImageAccount) -> str:
+    """The account as a markdown table: the rows that add up to the delivered time with their shares of
+    it, then the totals, the decode-only cap and torchvision's loader with their rates on one core."""
+    delivered = account.delivered_seconds
+    labels = {"read": READ_LABELS.get(account.layout, "read"), **STAGE_LABELS, "decode": decode_label(account.stages),
+              "between": "between the stages (the loop, the calls)",
+              "into the batch": "into the batch (0 workers - in one process)",
+              "across": "across to the main process (1 worker - 0 workers)"}
+    lines = ["| one image | ms | share | images/s per core |", "|---|---:|---:|---:|"]
+    for key, seconds in account.stage_seconds().items():
+        if key == "flip" and account.transforms == "eval":
+            lines.append(f"| {labels[key]} | - | - | |")
+            continue
+        share = f"{100 * seconds / delivered:.1f} %" if delivered > 0 else ""
+        lines.append(f"| {labels[key]} | {1e3 * seconds:.3f} | {share} | |")
+    totals = [("in one process (read to flip)", account.in_process_seconds),
+              ("the loader, 0 workers (batches made in this process)", 1 / account.no_workers.images_per_second),
+              ("**the loader, 1 worker: delivered**", delivered),
+              (f"decode-only cap: the whole image, nothing else ({account.decode_only_decoder})",
+               account.decode_only_seconds)]
+    if account.baseline is not None:
+        totals.append(("torchvision ImageFolder + PIL loader, 1 worker", 1 / account.baseline.images_per_second))
+    for label, seconds in totals:
+        lines.append(f"| {label} | {1e3 * seconds:.3f} | | {1 / seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def account_summary(account: ImageAccount) -> str:
+    """One line: the per-core rate, against the decode-only cap and torchvision's loader."""
+    rate = account.one_worker.images_per_second
+    parts = [f"cnns {rate:.0f} images/s per worker core",
+             f"{rate * account.decode_only_seconds:.2f}x the decode-only cap"]
+    if account.baseline is not None:
+        parts.append(f"{rate / account.baseline.images_per_second:.2f}x torchvision's loader")
+    where = "one core" if account.cores == 1 else f"{account.cores} cores: the main process on its own core"
+    return "; ".join(parts) + f" ({where}). Decoder: {account.decoder}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +521,7 @@ class BenchDataRequest:
     images: int = 2000
     classes: int = 10
     layout: str = "folder"
-    workers: list[int] = field(default_factory=lambda: [2])
+    workers: list[int] = field(default_factory=lambda: [1])
     image_size: int = 224
     batch_size: int = 32
     batches: int = 60
@@ -248,6 +532,8 @@ class BenchDataRequest:
     cache: bool = False
     seed: int = 0
     json: str | None = None
+    account: bool = True
+    account_images: int = 400
 
 
 def plan_from_request(args: BenchDataRequest) -> BenchPlan:
@@ -261,7 +547,7 @@ def plan_from_request(args: BenchDataRequest) -> BenchPlan:
     data_dir = args.make_jpeg_tree or args.data_dir or (BUILTIN_DATA_DIR if args.dataset == "builtin" else None)
     if not data_dir:
         raise ConfigError("bench-data needs --data-dir (or DATA_DIR) or --make-jpeg-tree DIR")
-    for name in ("batch_size", "batches", "image_size", "rounds"):
+    for name in ("batch_size", "batches", "image_size", "rounds", "account_images"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup_batches < 0 or min(args.workers) < 0:
@@ -286,17 +572,46 @@ def comparison_record(comparison: Comparison) -> dict[str, Any]:
     return {"cnns": record(comparison.cnns), "torchvision": record(comparison.baseline), "ratio": comparison.ratio}
 
 
+def account_record(account: ImageAccount) -> dict[str, Any]:
+    return {"decoder": account.decoder, "layout": account.layout, "transforms": account.transforms,
+            "images": account.stages.images, "cores": account.cores,
+            "seconds_per_image": account.stage_seconds(), "in_process_seconds": account.in_process_seconds,
+            "stage_nanoseconds": asdict(account.stages), "delivered_seconds": account.delivered_seconds,
+            "decode_only_seconds": account.decode_only_seconds, "decode_only_decoder": account.decode_only_decoder,
+            "no_workers_images_per_second": account.no_workers.images_per_second,
+            "one_worker_images_per_second": account.one_worker.images_per_second,
+            "baseline_images_per_second": account.baseline.images_per_second if account.baseline else None}
+
+
+def one_worker_measurements(comparisons: list[Comparison]) -> tuple[Measurement | None, Measurement | None]:
+    """(cnns, torchvision) with one worker, when the comparison measured them."""
+    for comparison in comparisons:
+        if comparison.cnns.workers == 1:
+            return comparison.cnns, comparison.baseline
+    return None, None
+
+
 def bench_data_command(args: BenchDataRequest) -> int:
     plan = plan_from_request(args)
     if plan.layout not in ("tfrecord", "folder"):
         print(f"{plan.layout}: batches are made in the main process from the dataset held in memory (no workers)")
+    cores = len(os.sched_getaffinity(0))
     print(f"Input pipeline on {plan.data_dir} ({plan.layout}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
-          f"{plan.warmup} warm-up, {os.cpu_count()} CPUs):")
+          f"{plan.warmup} warm-up, {cores} of {os.cpu_count()} CPUs):")
     comparisons = run_plan(plan)
     print(results_table(comparisons))
+    records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
+    if args.account and plan.layout in ("tfrecord", "folder"):
+        ours, theirs = one_worker_measurements(comparisons)
+        print(f"The account of one image ({args.account_images} images timed stage by stage in this process, then "
+              f"the loader with 0 and 1 worker):")
+        account = measure_account(plan, args.account_images, ours, theirs)
+        print(account_table(account))
+        print(account_summary(account))
+        records["account"] = account_record(account)
     if args.json:
-        Path(args.json).write_text(json.dumps([comparison_record(c) for c in comparisons], indent=2))
+        Path(args.json).write_text(json.dumps(records, indent=2))
     return 0
 
 
@@ -328,9 +643,14 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
     finally:
         stop(batches)
     rate = images / seconds if seconds > 0 else 0.0
-    uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files"
-    where = f"{cfg.data.workers} workers" if uses_workers else "batches made in the main process"
+    uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.workers > 0
+    per_core = rate / cfg.data.workers if uses_workers else rate
+    workers = f"{cfg.data.workers} worker{'s' if cfg.data.workers > 1 else ''}"
+    where = f"{workers}: {per_core:.2f} images/sec per worker core" if uses_workers else "batches made in the main process"
+    if sources.decoding:
+        report(sources.decoding)
     report(f"Dataset benchmark: {rate:.2f} images/sec ({images} images in {seconds:.3f} s after {warmup} warm-up "
            f"batches taking {startup:.3f} s; {where}, micro-batch {cfg.train.micro_batch_size})")
-    return {"images_per_second": rate, "images": images, "seconds": seconds, "startup_seconds": startup,
-            "workers": cfg.data.workers}
+    return {"images_per_second": rate, "images_per_second_per_worker_core": per_core, "images": images,
+            "seconds": seconds, "startup_seconds": startup, "workers": cfg.data.workers,
+            "decoding": sources.decoding}
