@@ -1,9 +1,12 @@
 """ImageNet loading from both layouts on tiny data written here: decoding of the odd files real
-ImageNet holds, the seed's transforms, exact sharded evaluation and seeded training order."""
+ImageNet holds, the seed's transforms and crop distribution, exact sharded evaluation, seeded training
+order, batches filled by the workers in shared memory, and corrupt images with and without
+--skip-corrupt-images."""
 
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -12,8 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
+from cnns.data.decoding import ImageDecoder
 from cnns.data.imagefolder import ImageFolderDataset, decode_rgb
 from cnns.data.imagenet import (
+    CROP_AREA,
+    CROP_ASPECT,
     EvaluationSampler,
     ImageNetBatches,
     ImageNetTransform,
@@ -21,11 +27,13 @@ from cnns.data.imagenet import (
     build_imagenet_loader,
     detect_imagenet,
     evaluation_resize,
+    evaluation_transform,
+    training_crop,
 )
 from cnns.errors import DataError
 from test_tfrecord import colour_of, write_imagenet_shards
 
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+WHOLE_IMAGE = ImageDecoder(use_native=False)  # TorchCodec (PIL for other formats), whatever is built here
 
 
 def save(image: Image.Image, path: Path, file_format: str = "JPEG") -> None:
@@ -240,18 +248,160 @@ def test_dataset_percentage_takes_first_records(tmp_path):
     assert set(torch.cat([labels for _, labels in loader]).tolist()) == {0}
 
 
-def test_channels_last_crop_matches_torchvision_crop():
+def random_photo(height: int, width: int, file_format: str = "PNG", seed: int = 1) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+        buffer, file_format)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("file_format", ["PNG", "JPEG"])
+def test_whole_image_training_crop_is_torchvision_random_resized_crop_and_flip(file_format):
+    """The crop drawn from the header, cut from the whole decoded image and resized by torch, is exactly
+    torchvision's resized_crop (+ horizontal flip) of that box."""
+    from torchvision.transforms.v2 import functional as F
+
+    data = random_photo(60, 80, file_format)
+    image = decode_rgb(data, "x")
+    transform = ImageNetTransform(True, 24, seed=3, decoder=WHOLE_IMAGE)
+    flips = 0
+    for index in range(12):
+        crop = transform.crop(60, 80, (index, 0))
+        top, left, height, width = (int(v) for v in crop.box)
+        expected = F.resized_crop(image, top, left, height, width, [24, 24], antialias=True)
+        if crop.flip:
+            expected = F.horizontal_flip(expected)
+        flips += crop.flip
+        assert torch.equal(transform(data, "x", (index, 0)), expected.permute(1, 2, 0)), index
+    assert 0 < flips < 12  # both ways were checked
+
+
+@pytest.mark.parametrize("size", [(60, 80), (375, 500), (500, 333), (31, 29)])
+def test_whole_image_evaluation_is_resize_then_centre_crop_exactly(size):
+    data = random_photo(*size)
+    expected = evaluation_transform(24)(decode_rgb(data, "x")).permute(1, 2, 0)
+    assert torch.equal(ImageNetTransform(False, 24, decoder=WHOLE_IMAGE)(data, "x"), expected)
+
+
+def test_training_crop_has_random_resized_crops_distribution():
+    """numpy draws of training_crop against torchvision's RandomResizedCrop.get_params, n each, on a
+    500 x 375 image. The area fraction and log aspect: two-sample Kolmogorov-Smirnov distance under the
+    critical distance for alpha = 1e-4 at these sample sizes (a correct sampler fails one run in 10,000;
+    aspect 1/2-2 is over it), and the extremes reach the ends of the ranges (draws within 0.01 of the
+    smallest area are about 1 % of them, within 0.02 of either end of the log aspect at least 1 %: none of
+    them in n = 4000 draws has a chance of e^-40, while an area range of 8-100 % has none). The
+    flip rate within 4.5 binomial standard deviations of 1/2."""
     from torchvision.transforms import v2
 
-    from cnns.data.imagenet import ChannelsLastRandomResizedCrop
+    n = 4000
+    height, width = 375, 500
+    rng = np.random.default_rng(0)
+    ours = [training_crop(height, width, rng) for _ in range(n)]
+    torch.manual_seed(0)
+    theirs = [v2.RandomResizedCrop.get_params(torch.empty(3, height, width), list(CROP_AREA), list(CROP_ASPECT))
+              for _ in range(n)]
 
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(buffer, "PNG")
-    image = decode_rgb(buffer.getvalue(), "x")
-    for seed in range(5):
-        torch.manual_seed(seed)
-        ours = ChannelsLastRandomResizedCrop(24, scale=(0.05, 1), ratio=(3 / 4, 4 / 3), antialias=True)(image)
-        torch.manual_seed(seed)
-        stock = v2.RandomResizedCrop(24, scale=(0.05, 1), ratio=(3 / 4, 4 / 3), antialias=True)(image)
-        assert torch.equal(ours, stock)
-        assert ours.permute(1, 2, 0).is_contiguous()
+    def area_and_log_aspect(boxes):
+        boxes = np.asarray(boxes, dtype=np.float64)
+        return boxes[:, 2] * boxes[:, 3] / (height * width), np.log(boxes[:, 3] / boxes[:, 2])
+
+    our_area, our_aspect = area_and_log_aspect([crop.box for crop in ours])
+    their_area, their_aspect = area_and_log_aspect(theirs)
+    critical = np.sqrt(-np.log(1e-4 / 2) / 2) * np.sqrt(2 / n)
+    for mine, reference in ((our_area, their_area), (our_aspect, their_aspect)):
+        both = np.sort(np.concatenate([mine, reference]))
+        distance = np.max(np.abs(np.searchsorted(np.sort(mine), both, side="right") / n
+                                 - np.searchsorted(np.sort(reference), both, side="right") / n))
+        assert distance < critical, (distance, critical)
+    # Rounding to whole pixels moves the area by at most about one row and column, the aspect likewise.
+    assert our_area.min() > CROP_AREA[0] - 2 * (height + width) / (height * width) and our_area.max() <= 1
+    slack = 2 / 30  # a 30-pixel box side, the smallest at 5 % of this image, rounded by half a pixel each way
+    assert np.log(CROP_ASPECT[0]) - slack < our_aspect.min() and our_aspect.max() < np.log(CROP_ASPECT[1]) + slack
+    assert our_area.min() < CROP_AREA[0] + 0.01
+    assert our_aspect.min() < np.log(CROP_ASPECT[0]) + 0.02 and our_aspect.max() > np.log(CROP_ASPECT[1]) - 0.02
+    assert abs(our_area.mean() - their_area.mean()) < 4.5 * np.sqrt((our_area.var() + their_area.var()) / n)
+    boxes = np.asarray([crop.box for crop in ours])
+    assert (boxes[:, 0] >= 0).all() and (boxes[:, 0] + boxes[:, 2] <= height).all()
+    assert (boxes[:, 1] >= 0).all() and (boxes[:, 1] + boxes[:, 3] <= width).all()
+    flips = sum(crop.flip for crop in ours)
+    assert abs(flips / n - 0.5) < 4.5 * np.sqrt(0.25 / n)
+
+
+def test_training_crop_falls_back_to_the_centre_when_no_box_fits():
+    """A 1 x 100 strip: no drawn box fits in 10 tries, so the centre crop at the widest allowed aspect."""
+    crop = training_crop(1, 100, np.random.default_rng(0))
+    assert crop.box == (0, 49, 1, 1)
+
+
+def test_same_seed_same_batches_for_0_1_and_2_workers_in_shared_memory(tmp_path):
+    write_tree(tmp_path, "train", [4, 4, 4], size=(48, 40))
+    write_tree(tmp_path, "validation", [3, 2, 2], size=(48, 40))
+
+    def batches(train: bool, workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        source = ImageNetBatches(tmp_path, train=train, batch_size=4, image_size=16, workers=workers, seed=5)
+        out = []
+        for images, labels in source.epoch(1):
+            # Filled by a worker in shared memory and handed over as it is: no copy on the way.
+            assert images.is_shared() == (workers > 0)
+            out.append((images.clone(), labels.clone()))
+        return out
+
+    for train in (True, False):
+        first = batches(train, 0)
+        assert len(first) == (3 if train else 2)
+        for workers in (1, 2):
+            again = batches(train, workers)
+            assert len(again) == len(first)
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+
+
+def odd_files(root: Path) -> dict[str, Path]:
+    """Grayscale and CMYK JPEGs, PNG bytes named .JPEG, and a BMP named .JPEG, with smooth content (so
+    that different JPEG decoders' IDCTs and resizes agree closely)."""
+    y, x = np.mgrid[0:40, 0:60]
+    rgb = Image.fromarray(np.stack([x * 4, y * 6, 255 - x * 2], axis=-1).astype(np.uint8))
+    files = {"gray": ("L", "JPEG"), "cmyk": ("CMYK", "JPEG"), "png": ("RGB", "PNG"), "bmp": ("RGB", "BMP")}
+    paths = {}
+    for name, (mode, file_format) in files.items():
+        paths[name] = root / "train" / "a" / f"{name}.JPEG"
+        save(rgb.convert(mode), paths[name], file_format)
+    return paths
+
+
+@pytest.mark.parametrize("decoder", [ImageDecoder(), WHOLE_IMAGE], ids=["chosen", "whole-image"])
+def test_odd_files_go_through_the_loader_as_rgb_crops(tmp_path, decoder):
+    """Each odd file's batch row is the crop of PIL's RGB decoding (what today's loader gave), within 3
+    levels: JPEG decoders' integer IDCTs and colour conversions differ by a level or two on smooth content,
+    and the antialiased resize rounds once."""
+    from torchvision.transforms.v2 import functional as F
+
+    paths = odd_files(tmp_path)
+    dataset = ImageFolderDataset(tmp_path, "train")
+    transform = ImageNetTransform(True, 16, seed=2, decoder=decoder)
+    loader, _, _ = build_imagenet_loader(tmp_path, True, len(paths), 16, 0, 2, decoder=decoder)
+    loader.sampler.set_epoch(0)
+    [(images, labels)] = list(loader)
+    keys = [key for batch in loader.sampler for key in batch]
+    for row, (index, epoch) in enumerate(keys):
+        reference = torch.from_numpy(np.array(Image.open(dataset.path(index)).convert("RGB"))).permute(2, 0, 1)
+        crop = transform.crop(40, 60, (index, epoch))
+        top, left, height, width = (int(v) for v in crop.box)
+        expected = F.resized_crop(reference, top, left, height, width, [16, 16], antialias=True)
+        if crop.flip:
+            expected = F.horizontal_flip(expected)
+        difference = (images[row].int() - expected.permute(1, 2, 0).int()).abs().max()
+        assert difference <= 3, (dataset.path(index).name, difference)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_corrupt_images_stop_the_pass_or_are_dropped_and_named(tmp_path, workers):
+    write_tree(tmp_path, "validation", [3, 3])
+    bad = tmp_path / "validation" / "c1" / "img001.JPEG"
+    bad.write_bytes(bad.read_bytes()[:60])
+    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=workers)
+    with pytest.raises(DataError, match=f"^{re.escape(str(bad))}: cannot decode image"):
+        list(source.epoch(0))
+    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=workers, skip_corrupt=True)
+    batches = [labels.tolist() for _, labels in source.epoch(0)]
+    assert batches == [[0, 0, 0, 1], [1]]  # the second batch shrank by the dropped image
+    assert source.skipped_images == 1 and source.skipped_names == [str(bad)]

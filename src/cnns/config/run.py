@@ -37,6 +37,7 @@ class DataConfig:
     cutmix_lambda: float
     cutmix_version: int
     skip_corrupt: bool = False  # --skip-corrupt-images: drop and count undecodable images
+    decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" (cnns.data.decoding.choose_decode_device)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class RunConfig:
             host_normalisation=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
             percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],
             mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
-            skip_corrupt=bool(o.get("skip_corrupt_images")),
+            skip_corrupt=bool(o.get("skip_corrupt_images")), decode_device=o.get("decode_device") or "auto",
         )
         precision = PrecisionConfig(
             precision=o["precision"], half_dtype=o["half_dtype"],

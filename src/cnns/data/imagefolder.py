@@ -8,24 +8,19 @@ import io
 import os
 import re
 import struct
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_image
+from torchcodec.decoders import decode_image
 
 from cnns.errors import DataError
 
-# torchvision 0.29 (pinned) deprecates its image decoders in favour of TorchCodec, warning on every
-# call; they still work and are what we use, so that one message is silenced.
-warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
-                        category=DeprecationWarning)
-
 # Real ImageNet has only .JPEG files (a few of them are really PNG or CMYK JPEG); the rest are for
-# other trees laid out the same way. decode_image reads JPEG, PNG, WebP and GIF; PIL does the rest.
+# other trees laid out the same way. TorchCodec's decode_image reads JPEG, PNG, WebP and GIF (and
+# AVIF, HEIC where its libraries are installed); PIL does the rest.
 IMAGE_EXTENSIONS = frozenset({".jpeg", ".jpg", ".png", ".webp", ".bmp", ".gif"})
 SPLIT_FOLDERS = {"train": ("train",), "validation": ("validation", "val")}
 
@@ -39,23 +34,29 @@ MAX_IMAGE_PIXELS = 178_956_970
 
 
 def decode_rgb(data: bytes, source: str) -> torch.Tensor:
-    """Encoded image bytes -> uint8 [3, H, W]. torchvision's decoder converts grayscale, CMYK JPEGs
-    and PNG bytes (whatever the file's extension) to RGB itself; PIL is the fallback for formats it
-    does not read. DataError naming `source` when neither can decode the bytes, or when the header
+    """Encoded image bytes -> uint8 [3, H, W], HWC in memory (``.permute(1, 2, 0)`` is contiguous).
+    TorchCodec's decoder finds the format from the bytes, whatever the file's extension, and converts
+    grayscale, CMYK JPEGs, palette and 16-bit PNGs to 8-bit RGB itself; PIL is the fallback for formats
+    it does not read. DataError naming `source` when neither can decode the bytes, or when the header
     declares more than MAX_IMAGE_PIXELS pixels."""
+    check_declared_size(data, source)
+    try:
+        image = decode_image(data, mode="RGB")
+    except (RuntimeError, ValueError) as first_error:
+        return _decode_rgb_with_pil(data, source, first_error)
+    if image.dim() == 4:  # an animated GIF or WebP: its first frame
+        image = image[0]
+    return image
+
+
+def check_declared_size(data: bytes, source: str) -> tuple[int, int] | None:
+    """The (width, height) the header declares (None when it cannot be read without decoding); DataError
+    when it is more than MAX_IMAGE_PIXELS pixels, before any decoder allocates them."""
     size = declared_size(data)
     if size is not None and size[0] * size[1] > MAX_IMAGE_PIXELS:
         raise DataError(f"{source}: cannot decode image (its header declares {size[0]} x {size[1]} pixels, "
                         f"more than the limit of {MAX_IMAGE_PIXELS}: corrupt, or not a photo)")
-    try:
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError) as torchvision_error:
-        return _decode_rgb_with_pil(data, source, torchvision_error)
-    if image.dim() == 4:  # an animated GIF: its first frame
-        image = image[0]
-    if image.dtype != torch.uint8:  # a 16-bit PNG (torchvision keeps 16 bits): scale to 8
-        image = (image.to(torch.int32) >> 8).to(torch.uint8)
-    return image
+    return size
 
 
 def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> torch.Tensor:
@@ -72,19 +73,20 @@ def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> to
 
 
 def _reason(error: Exception) -> str:
-    """The first line of a decoder's message, without torchvision's C++ source location
-    ("decode_jpeg, /path/decode_jpeg.cpp:171, ...") or PIL's object address."""
+    """The first sentence of a decoder's message, without TorchCodec's C++ source location
+    ("read_header_and_start, /path/DecodeJpeg.cpp:208, ...") or PIL's object address."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = re.sub(r"^\w+, \S+\.(?:cpp|h):\d+, ", "", text)
     text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", text)
-    return text.split(". ")[0][:200]  # the first sentence: torchvision's go on to suggest other APIs
+    return text.split(". ")[0].rstrip(".")[:200]  # the first sentence: TorchCodec's go on to suggest other APIs
 
 
 def declared_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from the header of JPEG, PNG, GIF or WebP bytes, without decoding; None when
     the format is another or the header cannot be read (the decoder then reports the problem)."""
     if data[:2] == b"\xff\xd8":
-        return _jpeg_size(data)
+        frame = jpeg_frame(data)
+        return frame[:2] if frame is not None else None
     if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
         return struct.unpack(">II", data[16:24])
     if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
@@ -106,18 +108,21 @@ def declared_size(data: bytes) -> tuple[int, int] | None:
 _JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """Walk the JPEG segments up to the first start-of-frame (a few header segments in)."""
+def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
+    """(width, height, colour components: 1 grey, 3 YCbCr or RGB, 4 CMYK or YCCK) from the first
+    start-of-frame of JPEG bytes, walking the header segments before it; None when there is none."""
+    if data[:2] != b"\xff\xd8":
+        return None
     position = 2
     for _ in range(256):
         while position < len(data) and data[position] == 0xFF:  # a marker, after any fill bytes
             position += 1
-        if position + 7 > len(data) or data[position - 1] != 0xFF:
+        if position + 9 > len(data) or data[position - 1] != 0xFF:
             return None
         marker = data[position]
         if marker in _JPEG_FRAME_MARKERS:
-            height, width = struct.unpack(">HH", data[position + 4:position + 8])
-            return width, height
+            height, width, components = struct.unpack(">HHB", data[position + 4:position + 9])
+            return width, height, components
         if marker == 0xD9 or marker == 0xDA:  # end of image, or scan data before any frame: no size
             return None
         if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # standalone markers, no length
@@ -161,8 +166,9 @@ def _default_decode(data: bytes, source: str) -> torch.Tensor:
 class ImageFolderDataset(Dataset):
     """Map-style dataset over ``root/<split folder>/<class>/<image>``.
 
-    item i -> (transform(file bytes, file name), class index). The default transform decodes to
-    uint8 [3, H, W]; imagenet.py passes one that also crops and flips. Class indices come from the
+    item i -> (transform(file bytes, file name), class index), the default transform decoding to
+    uint8 [3, H, W]; `read(i)` gives the bytes undecoded, which imagenet.py's batch loader decodes
+    straight into its batch. Class indices come from the
     training folder when there is one, so a validation tree with a missing class keeps the same
     numbering; a validation class that training lacks is a DataError.
 
@@ -214,10 +220,15 @@ class ImageFolderDataset(Dataset):
     def path(self, index: int) -> Path:
         return self.root / os.fsdecode(self._relative_paths[index])
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(the file's encoded bytes, its class, its path for messages): what the batch loader decodes."""
         path = self.path(index)
         try:
             data = path.read_bytes()
         except OSError as error:
             raise DataError(f"{path}: cannot read image file ({error.strerror or error})") from None
-        return self.transform(data, str(path)), int(self.targets[index])
+        return data, int(self.targets[index]), str(path)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        data, label, source = self.read(index)
+        return self.transform(data, source), label

@@ -1,41 +1,45 @@
-"""ImageNet loading shared by both layouts (TFRecord shards, JPEG folder tree): decoding,
-the seed's preprocessing, sharded sampling and the DataLoader.
+"""ImageNet loading shared by both layouts (TFRecord shards, JPEG folder tree): the seed's
+preprocessing, sharded sampling, and a DataLoader whose workers fill whole batches.
 
 Batches are (uint8 [N, H, W, 3], int64 [N]): 8-bit I/O is the default transfer, and the device
 normalises (cnns.data.augment.normalise), as the seed's --eight-bit-io does.
 
-Decoding uses torchvision.io (libjpeg-turbo) on the whole file, then torchvision transforms v2 on
-the uint8 tensor. PIL with JPEG draft mode (DCT-domain downscaling) was measured against it, one
-core, synthetic photo-like JPEGs (q90), ms per image for the training / evaluation transform at
-224 px: 500x375 (typical ImageNet) torchvision 0.95 / 0.96, PIL draft 1.28 / 1.81; 800x600
-2.15 / 2.33 vs 2.48 / 2.47; 1600x1200 7.96 / 8.35 vs 6.92 / 6.80. Draft mode only pays off for
-large photos, which are rare in ImageNet, so torchvision is used.
+A worker is given the keys of a whole batch (`ImageBatchDataset`): it allocates the batch in shared
+memory, and for each image reads the encoded bytes, draws the crop from the header's size and has the
+run's decoder (`cnns.data.decoding`) write the crop's pixels straight into the batch's row. The main
+process receives only the shared-memory handle: no per-sample tensors, no collate copy, no pickled
+pixels. With decoding on the GPU the workers send the encoded JPEGs and their crops instead, and the
+main process decodes the batch there (`cnns.data.decoding.DeviceBatch`).
 
-Randomness: each training sample is augmented under torch's CPU RNG seeded from (seed, epoch,
-sample index), so the augmentation of an epoch is the same whatever the worker count or the
+Randomness: each training sample's crop and flip are drawn by a numpy generator seeded from (seed,
+epoch, sample index), so the augmentation of an epoch is the same whatever the worker count or the
 rank, and a run resumed mid-epoch repeats it exactly; the shuffle is a function of (seed, epoch).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as F
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cnns.data.batches import ShardPlan, mix_seed
-from cnns.data.imagefolder import ImageFolderDataset, decode_rgb, find_split_folder, list_classes
+from cnns.data.decoding import Crop, DeviceBatch, ImageDecoder, device_jpeg_size, stored_orientation
+from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
 from cnns.errors import CnnsError, ConfigError, DataError
 
-# The seed's training crop (sample_distorted_bounding_box without boxes): area and aspect ranges.
+# The seed's training crop (sample_distorted_bounding_box without boxes), as torchvision's
+# RandomResizedCrop draws it: area and aspect ranges, and the tries before the centre-crop fallback.
 CROP_AREA = (0.05, 1.0)
 CROP_ASPECT = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+# Labels the crop's random stream apart from the other streams of (seed, epoch, index).
+_CROP_STREAM = 0xC409
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,75 +52,104 @@ def evaluation_resize(image_size: int) -> int:
     return int(image_size * 256 / 224)
 
 
-class ChannelsLastRandomResizedCrop(v2.RandomResizedCrop):
-    """v2.RandomResizedCrop (same crop sampling, same pixels) that resizes in channels-last memory.
+def training_crop(height: int, width: int, rng: np.random.Generator) -> Crop:
+    """torchvision's RandomResizedCrop(scale=CROP_AREA, ratio=CROP_ASPECT).get_params, drawn from `rng`:
+    up to CROP_TRIES draws of an area (uniform) and an aspect (log-uniform) whose rounded box fits, placed
+    uniformly; else the centre crop of the whole image clamped to the aspect range. Then a horizontal
+    flip with probability 1/2."""
+    area = height * width
+    log_aspect = (math.log(CROP_ASPECT[0]), math.log(CROP_ASPECT[1]))
+    for _ in range(CROP_TRIES):
+        target_area = area * rng.uniform(*CROP_AREA)
+        aspect = math.exp(rng.uniform(*log_aspect))
+        box_width = int(round(math.sqrt(target_area * aspect)))
+        box_height = int(round(math.sqrt(target_area / aspect)))
+        if 0 < box_width <= width and 0 < box_height <= height:
+            top = int(rng.integers(0, height - box_height + 1))
+            left = int(rng.integers(0, width - box_width + 1))
+            return Crop((top, left, box_height, box_width), flip=bool(rng.random() < 0.5))
+    ratio = width / height
+    if ratio < CROP_ASPECT[0]:
+        box_width, box_height = width, int(round(width / CROP_ASPECT[0]))
+    elif ratio > CROP_ASPECT[1]:
+        box_height, box_width = height, int(round(height * CROP_ASPECT[1]))
+    else:
+        box_height, box_width = height, width
+    top, left = (height - box_height) // 2, (width - box_width) // 2
+    return Crop((top, left, box_height, box_width), flip=bool(rng.random() < 0.5))
 
-    A decoded JPEG is HWC in memory and torchvision's uint8 antialiased resize works channels-last;
-    the stock transform hands it a cropped view, which torchvision first copies to CHW, and the
-    kernel converts back and forth. Making the crop channels-last contiguous instead keeps the
-    output HWC in memory too, so the final HWC tensor needs no copy: ~0.13 ms less per 224 px
-    training image (of ~0.9 ms, decoding included), measured on one core."""
 
-    def transform(self, inpt: torch.Tensor, params: dict) -> torch.Tensor:
-        top, left, height, width = (params[key] for key in ("top", "left", "height", "width"))
-        crop = inpt[..., top:top + height, left:left + width]
-        crop = crop.unsqueeze(0).contiguous(memory_format=torch.channels_last)
-        return F.resize(crop, self.size, interpolation=self.interpolation, antialias=self.antialias)[0]
-
-
-def training_transform(image_size: int) -> v2.Compose:
-    """Random resized crop (area 5-100 %, aspect 3/4-4/3) and a horizontal flip, uint8 [3, H, W] in
-    and [3, image_size, image_size] out. Draws from torch's global RNG."""
-    return v2.Compose([
-        ChannelsLastRandomResizedCrop(image_size, scale=CROP_AREA, ratio=CROP_ASPECT, antialias=True),
-        v2.RandomHorizontalFlip(),
-    ])
+def evaluation_crop(height: int, width: int, image_size: int) -> Crop:
+    """The box, in source pixels, that "resize the short side to evaluation_resize(image_size), then crop
+    the centre image_size square" keeps (torchvision's Resize and CenterCrop rounding): fractional where
+    the resize is not by a whole factor."""
+    short = evaluation_resize(image_size)
+    if width <= height:
+        resized_width, resized_height = short, int(short * height / width)
+    else:
+        resized_height, resized_width = short, int(short * width / height)
+    top = int(round((resized_height - image_size) / 2.0))
+    left = int(round((resized_width - image_size) / 2.0))
+    scale_y, scale_x = height / resized_height, width / resized_width
+    return Crop((top * scale_y, left * scale_x, image_size * scale_y, image_size * scale_x), whole_first=True)
 
 
-def evaluation_transform(image_size: int) -> v2.Compose:
-    """Resize the short side to image_size * 256/224, then crop the centre image_size square."""
+def evaluation_transform(image_size: int):
+    """Resize the short side to image_size * 256/224, then crop the centre image_size square: the
+    evaluation preprocessing on a decoded uint8 [3, H, W] image (for `cnns predict`)."""
+    from torchvision.transforms import v2
+
     return v2.Compose([
         v2.Resize(evaluation_resize(image_size), antialias=True),
         v2.CenterCrop(image_size),
     ])
 
 
+SampleKey = tuple[int, int] | int  # training: (dataset index, epoch); evaluation: the dataset index
+
+
 class ImageNetTransform:
-    """Encoded image bytes -> uint8 [image_size, image_size, 3] (HWC, so batches collate to NHWC).
+    """Encoded image bytes -> uint8 [image_size, image_size, 3] written into a batch row: the training
+    crop (random resized crop and flip, drawn from the sample's own generator) or the evaluation crop,
+    decoded by `decoder`. A plain picklable class, so DataLoader workers can receive it."""
 
-    Called by the datasets as transform(data, source), source naming the file for errors. A plain
-    picklable class, so spawned DataLoader workers can receive it."""
-
-    def __init__(self, train: bool, image_size: int, skip_corrupt: bool = False) -> None:
+    def __init__(self, train: bool, image_size: int, seed: int = 0, decoder: ImageDecoder | None = None) -> None:
         self.train = train
         self.image_size = image_size
-        self.augment = training_transform(image_size) if train else evaluation_transform(image_size)
-        self.skip_corrupt = skip_corrupt  # --skip-corrupt-images: an undecodable image becomes None
+        self.seed = seed
+        self.decoder = decoder or ImageDecoder()
 
-    def __call__(self, data: bytes, source: str) -> torch.Tensor | str:
-        try:
-            decoded = decode_rgb(data, source)
-        except DataError:
-            if self.skip_corrupt:
-                return source  # in place of the image: dropped and named by collate_skipping_corrupt
-            raise
-        image = self.augment(decoded)
-        return image.permute(1, 2, 0).contiguous()  # a no-op when the image is HWC in memory
+    def crop(self, height: int, width: int, key: SampleKey) -> Crop:
+        """The crop of this sample for an image of (height, width): a function of (seed, epoch, index)."""
+        if not self.train:
+            return evaluation_crop(height, width, self.image_size)
+        index, epoch = key
+        # One SeedSequence over the same integers mix_seed hashes (a generator of its own per sample).
+        return training_crop(height, width, np.random.default_rng([_CROP_STREAM, self.seed % 2**64, epoch, index]))
+
+    def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor) -> None:
+        """Write the sample's crop into `out` (uint8 [image_size, image_size, 3]); DataError naming
+        `source` when the bytes cannot be decoded."""
+        self.decoder.decode_into(data, source, lambda height, width: self.crop(height, width, key), out)
+
+    def __call__(self, data: bytes, source: str, key: SampleKey = (0, 0)) -> torch.Tensor:
+        """The sample's crop as a new uint8 [image_size, image_size, 3] tensor."""
+        out = torch.empty((self.image_size, self.image_size, 3), dtype=torch.uint8)
+        self.into(data, source, key if self.train else 0, out)
+        return out
 
 
 SKIPPED_NAMES_KEPT = 3  # named in the run's last lines; the rest are counted
 
 
-def collate_skipping_corrupt(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """--skip-corrupt-images: the batch without the images that could not be decoded (the transform
-    gave their names instead), and those names (they travel with the batch, so worker processes can
-    report them)."""
-    kept = [(image, label) for image, label in samples if not isinstance(image, str)]
-    skipped = [image for image, _ in samples if isinstance(image, str)]
-    if not kept:
-        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), skipped
-    images, labels = torch.utils.data.default_collate(kept)
-    return images, labels, skipped
+def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised tensor for a batch. In a DataLoader worker it is made in shared memory from the
+    start, as torch's own collate makes its batches there: sending it to the main process then passes
+    a handle to the memory, not the pixels (``share_memory_()`` on an ordinary tensor would copy it)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +289,7 @@ class TrainingSampler(Sampler[tuple[int, int]]):
     update u over all ranks are positions [u * global, (u + 1) * global) of the epoch's order, as
     for one process with w times the accumulation.
 
-    Yields (dataset index, epoch): SeededSamples seeds each sample's augmentation from them."""
+    Yields (dataset index, epoch): ImageNetTransform seeds each sample's crop from them."""
 
     def __init__(self, indices: Sequence[int], shard: tuple[int, int] = (0, 1), seed: int = 0, *,
                  batch_size: int = 1, global_batch_size: int | None = None) -> None:
@@ -287,27 +320,134 @@ class TrainingSampler(Sampler[tuple[int, int]]):
         return max(0, self.samples_per_epoch - self.start)
 
 
-class SeededSamples(Dataset):
-    """dataset[index] run under torch's CPU RNG seeded from (seed, epoch, index), for keys
-    (index, epoch) from TrainingSampler; the RNG state is restored afterwards, so the caller's
-    stream (the main process when workers=0) is left untouched. Only the CPU generator is
-    reseeded: a forked worker must not touch CUDA."""
+class BatchKeys(Sampler[list]):
+    """The keys of each batch, in order: runs of batch_size keys of a sample sampler (the last run
+    shorter, unless drop_last). set_epoch passes through; its `start` counts samples."""
 
-    def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = seed
+    def __init__(self, samples: TrainingSampler | EvaluationSampler, batch_size: int, drop_last: bool) -> None:
+        self.samples = samples
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.samples.set_epoch(epoch, start)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.samples.samples_per_epoch
+
+    def batches_per_epoch(self) -> int:
+        return self._batches(self.samples_per_epoch)
+
+    def _batches(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[list]:
+        batch: list = []
+        for key in self.samples:
+            batch.append(key)
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return self._batches(len(self.samples))
 
-    def __getitem__(self, key: tuple[int, int]):
-        index, epoch = key
-        saved = torch.get_rng_state()
-        torch.default_generator.manual_seed(mix_seed(self.seed, epoch, index))
-        try:
-            return self.dataset[index]
-        finally:
-            torch.set_rng_state(saved)
+
+ImageRecords = ImageFolderDataset | TFRecordDataset
+
+
+class ImageBatchDataset(Dataset):
+    """dataset[keys] is a whole batch: the samples of `keys` (from BatchKeys) read from `records` and
+    decoded straight into one uint8 [N, S, S, 3] tensor, made in shared memory in a worker.
+
+    Returns (images, labels), with skip_corrupt (images, labels, names of the images that could not be
+    decoded, which are left out: the batch shrinks). With `device_decoding` it returns a DeviceBatch
+    instead, for the main process to decode on that device."""
+
+    def __init__(self, records: ImageRecords, transform: ImageNetTransform, skip_corrupt: bool = False,
+                 device_decoding: torch.device | None = None) -> None:
+        self.records = records
+        self.transform = transform
+        self.skip_corrupt = skip_corrupt
+        self.device_decoding = device_decoding
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, keys: list[SampleKey]) -> tuple | DeviceBatch:
+        if self.device_decoding is not None:
+            return self._for_device(keys)
+        size = self.transform.image_size
+        images = new_batch_tensor((len(keys), size, size, 3))
+        labels = torch.empty(len(keys), dtype=torch.int64)
+        skipped: list[str] = []
+        filled = 0
+        for key in keys:
+            data, label, source = self.records.read(_index(key))
+            try:
+                self.transform.into(data, source, key, images[filled])
+            except DataError:
+                if not self.skip_corrupt:
+                    raise
+                skipped.append(source)
+                continue
+            labels[filled] = label
+            filled += 1
+        batch = (images[:filled], labels[:filled])
+        return (*batch, skipped) if self.skip_corrupt else batch
+
+    def _for_device(self, keys: list[SampleKey]) -> DeviceBatch:
+        """The JPEGs nvJPEG takes go as encoded bytes with their crops; the workers decode the rest."""
+        size = self.transform.image_size
+        device_samples, host_samples, labels = [], [], []
+        for key in keys:
+            data, label, source = self.records.read(_index(key))
+            try:
+                shape = device_jpeg_size(data, source)
+            except DataError:  # a header declaring too many pixels: decode_into names it again
+                shape = None
+            row = len(labels)
+            labels.append(label)
+            if shape is None:
+                host_samples.append((row, data, source, key))
+            else:
+                device_samples.append((row, stored_orientation(data), source, self.transform.crop(*shape, key), shape))
+        host_images = new_batch_tensor((len(host_samples), size, size, 3))
+        host_rows, skipped, dropped = [], [], set()
+        for row, data, source, key in host_samples:
+            try:
+                self.transform.into(data, source, key, host_images[len(host_rows)])
+            except DataError:
+                if not self.skip_corrupt:
+                    raise
+                skipped.append(source)
+                dropped.add(row)
+                continue
+            host_rows.append(row)
+        # Rows renumbered without the dropped ones.
+        renumbered = {row: new for new, row in enumerate(r for r in range(len(labels)) if r not in dropped)}
+        offsets = np.cumsum([0] + [len(data) for _, data, *_ in device_samples]).tolist()
+        encoded = new_batch_tensor((offsets[-1],))
+        buffer = encoded.numpy()
+        for (_, data, *_), begin, end in zip(device_samples, offsets, offsets[1:]):
+            buffer[begin:end] = np.frombuffer(data, dtype=np.uint8)
+        kept_labels = new_batch_tensor((len(renumbered),), torch.int64)
+        kept_labels.copy_(torch.tensor([label for row, label in enumerate(labels) if row not in dropped],
+                                       dtype=torch.int64))
+        return DeviceBatch(
+            labels=kept_labels, encoded=encoded, offsets=offsets,
+            device_rows=[renumbered[row] for row, *_ in device_samples],
+            crops=[crop for *_, crop, _ in device_samples], sizes=[shape for *_, shape in device_samples],
+            sources=[source for _, _, source, *_ in device_samples],
+            host_images=host_images[:len(host_rows)], host_rows=[renumbered[row] for row in host_rows],
+            image_size=size, skipped=skipped)
+
+
+def _index(key: SampleKey) -> int:
+    return key[0] if isinstance(key, tuple) else key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,39 +468,43 @@ def build_imagenet_loader(
     percentage: int = 100,
     global_batch_size: int | None = None,
     skip_corrupt: bool = False,
+    decoder: ImageDecoder | None = None,
+    device_decoding: torch.device | None = None,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
-    The loader yields (uint8 [N, image_size, image_size, 3], int64 [N]) batches. Call
+    The loader yields (uint8 [N, image_size, image_size, 3], int64 [N]) batches (with skip_corrupt,
+    also the names of the images left out; with device_decoding, DeviceBatch). Call
     ``loader.sampler.set_epoch(epoch, start=samples_to_skip)`` before each epoch (training
     reshuffles; evaluation ignores the epoch). num_samples is the size of the split over all
     ranks, after `percentage` (which applies to training only). With drop_last False, evaluation
     yields every image exactly once across the ranks. Training batches follow TrainingSampler:
     whole groups of shard-count x batch_size samples, and with global_batch_size (training only)
     whole global batches per epoch.
+
+    Each worker makes whole batches (ImageBatchDataset): the DataLoader's own batching is off
+    (batch_size=None) and its sampler gives the keys of one batch at a time.
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
-    dataset, num_classes = imagenet_dataset(folder, train, ImageNetTransform(train, image_size, skip_corrupt))
+    records, num_classes = imagenet_dataset(folder, train)
     if train:
-        indices = training_subset(dataset, percentage)
-        sampler: Sampler = TrainingSampler(indices, shard, seed, batch_size=batch_size,
-                                           global_batch_size=global_batch_size)
-        dataset = SeededSamples(dataset, seed)
+        indices = training_subset(records, percentage)
+        samples: TrainingSampler | EvaluationSampler = TrainingSampler(
+            indices, shard, seed, batch_size=batch_size, global_batch_size=global_batch_size)
         num_samples = len(indices)
     else:
-        sampler = EvaluationSampler(len(dataset), shard)
-        num_samples = len(dataset)
+        samples = EvaluationSampler(len(records), shard)
+        num_samples = len(records)
+    transform = ImageNetTransform(train, image_size, seed, decoder)
     loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        ImageBatchDataset(records, transform, skip_corrupt, device_decoding),
+        batch_size=None,
+        sampler=BatchKeys(samples, batch_size, drop_last),
         num_workers=workers,
         pin_memory=pin_memory,
-        drop_last=drop_last,
         # Workers stay up between epochs: restarting them would stall the start of every epoch.
         persistent_workers=workers > 0,
-        collate_fn=collate_skipping_corrupt if skip_corrupt else None,
         # Its own generator for the workers' base seeds, which would otherwise be drawn from (and
         # advance) the caller's global RNG; augmentation itself is seeded per sample.
         generator=torch.Generator().manual_seed(mix_seed(seed, shard[0])),
@@ -386,12 +530,12 @@ def worker_error_as_raised(error: CnnsError) -> CnnsError:
     return kind(lines[-1])
 
 
-def _private_copy(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache holds ordinary copies: a batch from a worker lives in its own shared-memory mapping
-    (kept by the thousand, they would count against the kernel's limit on mappings) and a pinned
-    batch in page-locked memory, which gigabytes of cache should not hold down."""
-    images, labels = batch
-    return images.clone(), labels.clone()
+def _private_copy(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache holds ordinary host copies: a batch from a worker lives in its own shared-memory
+    mapping (kept by the thousand, they would count against the kernel's limit on mappings), a pinned
+    batch in page-locked memory, which gigabytes of cache should not hold down, and a batch decoded on
+    the GPU in the GPU's memory, which the model needs."""
+    return images.to("cpu", copy=True), labels.to("cpu", copy=True)
 
 
 def physical_memory_bytes() -> int:
@@ -424,12 +568,16 @@ class ImageNetBatches:
     def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
                  pin_memory: bool = False, cache: bool = False, global_batch_size: int | None = None,
-                 skip_corrupt: bool = False) -> None:
+                 skip_corrupt: bool = False, decoder: ImageDecoder | None = None,
+                 device_decoding: torch.device | None = None) -> None:
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
-            global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt)
+            global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt,
+            decoder=decoder, device_decoding=device_decoding)
+        self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
+        self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)
         # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none), and the
         # first few of them by name.
         self.skipped_images = 0
@@ -439,16 +587,13 @@ class ImageNetBatches:
             whole = global_batch_size or batch_size * shard[1]
             raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one global "
                             f"batch of {whole} ({shard[1]} ranks x {whole // shard[1]})")
-        cache_bytes = self.loader.sampler.samples_per_epoch * image_size * image_size * 3
+        cache_bytes = self.keys.samples_per_epoch * image_size * image_size * 3
         self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         """Batches in a whole epoch on this rank (also while an epoch resumed mid-way is running)."""
-        samples = self.loader.sampler.samples_per_epoch
-        if self.loader.drop_last:
-            return samples // self.batch_size
-        return -(-samples // self.batch_size)
+        return self.keys.batches_per_epoch()
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if start_batch < 0:
@@ -457,27 +602,36 @@ class ImageNetBatches:
             yield from self._cached[start_batch:]
             return
         keep = [] if self.caching and start_batch == 0 else None
-        self.loader.sampler.set_epoch(epoch, start=start_batch * self.batch_size)
+        self.keys.set_epoch(epoch, start=start_batch * self.batch_size)
         try:
             batches = iter(self.loader)
             while True:
                 try:
-                    batch = next(batches)
+                    images, labels, skipped = self._finished(next(batches))
                 except StopIteration:
                     break
                 except CnnsError as error:  # a bad file met in a worker process: one line, as in this one
                     raise worker_error_as_raised(error) from None
-                if self.skip_corrupt:
-                    *batch, skipped = batch
-                    self.skipped_images += len(skipped)
-                    self.skipped_names += [name for name in skipped if name not in self.skipped_names][
-                        :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]
-                    if len(batch[1]) == 0:
-                        continue  # every image of this batch was corrupt
+                self._count_skipped(skipped)
+                if len(labels) == 0:
+                    continue  # every image of this batch was corrupt (--skip-corrupt-images)
                 if keep is not None:
-                    keep.append(_private_copy(batch))
-                yield batch
+                    keep.append(_private_copy(images, labels))
+                yield images, labels
         finally:
-            self.loader.sampler.set_epoch(epoch, start=0)
+            self.keys.set_epoch(epoch, start=0)
         if keep is not None:  # only a pass that ran to the end is complete
             self._cached = keep
+
+    def _finished(self, batch: tuple | DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """(images, labels, names of the images dropped) from what a worker made."""
+        if isinstance(batch, DeviceBatch):
+            return batch.finish(self.device_decoding, self.skip_corrupt)
+        if self.skip_corrupt:
+            return batch
+        return (*batch, [])
+
+    def _count_skipped(self, skipped: list[str]) -> None:
+        self.skipped_images += len(skipped)
+        self.skipped_names += [name for name in skipped if name not in self.skipped_names][
+            :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]

@@ -64,6 +64,7 @@ class DataSources:
     num_classes: int  # the model's outputs (cfg.num_classes): every label lies below it
     train: BatchSource
     eval: BatchSource | None
+    decoding: str | None = None  # how ImageNet's files are decoded, a line for the run's header
 
 
 def resolve_dataset(cfg: DataConfig) -> tuple[str, Path | None]:
@@ -142,7 +143,7 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
         return DataSources(dataset, num_classes, train, evaluation)
     if dataset == "imagenet":
         return _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
-                                 global_batch_size, pin_memory=device.type == "cuda")
+                                 global_batch_size, device)
     return _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
                           global_batch_size)
 
@@ -174,19 +175,21 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
 
 
 def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shard, need_eval, need_train,
-                      global_batch_size, pin_memory: bool):
-    """Pinned host memory only for a run on a GPU: pinning costs host memory and time for nothing on a CPU."""
+                      global_batch_size, device: torch.device):
+    """Pinned host memory only for a run on a GPU: pinning costs host memory and time for nothing on a CPU.
+    The decoder and where it runs (--decode-device) are chosen once, for both splits."""
+    from cnns.data.decoding import ImageDecoder, choose_decode_device, decoding_header
     from cnns.data.imagenet import ImageNetBatches
 
-    image_size = cfg.image_size or 224
+    choice = choose_decode_device(cfg.decode_device, device)
+    decoder = ImageDecoder()
+    common = dict(image_size=cfg.image_size or 224, workers=cfg.workers, seed=seed, shard=shard,
+                  skip_corrupt=cfg.skip_corrupt, pin_memory=device.type == "cuda", decoder=decoder,
+                  device_decoding=device if choice.device == "cuda" else None)
     train = evaluation = None
     if need_train:
-        train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, image_size=image_size,
-                                workers=cfg.workers, seed=seed, shard=shard, percentage=cfg.percentage,
-                                global_batch_size=global_batch_size, skip_corrupt=cfg.skip_corrupt,
-                                pin_memory=pin_memory)
+        train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, percentage=cfg.percentage,
+                                global_batch_size=global_batch_size, **common)
     if need_eval:
-        evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, image_size=image_size,
-                                     workers=cfg.workers, seed=seed, shard=shard, cache=cfg.cache,
-                                     skip_corrupt=cfg.skip_corrupt, pin_memory=pin_memory)
-    return DataSources("imagenet", cfg.num_classes, train, evaluation)
+        evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, cache=cfg.cache, **common)
+    return DataSources("imagenet", cfg.num_classes, train, evaluation, decoding_header(choice, decoder, device))

@@ -344,7 +344,8 @@ class TFRecordDataset(Dataset):
 
     item i -> (transform(encoded image bytes, source), class) where class is 0-based and
     source names the file and byte offset (for error messages). The default transform decodes
-    to a uint8 [3, H, W] tensor; imagenet.py passes one that also crops and flips.
+    to a uint8 [3, H, W] tensor; `read(i)` gives the encoded image undecoded, which imagenet.py's
+    batch loader decodes straight into its batch.
 
     The shards are indexed once (headers only, in parallel threads since it is I/O-bound) and the
     index is cached per file, so a second dataset over the same files costs nothing.
@@ -364,10 +365,16 @@ class TFRecordDataset(Dataset):
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(the record's encoded image, its 0-based class, where it is for messages): what the batch
+        loader decodes."""
         path = self.shards[self.shard_ids[index]]
         offset = int(self.offsets[index])
         source = f"{path} (record at byte offset {offset})"
         record = read_record(path, offset, int(self.lengths[index]))
         encoded, label = parse_imagenet_example(record, source)
+        return encoded, label, source
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        encoded, label, source = self.read(index)
         return self.transform(encoded, source), label

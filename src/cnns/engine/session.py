@@ -38,6 +38,8 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
               f" x accumulation {t.grad_accum} x replicas {cfg.parallel.replicas})")
     log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.optimiser})")
     log.print(f"Total Parameters:{c.total_parameters or count_parameters(model)}")
+    if c.sources.decoding:
+        log.print(c.sources.decoding)
     if c.stage is not None:  # what this process holds of the model (each stage's log with --log-all-instances)
         names = c.stage.stage_parameter_names
         log.print(f" Pipeline stage {c.world.stage + 1} of {c.world.shards}: {count_parameters(c.stage.module.model)} "
@@ -84,6 +86,8 @@ class TrainingSession:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
             for note in notes:  # what could not be carried over
                 log.notice(note)
+            for line in log.continue_after(start_iteration):  # rows logged past the checkpoint, set apart
+                log.notice(line)
         print_startup(log, cfg, c.plain_model, c)
         for line in self.initial.notes if starts_from_weights else []:
             log.print(line)

@@ -1,0 +1,389 @@
+"""Encoded image bytes -> the pixels of one crop, written straight into a row of a uint8 NHWC batch.
+
+One decoder serves a run, chosen once and named in the run's header:
+
+- The native decoder (`cnns.kernels.jpeg`, libjpeg-turbo), where it is built: the crop is drawn from the
+  header's size, then only the crop's region of the JPEG is decoded (partial decoding, DCT-domain scaling
+  where the crop is at least twice the output), resized and flipped, in one call into the batch row.
+  Grey and YCbCr JPEGs; the others fall through to
+- TorchCodec: the whole image decoded, then the crop cut and resized by torch's antialiased bilinear
+  resize. CMYK / YCCK JPEGs, PNG, GIF and WebP whatever the file's extension, a JPEG the native decoder
+  refuses, and every image where the native decoder is not built. PIL reads the formats TorchCodec does
+  not (`cnns.data.imagefolder.decode_rgb`).
+- On a CUDA run (--decode-device), the workers only read the files and draw the crops; the main process
+  decodes each batch's JPEGs at once with nvJPEG (TorchCodec's ``decode_jpeg(list, device=...)``) and
+  crops and resizes them on the GPU (`DeviceBatch.finish`). Files nvJPEG does not take are decoded by
+  the workers as above and travel as pixels.
+
+Orientation: the pixels are the file's stored ones. TorchCodec applies a JPEG's EXIF orientation and
+libjpeg-turbo does not, so the EXIF segment is hidden from TorchCodec (`stored_orientation`): every path
+then agrees with the header's size, with torchvision's and TensorFlow's decoders (which ignore EXIF), and
+so with the way ImageNet models have been trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame
+from cnns.errors import ConfigError, DataError
+
+CropBox = tuple[float, float, float, float]  # top, left, height, width, in source pixels
+
+
+@dataclass(frozen=True)
+class Crop:
+    """Which part of the image becomes the output, and whether it is mirrored.
+
+    `box` is resized to the output's size. A decoder that has the whole image in hand cuts the box out
+    first and resizes it (RandomResizedCrop's order) unless `whole_first`, which resizes the whole image
+    by the box's scale and then cuts the box out: "resize the short side, then crop the centre", whose box
+    has fractional edges in source pixels. The native decoder resizes the box, clamped to it, either way
+    (the two differ only where the antialiasing filter reaches over the box's edge)."""
+
+    box: CropBox
+    flip: bool = False
+    whole_first: bool = False
+
+    def fitted(self, height: int, width: int, expected: tuple[int, int]) -> "Crop":
+        """The crop scaled onto an image of (height, width) when the decoder gave another size than the
+        header declared (`expected`): never outside the image, whatever the header said."""
+        if (height, width) == expected:
+            return self
+        sy, sx = height / expected[0], width / expected[1]
+        top, left, box_height, box_width = self.box
+        return replace(self, box=(top * sy, left * sx, box_height * sy, box_width * sx))
+
+
+Placement = Callable[[int, int], Crop]  # (height, width) of the image -> its crop
+
+
+# ----------------------------------------------------------------------------------------------
+# Pixels: the whole image decoded, then cropped and resized with torch
+# ----------------------------------------------------------------------------------------------
+
+
+_EXIF_APP1 = b"\xff\xe1"
+_APP15 = 0xEF  # an application segment no decoder reads
+
+
+def stored_orientation(data: bytes) -> bytes:
+    """JPEG bytes whose EXIF segment (APP1 "Exif") is relabelled as an application segment no decoder
+    reads, so TorchCodec gives the stored pixels as libjpeg-turbo does; other bytes unchanged (the copy is
+    made only when there is such a segment)."""
+    if data[:2] != b"\xff\xd8":
+        return data
+    position = 2
+    while position + 10 <= len(data) and data[position] == 0xFF:
+        marker = data[position + 1]
+        if marker == 0xDA or 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return data  # a frame or the scan: past the header segments
+        length = int.from_bytes(data[position + 2:position + 4], "big")
+        if marker == 0xE1 and data[position + 4:position + 10] == b"Exif\x00\x00":
+            relabelled = bytearray(data)
+            relabelled[position + 1] = _APP15
+            return bytes(relabelled)
+        position += 2 + length
+    return data
+
+
+def decode_whole(data: bytes, source: str) -> torch.Tensor:
+    """Encoded bytes -> uint8 [H, W, 3] (contiguous), in the file's stored orientation. DataError naming
+    `source` when no decoder reads them or the header declares too many pixels."""
+    return decode_rgb(stored_orientation(data), source).permute(1, 2, 0)
+
+
+def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 [h, w, 3] -> uint8 [size[0], size[1], 3]: torch's antialiased bilinear resize (what
+    torchvision's resize runs for tensors). On the CPU its uint8 kernel works in place of channels-last
+    memory; elsewhere (CUDA has no uint8 kernel) it resizes in float32 and rounds."""
+    if tuple(image.shape[:2]) == tuple(size):
+        return image
+    batch = image.permute(2, 0, 1).unsqueeze(0)  # NCHW, channels-last in memory
+    if image.device.type == "cpu" and image.dtype == torch.uint8:
+        batch = batch.contiguous(memory_format=torch.channels_last)
+        resized = F.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)
+    else:
+        resized = F.interpolate(batch.float(), size=size, mode="bilinear", antialias=True, align_corners=False)
+        resized = resized.round_().clamp_(0, 255).to(torch.uint8)
+    return resized[0].permute(1, 2, 0)
+
+
+def resize_crop_into(image: torch.Tensor, crop: Crop, out: torch.Tensor) -> None:
+    """Write `crop` of the uint8 [H, W, 3] `image`, resized to out's [h, w, 3] and mirrored if asked, into
+    `out` (on image's device)."""
+    height, width = image.shape[:2]
+    out_size = (out.shape[0], out.shape[1])
+    top, left, box_height, box_width = crop.box
+    if crop.whole_first:
+        scale_y, scale_x = out_size[0] / box_height, out_size[1] / box_width
+        whole = _resize(image, (max(1, round(height * scale_y)), max(1, round(width * scale_x))))
+        row, column = round(top * scale_y), round(left * scale_x)
+        resized = whole[row:row + out_size[0], column:column + out_size[1]]
+    else:
+        row, column = min(height - 1, int(top)), min(width - 1, int(left))
+        region = image[row:max(row + 1, round(top + box_height)), column:max(column + 1, round(left + box_width))]
+        resized = _resize(region, out_size)
+    if tuple(resized.shape[:2]) != out_size:  # a box reaching past a lying header's image: fill what is there
+        resized = _resize(resized, out_size)
+    out.copy_(resized.flip(1) if crop.flip else resized)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder of a run
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def native_jpeg() -> ModuleType | None:
+    """`cnns.kernels.jpeg` where it is built and usable here, else None."""
+    try:
+        from cnns.kernels import jpeg
+    except ImportError:
+        return None
+    return jpeg if jpeg.available() else None
+
+
+WHOLE_IMAGE_NAME = "TorchCodec (whole image)"
+NATIVE_NAME = "libjpeg-turbo (region + DCT scaling, cnns native)"
+
+
+class ImageDecoder:
+    """Encoded bytes + where to crop -> pixels in a batch row: the native region decoder for the JPEGs it
+    takes when it is built, the whole image by TorchCodec (PIL for other formats) for the rest.
+
+    Holds no module, only whether to use the native one, so it pickles into DataLoader workers however
+    they are started."""
+
+    def __init__(self, use_native: bool | None = None) -> None:
+        self.use_native = native_jpeg() is not None if use_native is None else use_native
+
+    @property
+    def name(self) -> str:
+        if self.use_native:
+            return f"{NATIVE_NAME}; {WHOLE_IMAGE_NAME} for other files"
+        return f"{WHOLE_IMAGE_NAME}; the native region decoder is not built"
+
+    def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor) -> None:
+        """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3]).
+        DataError naming `source` when the bytes cannot be decoded. `place` may be called twice (a JPEG the
+        native decoder gives up on is decoded whole): it must give the same crop for the same size."""
+        native = native_jpeg() if self.use_native else None
+        if native is not None and data[:2] == b"\xff\xd8":
+            try:
+                height, width, _ = native.header(data)
+                _check_pixels(height, width, source)
+                crop = place(height, width)
+                native.decode_resized_into(data, out, crop.box, crop.flip)
+                return
+            except native.JpegError:  # CMYK / YCCK, or bytes it rejects: TorchCodec or PIL decodes them, or names the fault
+                pass
+        image = decode_whole(data, source)
+        resize_crop_into(image, place(image.shape[0], image.shape[1]), out)
+
+
+def _check_pixels(height: int, width: int, source: str) -> None:
+    if height * width > MAX_IMAGE_PIXELS:
+        raise DataError(f"{source}: cannot decode image (its header declares {width} x {height} pixels, "
+                        f"more than the limit of {MAX_IMAGE_PIXELS}: corrupt, or not a photo)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding on the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def device_jpeg_size(data: bytes, source: str) -> tuple[int, int] | None:
+    """(height, width) of a JPEG nvJPEG decodes (grey or three components), from its header; None for
+    every other file, which the workers decode themselves."""
+    frame = jpeg_frame(data)
+    if frame is None or frame[2] not in (1, 3) or frame[0] == 0 or frame[1] == 0:
+        return None
+    _check_pixels(frame[1], frame[0], source)
+    return frame[1], frame[0]
+
+
+@dataclass
+class DeviceBatch:
+    """A batch as the workers leave it for decoding on the device: the encoded JPEGs one after another
+    in one tensor (shared memory, like the pixels of a CPU batch) with their crops, and the rows the
+    workers decoded themselves (files nvJPEG does not take) as pixels."""
+
+    labels: torch.Tensor  # int64 [B]
+    encoded: torch.Tensor  # uint8 [total bytes]: the JPEGs for the device, one after another
+    offsets: list[int]  # JPEG i is encoded[offsets[i]:offsets[i + 1]]
+    device_rows: list[int]  # the batch row each JPEG fills
+    crops: list[Crop]
+    sizes: list[tuple[int, int]]  # (height, width) each header declared
+    sources: list[str]  # each JPEG's file, for messages
+    host_images: torch.Tensor  # uint8 [m, H, W, 3]: the rows the workers decoded
+    host_rows: list[int]
+    image_size: int
+    skipped: list[str] = field(default_factory=list)  # --skip-corrupt-images: dropped by the workers
+
+    def pin_memory(self) -> "DeviceBatch":
+        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked copies, so the copies
+        to the device run asynchronously."""
+        return replace(self, labels=self.labels.pin_memory(), encoded=self.encoded.pin_memory(),
+                       host_images=self.host_images.pin_memory())
+
+    def finish(self, device: torch.device, skip_corrupt: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """(uint8 [B', H, W, 3] images on `device`, int64 labels on `device`, names of the images dropped):
+        the JPEGs decoded at once by nvJPEG (TorchCodec), each crop resized on the device into its row. A
+        JPEG the batched call cannot decode is retried alone, then decoded on the host; one that nothing
+        decodes is a DataError, or with `skip_corrupt` dropped (the batch shrinks) and named."""
+        rows = len(self.labels)
+        images = torch.empty((rows, self.image_size, self.image_size, 3), dtype=torch.uint8, device=device)
+        if self.host_rows:
+            images[torch.tensor(self.host_rows, device=device)] = self.host_images.to(device, non_blocking=True)
+        encoded = [self.encoded[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.device_rows))]
+        failed = decode_crops_on_device(encoded, self.crops, self.sizes, [images[row] for row in self.device_rows],
+                                        device)
+        skipped = list(self.skipped)
+        dropped = []
+        for i in failed:
+            try:
+                image = decode_whole(bytes(encoded[i].cpu().numpy()), self.sources[i])
+            except DataError:
+                if not skip_corrupt:
+                    raise
+                skipped.append(self.sources[i])
+                dropped.append(self.device_rows[i])
+                continue
+            resize_crop_into(image.to(device), self.crops[i].fitted(*image.shape[:2], self.sizes[i]),
+                             images[self.device_rows[i]])
+        labels = self.labels.to(device, non_blocking=True)
+        if dropped:
+            keep = torch.tensor(sorted(set(range(rows)) - set(dropped)), device=device)
+            images, labels = images[keep], labels[keep]
+        return images, labels, skipped
+
+
+def decode_crops_on_device(encoded: Sequence[torch.Tensor], crops: Sequence[Crop], sizes: Sequence[tuple[int, int]],
+                           outs: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """Decode the JPEGs (1-D uint8 host tensors) on `device` in one TorchCodec call, and write each crop,
+    resized, into its `outs` row there. Returns the positions of the JPEGs it could not decode (the
+    batched call fails as a whole on one bad file, so then each is tried alone). Written for CUDA (nvJPEG);
+    TorchCodec decodes on the CPU through the same call, which is how it is tested without a GPU."""
+    from torchcodec.decoders import decode_jpeg
+
+    if not encoded:
+        return []
+    try:
+        decoded: list[torch.Tensor | None] = list(decode_jpeg(list(encoded), mode="RGB", device=device))
+    except (RuntimeError, ValueError):
+        decoded = []
+        for data in encoded:
+            try:
+                decoded.append(decode_jpeg(data, mode="RGB", device=device))
+            except (RuntimeError, ValueError):
+                decoded.append(None)
+    failed = []
+    for i, (image, crop, size, out) in enumerate(zip(decoded, crops, sizes, outs)):
+        if image is None:
+            failed.append(i)
+            continue
+        image = image.permute(1, 2, 0)
+        resize_crop_into(image, crop.fitted(image.shape[0], image.shape[1], size), out)
+    return failed
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU or GPU: the choice
+# ----------------------------------------------------------------------------------------------
+
+DECODE_DEVICES = ("auto", "cpu", "cuda")
+
+# --decode-device auto decodes on the GPU when each GPU of the node has fewer CPU cores than this: a fast
+# GPU's training step (ResNet-50 on an H100) takes images faster than that many workers decode them with
+# the native region decoder, while nvJPEG on the GPU keeps up for a few percent of the step's time.
+CPU_CORES_TO_FEED_A_GPU = 8
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    device: str  # "cpu" (the workers decode) or "cuda" (the main process decodes on the run's GPU)
+    reason: str  # why, for the header line
+
+
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a batch system's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def local_gpu_processes() -> int:
+    """Training processes on this node, one GPU each (torchrun's LOCAL_WORLD_SIZE; 1 for a plain run)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def cuda_decoding_problem(device: torch.device) -> str | None:
+    """Why TorchCodec cannot decode JPEGs on `device` here (no CUDA build, no nvJPEG, ...), or None: a tiny
+    JPEG is decoded there."""
+    import io
+
+    from PIL import Image
+    from torchcodec.decoders import decode_jpeg
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 160, 30)).save(buffer, "JPEG")
+    try:
+        decode_jpeg(buffer.getvalue(), device=device)
+    except Exception as error:  # noqa: BLE001 - any failure means "not here", said in one line
+        return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    return None
+
+
+def choose_decode_device(requested: str, device: torch.device, *, cores: int | None = None,
+                         gpus: int | None = None,
+                         problem: Callable[[torch.device], str | None] = cuda_decoding_problem) -> DecodeChoice:
+    """Where the run's images are decoded, for --decode-device `requested` on a run on `device`.
+
+    "cpu": the workers decode. "cuda": the main process decodes on the run's GPU (ConfigError when the run
+    is not on one, or TorchCodec cannot decode there). "auto": the GPU when the run is on CUDA, TorchCodec
+    decodes there, and the node has fewer than CPU_CORES_TO_FEED_A_GPU cores per GPU (`cores` usable by
+    this process / `gpus` training processes on the node); the CPU otherwise."""
+    if requested not in DECODE_DEVICES:
+        raise ConfigError(f"--decode-device must be one of {', '.join(DECODE_DEVICES)}, got {requested!r}")
+    if requested == "cpu":
+        return DecodeChoice("cpu", "--decode-device cpu")
+    if device.type != "cuda":
+        if requested == "cuda":
+            raise ConfigError(f"--decode-device cuda needs a run on a CUDA GPU; this run is on {device}")
+        return DecodeChoice("cpu", f"--decode-device auto: the run is on {device.type}")
+    cores = usable_cpu_cores() if cores is None else cores
+    gpus = local_gpu_processes() if gpus is None else gpus
+    per_gpu = cores / gpus
+    if requested == "auto" and per_gpu >= CPU_CORES_TO_FEED_A_GPU:
+        return DecodeChoice("cpu", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, at least "
+                                   f"{CPU_CORES_TO_FEED_A_GPU}")
+    reason = problem(device)
+    if reason is not None:
+        if requested == "cuda":
+            raise ConfigError(f"--decode-device cuda: TorchCodec cannot decode JPEGs on {device} here ({reason})")
+        return DecodeChoice("cpu", f"--decode-device auto: TorchCodec cannot decode on {device} here ({reason})")
+    if requested == "cuda":
+        return DecodeChoice("cuda", "--decode-device cuda")
+    return DecodeChoice("cuda", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, fewer than "
+                                f"{CPU_CORES_TO_FEED_A_GPU}")
+
+
+def decoding_header(choice: DecodeChoice, decoder: ImageDecoder, device: torch.device) -> str:
+    """The run's header line saying how its images are decoded."""
+    if choice.device == "cuda":
+        return (f"Images decoded on {device} by nvJPEG (TorchCodec, whole images in batches), cropped and resized "
+                f"there; files nvJPEG does not take by {decoder.name} in the workers ({choice.reason})")
+    return f"Images decoded by {decoder.name} ({choice.reason})"
