@@ -8,7 +8,7 @@ invocation and alternating with it round by round, torchvision's usual loader on
 hands over) in a DataLoader with as many workers, and print the ratio; and it can write a synthetic
 ImageNet-like JPEG tree to measure on (--make-jpeg-tree).
 
-On ImageNet files it first prints the account of one image's time (ImageAccount). The stages a
+On ImageNet files it then prints the account of one image's time (ImageAccount). The stages a
 worker runs for each image are timed in this process, one thread, over the same files: read (the
 file's bytes, or the TFRecord record's image bytes), header + crop draw, decode, crop + resize and
 flip; with the native decoder the last three are its own clocks inside the one call that writes
@@ -21,6 +21,10 @@ timed inside one image's step, so they come from the real loader's delivered rat
   sampling, the batch buffers, labels, the hand-over, but no other process) - the in-process step;
 * across to the main process = per-image time of the loader with 1 worker - with 0 workers (the
   batch leaving the worker and arriving in the main process).
+
+The two loaders are measured alternately, --rounds times each, and their medians taken, so that the
+machine's drift moves both terms of the difference alike; on a shared machine a difference can still
+come out below zero, and is printed as measured.
 
 Run it under `taskset -c N` (one core) so that the main process's share of the one-worker run is
 paid on the worker's core, as it is when every core has a worker; with a free core beside the
@@ -236,10 +240,12 @@ def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Com
     return comparisons
 
 
-def compare_rounds(ours: list[Measurement], theirs: list[Measurement] | None) -> Comparison:
-    def middle(measurements: list[Measurement]) -> Measurement:
-        return sorted(measurements, key=lambda m: m.images_per_second)[(len(measurements) - 1) // 2]
+def middle(measurements: list[Measurement]) -> Measurement:
+    """The median measurement by images/s (the lower of the middle two)."""
+    return sorted(measurements, key=lambda m: m.images_per_second)[(len(measurements) - 1) // 2]
 
+
+def compare_rounds(ours: list[Measurement], theirs: list[Measurement] | None) -> Comparison:
     if not theirs:
         return Comparison(middle(ours), None, None)
     ratios = [a.images_per_second / b.images_per_second for a, b in zip(ours, theirs) if b.images_per_second > 0]
@@ -442,10 +448,18 @@ class ImageAccount:
         return rows
 
 
-def measure_account(plan: BenchPlan, images: int, one_worker: Measurement | None,
-                    baseline: Measurement | None) -> ImageAccount:
-    """The account on the plan's files: `one_worker` / `baseline` are reused when the comparison already
-    measured one worker, else the loader is measured here."""
+def loader_with_and_without_a_worker(plan: BenchPlan) -> tuple[Measurement, Measurement]:
+    """The loader with 0 and with 1 worker, `plan.rounds` times each, alternating, and the median of each:
+    their difference is a row of the account, so they are measured side by side in time."""
+    runs: dict[int, list[Measurement]] = {0: [], 1: []}
+    for round_index in range(plan.rounds):
+        for workers in (0, 1) if round_index % 2 == 0 else (1, 0):
+            runs[workers].append(measure(plan, "cnns", workers))
+    return middle(runs[0]), middle(runs[1])
+
+
+def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) -> ImageAccount:
+    """The account on the plan's files; `baseline` is torchvision's loader with 1 worker, when measured."""
     from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
 
     dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
@@ -454,8 +468,7 @@ def measure_account(plan: BenchPlan, images: int, one_worker: Measurement | None
     stages = time_stages(dataset, indices, transform)
     decoder = transform.decoder.name
     decode_only, decode_only_decoder = time_whole_decoding(dataset, indices)
-    no_workers = measure(plan, "cnns", 0)
-    one_worker = one_worker or measure(plan, "cnns", 1)
+    no_workers, one_worker = loader_with_and_without_a_worker(plan)
     return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, decoder, stages, no_workers,
                         one_worker, decode_only, decode_only_decoder, baseline, len(os.sched_getaffinity(0)))
 
@@ -583,12 +596,9 @@ def account_record(account: ImageAccount) -> dict[str, Any]:
             "baseline_images_per_second": account.baseline.images_per_second if account.baseline else None}
 
 
-def one_worker_measurements(comparisons: list[Comparison]) -> tuple[Measurement | None, Measurement | None]:
-    """(cnns, torchvision) with one worker, when the comparison measured them."""
-    for comparison in comparisons:
-        if comparison.cnns.workers == 1:
-            return comparison.cnns, comparison.baseline
-    return None, None
+def one_worker_baseline(comparisons: list[Comparison]) -> Measurement | None:
+    """torchvision's loader with one worker, when the comparison measured it."""
+    return next((c.baseline for c in comparisons if c.cnns.workers == 1), None)
 
 
 def bench_data_command(args: BenchDataRequest) -> int:
@@ -603,10 +613,9 @@ def bench_data_command(args: BenchDataRequest) -> int:
     print(results_table(comparisons))
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
     if args.account and plan.layout in ("tfrecord", "folder"):
-        ours, theirs = one_worker_measurements(comparisons)
         print(f"The account of one image ({args.account_images} images timed stage by stage in this process, then "
-              f"the loader with 0 and 1 worker):")
-        account = measure_account(plan, args.account_images, ours, theirs)
+              f"the loader with 0 and 1 worker, {plan.rounds} rounds):")
+        account = measure_account(plan, args.account_images, one_worker_baseline(comparisons))
         print(account_table(account))
         print(account_summary(account))
         records["account"] = account_record(account)
