@@ -266,10 +266,15 @@ def agree_on_run_folder(cfg: RunConfig, world) -> Path | None:
         return None
 
     def make() -> str:
-        if cfg.log.logs_path:
-            Path(cfg.log.logs_path).mkdir(parents=True, exist_ok=True)
-            return cfg.log.logs_path
-        return str(new_run_folder(cfg.log.log_dir, cfg.log.name))
+        option, target = ("--logs-path", cfg.log.logs_path) if cfg.log.logs_path else ("--log-dir", cfg.log.log_dir)
+        try:
+            if cfg.log.logs_path:
+                Path(cfg.log.logs_path).mkdir(parents=True, exist_ok=True)
+                return cfg.log.logs_path
+            return str(new_run_folder(cfg.log.log_dir, cfg.log.name))
+        except OSError as error:  # what only trying shows (a folder in /proc, say): one line, nothing written
+            made = f" {error.filename}" if error.filename else ""
+            raise ConfigError(f"{option} {target}: cannot create{made}: {error.strerror or error}") from None
 
     return Path(world.agree_on("run_folder", make))
 

@@ -3,9 +3,15 @@ what a run's parallel options mean here. A command that fails one leaves no run 
 
 from __future__ import annotations
 
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
 from cnns.config import RunConfig
 from cnns.devices import default_device_name
-from cnns.errors import ConfigError
+from cnns.errors import ConfigError, DataError
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -56,15 +62,219 @@ def print_split_points(cfg: RunConfig) -> int:
     return 0
 
 
-def check_data_before_writing(cfg: RunConfig) -> None:
-    """Fail on missing data, or data with more classes than the model has outputs, before a run folder
-    is created, so a bad command leaves nothing behind."""
-    from cnns.data.sources import classes_in_data
+def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation: bool | None = None) -> None:
+    """Every data error that can be found cheaply, before a run folder is created, so that a bad command
+    leaves nothing behind: missing data, more classes than the model has outputs, and for the splits the
+    command reads (`train`; `evaluation`, by default when the run validates) that their files are there and
+    readable, that one (global) batch fits in the training set and that the first image decodes.
+
+    Cheap means a start-up on the whole of ImageNet stays quick: the first record of each TFRecord shard,
+    class folders listed only until one batch's worth of images is found, one image decoded per split.
+    A bad record or image further in is still found when training meets it."""
+    from cnns.data.sources import classes_in_data, resolve_dataset
 
     found = classes_in_data(cfg.data)
     if found is not None and found[0] > cfg.model.num_classes:
         raise ConfigError(f"the data in {found[1]} has {found[0]} classes, more than the model's "
                           f"{cfg.model.num_classes} outputs (--num-classes {cfg.model.num_classes})")
+    dataset, folder = resolve_dataset(cfg.data)
+    if folder is None:  # generated or synthetic data
+        return
+    evaluation = cfg.train.validation if evaluation is None else evaluation
+    splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
+    batch = TrainingBatch.of(cfg)
+    if dataset == "imagenet":
+        check_imagenet_files(folder, splits, batch, decode=not cfg.data.skip_corrupt)
+    else:
+        check_cifar_files(folder, "cifar-10" if dataset == "builtin" else dataset, splits, batch)
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """What one training update takes from the training set: the global batch, after --dataset-percentage-to-use
+    has kept its share of the images."""
+
+    size: int
+    description: str  # how the size is made up, for the error message
+    percentage: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> "TrainingBatch":
+        t, replicas = cfg.train, cfg.parallel.replicas
+        parts = [f"micro-batch {t.micro_batch_size}"]
+        if t.grad_accum > 1:
+            parts.append(f"accumulation {t.grad_accum}")
+        if replicas > 1:
+            parts.append(f"replicas {replicas}")
+        description = (f"one batch of {t.global_batch_size}" if len(parts) == 1 else
+                       f"one global batch of {t.global_batch_size} ({' x '.join(parts)})")
+        return cls(t.global_batch_size, description, cfg.data.percentage)
+
+    def kept(self, images: int) -> int:
+        """The images of a class (or a whole set) that --dataset-percentage-to-use keeps: at least one of any."""
+        return images if self.percentage >= 100 or images == 0 else max(1, images * self.percentage // 100)
+
+    def check_fits(self, kept: int, images: int, where: Path) -> None:
+        if kept >= self.size:
+            return
+        share = "" if self.percentage >= 100 else f" ({kept} with --dataset-percentage-to-use {self.percentage})"
+        raise DataError(f"the training set in {where} has {images} images{share}, fewer than {self.description}: "
+                        "give a smaller --micro-batch-size")
+
+
+def check_cifar_files(folder: Path, file_format: str, splits: list[str], batch: TrainingBatch) -> None:
+    """CIFAR binary files are read whole by the CIFAR reader, which checks every file (present, whole records,
+    labels in range); the training set must hold one batch."""
+    from cnns.data.cifar import load_cifar
+
+    for split in splits:
+        _, labels = load_cifar(folder, file_format, train=split == "train")
+        if split == "train":
+            batch.check_fits(batch.kept(len(labels)), len(labels), folder)
+
+
+def check_imagenet_files(folder: Path, splits: list[str], batch: TrainingBatch, decode: bool) -> None:
+    """TFRecord shards or a folder tree of images, whichever the folder holds."""
+    from cnns.data.imagenet import detect_imagenet
+
+    tfrecords = detect_imagenet(folder) == "tfrecord"
+    for split in splits:
+        needed = batch if split == "train" else None
+        first = (check_tfrecord_split(folder, split, needed) if tfrecords else
+                 check_image_folder_split(folder, split, needed))
+        if decode:
+            from cnns.data.imagefolder import decode_rgb
+
+            decode_rgb(*first)
+
+
+_RECORD_HEADER = struct.Struct("<QI")  # a TFRecord's length and the masked CRC32C of those 8 bytes
+_RECORD_FOOTER_BYTES = 4  # the masked CRC32C of the record's data
+
+
+def check_tfrecord_split(folder: Path, split: str, batch: TrainingBatch | None) -> tuple[bytes, str]:
+    """Every shard of the split begins with a whole TFRecord holding an ImageNet tf.train.Example, and the
+    training split holds one batch (shards are indexed, headers only, until it does). Returns the first
+    image's bytes and where they come from."""
+    from cnns.data.tfrecord import find_shards, index_records
+
+    shards = find_shards(folder, split)
+    first = None
+    with ThreadPoolExecutor(max_workers=min(16, len(shards))) as pool:  # I/O-bound: one read per shard
+        for example in pool.map(first_example, shards):  # each image let go once seen: only the first is kept
+            first = first or example
+    if first is None:
+        raise DataError(f"{folder}: every {split} TFRecord shard is empty ({len(shards)} of them: "
+                        f"{shards[0].name} ...)")
+    if batch is not None:
+        needed, records = _images_needed(batch), 0
+        for path in shards:
+            records += len(index_records(path))
+            if records >= needed:
+                break
+        else:
+            batch.check_fits(batch.kept(records), records, folder)
+    return first
+
+
+def first_example(path: Path) -> tuple[bytes, str] | None:
+    """(image bytes, where they come from) of a shard's first record, parsed as an ImageNet tf.train.Example;
+    None for an empty shard."""
+    from cnns.data.tfrecord import parse_imagenet_example
+
+    record = first_record(path)
+    if record is None:
+        return None
+    source = f"{path} (record at byte offset 0)"
+    return parse_imagenet_example(record, source)[0], source
+
+
+def _images_needed(batch: TrainingBatch) -> int:
+    """The fewest images of which the kept share (`TrainingBatch.kept`) holds one batch."""
+    if batch.percentage >= 100 or batch.size <= 1:
+        return batch.size
+    return -(-(batch.size * 100) // batch.percentage)
+
+
+def first_record(path: Path) -> bytes | None:
+    """The data of a TFRecord shard's first record, its framing and both CRCs checked; None for an empty file
+    (a shard with no records, which the reader accepts)."""
+    from cnns.data.tfrecord import masked_crc32c, read_record
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            header = file.read(_RECORD_HEADER.size)
+    except OSError as error:
+        raise DataError(f"{path}: cannot read: {error.strerror or error}") from None
+    if size == 0:
+        return None
+    if len(header) < _RECORD_HEADER.size:
+        raise DataError(f"{path}: not a TFRecord file ({size} bytes, less than a record's "
+                        f"{_RECORD_HEADER.size}-byte header)")
+    length, length_crc = _RECORD_HEADER.unpack(header)
+    if masked_crc32c(header[:8]) != length_crc:
+        raise DataError(f"{path}: not a TFRecord file (the first record's length CRC does not match: "
+                        "another format, or corrupt from its first byte)")
+    if _RECORD_HEADER.size + length + _RECORD_FOOTER_BYTES > size:
+        raise DataError(f"{path}: truncated TFRecord at byte offset 0 (record of {length} bytes runs past the "
+                        f"end of the {size}-byte file)")
+    return read_record(path, 0, length)
+
+
+def check_image_folder_split(folder: Path, split: str, batch: TrainingBatch | None) -> tuple[bytes, str]:
+    """The split's class folders hold images, and the training split one batch of them (class folders are
+    listed until it does). Returns the first image's bytes and its path."""
+    from cnns.data.imagefolder import SPLIT_FOLDERS, find_split_folder, list_classes, list_images
+
+    split_folder = find_split_folder(folder, split)
+    if split_folder is None:
+        names = " or ".join(f"{name}/" for name in SPLIT_FOLDERS[split])
+        raise DataError(f"{folder}: no {names} folder of class sub-folders")
+    classes = list_classes(split_folder)
+    first: Path | None = None
+    images = kept = 0
+    needed = batch.size if batch is not None else 1
+    for name in classes:
+        found = list_images(split_folder / name)
+        first = first or (found[0] if found else None)
+        images += len(found)
+        kept += batch.kept(len(found)) if batch is not None else len(found)
+        if kept >= needed:
+            break
+    if first is None:
+        raise DataError(f"{split_folder}: no image files in its {len(classes)} class folders (expected "
+                        f"{split_folder}/<class>/<image>.JPEG; a flat folder of images must first be sorted into "
+                        "one folder per class)")
+    if batch is not None:
+        batch.check_fits(kept, images, split_folder)
+    try:
+        return first.read_bytes(), str(first)
+    except OSError as error:
+        raise DataError(f"{first}: cannot read: {error.strerror or error}") from None
+
+
+def check_run_folder_place(cfg: RunConfig) -> None:
+    """Where train.py makes its run folder (--log-dir, or --logs-path) is a folder, or can become one, that this
+    process may write in: checked before any process starts or any file is written. (What only trying shows, a
+    folder in /proc say, is one line too: `cnns.runs.agree_on_run_folder`.)"""
+    if cfg.train.compile_only:  # writes nothing
+        return
+    option, target = ("--logs-path", cfg.log.logs_path) if cfg.log.logs_path else ("--log-dir", cfg.log.log_dir)
+    path = Path(target)
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "is a file" if existing == path else f"cannot be made: {existing} is a file"
+        raise ConfigError(f"{option} {target} {where}, not a folder")
+    check_writable(existing, f"{option} {target}")
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """ConfigError unless this process may create files in `folder` (a read-only folder or file system)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: cannot write in {folder} (read-only, or no permission)")
 
 
 def parallel_notices(cfg: RunConfig) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cnns.commands.checks import check_data_before_writing, check_supported
+from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
 from cnns.engine.session import TrainingSession
 from cnns.errors import CheckpointError
@@ -25,7 +25,8 @@ def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
     if cfg.train.seed is None and "seed" in point.state:
         cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
     check_supported(cfg)
-    check_data_before_writing(cfg)
+    check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
+    check_writable(run.path, f"--restore-path {run.path}")
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
     world, cfg, _ = join_run(cfg)

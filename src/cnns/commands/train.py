@@ -8,8 +8,8 @@ started them, this process's place among them, the run folder, and the training 
 
 from __future__ import annotations
 
-from cnns.commands.checks import (check_data_before_writing, check_supported, parallel_notices, print_split_points,
-                                  wants_split_names)
+from cnns.commands.checks import (check_data_before_writing, check_run_folder_place, check_supported, parallel_notices,
+                                  print_split_points, wants_split_names)
 from cnns.config import RunConfig
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.engine.session import TrainingSession
@@ -24,7 +24,8 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
         return print_split_points(cfg)
     check_supported(cfg)
     notices = notices + parallel_notices(cfg)
-    check_data_before_writing(cfg)
+    check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
+    check_run_folder_place(cfg)
     initial = initial_weights(cfg.train.init_path, cfg.model) if cfg.train.init_path else None
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)

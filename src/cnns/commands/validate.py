@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from cnns.commands.checks import check_data_before_writing, check_supported
+from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
 from cnns.engine.components import build_components
 from cnns.engine.evaluate import EvalResult, evaluate
@@ -29,7 +29,10 @@ from cnns.runlog import RunLog, validated_names
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
     check_supported(cfg)
     if restore_path:
-        check_data_before_writing(cfg)
+        check_data_before_writing(cfg, train=False, evaluation=True)
+        folder = Path(restore_path)
+        if folder.exists():  # else a missing folder or file is named where the checkpoints are read
+            check_writable(folder if folder.is_dir() else folder.parent, f"--restore-path {restore_path}")
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
     world, cfg, _ = join_run(cfg)
