@@ -3,12 +3,20 @@
 ``logs/<name>_<3 random chars>/`` holds arguments.json, log.txt (everything printed), training.csv,
 validation.csv and the checkpoints. The printed lines keep the seed's format so existing log parsers
 (and `cnns benchmark`) read them.
+
+training.csv and validation.csv hold each iteration once, in order. A run that stopped without a checkpoint at
+its last logged iteration (killed, or its newest checkpoint unreadable) and is continued from an earlier
+checkpoint logs those iterations again; the rows it had logged past that checkpoint are then moved, before
+the first new one, to ``training.abandoned.csv`` (``validation.abandoned.csv``) beside the file, with a notice
+(`RunLog.continue_after`). They stay readable there; the plots read only the ordered files.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 import random
 import string
 import sys
@@ -16,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping
 
+TRAINING_FILE, VALIDATION_FILE = "training.csv", "validation.csv"
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
                     "train_acc_avg", "it_time", "img_per_sec", "total_time")
 # The seed's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
@@ -130,9 +139,17 @@ class RunLog:
                 writer.writeheader()
             writer.writerow(row)
 
+    def continue_after(self, iteration: int) -> list[str]:
+        """A run continued from its checkpoint at `iteration`: the rows its CSV files hold past it are set apart
+        (`set_apart_rows_after`) so the continued run's rows follow in order. Returns a notice for each file."""
+        if self.folder is None:
+            return []
+        notices = (set_apart_rows_after(self.folder / name, iteration) for name in (TRAINING_FILE, VALIDATION_FILE))
+        return [notice for notice in notices if notice is not None]
+
     def training_step(self, row: dict[str, Any]) -> None:
         self.print(STEP_LINE.format(**row))
-        self._append_csv("training.csv", TRAINING_COLUMNS, row)
+        self._append_csv(TRAINING_FILE, TRAINING_COLUMNS, row)
         if self._tb is not None:
             for key in ("lr", "loss_avg", "train_acc_avg", "img_per_sec"):
                 self._tb.add_scalar(f"train/{key}", row[key], row["iteration"])
@@ -142,7 +159,7 @@ class RunLog:
 
     def validation_result(self, row: dict[str, Any]) -> None:
         self.print(VALIDATION_LINE.format(**row))
-        self._append_csv("validation.csv", VALIDATION_COLUMNS, row)
+        self._append_csv(VALIDATION_FILE, VALIDATION_COLUMNS, row)
         if self._tb is not None:
             self._tb.add_scalar("validation/top1", row["val_acc"], row["iteration"])
         if self._wandb is not None:
@@ -164,8 +181,54 @@ def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "a
 
 def validated_names(folder: Path) -> set[str]:
     """Checkpoint names already in validation.csv (validation.py skips them)."""
-    path = folder / "validation.csv"
+    path = folder / VALIDATION_FILE
     if not path.exists():
         return set()
     with open(path, newline="") as f:
         return {row["name"] for row in csv.DictReader(f) if row.get("name")}
+
+
+def abandoned_file(path: Path) -> Path:
+    """Where the rows a continued run logs again are set apart: training.csv -> training.abandoned.csv."""
+    return path.with_name(f"{path.stem}.abandoned{path.suffix}")
+
+
+def set_apart_rows_after(path: Path, iteration: int) -> str | None:
+    """Move the rows of a run's CSV file whose iteration lies past `iteration` (and a last row cut short by a
+    crash while it was written) to `abandoned_file(path)`, appended after any set apart before. Returns a one-line
+    notice, or None when there is nothing to move (the file is then left as it is).
+
+    The set-apart rows are written first and the file is then replaced whole, so a crash in between can
+    leave a row in both files, never in neither."""
+    if not path.is_file():
+        return None
+    with open(path, newline="") as f:  # lines with their own endings (the csv module ends rows with \r\n)
+        lines = f.readlines()
+    if not lines or "iteration" not in next(csv.reader([lines[0]])):
+        return None
+    column = next(csv.reader([lines[0]])).index("iteration")
+    kept, moved = [lines[0]], []
+    for line in lines[1:]:
+        whole = line.endswith(("\n", "\r"))
+        (kept if whole and not _past(line, column, iteration) else moved).append(line if whole else line + "\n")
+    if not moved:
+        return None
+    aside = abandoned_file(path)
+    header = [] if aside.is_file() and aside.stat().st_size > 0 else [lines[0]]
+    with open(aside, "a", newline="") as f:
+        f.write("".join(header + moved))
+    temporary = path.with_name(f".{path.name}.partial")
+    temporary.write_text("".join(kept), newline="")
+    os.replace(temporary, path)
+    rows = f"{len(moved)} row{'' if len(moved) == 1 else 's'}"
+    return (f"{path.name} held {rows} past iteration {iteration}, the checkpoint this run continues from: "
+            f"moved to {aside.name}, so that {path.name} logs each iteration once")
+
+
+def _past(line: str, column: int, iteration: int) -> bool:
+    """Whether a CSV row's iteration lies past `iteration` (a row without a readable one stays where it is)."""
+    fields = next(csv.reader(io.StringIO(line)), [])
+    try:
+        return int(fields[column]) > iteration
+    except (IndexError, ValueError):
+        return False

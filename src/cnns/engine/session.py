@@ -86,6 +86,8 @@ class TrainingSession:
             log.print(f"Restoring training from latest checkpoint: {restore.path}")
             for note in notes:  # what could not be carried over
                 log.notice(note)
+            for line in log.continue_after(start_iteration):  # rows logged past the checkpoint, set apart
+                log.notice(line)
         print_startup(log, cfg, c.plain_model, c)
         for line in self.initial.notes if starts_from_weights else []:
             log.print(line)
