@@ -86,7 +86,7 @@ def test_every_seed_train_command_line_builds_its_model_on_as_many_devices_as_it
 
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
 def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
-    from cnns.cli.commands import validate_main
+    from cnns.cli.runs import validate_main
 
     assert validate_main(argv + ["--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -95,7 +95,7 @@ def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
 
 @pytest.mark.parametrize("argv", EMBEDDED_LINES, ids=lambda a: " ".join(a)[:80])
 def test_every_seed_inference_embedded_command_line_prints_its_config(argv, capsys):
-    from cnns.cli.commands import infer_main as infer_command
+    from cnns.cli.inference import infer_main as infer_command
 
     assert infer_command(argv + ["--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)

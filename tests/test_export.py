@@ -20,7 +20,7 @@ from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
-from cnns.cli.tools import export_main
+from cnns.cli.inference import export_main
 from cnns.engine.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
                                 max_batch)
 from cnns.engine.restored import FloatClassifier

@@ -391,7 +391,7 @@ def test_a_saved_checkpoint_loads(tmp_path):
 def check_arguments(data: bytes) -> None:
     """read_run_options gives a dict or fails cleanly; a dict it gives then works for restore.py
     (RunConfig.from_options) and validation.py (options resolved again over the run's)."""
-    from cnns.cli.commands import validate_main
+    from cnns.cli.runs import validate_main
     from cnns.config import RunConfig
 
     with tempfile.TemporaryDirectory() as folder:

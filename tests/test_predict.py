@@ -18,7 +18,7 @@ from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
-from cnns.cli.tools import predict_main
+from cnns.cli.inference import predict_main
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 100

@@ -144,7 +144,7 @@ def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(d
     """A 16.16 run's checkpoint with its random-state section as a 2-GPU CUDA run writes it: torch's
     CUDA streams (one Philox state of 16 bytes per GPU) and the stochastic-rounding generator on the GPU."""
     from cnns.checkpoint import load_checkpoint, save_checkpoint
-    from cnns.cli.tools import predict_main
+    from cnns.cli.inference import predict_main
 
     folder = tmp_path / "run"
     train_in_this_process("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",

@@ -178,7 +178,7 @@ VALIDATION_LINES = seed_command_lines("validation.py")
 
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
 def test_weight_avg_py_accepts_graphcores_validation_options_and_prints_its_config(argv, capsys):
-    from cnns.cli.commands import weight_avg_main
+    from cnns.cli.runs import weight_avg_main
 
     assert weight_avg_main(argv + ["--mode", "exponential", "--decay", "0.97", "-N", "3", "--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)

@@ -157,7 +157,7 @@ def test_an_init_path_that_does_not_fit_is_one_line_and_nothing_is_written(five_
 
 
 def predictions(folder: Path, images: Path, capsys) -> list[list[float]]:
-    from cnns.cli.tools import predict_main
+    from cnns.cli.inference import predict_main
 
     assert predict_main(["--restore-path", str(folder), str(images), "--top-k", "10", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -168,7 +168,7 @@ def predictions(folder: Path, images: Path, capsys) -> list[list[float]]:
 def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, digits, tmp_path, capsys):
     import timm
 
-    from cnns.cli.tools import export_main
+    from cnns.cli.inference import export_main
     from cnns.data.augment import normalise
     from cnns.commands.predict import decoded_images, evaluation_transform, image_files
     from cnns.engine.restored import run_config
@@ -205,7 +205,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     import timm
     from safetensors import safe_open
 
-    from cnns.cli.tools import export_main
+    from cnns.cli.inference import export_main
     from cnns.engine.restored import restore_model
 
     run = tmp_path / "run"

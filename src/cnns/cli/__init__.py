@@ -1,9 +1,11 @@
-"""Command line: `cnns <command>` and the seed's root scripts, the top floor of the package.
+"""Command line: `cnns <command>` and Graphcore's root scripts, the top floor of the package.
 
 The only reader of sys.argv, and imported by nothing else in the package. Every command parses its
-command line into plain values (`cnns.cli.parsing.parse_options` for the seed's scripts) and calls
-one entry point below (`cnns.cli.commands`, `cnns.cli.tools`). A `CnnsError` anywhere becomes one
-line on stderr and exit code 2.
+command line into plain values (`cnns.cli.parsing` for Graphcore's options) and calls one entry point,
+grouped by what the commands do: `cnns.cli.runs` (make and read run folders: train, restore, validate,
+weight-avg), `cnns.cli.inference` (use a trained model: infer, predict, export), `cnns.cli.measure`
+(benchmark, profile, bench-data, splits) and `cnns.cli.plot`. A `CnnsError` anywhere becomes one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", 
 
 
 def _dispatch(command: str) -> Callable[[list[str]], int]:
-    from cnns.cli import commands, plot, tools
+    from cnns.cli import inference, measure, plot, runs
 
     return {
-        "train": commands.train_main,
-        "validate": commands.validate_main,
-        "restore": commands.restore_main,
-        "weight-avg": commands.weight_avg_main,
-        "infer": commands.infer_main,
-        "splits": commands.splits_main,
-        "benchmark": tools.benchmark_main,
-        "profile": tools.profile_main,
-        "bench-data": tools.bench_data_main,
-        "predict": tools.predict_main,
-        "export": tools.export_main,
+        "train": runs.train_main,
+        "validate": runs.validate_main,
+        "restore": runs.restore_main,
+        "weight-avg": runs.weight_avg_main,
+        "infer": inference.infer_main,
+        "predict": inference.predict_main,
+        "export": inference.export_main,
+        "benchmark": measure.benchmark_main,
+        "profile": measure.profile_main,
+        "bench-data": measure.bench_data_main,
+        "splits": measure.splits_main,
         "plot": plot.plot_main,
     }[command]
 

@@ -1,7 +1,8 @@
-"""The commands the seed did not have: `cnns predict`, `cnns export`, `cnns benchmark`, `cnns bench-data`.
+"""Commands that measure: `cnns benchmark` (benchmarks.yml against the plain PyTorch loop), `cnns profile`
+(an update's time by operator family), `cnns bench-data` (the input pipeline alone) and `cnns splits` (what
+each pipeline cut costs, and the cuts that balance the stages).
 
-Each declares its options, parses argv into plain values and calls its file of `cnns.commands`
-(predict, export, benchmark).
+Each declares or resolves its options and calls its file of `cnns.commands` (benchmark, splits).
 """
 
 from __future__ import annotations
@@ -10,80 +11,8 @@ import argparse
 import os
 from typing import Any
 
-from cnns.cli.parsing import device_defaults, parse_options
+from cnns.cli.parsing import device_defaults, parse_options, resolve_command_line
 from cnns.config.table import SeedArgumentParser
-
-RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
-WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
-
-
-# ----------------------------------------------------------------------------------------------
-# cnns predict
-
-
-def predict_parser() -> argparse.ArgumentParser:
-    from cnns.engine.restored import WEIGHT_CHOICES
-
-    parser = argparse.ArgumentParser(
-        prog="cnns predict",
-        description="Classify image files with a trained run's model: top-k labels and probabilities per image.")
-    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
-                        help="Image files (JPEG, PNG, ...) or folders of them (searched recursively).")
-    parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
-    parser.add_argument("--top-k", type=int, default=5, help="Classes printed per image (default 5).")
-    parser.add_argument("--json", action="store_true", help="One JSON object per image and line.")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
-    parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
-    return parser
-
-
-def predict_main(argv: list[str]) -> int:
-    from cnns.commands.predict import predict
-
-    args = predict_parser().parse_args(argv)
-    return predict(args.restore_path, args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
-                   batch_size=args.batch_size, device=args.device)
-
-
-# ----------------------------------------------------------------------------------------------
-# cnns export
-
-
-def export_parser() -> argparse.ArgumentParser:
-    from cnns.commands.export import FORMATS
-    from cnns.engine.restored import WEIGHT_CHOICES
-
-    parser = argparse.ArgumentParser(
-        prog="cnns export",
-        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32), or its "
-                    "weights as safetensors with the config.json timm reads.")
-    parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
-    parser.add_argument("--format", required=True, choices=FORMATS,
-                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package; "
-                             "safetensors: weights and config.json for timm.")
-    parser.add_argument("--out", required=True,
-                        help="The file to write (replaced if it exists); with safetensors, the folder.")
-    parser.add_argument("--keep-dtype", action="store_true",
-                        help="safetensors: the weights in the training half type (default: float32).")
-    parser.add_argument("--batch-size", default="dynamic",
-                        help="A fixed batch size N, or dynamic (the default): any batch size.")
-    parser.add_argument("--eight-bit-io", action="store_true",
-                        help="Take uint8 NHWC images 0..255 and normalise inside the graph (default: float32 NCHW, "
-                             "already normalised).")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
-    parser.add_argument("--device", default="cpu",
-                        help="pt2 only: the device the package is compiled for (cpu, cuda, cuda:N; default cpu). "
-                             "An ONNX graph is device-independent and is exported on the CPU.")
-    return parser
-
-
-def export_main(argv: list[str]) -> int:
-    from cnns.commands.export import export
-
-    args = export_parser().parse_args(argv)
-    return export(args.restore_path, args.format, args.out, batch_size=args.batch_size,
-                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +22,7 @@ def export_main(argv: list[str]) -> int:
 def benchmark_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnns benchmark",
-        description="Run each benchmarks.yml entry as the seed's command line, beside the plain PyTorch loop.")
+        description="Run each benchmarks.yml entry as Graphcore's command line, beside the plain PyTorch loop.")
     parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
     parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME",
                         help="Run only these entries (default: all).")
@@ -111,7 +40,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
 
 
 def seed_script_options(script: str, args: list[str]) -> dict[str, Any]:
-    """The options a seed command line (train.py or validation.py and its arguments) resolves to."""
+    """The options one of Graphcore's command lines (train.py or validation.py and its arguments) resolves to."""
     from cnns.bench.runner import SCRIPTS
     from cnns.config import resolve
 
@@ -163,7 +92,8 @@ def profile_main(argv: list[str]) -> int:
 
 def bench_data_parser() -> argparse.ArgumentParser:
     parser = SeedArgumentParser(prog="cnns bench-data", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Run the input pipeline alone and report images/s.")
+                                description="Run the input pipeline alone and report images/s (per worker core), "
+                                            "and on ImageNet files the account of one image's time.")
     parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),
                         help="CIFAR binaries, ImageNet TFRecords or a JPEG tree; $DATA_DIR when omitted.")
     parser.add_argument("--dataset", choices=("imagenet", "cifar-10", "cifar-100", "builtin"),
@@ -175,7 +105,7 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--classes", type=int, default=10, help="Classes of --make-jpeg-tree.")
     parser.add_argument("--layout", choices=("folder", "tfrecord"), default="folder",
                         help="--make-jpeg-tree writes a folder tree or TFRecord shards.")
-    parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", type=int, nargs="+", default=[2],
+    parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", type=int, nargs="+", default=[1],
                         help="Data-loading worker processes; several values are measured one after the other.")
     parser.add_argument("--image-size", type=int, default=224, help="Output image size (ImageNet).")
     parser.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=32,
@@ -187,7 +117,8 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval", dest="transforms", action="store_const", const="eval",
                         help="Same as --transforms eval.")
     parser.add_argument("--compare-baseline", action="store_true",
-                        help="Also time torchvision ImageFolder + PIL transforms at the same worker counts.")
+                        help="Also time torchvision ImageFolder + PIL transforms (uint8 out) at the same worker "
+                             "counts, alternating with cnns round by round.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="Measure each pipeline this many times; report the medians, and the median of the "
                              "ratios taken within each round.")
@@ -196,6 +127,12 @@ def bench_data_parser() -> argparse.ArgumentParser:
                              "here so that every pass measures decoding, not the cache.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON.")
+    parser.add_argument("--account", action=argparse.BooleanOptionalAction, default=True,
+                        help="On ImageNet files, also split one image's time by stage (read, header + crop draw, "
+                             "decode, crop + resize, flip, into the batch, across to the main process) beside the "
+                             "decode-only cap; run under taskset -c N for one core's account.")
+    parser.add_argument("--account-images", type=int, default=400,
+                        help="Images timed stage by stage in this process for the account.")
     return parser
 
 
@@ -204,3 +141,20 @@ def bench_data_main(argv: list[str]) -> int:
     from cnns.commands.benchmark import bench_data
 
     return bench_data(BenchDataRequest(**vars(bench_data_parser().parse_args(argv))))
+
+
+# ----------------------------------------------------------------------------------------------
+# cnns splits
+
+
+def splits_main(argv: list[str]) -> int:
+    """`cnns splits`: every cut of the model with what lies before it (parameters, activations, time
+    of one micro-batch forward and backward) and the cuts that balance --shards stages (default 2)."""
+    from cnns.commands.splits import propose_splits
+
+    # The model's shape is all it needs: no data folder (ImageNet-sized unless --dataset says otherwise).
+    if not any(a.startswith(("--data-dir", "--synthetic-data", "--generated-data")) for a in argv):
+        argv = [*argv, "--synthetic-data"] + ([] if any(a.startswith("--dataset") for a in argv) else
+                                              ["--dataset", "imagenet"])
+    argv = argv if "--pipeline" in argv else [*argv, "--pipeline"]
+    return propose_splits(resolve_command_line("train", argv).config)

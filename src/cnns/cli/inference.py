@@ -1,0 +1,97 @@
+"""Commands that put a trained model to use: `cnns infer` (inference_embedded.py), `cnns predict`, `cnns export`.
+
+Each parses its command line into plain values and calls its file of `cnns.commands` (infer, predict, export).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cnns.cli.parsing import print_config, resolve_command_line
+
+RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
+WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
+
+
+# ----------------------------------------------------------------------------------------------
+# cnns infer
+
+
+def infer_main(argv: list[str]) -> int:
+    from cnns.commands.infer import infer
+
+    resolved = resolve_command_line("infer", argv)
+    values = resolved.values
+    if values.get("print_config"):
+        return print_config(resolved.options)
+    return infer(resolved.config, resolved.notices, restore_path=values.get("restore_path"),
+                 artefact_path=values.get("artefact_path"), force_recompile=bool(values.get("force_recompile")))
+
+
+# ----------------------------------------------------------------------------------------------
+# cnns predict
+
+
+def predict_parser() -> argparse.ArgumentParser:
+    from cnns.engine.restored import WEIGHT_CHOICES
+
+    parser = argparse.ArgumentParser(
+        prog="cnns predict",
+        description="Classify image files with a trained run's model: top-k labels and probabilities per image.")
+    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
+                        help="Image files (JPEG, PNG, ...) or folders of them (searched recursively).")
+    parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
+    parser.add_argument("--top-k", type=int, default=5, help="Classes printed per image (default 5).")
+    parser.add_argument("--json", action="store_true", help="One JSON object per image and line.")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
+    parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+    return parser
+
+
+def predict_main(argv: list[str]) -> int:
+    from cnns.commands.predict import predict
+
+    args = predict_parser().parse_args(argv)
+    return predict(args.restore_path, args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
+                   batch_size=args.batch_size, device=args.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# cnns export
+
+
+def export_parser() -> argparse.ArgumentParser:
+    from cnns.commands.export import FORMATS
+    from cnns.engine.restored import WEIGHT_CHOICES
+
+    parser = argparse.ArgumentParser(
+        prog="cnns export",
+        description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32), or its "
+                    "weights as safetensors with the config.json timm reads.")
+    parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package; "
+                             "safetensors: weights and config.json for timm.")
+    parser.add_argument("--out", required=True,
+                        help="The file to write (replaced if it exists); with safetensors, the folder.")
+    parser.add_argument("--keep-dtype", action="store_true",
+                        help="safetensors: the weights in the training half type (default: float32).")
+    parser.add_argument("--batch-size", default="dynamic",
+                        help="A fixed batch size N, or dynamic (the default): any batch size.")
+    parser.add_argument("--eight-bit-io", action="store_true",
+                        help="Take uint8 NHWC images 0..255 and normalise inside the graph (default: float32 NCHW, "
+                             "already normalised).")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
+    parser.add_argument("--device", default="cpu",
+                        help="pt2 only: the device the package is compiled for (cpu, cuda, cuda:N; default cpu). "
+                             "An ONNX graph is device-independent and is exported on the CPU.")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    from cnns.commands.export import export
+
+    args = export_parser().parse_args(argv)
+    return export(args.restore_path, args.format, args.out, batch_size=args.batch_size,
+                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype)
