@@ -242,3 +242,10 @@ def test_dataset_benchmark_names_the_decoder_and_the_rate_per_worker_core(tree, 
     assert "1 worker: " in printed and " images/sec per worker core" in printed
     assert not (tmp_path / "logs").exists()
     assert multiprocessing.active_children() == []
+
+
+def test_bench_data_names_the_decoder_and_refuses_gpu_decoding_without_a_gpu(tree, capsys):
+    assert bench_data_command(["--data-dir", str(tree), "--workers", "0", *TINY]) == 0
+    assert "Images decoded by " in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--decode-device cuda needs a run on a CUDA GPU"):
+        bench_data_command(["--data-dir", str(tree), "--decode-device", "cuda", *TINY])

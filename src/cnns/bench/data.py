@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
+from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from cnns.data.decoding import Crop, Placement
+    from cnns.data.decoding import Crop, DecodeChoice, Placement
     from cnns.data.imagenet import ImageNetTransform
     from cnns.data.imagefolder import ImageFolderDataset
     from cnns.data.tfrecord import TFRecordDataset
@@ -105,15 +106,26 @@ def stop(batches: Iterator) -> None:
 
 def time_batches(batches: Iterator, measured: int, warmup: int) -> tuple[int, float, float]:
     """(images, seconds, start-up seconds): `warmup` batches are drawn first and not timed (they pay
-    for starting the workers), then `measured` batches are timed."""
+    for starting the workers), then `measured` batches are timed. Batches decoded on a GPU are
+    waited for: the timing ends when the last one's pixels exist, not when its kernels are queued."""
     start = time.perf_counter()
     for _ in range(warmup):
-        next(batches)
+        wait_for(next(batches))
     ready = time.perf_counter()
     images = 0
+    batch = None
     for _ in range(measured):
-        images += len(next(batches)[1])
+        batch = next(batches)
+        images += len(batch[1])
+    if batch is not None:
+        wait_for(batch)
     return images, time.perf_counter() - ready, ready - start
+
+
+def wait_for(batch: tuple) -> None:
+    images = batch[0]
+    if images.device.type == "cuda":
+        torch.cuda.synchronize(images.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,11 +133,13 @@ def time_batches(batches: Iterator, measured: int, warmup: int) -> tuple[int, fl
 # ----------------------------------------------------------------------------------------------
 
 
-def data_config(data_dir: str, dataset: str | None, workers: int, image_size: int, cache: bool = True) -> DataConfig:
+def data_config(data_dir: str, dataset: str | None, workers: int, image_size: int, cache: bool = True,
+                decode_device: str = "auto") -> DataConfig:
     """The DataConfig training would build for these options (files, no mixing)."""
     return DataConfig(dataset=dataset, data_dir=data_dir, source="files", num_classes=NUM_CLASSES.get(dataset, 10),
                       image_size=image_size, workers=workers, normalise_imagenet=False, host_normalisation=False,
-                      percentage=100, cache=cache, mixup_alpha=0.0, cutmix_lambda=1.0, cutmix_version=1)
+                      percentage=100, cache=cache, mixup_alpha=0.0, cutmix_lambda=1.0, cutmix_version=1,
+                      decode_device=decode_device)
 
 
 def data_layout(data_dir: str, dataset: str | None) -> str:
@@ -136,12 +150,13 @@ def data_layout(data_dir: str, dataset: str | None) -> str:
     return detect_imagenet(folder) if found == "imagenet" else found
 
 
-def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int) -> Iterator:
-    """Endless batches from the pipeline training uses."""
+def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int, device: torch.device) -> Iterator:
+    """Endless batches from the pipeline training uses, for a run on `device` (on a GPU the images may be
+    decoded there, as --decode-device chooses)."""
     from cnns.data.sources import build_sources
 
     sources = build_sources(cfg, micro_batch_size=batch_size, eval_batch_size=batch_size, seed=seed,
-                            device=torch.device("cpu"), need_train=train, need_eval=not train)
+                            device=device, need_train=train, need_eval=not train)
     source = sources.train if train else sources.eval
     return endless(source.epoch)
 
@@ -196,12 +211,14 @@ class BenchPlan:
     rounds: int
     cache: bool
     seed: int
+    device: str = "cpu"  # the run's device the batches are made for
+    decode_device: str = "auto"  # --decode-device
 
 
 def measure(plan: BenchPlan, pipeline: str, workers: int) -> Measurement:
     if pipeline == "cnns":
-        cfg = data_config(plan.data_dir, plan.dataset, workers, plan.image_size, plan.cache)
-        batches = cnns_batches(cfg, plan.batch_size, plan.train, plan.seed)
+        cfg = data_config(plan.data_dir, plan.dataset, workers, plan.image_size, plan.cache, plan.decode_device)
+        batches = cnns_batches(cfg, plan.batch_size, plan.train, plan.seed, torch.device(plan.device))
     else:
         batches = baseline_batches(plan.data_dir, plan.batch_size, plan.train, workers, plan.image_size, plan.seed)
     try:
@@ -545,6 +562,8 @@ class BenchDataRequest:
     cache: bool = False
     seed: int = 0
     json: str | None = None
+    device: str = "cpu"
+    decode_device: str = "auto"
     account: bool = True
     account_images: int = 400
 
@@ -565,6 +584,7 @@ def plan_from_request(args: BenchDataRequest) -> BenchPlan:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup_batches < 0 or min(args.workers) < 0:
         raise ConfigError("--warmup-batches and --workers must not be negative")
+    device = resolve_device(args.device)
     layout = data_layout(data_dir, args.dataset)
     if args.compare_baseline and layout != "folder":
         raise ConfigError(f"--compare-baseline needs a JPEG folder tree (torchvision's ImageFolder); {data_dir} "
@@ -575,7 +595,8 @@ def plan_from_request(args: BenchDataRequest) -> BenchPlan:
     return BenchPlan(data_dir=str(data_dir), dataset=args.dataset, layout=layout, workers=workers,
                      image_size=image_size, batch_size=args.batch_size, batches=args.batches,
                      warmup=args.warmup_batches, train=args.transforms == "train", baseline=args.compare_baseline,
-                     rounds=args.rounds, cache=args.cache, seed=args.seed)
+                     rounds=args.rounds, cache=args.cache, seed=args.seed, device=str(device),
+                     decode_device=args.decode_device)
 
 
 def comparison_record(comparison: Comparison) -> dict[str, Any]:
@@ -601,7 +622,15 @@ def one_worker_baseline(comparisons: list[Comparison]) -> Measurement | None:
     return next((c.baseline for c in comparisons if c.cnns.workers == 1), None)
 
 
+def decode_choice(plan: BenchPlan) -> DecodeChoice:
+    from cnns.data.decoding import choose_decode_device
+
+    return choose_decode_device(plan.decode_device, torch.device(plan.device))
+
+
 def bench_data_command(args: BenchDataRequest) -> int:
+    from cnns.data.decoding import ImageDecoder, decoding_header
+
     plan = plan_from_request(args)
     if plan.layout not in ("tfrecord", "folder"):
         print(f"{plan.layout}: batches are made in the main process from the dataset held in memory (no workers)")
@@ -609,10 +638,17 @@ def bench_data_command(args: BenchDataRequest) -> int:
     print(f"Input pipeline on {plan.data_dir} ({plan.layout}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
           f"{plan.warmup} warm-up, {cores} of {os.cpu_count()} CPUs):")
+    on_the_device = False
+    if plan.layout in ("tfrecord", "folder"):
+        choice = decode_choice(plan)
+        on_the_device = choice.device != "cpu"
+        print(decoding_header(choice, ImageDecoder(), torch.device(plan.device)))
     comparisons = run_plan(plan)
     print(results_table(comparisons))
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
-    if args.account and plan.layout in ("tfrecord", "folder"):
+    if on_the_device and args.account:
+        print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
+    elif args.account and plan.layout in ("tfrecord", "folder"):
         print(f"The account of one image ({args.account_images} images timed stage by stage in this process, then "
               f"the loader with 0 and 1 worker, {plan.rounds} rounds):")
         account = measure_account(plan, args.account_images, one_worker_baseline(comparisons))
@@ -637,13 +673,13 @@ def benchmark_batches_for(cfg: RunConfig, batches_per_epoch: int) -> int:
 
 
 def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> dict[str, Any]:
-    """The seed's --dataset-benchmark: the training input pipeline alone, as the run would build it
+    """Graphcore's --dataset-benchmark: the training input pipeline alone, as the run would build it
     (generated data included), for the run's length; returns the numbers it prints."""
     from cnns.data.sources import build_sources
 
     sources = build_sources(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                             eval_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed or 0,
-                            device=torch.device("cpu"), need_eval=False)
+                            device=resolve_device(cfg.device), need_eval=False)
     total = benchmark_batches_for(cfg, len(sources.train))
     warmup = min(total - 1, max(1, total // 10))
     batches = endless(sources.train.epoch)
@@ -655,7 +691,8 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
     uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.workers > 0
     per_core = rate / cfg.data.workers if uses_workers else rate
     workers = f"{cfg.data.workers} worker{'s' if cfg.data.workers > 1 else ''}"
-    where = f"{workers}: {per_core:.2f} images/sec per worker core" if uses_workers else "batches made in the main process"
+    where = (f"{workers}: {per_core:.2f} images/sec per worker core" if uses_workers
+             else "batches made in the main process")
     if sources.decoding:
         report(sources.decoding)
     report(f"Dataset benchmark: {rate:.2f} images/sec ({images} images in {seconds:.3f} s after {warmup} warm-up "

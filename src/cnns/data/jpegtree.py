@@ -129,7 +129,8 @@ def make_jpeg_tree(root: str | os.PathLike, images: int, classes: int = 10, vali
     * "folder": root/train/<class>/<name>.JPEG and root/validation/<class>/<name>.JPEG, the classes
       named like ImageNet synsets (n00000000, ...);
     * "tfrecord": root/train-NNNNN-of-MMMMM and root/validation-NNNNN-of-MMMMM shards of up to
-      RECORDS_PER_SHARD tf.train.Example records with 1-based labels, as the seed's ImageNet.
+      RECORDS_PER_SHARD tf.train.Example records with 1-based labels, as in the ImageNet TFRecords
+      Graphcore's application reads.
 
     Files already present are kept, so a second call with the same arguments writes nothing.
     Returns {"train": count, "validation": count, "bytes": bytes written}."""
