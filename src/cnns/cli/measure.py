@@ -127,6 +127,12 @@ def bench_data_parser() -> argparse.ArgumentParser:
                              "here so that every pass measures decoding, not the cache.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON.")
+    parser.add_argument("--device", default="cpu",
+                        help="The device the batches are made for: cpu, cuda or cuda:N (on a GPU they are pinned, "
+                             "or decoded there as --decode-device chooses).")
+    parser.add_argument("--decode-device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="Where the images are decoded, as for train.py (auto: the GPU when the node has few "
+                             "CPU cores per GPU).")
     parser.add_argument("--account", action=argparse.BooleanOptionalAction, default=True,
                         help="On ImageNet files, also split one image's time by stage (read, header + crop draw, "
                              "decode, crop + resize, flip, into the batch, across to the main process) beside the "
