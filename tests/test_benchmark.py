@@ -1,4 +1,4 @@
-"""cnns benchmark: reading throughput the seed's way, the result files, and one tiny entry end to end.
+"""cnns benchmark: reading the throughput a run recorded, the result files, and one tiny entry end to end.
 
 No test asserts a speed: only that numbers are read, compared and written.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnns.bench.results import Result, format_table, set_peak_fractions, write_results
-from cnns.bench.runner import mean_dropping_first, parse_throughputs
+from cnns.bench.results import Result, Side, format_table, set_peak_fractions, write_results
+from cnns.bench.runner import mean_dropping_first, recorded_rates
 from cnns.bench.spec import BACKENDS_KIND, load_spec, select
-from cnns.cli.tools import benchmark_main as benchmark_command
+from cnns.cli.measure import benchmark_main as benchmark_command
 from cnns.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,31 +33,30 @@ def _cuda_present(bfloat16: bool, count: int = 1):
         yield
 
 
-def _plan(entry, log_dir: Path):
-    """An entry's plan, its seed command line parsed as `cnns benchmark` parses it."""
+def _plan(entry):
+    """An entry's plan, its command line parsed as `cnns benchmark` parses it."""
     from cnns.bench.runner import plan_entry, seed_command
-    from cnns.cli.tools import seed_script_options
+    from cnns.cli.measure import seed_script_options
 
-    script, args = seed_command(entry, {"cifar10": "/nonexistent"}, log_dir)
+    script, args = seed_command(entry, {"cifar10": "/nonexistent"})
     return plan_entry(entry, script, args, seed_script_options(script, args))
 
 
-TRAIN_OUTPUT = """\
-Total Parameters:78042
-step:      2, iteration:      2, epoch:   0.01, lr: 0.01562, loss:  2.303, top-1 accuracy: 12.500%, throughput:  10.50 samples/sec, time: 3.047619, total_time:      6.1
-step:      4, iteration:      4, epoch:   0.02, lr: 0.01562, loss:  2.250, top-1 accuracy: 15.625%, throughput: 1200.00 samples/sec, time: 0.026667, total_time:      6.2
-step:      6, iteration:      6, epoch:   0.03, lr: 0.01562, loss:  2.101, top-1 accuracy: 20.000%, throughput: 1400.00 samples/sec, time: 0.022857, total_time:      6.2
-Validation top-1 accuracy: 21.000% [ckpt-6] (iteration:      6, epoch:   0.03, throughput: 3000.00 samples/sec, time: 0.066667, latency avg:   2.0000 ms)
-"""
+def test_the_rates_are_read_from_the_run_folders_csv_as_the_engine_writes_it(tmp_path):
+    from cnns.runlog import RunLog
+
+    log = RunLog(tmp_path)
+    for iteration, rate in ((2, 10.5), (4, 1200.0), (6, 1400.0)):
+        log.training_step({"step": iteration, "iteration": iteration, "epoch": 0.01 * iteration, "lr": 0.1,
+                           "loss_batch": 2.3, "loss_avg": 2.3, "train_acc_batch": 10.0, "train_acc_avg": 10.0,
+                           "it_time": 16 / rate, "img_per_sec": rate, "total_time": 1.0})
+    assert recorded_rates(tmp_path / "training.csv") == [10.5, 1200.0, 1400.0]
+    log.validation_result({"name": "random_init", "iteration": -1, "epoch": 0.0, "val_acc": 10.0, "raw_acc": 10.0,
+                           "val_time": 0.1, "val_size": 300, "img_per_sec": 3000.0, "latency": 2.0, "val_top5": 50.0})
+    assert recorded_rates(tmp_path / "validation.csv") == [3000.0]
 
 
-def test_throughputs_are_read_from_step_and_validation_lines_in_order():
-    assert parse_throughputs(TRAIN_OUTPUT) == [10.5, 1200.0, 1400.0, 3000.0]
-    assert parse_throughputs("throughput: 1e3 samples/sec, throughput:7 samples/sec") == [1000.0, 7.0]
-    assert parse_throughputs("no numbers here") == []
-
-
-def test_the_mean_drops_the_first_value_as_the_seed_says():
+def test_the_mean_drops_the_first_value_as_graphcores_instructions_say():
     assert mean_dropping_first([10.5, 1200.0, 1400.0]) == pytest.approx(1300.0)
     assert mean_dropping_first([42.0]) == 42.0  # a single value is all there is
     assert mean_dropping_first([]) is None
@@ -91,34 +90,39 @@ def test_spec_loading_applies_defaults_and_selection_rejects_unknown_names(tmp_p
         load_spec(tmp_path / "missing.yml")
 
 
+def _result(name: str, cnns: list[float], plain: list[float], pairs: list[float], **fields) -> Result:
+    return Result(name, "train.py", sides={"cnns": Side(cnns), "plain": Side(plain, pairs)}, **fields)
+
+
 def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
-    result = Result("rn", "train.py --model resnet", model="resnet-8 32px", mode="train", data="synthetic",
-                    batch_size=16, cnns_images_per_sec=300.0, plain_images_per_sec=200.0, ratio=1.5,
-                    flops_per_image=3 * 1e8, cnns_runs=[290.0, 300.0], plain_runs=[200.0], pair_ratios=[1.45])
+    result = _result("rn", [290.0, 300.0], [200.0], [1.45], model="resnet-8 32px", mode="train", data="synthetic",
+                     batch_size=16, flops_per_image=3 * 1e8)
     failed = Result("broken", "train.py", error="cnns: exit 2: error: bad option")
     set_peak_fractions(result, 600.0)  # GFLOP/s
-    assert result.cnns_peak_fraction == pytest.approx(300 * 3e8 / 600e9)
-    assert result.plain_peak_fraction == pytest.approx(200 * 3e8 / 600e9)
+    assert result.sides["cnns"].images_per_sec == 300.0 and result.sides["plain"].ratio == 1.45
+    assert result.sides["cnns"].peak_fraction == pytest.approx(300 * 3e8 / 600e9)
+    assert result.sides["plain"].peak_fraction == pytest.approx(200 * 3e8 / 600e9)
 
     table = format_table([result, failed], 600.0)
-    assert "1.50x" in table and "15.0%" in table and "10.0%" in table
+    assert "1.45x" in table and "15.0%" in table and "10.0%" in table
     assert "broken: cnns: exit 2" in table
-    assert "ratio per repeat" not in table  # one pair: nothing to compare
+    assert "per repeat" not in table  # one pair: nothing to compare
 
-    repeated = Result("rn2", "train.py", cnns_runs=[300.0, 330.0], plain_runs=[250.0, 220.0], pair_ratios=[1.2, 1.5])
-    assert "ratio per repeat" in format_table([repeated, failed], 600.0)
+    repeated = _result("rn2", [300.0, 330.0], [250.0, 220.0], [1.2, 1.5])
+    assert repeated.sides["plain"].ratio == pytest.approx(1.35)  # the median of the pairs, not best over best
+    assert "vs plain per repeat" in format_table([repeated, failed], 600.0)
     assert "1.20 1.50" in format_table([repeated, failed], 600.0)
 
     csv_path, json_path = write_results([result, failed], {"peak_bf16_matmul_gflops": 600.0}, tmp_path, "results")
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["name"] for r in rows] == ["rn", "broken"]
-    assert float(rows[0]["ratio"]) == 1.5 and rows[0]["cnns_runs"] == "290.000 300.000"
-    assert rows[0]["pair_ratios"] == "1.450"  # 290 / 200: the runs of the first repeat
+    assert float(rows[0]["plain_ratio"]) == 1.45 and rows[0]["cnns_runs"] == "290.000 300.000"
+    assert rows[0]["plain_pair_ratios"] == "1.450" and rows[0]["baseline_modes"] == "eager"
     document = json.loads(json_path.read_text())
     assert document["peak_bf16_matmul_gflops"] == 600.0
     assert document["results"][0]["plain_images_per_sec"] == 200.0
-    assert document["results"][0]["pair_ratios"] == [1.45]
+    assert document["results"][0]["plain_pair_ratios"] == [1.45]
     assert document["results"][1]["error"].startswith("cnns: exit 2")
 
 
@@ -140,16 +144,23 @@ def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end(tmp_path, capsys):
     [row] = json.loads(json_path.read_text())["results"]
     assert row["error"] is None
     assert row["cnns_images_per_sec"] > 0 and row["plain_images_per_sec"] > 0
-    assert row["ratio"] == pytest.approx(row["cnns_images_per_sec"] / row["plain_images_per_sec"])
+    assert row["plain_ratio"] == pytest.approx(row["cnns_images_per_sec"] / row["plain_images_per_sec"])
     assert 0 < row["cnns_peak_fraction"] and row["flops_per_image"] > 0
     # The roofline's images/s bounds what either loop can reach (no fused operators in a ResNet-8 run).
     assert 0 < row["cnns_roofline_fraction"] < 1 and 0 < row["plain_roofline_fraction"] < 1
     assert row["cnns_roofline_fraction"] == pytest.approx(row["cnns_images_per_sec"] / row["roofline_images_per_sec"])
     assert (json_path.parent / "results.csv").is_file()
-    # The generated CIFAR-10 folder and both processes' logs are kept beside the results.
+    # The generated CIFAR-10 folder, and each run's folder and output, are kept beside the results; the rate is
+    # the mean of the recorded intervals after the first, in both loops' files.
     assert (out_dir / "data" / "cifar10-256" / "data_batch_1.bin").is_file()
-    assert sorted(p.name for p in (json_path.parent / "logs").iterdir()) == [
-        "tiny-resnet8-cifar-cnns-1.log", "tiny-resnet8-cifar-plain-1.log"]
+    runs = json_path.parent / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == [
+        "tiny-resnet8-cifar-cnns-1", "tiny-resnet8-cifar-cnns-1.log", "tiny-resnet8-cifar-plain-1",
+        "tiny-resnet8-cifar-plain-1.log"]
+    for side in ("cnns", "plain"):
+        rates = recorded_rates(runs / f"tiny-resnet8-cifar-{side}-1" / "training.csv")
+        assert len(rates) == 4 and row[f"{side}_images_per_sec"] == pytest.approx(sum(rates[1:]) / 3)
+    assert not list(runs.rglob("*.pt"))  # the checkpoints go unless --keep-runs
 
 
 def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
@@ -165,7 +176,7 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
         if entry.kind == BACKENDS_KIND:
             continue
         with _cuda_present(bfloat16=True) if entry.device != "cpu" else contextlib.nullcontext():
-            plan = _plan(entry, Path("/tmp/unused"))
+            plan = _plan(entry)
         assert plan.baseline["batch_size"] == plan.batch_size > 0
         assert plan.baseline["device"] == plan.device == entry.device and plan.argv[-2:] == ["--device", entry.device]
     gpu = {e.name: e for e in entries if e.device == "cuda"}
@@ -176,7 +187,7 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
     # The issue's GPU list, as its reporter measured it: batch 256 for ImageNet, 512 for ResNet-20, each beside
     # the plain loop eager and compiled; ResNet-50 group norm also with cnns eager.
     with _cuda_present(bfloat16=True):
-        gpu_plans = {name: _plan(entry, Path("/tmp/unused")) for name, entry in gpu.items()}
+        gpu_plans = {name: _plan(entry) for name, entry in gpu.items()}
     assert {(p.model_spec.arch, p.model_spec.size, p.model_spec.norm, p.mode, p.batch_size)
             for p in gpu_plans.values()} == {
         ("resnet", "50", "batch", "train", 256), ("resnet", "50", "group", "train", 256),
@@ -200,17 +211,17 @@ def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, 
 
     entries, _ = load_spec(ROOT / "benchmarks.yml")
     [entry] = select(entries, ["resnet20-cifar10-train"])
-    plan = _plan(entry, tmp_path)
+    plan = _plan(entry)
     # The host sped up during the last repeat (best over best, 468/367 = 1.27, would pair two moments),
     # and in the first repeat our side failed: its plain run must not pair with a later cnns run.
     # Repeats alternate the order: cnns, plain | plain, cnns | cnns, plain | plain, cnns.
     scripted = iter([(None, "exit 1: boom"), (300.0, ""), (337.0, ""), (468.0, ""),
                      (405.0, ""), (357.0, ""), (367.0, ""), (328.0, "")])
-    monkeypatch.setattr(runner, "run_and_read", lambda argv, timeout, log_path: next(scripted))
-    result = runner.run_entry(entry, plan, ROOT, repeats=4, with_baseline=True, logs=None)
-    assert result.pair_ratios == pytest.approx([468 / 337, 405 / 357, 328 / 367])
-    assert result.ratio == pytest.approx(405 / 357)
-    assert result.cnns_images_per_sec == 468.0 and result.plain_images_per_sec == 367.0
+    monkeypatch.setattr(runner, "run_and_read", lambda argv, timeout, log_path, measurements: next(scripted))
+    result = runner.run_entry(entry, plan, ROOT, repeats=4, with_baseline=True, folder=tmp_path)
+    assert result.sides["plain"].pair_ratios == pytest.approx([468 / 337, 405 / 357, 328 / 367])
+    assert result.sides["plain"].ratio == pytest.approx(405 / 357)
+    assert result.images_per_sec("cnns") == 468.0 and result.images_per_sec("plain") == 367.0
     assert result.error == "cnns: exit 1: boom"
 
 
@@ -237,11 +248,11 @@ def test_cpu_entries_stay_on_the_cpu_and_gpu_entries_compute_in_the_gpus_half_ty
     cpu, gpu = entries
     assert (cpu.device, gpu.device) == ("cpu", "cuda")
     with _cuda_present(bfloat16=True):  # on a machine with a GPU, the CPU entry still runs on the CPU
-        plan = _plan(cpu, tmp_path)
+        plan = _plan(cpu)
     assert plan.argv[-2:] == ["--device", "cpu"] and plan.baseline["device"] == "cpu"
     for bfloat16, half in ((True, torch.bfloat16), (False, torch.float16)):
         with _cuda_present(bfloat16=bfloat16):
-            plan = _plan(gpu, tmp_path)
+            plan = _plan(gpu)
         assert plan.argv[-2:] == ["--device", "cuda"] and plan.baseline["device"] == plan.device == "cuda"
         assert plan.activation_dtype == half and plan.model_label.endswith("on cuda")
 
@@ -273,7 +284,7 @@ def test_where_an_entry_runs_is_its_device_key_and_nothing_else(tmp_path):
     entries, _ = load_spec(_write_spec(tmp_path / "cli.yml", GPU_AND_CPU.replace(
         "--ckpts-per-epoch 0", "--ckpts-per-epoch 0 --device cuda")))
     with pytest.raises(ConfigError, match="benchmark tiny-cpu: say where it runs with the entry's device: key"):
-        _plan(entries[0], tmp_path)
+        _plan(entries[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +310,7 @@ def _scripted_runs(monkeypatch, values):
 
     calls, answers = [], iter(values)
 
-    def run_and_read(argv, timeout, log_path):
+    def run_and_read(argv, timeout, log_path, measurements):
         plain = argv[1:3] == ["-m", "cnns.bench.baseline"]
         calls.append(("compiled" if json.loads(argv[3])["compile"] else "eager") if plain else None)
         return next(answers), ""
@@ -313,30 +324,31 @@ def test_a_gpu_entry_runs_the_plain_loop_eager_and_compiled_beside_cnns(tmp_path
 
     cpu, gpu = load_spec(_write_spec(tmp_path / "spec.yml", GPU_AND_CPU))[0]
     with _cuda_present(bfloat16=True):
-        plan = _plan(gpu, tmp_path)
+        plan = _plan(gpu)
     assert plan.baseline_modes == ("eager", "compiled")
     assert plan.baseline_for("eager")["compile"] is False and plan.baseline_for("compiled")["compile"] is True
-    assert plan.baseline_for("compiled") == {**plan.baseline, "compile": True}  # the same loop otherwise
+    assert plan.baseline_for("compiled") == {**plan.baseline, "compile": True, "log_dir": None}  # the same loop
     assert 2 <= plan.baseline["workers"] <= 8
     # Two repeats, alternating: cnns, eager, compiled | compiled, eager, cnns.
     calls = _scripted_runs(monkeypatch, [1000.0, 500.0, 800.0, 850.0, 520.0, 1040.0])
-    result = runner.run_entry(gpu, plan, ROOT, repeats=2, with_baseline=True, logs=None)
+    result = runner.run_entry(gpu, plan, ROOT, repeats=2, with_baseline=True, folder=tmp_path)
     assert calls == [None, "eager", "compiled", "compiled", "eager", None]
-    assert result.baseline_modes == ["eager", "compiled"] and result.error is None
-    assert result.plain_runs == [500.0, 520.0] and result.plain_compiled_runs == [800.0, 850.0]
-    assert result.plain_images_per_sec == 520.0 and result.plain_compiled_images_per_sec == 850.0
-    assert result.pair_ratios == pytest.approx([2.0, 2.0]) and result.ratio == pytest.approx(2.0)
-    assert result.pair_ratios_compiled == pytest.approx([1.25, 1040 / 850])
-    assert result.ratio_compiled == pytest.approx((1.25 + 1040 / 850) / 2)
+    assert list(result.sides) == ["cnns", "plain", "plain_compiled"] and result.error is None
+    plain, compiled = result.sides["plain"], result.sides["plain_compiled"]
+    assert plain.runs == [500.0, 520.0] and compiled.runs == [800.0, 850.0]
+    assert plain.images_per_sec == 520.0 and compiled.images_per_sec == 850.0
+    assert plain.pair_ratios == pytest.approx([2.0, 2.0]) and plain.ratio == pytest.approx(2.0)
+    assert compiled.pair_ratios == pytest.approx([1.25, 1040 / 850])
+    assert compiled.ratio == pytest.approx((1.25 + 1040 / 850) / 2)
     assert '"compile": true' in result.baseline_command and '"compile": false' in result.baseline_command
     # A CPU entry runs the plain loop once, eagerly, as before; --no-baseline runs neither.
     calls = _scripted_runs(monkeypatch, [300.0, 200.0])
-    result = runner.run_entry(cpu, _plan(cpu, tmp_path), ROOT, repeats=1, with_baseline=True, logs=None)
-    assert calls == [None, "eager"] and result.ratio == 1.5 and result.plain_compiled_images_per_sec is None
-    assert _plan(cpu, tmp_path).baseline["workers"] == 2
+    result = runner.run_entry(cpu, _plan(cpu), ROOT, repeats=1, with_baseline=True, folder=tmp_path)
+    assert calls == [None, "eager"] and result.sides["plain"].ratio == 1.5 and "plain_compiled" not in result.sides
+    assert _plan(cpu).baseline["workers"] == 2
     calls = _scripted_runs(monkeypatch, [1000.0])
-    result = runner.run_entry(gpu, plan, ROOT, repeats=1, with_baseline=False, logs=None)
-    assert calls == [None] and result.baseline_modes == [] and result.ratio is None and result.ratio_compiled is None
+    result = runner.run_entry(gpu, plan, ROOT, repeats=1, with_baseline=False, folder=tmp_path)
+    assert calls == [None] and list(result.sides) == ["cnns"]
 
 
 def _tiny_baseline(**fields) -> str:
@@ -347,7 +359,7 @@ def _tiny_baseline(**fields) -> str:
 
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
-def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch, capsys, mode):
+def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch, capsys, tmp_path, mode):
     # A real torch.compile of a CIFAR ResNet-8 costs about 80 s on 2 cores: the model handed to torch.compile
     # is recorded instead, and the loop runs what it returns.
     from cnns.bench import baseline
@@ -362,7 +374,7 @@ def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch
     assert baseline.main([_tiny_baseline(mode=mode)]) == 0
     assert compiled == []  # eager: as written
     capsys.readouterr()
-    assert baseline.main([_tiny_baseline(mode=mode, compile=True)]) == 0
+    assert baseline.main([_tiny_baseline(mode=mode, compile=True, log_dir=str(tmp_path))]) == 0
     [(model, kwargs)] = compiled
     assert kwargs == {}  # the default mode, as a user writes it
     assert model.training == (mode == "train")  # compiled in the mode it runs in
@@ -371,7 +383,9 @@ def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch
                for p in model.parameters())
     printed = capsys.readouterr().out
     assert "plain loop: torch.compile(model), default mode" in printed
-    assert len(parse_throughputs(printed)) == (2 if mode == "train" else 1)
+    # one row per interval (2 iterations at log_freq 1; 1 inference pass), in the file a cnns run folder has
+    rates = recorded_rates(tmp_path / ("training.csv" if mode == "train" else "validation.csv"))
+    assert len(rates) == (2 if mode == "train" else 1) and all(rate > 0 for rate in rates)
 
 
 def test_the_plain_loop_on_a_gpu_autocasts_to_bfloat16_where_it_computes_it():
@@ -384,20 +398,18 @@ def test_the_plain_loop_on_a_gpu_autocasts_to_bfloat16_where_it_computes_it():
 
 def test_table_csv_and_json_hold_both_plain_loops_and_their_ratios(tmp_path):
     gpu = Result("g", "train.py", model="resnet-50 224px on cuda", mode="train", data="synthetic", batch_size=256,
-                 device="cuda", baseline_modes=["eager", "compiled"], cnns_images_per_sec=5500.0,
-                 plain_images_per_sec=3900.0, ratio=5500 / 3900, plain_compiled_images_per_sec=5000.0,
-                 ratio_compiled=1.1, flops_per_image=3 * 4.1e9, cnns_runs=[5500.0], plain_runs=[3900.0],
-                 plain_compiled_runs=[5000.0], pair_ratios=[5500 / 3900], pair_ratios_compiled=[1.1])
-    cpu = Result("c", "train.py", model="resnet-20 32px", mode="train", cnns_images_per_sec=300.0,
-                 plain_images_per_sec=200.0, ratio=1.5, pair_ratios=[1.5])
+                 device="cuda", flops_per_image=3 * 4.1e9,
+                 sides={"cnns": Side([5500.0]), "plain": Side([3900.0], [5500 / 3900]),
+                        "plain_compiled": Side([5000.0], [1.1])})
+    cpu = _result("c", [300.0], [200.0], [1.5], model="resnet-20 32px", mode="train")
     set_peak_fractions(gpu, 500_000.0)
-    assert gpu.plain_compiled_peak_fraction == pytest.approx(5000 * 3 * 4.1e9 / 500e12)
+    assert gpu.sides["plain_compiled"].peak_fraction == pytest.approx(5000 * 3 * 4.1e9 / 500e12)
 
-    assert "compiled" not in format_table([cpu], 600.0)  # CPU entries: the table as before
+    assert "compiled" not in format_table([cpu], 600.0)  # CPU entries: no compiled columns
     table = format_table([gpu, cpu], 600.0)
     header, _, gpu_row, cpu_row = table.splitlines()[:4]
     columns = [c.strip() for c in header.split(" | ")]
-    assert columns[5:10] == ["cnns img/s", "plain img/s", "ratio", "compiled img/s", "vs compiled"]
+    assert columns[5:10] == ["cnns img/s", "plain img/s", "vs plain", "compiled img/s", "vs compiled"]
     assert [c.strip() for c in gpu_row.split(" | ")][5:10] == ["5500.00", "3900.00", "1.41x", "5000.00", "1.10x"]
     assert [c.strip() for c in cpu_row.split(" | ")][5:10] == ["300.00", "200.00", "1.50x", "-", "-"]
     assert "torch.compile(model)" in table
@@ -405,13 +417,15 @@ def test_table_csv_and_json_hold_both_plain_loops_and_their_ratios(tmp_path):
     csv_path, json_path = write_results([gpu, cpu], {}, tmp_path, "results")
     with open(csv_path, newline="") as f:
         rows = {r["name"]: r for r in csv.DictReader(f)}
-    assert float(rows["g"]["plain_images_per_sec"]) == 3900.0 and float(rows["g"]["ratio"]) == pytest.approx(5500 / 3900)
-    assert float(rows["g"]["plain_compiled_images_per_sec"]) == 5000.0 and float(rows["g"]["ratio_compiled"]) == 1.1
+    assert float(rows["g"]["plain_images_per_sec"]) == 3900.0
+    assert float(rows["g"]["plain_ratio"]) == pytest.approx(5500 / 3900)
+    assert float(rows["g"]["plain_compiled_images_per_sec"]) == 5000.0 and float(rows["g"]["plain_compiled_ratio"]) == 1.1
     assert rows["g"]["baseline_modes"] == "eager compiled" and rows["g"]["plain_compiled_runs"] == "5000.000"
     assert rows["c"]["baseline_modes"] == "eager" and rows["c"]["plain_compiled_images_per_sec"] == ""
     [g, c] = json.loads(json_path.read_text())["results"]
-    assert (g["plain_images_per_sec"], g["plain_compiled_images_per_sec"], g["ratio_compiled"]) == (3900.0, 5000.0, 1.1)
-    assert g["pair_ratios_compiled"] == [1.1] and c["ratio_compiled"] is None
+    assert (g["plain_images_per_sec"], g["plain_compiled_images_per_sec"], g["plain_compiled_ratio"]) == (
+        3900.0, 5000.0, 1.1)
+    assert g["plain_compiled_pair_ratios"] == [1.1] and "plain_compiled_ratio" not in c
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,7 +544,7 @@ def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(
     assert [(r["name"], r["backend"]) for r in rows] == [("tiny-resnet8-backends", b)
                                                          for b in ("eager", "aoti", "onnxruntime")]
     assert all(float(r["images_per_sec"]) > 0 and r["kind"] == "inference-backends" for r in rows)
-    assert (json_path.parent / "logs" / "tiny-resnet8-backends-backends-1.log").is_file()
+    assert (json_path.parent / "runs" / "tiny-resnet8-backends-backends-1.log").is_file()
     # The compiled artefacts are kept in <output-dir>/backend-cache and a second run loads them.
     assert list((backend_folder / "backend-cache").glob("resnet8-32px-bs2-*/aoti.pt2"))
 

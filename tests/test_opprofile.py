@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from cnns import profiling
-from cnns.bench.opprofile import FAMILIES, family_times, split_convolution_backward
-from cnns.bench.traces import read_trace
-from cnns.cli.tools import profile_main
+from cnns.bench.opprofile import FAMILIES, family_times, read_trace, split_convolution_backward
+from cnns.cli.measure import profile_main
 from cnns.engine.fusion import fused_norms
 
 
@@ -111,12 +110,12 @@ def test_a_failing_or_hanging_side_is_one_line(tmp_path):
     from cnns.bench.opprofile import run_profiled
     from cnns.errors import CnnsError
 
-    with pytest.raises(CnnsError, match=r"exited with 3: boom \(log: "):
-        run_profiled([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], 60, {},
+    with pytest.raises(CnnsError, match=r"exit 3: boom \(log: "):
+        run_profiled([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], 60,
                      tmp_path / "a.log")
     assert "boom" in (tmp_path / "a.log").read_text()
-    with pytest.raises(CnnsError, match="did not finish within 1 s"):
-        run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], 1, {}, tmp_path / "b.log")
+    with pytest.raises(CnnsError, match="timed out after 1s"):
+        run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], 1, tmp_path / "b.log")
 
 
 def test_only_training_entries_are_profiled(tmp_path):
@@ -396,7 +395,6 @@ def _trace_of_updates(conv_us, norm_us, gap_us, updates=4):
 def test_profiling_a_cuda_entry_reports_both_sides_against_the_rooflines(tmp_path):
     """The CUDA path end to end but for the GPU: each side's command (cnns compiled, cnns eager, the plain
     loop) is stood in for by one writing a trace where its profiler would."""
-    from cnns.bench.opprofile import format_report, profile_entry
     from cnns.bench.rates import DeviceRates
     from cnns.bench.runner import Plan
 
@@ -409,7 +407,7 @@ def test_profiling_a_cuda_entry_reports_both_sides_against_the_rooflines(tmp_pat
     kernels = {"cnns": (300, 100, 20), "cnns-eager": (300, 250, 80), "plain": (310, 260, 90)}
     ran = []
 
-    def fake_run(argv, timeout, env, log_path):
+    def fake_run(argv, timeout, log_path):
         if argv[1:3] == ["-m", "cnns.bench.baseline"]:
             where = Path(json.loads(argv[3])["profile_dir"])
         else:
@@ -420,8 +418,8 @@ def test_profiling_a_cuda_entry_reports_both_sides_against_the_rooflines(tmp_pat
 
     rates = DeviceRates(torch.device("cpu"), peak=2000.0, rates={"bfloat16": 2000.0, "float32": 500.0},
                         bandwidth=100.0)
-    report = profile_entry("tiny-gpu", plan, tmp_path, tmp_path / "out", 60, run=fake_run, eager=True, warmup=3,
-                           rates=rates)
+    report = gpuprofile.profile_cuda_entry("tiny-gpu", plan, tmp_path, tmp_path / "out", 60, run=fake_run, eager=True,
+                                           warmup=3, rates=rates)
     assert ran == [("cnns", False), ("cnns-eager", True), ("plain", False)]
     assert report.sides["cnns"].updates == 4 and report.sides["cnns"].ms[CONVOLUTION] == pytest.approx(0.3)
     assert report.sides["cnns eager"].ms[NORM_STATISTICS] == pytest.approx(0.25)
@@ -429,7 +427,7 @@ def test_profiling_a_cuda_entry_reports_both_sides_against_the_rooflines(tmp_pat
     assert report.sides["plain"].gaps_ms == pytest.approx((60 + 2 * 90) / 1e3)
     expected = gpuprofile.family_rooflines(spec, 16, 1, torch.bfloat16, 2000.0, 100.0)
     assert report.rooflines == expected
-    text = format_report(report)
+    text = gpuprofile.format_gpu_report(report)
     rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()}
     # family | cnns ms % | cnns eager ms % | plain ms % | roofline ms | cnns/roofline | cnns eager/roofline
     conv = rows[CONVOLUTION]

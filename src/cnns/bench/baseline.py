@@ -1,6 +1,6 @@
 """The plain PyTorch loop that `cnns benchmark` compares against: what a user writes by hand.
 
-DESIGN.md's reference: a Dataset + DataLoader (2 worker processes on the CPU) + torchvision v2 transforms
+A Dataset + DataLoader (2 worker processes on the CPU) + torchvision v2 transforms
 per image, the model in channels_last, bfloat16 autocast (float32 on a CPU without bfloat16 arithmetic, where
 cnns runs float32 too; float16 with a GradScaler on a GPU without bfloat16, Volta/Turing, where cnns runs
 float16 too), float32 weights and `torch.optim.SGD` with momentum. The model comes from
@@ -13,18 +13,18 @@ kind of data:
   ToDtype + Normalize in 2 DataLoader workers.
 
 With ``compile`` the model is ``torch.compile(model)``d as a user writes it (the default mode; the
-optimiser step stays eager); compilation happens in the first iterations, which the runner's reading
-drops with the first printed value.
+optimiser step stays eager); compilation happens in the first interval, which the runner drops.
 
-It prints the seed's step line (``throughput: X samples/sec``) every ``log_freq`` iterations (and the
-validation line per inference pass), so `cnns.bench.runner` reads both sides with one parser.
-Run as ``python -m cnns.bench.baseline '<json>'``; the runner builds the JSON from the benchmark's
-own command line.
+Every ``log_freq`` iterations (every inference pass) it prints a line and, given a ``log_dir``, appends the
+interval's ``img_per_sec`` to ``training.csv`` (``validation.csv``) there, the column and file a cnns run
+folder has, so `cnns.bench.runner` reads both loops alike. Run as ``python -m cnns.bench.baseline '<json>'``;
+the runner builds the JSON from the benchmark's own command line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import sys
 import time
@@ -70,10 +70,25 @@ class BaselineSpec:
     seed: int = 0
     profile_dir: str | None = None  # `cnns profile`: a profiler trace of the training loop goes there
     compile: bool = False  # torch.compile(model), default mode
+    log_dir: str | None = None  # where training.csv / validation.csv get each interval's images/s
 
     @classmethod
     def from_json(cls, text: str) -> "BaselineSpec":
         return cls(**json.loads(text))
+
+    def record(self, seconds: float, images: int) -> None:
+        """One interval: a printed line, and a row of the log folder's file (the name a cnns run folder uses)."""
+        rate = images / seconds
+        print(f"plain loop: {images} images in {seconds:.6f} s, throughput: {rate:.2f} samples/sec", flush=True)
+        if self.log_dir is None:
+            return
+        path = Path(self.log_dir) / ("training.csv" if self.mode == "train" else "validation.csv")
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["img_per_sec", "seconds", "images"])
+            writer.writerow([rate, seconds, images])
 
 
 def build_plain_model(spec: BaselineSpec) -> torch.nn.Module:
@@ -188,7 +203,7 @@ def train(spec: BaselineSpec) -> None:
     half = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16 and device.type == "cuda")
     batches = make_batches(spec, device, train=True)
-    start = interval_start = time.perf_counter()
+    interval_start = time.perf_counter()
     with profiled(spec.profile_dir, device):
         for iteration in range(1, spec.iterations + 1):
             with profiling.marked(profiling.UPDATE):
@@ -203,7 +218,9 @@ def train(spec: BaselineSpec) -> None:
                     scaler.step(optimiser)
                     scaler.update()
             if iteration % spec.log_freq == 0 or iteration == spec.iterations:
-                print_step_line(spec, iteration, loss, start, interval_start)
+                loss.item()  # the host synchronisation, once per logging interval
+                done = spec.log_freq if iteration % spec.log_freq == 0 else iteration % spec.log_freq
+                spec.record(time.perf_counter() - interval_start, done * spec.batch_size * spec.grad_accum)
                 interval_start = time.perf_counter()
 
 
@@ -216,16 +233,6 @@ def profiled(folder: str | None, device: torch.device):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(folder))
-
-
-def print_step_line(spec: BaselineSpec, iteration: int, loss: torch.Tensor, start: float, interval_start: float) -> None:
-    """The seed's step line for the updates since ``interval_start``."""
-    value = loss.item() * spec.grad_accum  # the host synchronisation, once per logging interval
-    now = time.perf_counter()
-    done = spec.log_freq if iteration % spec.log_freq == 0 else iteration % spec.log_freq
-    print(f"step: {iteration * spec.grad_accum:6d}, iteration: {iteration:6d}, loss: {value:6.3f}, "
-          f"throughput: {done * spec.batch_size * spec.grad_accum / (now - interval_start):6.2f} samples/sec, "
-          f"time: {(now - interval_start) / done:8.6f}, total_time: {now - start:8.1f}", flush=True)
 
 
 @torch.inference_mode()
@@ -244,10 +251,8 @@ def infer(spec: BaselineSpec) -> None:
                 logits = model(images)
             correct += (logits.argmax(1) == labels).sum()
             count += labels.shape[0]
-        accuracy = 100.0 * correct.item() / count  # the host synchronisation, once per pass
-        seconds = time.perf_counter() - start
-        print(f"Validation top-1 accuracy: {accuracy:6.3f}% [plain] (throughput: {count / seconds:6.2f} samples/sec, "
-              f"time: {seconds:8.6f})", flush=True)
+        correct.item()  # the host synchronisation, once per pass
+        spec.record(time.perf_counter() - start, count)
 
 
 def main(argv: list[str] | None = None) -> int:

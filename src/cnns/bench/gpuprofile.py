@@ -72,6 +72,8 @@ from typing import Any
 import torch
 
 from cnns import profiling
+from cnns.bench import roofline
+from cnns.bench.opprofile import read_trace, run_profiled
 from cnns.errors import CnnsError
 
 CONVOLUTION = "convolution"
@@ -268,8 +270,6 @@ def breakdown_of_updates(updates: list[GpuUpdate]) -> GpuBreakdown:
 
 
 def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
-    from cnns.bench.traces import read_trace
-
     try:
         events = read_trace(folder)
     except FileNotFoundError as exc:
@@ -297,44 +297,6 @@ def _roofline_family(op_name: str) -> str | None:
     return None
 
 
-def model_operators_with_reads(model_spec, batch_size: int, dtype: torch.dtype):
-    """`cnns.bench.roofline.model_operators` of a training step, each with the bytes of its activation-sized
-    inputs (those with as many elements as its largest input): what a normalisation's reductions read."""
-    from torch.utils._pytree import tree_flatten
-
-    from cnns.bench import roofline
-    from cnns.models import build_model
-
-    class Recorder(roofline._OpRecorder):
-        def __init__(self):
-            super().__init__()
-            self.reads: list[float] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            before = len(self.ops)
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            if len(self.ops) > before:
-                inputs = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-                largest = max((t.numel() for t in inputs), default=0)
-                self.reads.append(roofline._nbytes([t for t in inputs if t.numel() == largest]))
-            return out
-
-    with torch.device("meta"):
-        model = build_model(model_spec)
-    model = model.to(dtype=dtype, memory_format=torch.channels_last).train()
-    size = model_spec.image_size
-    images = torch.empty(batch_size, 3, size, size, device="meta", dtype=dtype).contiguous(
-        memory_format=torch.channels_last)
-    labels = torch.zeros(batch_size, dtype=torch.long, device="meta")
-    recorder = Recorder()
-    with recorder:
-        torch.nn.functional.cross_entropy(model(images).float(), labels).backward()
-    params = sum(p.numel() for p in model.parameters())
-    # SGD with momentum, as roofline.model_operators counts it
-    optimiser = roofline.OpCost("optimiser", 2.0 * params, 5 * 4 * params)
-    return list(zip(recorder.ops, recorder.reads)) + [(optimiser, 0.0)]
-
-
 def family_rooflines(model_spec, batch_size: int, accumulation: int, dtype: torch.dtype, matmul_gflops: float,
                      bandwidth_gbs: float) -> dict[str, float]:
     """Roofline milliseconds per update of the families that have one, and of ``norm + act + add``."""
@@ -343,14 +305,14 @@ def family_rooflines(model_spec, batch_size: int, accumulation: int, dtype: torc
 
     out = {family: 0.0 for family in (CONVOLUTION, NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD, OPTIMISER)}
     fused = 0.0  # norm + act + add: roofline.py's minimal of their operators together
-    for op, reads in model_operators_with_reads(model_spec, batch_size, dtype):
+    for op in roofline.model_operators(model_spec, batch_size, True, dtype):
         family = _roofline_family(op.name)
         if family is None:
             continue
         times = 1 if family == OPTIMISER else accumulation
         out[family] += times * seconds(op.flops, op.bytes)
         if family == NORM_APPLY:
-            out[NORM_STATISTICS] += times * seconds(0.0, reads)
+            out[NORM_STATISTICS] += times * seconds(0.0, op.largest_input_bytes)
         if family in MEMORY_BOUND:
             fused += times * seconds(op.flops, op.bytes)
     out = {family: s * 1e3 for family, s in out.items()}
@@ -420,26 +382,26 @@ def format_gpu_report(report: GpuProfileReport) -> str:
 CUDA_WARMUP = 3  # updates left out on a GPU: compilation, CUDA-graph warm-up and recording
 
 
-def profile_cuda_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float, run, eager: bool = False,
-                       rates=None, warmup: int = CUDA_WARMUP) -> GpuProfileReport:
+def profile_cuda_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float, run=run_profiled,
+                       eager: bool = False, rates=None, warmup: int = CUDA_WARMUP) -> GpuProfileReport:
     """Both sides of one planned CUDA training entry (its command line already carries
     `cnns.bench.opprofile.profile_arguments`), and with ``eager`` cnns again without compilation."""
     import json
     import sys
 
-    from cnns.bench.runner import command_argv, subprocess_env
+    from cnns.bench.runner import command_argv
 
     folder.mkdir(parents=True, exist_ok=True)
     cnns_argv = command_argv(plan.script, plan.argv, spec_dir)
     runs = [("cnns", cnns_argv, folder / "cnns")]
-    if eager:  # the last --profile-dir and --compile/--no-compile win
-        runs.append(("cnns eager", cnns_argv + ["--no-compile", "--profile-dir", str(folder / "cnns-eager")],
-                     folder / "cnns-eager"))
+    if eager:  # the last --profile-dir, --logs-path and --compile/--no-compile win
+        runs.append(("cnns eager", cnns_argv + ["--no-compile", "--profile-dir", str(folder / "cnns-eager"),
+                                                "--logs-path", str(folder / "cnns-eager-run")], folder / "cnns-eager"))
     baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
     runs.append(("plain", [sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], folder / "plain"))
     sides = {}
     for side, argv, trace_dir in runs:
-        run(argv, timeout, subprocess_env(), folder / f"{side.replace(' ', '-')}.log")
+        run(argv, timeout, folder / f"{side.replace(' ', '-')}.log")
         sides[side] = gpu_breakdown_of_trace(trace_dir, warmup)
     report = GpuProfileReport(name, sides, skipped=warmup)
     if rates is None:

@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from cnns import profiling
-from cnns.bench.traces import read_trace
 from cnns.errors import CnnsError
 
 FAMILIES = ("convolution forward", "convolution input-gradient", "convolution weight-gradient",
@@ -58,6 +57,15 @@ _NAMES = (
     ("relu", "activations"), ("clamp_min", "activations"), ("silu", "activations"), ("sigmoid", "activations"),
     ("aten::add", "additions"),
 )
+
+
+def read_trace(folder: Path) -> list[dict[str, Any]]:
+    """The events of the newest Chrome-format trace a torch.profiler wrote into `folder` (both loops' traces,
+    on a CPU and on a GPU)."""
+    traces = sorted(Path(folder).glob("*.pt.trace.json"))
+    if not traces:
+        raise FileNotFoundError(f"no profiler trace in {folder}")
+    return json.loads(traces[-1].read_text())["traceEvents"]
 
 
 def family_of_name(name: str) -> str | None:
@@ -210,23 +218,18 @@ def convolution_backward_split(model_spec, batch_size: int, dtype: torch.dtype) 
 
 def profile_arguments(updates: int, folder: Path, warmup: int = 1) -> list[str]:
     """What train.py's command line gets appended (its last values win): ``warmup`` updates, then ``updates``,
-    traced into the entry's ``folder`` where `profile_entry` reads it."""
+    traced into the entry's ``folder`` where `profile_entry` reads it, its run folder beside the trace."""
     return ["--iterations", str(updates + warmup), "--log-freq", "1", "--profile", "--profile-dir",
-            str(folder / "cnns")]
+            str(folder / "cnns"), "--logs-path", str(folder / "cnns-run")]
 
 
-def run_profiled(argv: list[str], timeout: float, env: dict[str, str], log_path: Path) -> None:
+def run_profiled(argv: list[str], timeout: float, log_path: Path) -> None:
     """One profiled side; a failure or a timeout is one line (CnnsError) naming the log."""
-    import subprocess
+    from cnns.bench.runner import run_child
 
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise CnnsError(f"{argv[1]} did not finish within {timeout:.0f} s") from None
-    log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
-    if out.returncode != 0:
-        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise CnnsError(f"{argv[1]} exited with {out.returncode}: {tail[:300]} (log: {log_path})")
+    error = run_child(argv, timeout, log_path)
+    if error:
+        raise CnnsError(f"{argv[1]}: {error} (log: {log_path})")
 
 
 @dataclass
@@ -238,37 +241,23 @@ class ProfileReport:
 
 
 def profile_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float,
-                  run: Callable[[list[str], float, dict[str, str], Path], None] = run_profiled, eager: bool = False,
-                  warmup: int = 1, rates=None):
-    """Both sides of one planned training entry (`cnns.bench.runner.Plan`, whose command line already carries
-    `profile_arguments` with ``warmup``), profiled into ``folder``: a `ProfileReport` of CPU operators, or for a
-    CUDA entry a `cnns.bench.gpuprofile.GpuProfileReport` of GPU kernels (with ``eager``, cnns's side once more
-    without compilation; ``rates``: the GPU's measured `cnns.bench.rates.DeviceRates`, measured when None)."""
+                  run: Callable[[list[str], float, Path], None] = run_profiled, warmup: int = 1) -> ProfileReport:
+    """Both sides of one planned CPU training entry (`cnns.bench.runner.Plan`, whose command line already carries
+    `profile_arguments` with ``warmup``), profiled into ``folder``: their operators by family."""
     import sys
 
-    from cnns.bench.runner import command_argv, subprocess_env
+    from cnns.bench.runner import command_argv
 
-    if torch.device(plan.device).type == "cuda":
-        from cnns.bench.gpuprofile import profile_cuda_entry
-
-        return profile_cuda_entry(name, plan, spec_dir, folder, timeout, run, eager=eager, rates=rates,
-                                  warmup=warmup)
     folder.mkdir(parents=True, exist_ok=True)
-    run(command_argv(plan.script, plan.argv, spec_dir), timeout, subprocess_env(), folder / "cnns.log")
+    run(command_argv(plan.script, plan.argv, spec_dir), timeout, folder / "cnns.log")
     baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
-    run([sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], timeout, subprocess_env(),
-        folder / "plain.log")
+    run([sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], timeout, folder / "plain.log")
     share = convolution_backward_split(plan.model_spec, plan.batch_size, plan.activation_dtype)
     return ProfileReport(name, breakdown_of_trace(folder / "cnns", share, warmup),
                          breakdown_of_trace(folder / "plain", share, warmup), share)
 
 
-def format_report(report) -> str:
-    """The table of a `ProfileReport` (CPU operators) or a `cnns.bench.gpuprofile.GpuProfileReport`."""
-    if not isinstance(report, ProfileReport):
-        from cnns.bench.gpuprofile import format_gpu_report
-
-        return format_gpu_report(report)
+def format_report(report: ProfileReport) -> str:
     cnns, plain = report.cnns, report.plain
     lines = [f"{report.name}: milliseconds per update (mean of {cnns.updates} updates after the first)",
              f"{'family':<28} {'cnns ms':>9} {'%':>6} {'plain ms':>9} {'%':>6}"]

@@ -45,7 +45,7 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int
 def peak_rate(device: torch.device = torch.device("cpu")) -> tuple[float, dict[str, float]]:
     """The roofline: the faster of the float32 and half matmul rates (GFLOP/s) on ``device``, and both rates.
 
-    On a CPU with bfloat16 arithmetic that is the bfloat16 rate (DESIGN.md's reference); on one
+    On a CPU with bfloat16 arithmetic that is the bfloat16 rate; on one
     without, float32 is what the hardware can do and what the fast path runs. On a GPU the half type is the
     one 16.x runs there (`cnns.precision.default_half_dtype`).
     """

@@ -1,4 +1,4 @@
-"""What a benchmark invocation found, entry by entry: its figures, the ratios and fractions computed
+"""What a benchmark invocation found, entry by entry: each loop's runs, the ratios and fractions computed
 from them, and how they are printed and written (a table on the screen, CSV and JSON files)."""
 
 from __future__ import annotations
@@ -12,11 +12,32 @@ from typing import Any
 
 from cnns.bench.spec import BACKENDS_KIND, COMMAND_KIND
 
-# The measured sides of a command entry: cnns, the plain loop eager, the plain loop torch.compile'd. Each has
-# <side>_images_per_sec, <side>_runs, <side>_peak_fraction and <side>_roofline_fraction; each plain side has
-# its ratio (cnns over it) and per-repeat ratios: ratio / pair_ratios (eager), ratio_compiled /
-# pair_ratios_compiled (compiled).
-SIDES = ("cnns", "plain", "plain_compiled")
+# The loops a command entry measures: cnns, and the plain loop in each of its modes (spec.BASELINE_MODES).
+PLAIN_SIDES = {"eager": "plain", "compiled": "plain_compiled"}
+SIDES = ("cnns", *PLAIN_SIDES.values())
+LABELS = {"cnns": "cnns", "plain": "plain", "plain_compiled": "compiled"}
+
+
+@dataclass
+class Side:
+    """One loop's runs of an entry, in images/s; for a plain loop also cnns over it in each repeat in which
+    both ran: those two runs are adjacent in time, so they share the machine's state."""
+
+    runs: list[float] = field(default_factory=list)
+    pair_ratios: list[float] = field(default_factory=list)
+    peak_fraction: float | None = None
+    roofline_fraction: float | None = None
+
+    @property
+    def images_per_sec(self) -> float | None:
+        """The best run: other processes on a shared machine only ever slow a run down."""
+        return max(self.runs) if self.runs else None
+
+    @property
+    def ratio(self) -> float | None:
+        """cnns over this loop: the median of the repeats' ratios, since a shared host's speed drifts within
+        minutes and the best runs of two loops may come from different moments."""
+        return statistics.median(self.pair_ratios) if self.pair_ratios else None
 
 
 @dataclass
@@ -28,36 +49,25 @@ class Result:
     data: str = ""
     batch_size: int = 0  # the micro-batch
     grad_accum: int = 1
-    cnns_images_per_sec: float | None = None
-    plain_images_per_sec: float | None = None
-    ratio: float | None = None
-    cnns_peak_fraction: float | None = None
-    plain_peak_fraction: float | None = None
-    flops_per_image: float | None = None
-    cnns_roofline_fraction: float | None = None
-    plain_roofline_fraction: float | None = None
-    roofline_images_per_sec: float | None = None
-    cnns_runs: list[float] = field(default_factory=list)
-    plain_runs: list[float] = field(default_factory=list)
-    # cnns over plain for each repeat in which both sides ran: the two runs are adjacent in time, so they
-    # share the machine's state (a shared host drifts 10-15 % within minutes); their spread shows the noise.
-    pair_ratios: list[float] = field(default_factory=list)
-    baseline_command: str = ""
-    error: str | None = None
-    kind: str = COMMAND_KIND
     device: str = "cpu"
-    # The plain loop's modes that ran beside cnns (spec.BASELINE_MODES): eager fills the plain_* fields and
-    # ratio / pair_ratios, compiled the plain_compiled_* fields and ratio_compiled / pair_ratios_compiled.
-    baseline_modes: list[str] = field(default_factory=lambda: ["eager"])
-    plain_compiled_images_per_sec: float | None = None
-    ratio_compiled: float | None = None
-    plain_compiled_peak_fraction: float | None = None
-    plain_compiled_roofline_fraction: float | None = None
-    plain_compiled_runs: list[float] = field(default_factory=list)
-    pair_ratios_compiled: list[float] = field(default_factory=list)
+    kind: str = COMMAND_KIND
+    baseline_command: str = ""
+    flops_per_image: float | None = None
+    roofline_images_per_sec: float | None = None
+    sides: dict[str, Side] = field(default_factory=dict)  # by SIDES name: cnns and the plain modes that ran
     # inference-backends entries: one dict per backend (cnns.bench.backends.BackendResult's fields, the best
     # repeat's), plus "runs" (images/s per repeat) and "ratios" (over eager float32, per repeat)
     backends: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    def side(self, name: str) -> Side:
+        return self.sides.setdefault(name, Side())
+
+    def images_per_sec(self, name: str) -> float | None:
+        return self.sides[name].images_per_sec if name in self.sides else None
+
+    def add_error(self, error: str) -> None:
+        self.error = f"{self.error}; {error}" if self.error else error
 
 
 def entry_failed(result: Result) -> bool:
@@ -65,26 +75,36 @@ def entry_failed(result: Result) -> bool:
     (or the process) failed. A backend skipped on this machine (bfloat16 where it is emulated) is no failure."""
     if result.kind == BACKENDS_KIND:
         return bool(result.error) or not result.backends or any(b.get("error") for b in result.backends)
-    return result.cnns_images_per_sec is None
-
-
-def paired_ratio(result: Result, mode: str = "eager") -> float | None:
-    """The median of the per-repeat ratios against the plain loop in `mode` (eager or compiled): on a shared
-    host whose speed drifts within minutes, the runs of a repeat see the same machine, while the best run of
-    each side may come from different moments (one ResNet-20 invocation gave pairs of 1.39, 1.13 and 0.89x).
-    With one repeat it is the plain ratio."""
-    pairs = result.pair_ratios_compiled if mode == "compiled" else result.pair_ratios
-    return statistics.median(pairs) if pairs else None
+    return result.images_per_sec("cnns") is None
 
 
 def set_peak_fractions(result: Result, peak_gflops: float) -> None:
-    """images/s x FLOPs per image as a fraction of the measured bfloat16 matmul rate."""
+    """Each loop's images/s x FLOPs per image as a fraction of the measured matmul peak."""
     if not result.flops_per_image or not peak_gflops:
         return
-    for side in SIDES:
-        rate = getattr(result, f"{side}_images_per_sec")
-        if rate:
-            setattr(result, f"{side}_peak_fraction", rate * result.flops_per_image / (peak_gflops * 1e9))
+    for side in result.sides.values():
+        if side.images_per_sec:
+            side.peak_fraction = side.images_per_sec * result.flops_per_image / (peak_gflops * 1e9)
+
+
+def set_roofline_fractions(result: Result, roofline_images_per_sec: float) -> None:
+    result.roofline_images_per_sec = roofline_images_per_sec
+    for side in result.sides.values():
+        if side.images_per_sec:
+            side.roofline_fraction = side.images_per_sec / roofline_images_per_sec
+
+
+def flat_row(result: Result) -> dict[str, Any]:
+    """A command entry as one flat record (the CSV row and the JSON object): ``<side>_images_per_sec``,
+    ``_runs``, ``_peak_fraction``, ``_roofline_fraction``, and for a plain loop ``_ratio`` and ``_pair_ratios``."""
+    row = {k: v for k, v in asdict(result).items() if k not in ("sides", "backends")}
+    row["baseline_modes"] = [mode for mode, side in PLAIN_SIDES.items() if side in result.sides]
+    for name, side in result.sides.items():
+        row.update({f"{name}_images_per_sec": side.images_per_sec, f"{name}_runs": side.runs,
+                    f"{name}_peak_fraction": side.peak_fraction, f"{name}_roofline_fraction": side.roofline_fraction})
+        if name != "cnns":
+            row.update({f"{name}_ratio": side.ratio, f"{name}_pair_ratios": side.pair_ratios})
+    return row
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -95,44 +115,39 @@ def _percent(fraction: float | None) -> str:
     return _fmt(None if fraction is None else 100 * fraction, "{:.1f}%")
 
 
-def _table_row(r: Result, paired: bool, compiled: bool) -> list[str]:
-    row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else ""),
-           _fmt(r.cnns_images_per_sec, "{:.2f}"), _fmt(r.plain_images_per_sec, "{:.2f}"), _fmt(r.ratio, "{:.2f}x")]
-    if compiled:
-        row += [_fmt(r.plain_compiled_images_per_sec, "{:.2f}"), _fmt(r.ratio_compiled, "{:.2f}x")]
-    row += [_percent(r.cnns_peak_fraction), _percent(r.plain_peak_fraction), _fmt(r.roofline_images_per_sec, "{:.1f}"),
-            _percent(r.cnns_roofline_fraction), _percent(r.plain_roofline_fraction)]
-    if compiled:
-        row.append(_percent(r.plain_compiled_roofline_fraction))
-    if paired:
-        row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios) or "-")
-        if compiled:
-            row.append(" ".join(f"{v:.2f}" for v in r.pair_ratios_compiled) or "-")
-    return row
+def _aligned(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ([" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
+            + [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows])
 
 
 def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float | None = None) -> str:
-    # columns worth showing once there are repeats, and once a plain loop ran compiled (the GPU entries)
-    paired = any(len(r.pair_ratios) > 1 or len(r.pair_ratios_compiled) > 1 for r in results)
-    compiled = any("compiled" in r.baseline_modes for r in results)
-    header = ["benchmark", "model", "mode", "data", "batch", "cnns img/s", "plain img/s", "ratio"]
-    header += ["compiled img/s", "vs compiled"] if compiled else []
-    header += ["cnns %peak", "plain %peak", "roofline img/s", "cnns %roof", "plain %roof"]
-    header += ["compiled %roof"] if compiled else []
-    header += ["ratio per repeat"] if paired else []
-    header += ["vs compiled per repeat"] if paired and compiled else []
-    rows = [_table_row(r, paired, compiled) for r in results]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
-             "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; "
-                 "training FLOPs = 3 x forward; "
-                 "batch MxA = micro-batch x accumulation (both loops).")
-    if compiled:
+    shown = [s for s in SIDES if s == "cnns" or any(s in r.sides for r in results)] if results else list(SIDES[:2])
+    plain = [s for s in shown if s != "cnns"]
+    # per-repeat ratios are worth a column once there are repeats
+    paired = any(len(r.sides[s].pair_ratios) > 1 for r in results for s in plain if s in r.sides)
+    header = ["benchmark", "model", "mode", "data", "batch"]
+    for s in shown:
+        header += [f"{LABELS[s]} img/s"] + ([f"vs {LABELS[s]}"] if s != "cnns" else [])
+    header += [f"{LABELS[s]} %peak" for s in shown] + ["roofline img/s"] + [f"{LABELS[s]} %roof" for s in shown]
+    header += [f"vs {LABELS[s]} per repeat" for s in plain] if paired else []
+    rows = []
+    for r in results:
+        sides = [r.sides.get(s, Side()) for s in shown]
+        row = [r.name, r.model, r.mode, r.data, str(r.batch_size) + (f"x{r.grad_accum}" if r.grad_accum > 1 else "")]
+        for s, side in zip(shown, sides):
+            row += [_fmt(side.images_per_sec, "{:.2f}")] + ([_fmt(side.ratio, "{:.2f}x")] if s != "cnns" else [])
+        row += [_percent(side.peak_fraction) for side in sides] + [_fmt(r.roofline_images_per_sec, "{:.1f}")]
+        row += [_percent(side.roofline_fraction) for side in sides]
+        if paired:
+            row += [" ".join(f"{v:.2f}" for v in side.pair_ratios) or "-" for s, side in zip(shown, sides) if s != "cnns"]
+        rows.append(row)
+    lines = _aligned(header, rows)
+    lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; training FLOPs = "
+                 "3 x forward; batch MxA = micro-batch x accumulation (both loops); vs X: cnns img/s over X's.")
+    if "plain_compiled" in shown:
         lines.append("plain: the plain loop as written (eager); compiled: the same loop with torch.compile(model) "
-                     "(default mode), its compilation in the dropped first interval; ratio / vs compiled: cnns "
-                     "img/s over each.")
+                     "(default mode), its compilation in the dropped first interval.")
     if any(r.device != "cpu" for r in results):
         lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
                      "at the start)")
@@ -140,10 +155,8 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
         lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / {bandwidth_gbs:.1f} GB/s "
                      "stream triad) (cnns.bench.roofline); %roof = img/s over the roofline's.")
     if paired:
-        lines.append("img/s: the best run of each side; ratio: the median of the repeats' ratios of adjacent runs.")
-    for r in results:
-        if r.error:
-            lines.append(f"{r.name}: {r.error}")
+        lines.append("img/s: the best run of each loop; vs X: the median of the repeats' ratios of adjacent runs.")
+    lines += [f"{r.name}: {r.error}" for r in results if r.error]
     return "\n".join(lines)
 
 
@@ -161,18 +174,15 @@ def format_backends_table(results: list[Result]) -> str:
     rows = []
     for r in results:
         for b in r.backends:
-            measured = b.get("images_per_sec") is not None
             state = "skipped" if b.get("skipped") else "error"
             row = [r.name, r.model, str(r.batch_size), b["label"],
-                   _fmt(b.get("images_per_sec"), "{:.2f}") if measured else state,
+                   _fmt(b.get("images_per_sec"), "{:.2f}") if b.get("images_per_sec") is not None else state,
                    _fmt(b.get("latency_avg_ms"), "{:.2f}"), _fmt(b.get("latency_p99_ms"), "{:.2f}"),
                    _fmt(b.get("ratio_vs_eager"), "{:.2f}x"), _compile_cell(b), _fmt(b.get("max_rel_diff"), "{:.1e}")]
             if repeated:
                 row.append(" ".join(f"{v:.2f}" for v in b.get("ratios", [])) or "-")
             rows.append(row)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = _aligned(header, rows)
     lines.append("All on the same random uint8 NHWC batch, normalisation inside the model, one process per run, "
                  "the same threads; latency per batch (p99: numpy percentile of the timed batches, warm-up "
                  "excluded); vs eager: images/s over eager float32's in the same process"
@@ -199,52 +209,42 @@ def format_backends_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "cnns_images_per_sec",
-               "plain_images_per_sec", "ratio", "cnns_peak_fraction", "plain_peak_fraction", "flops_per_image",
-               "roofline_images_per_sec", "cnns_roofline_fraction", "plain_roofline_fraction",
-               "cnns_runs", "plain_runs", "pair_ratios", "command", "baseline_command", "error", "device",
-               # inference-backends entries: one row per backend
-               "kind", "backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager",
-               "compile_s", "max_abs_diff", "max_rel_diff",
-               # the plain loop torch.compile'd (baseline_modes: compiled, the GPU entries' default)
-               "baseline_modes", "plain_compiled_images_per_sec", "ratio_compiled", "plain_compiled_peak_fraction",
-               "plain_compiled_roofline_fraction", "plain_compiled_runs", "pair_ratios_compiled")
+BASE_COLUMNS = ("name", "model", "mode", "data", "batch_size", "grad_accum", "device", "kind", "flops_per_image",
+                "roofline_images_per_sec", "command", "baseline_command", "baseline_modes", "error")
+SIDE_COLUMNS = tuple(f"{side}_{what}" for side in SIDES for what in
+                     ("images_per_sec", "runs", "peak_fraction", "roofline_fraction")
+                     + (("ratio", "pair_ratios") if side != "cnns" else ()))
+# inference-backends entries: one row per backend (runs: images/s per repeat; ratios: over eager, per repeat)
+BACKEND_COLUMNS = ("backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms", "ratio_vs_eager", "compile_s",
+                   "max_abs_diff", "max_rel_diff", "runs", "ratios")
+CSV_COLUMNS = BASE_COLUMNS + SIDE_COLUMNS + BACKEND_COLUMNS
 
 
-def _backend_csv_rows(r: Result) -> list[dict[str, Any]]:
+def _backend_rows(r: Result) -> list[dict[str, Any]]:
     rows = []
     for b in r.backends:
-        row = {key: getattr(r, key) for key in ("name", "model", "mode", "data", "batch_size", "grad_accum",
-                                                "command", "kind")}
-        row.update({key: b.get(key) for key in ("backend", "images_per_sec", "latency_avg_ms", "latency_p99_ms",
-                                                "ratio_vs_eager", "compile_s", "max_abs_diff", "max_rel_diff")})
-        row["cnns_runs"] = " ".join(f"{v:.3f}" for v in b.get("runs", []))
-        row["pair_ratios"] = " ".join(f"{v:.3f}" for v in b.get("ratios", []))
         problems = [f"skipped: {b['skipped']}" if b.get("skipped") else None, b.get("error"), r.error]
-        row["error"] = "; ".join(p for p in problems if p) or None
-        rows.append(row)
+        rows.append({**{k: getattr(r, k) for k in BASE_COLUMNS if hasattr(r, k)},
+                     **{k: b.get(k) for k in BACKEND_COLUMNS}, "error": "; ".join(p for p in problems if p) or None})
     return rows
+
+
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, list):
+        return " ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in value)
+    return value
 
 
 def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json"
+    rows = [row for r in results for row in (_backend_rows(r) if r.kind == BACKENDS_KIND else [flat_row(r)])]
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        for r in results:
-            if r.kind == BACKENDS_KIND:
-                writer.writerows(_backend_csv_rows(r))
-                continue
-            row = asdict(r)
-            row["cnns_runs"] = " ".join(f"{v:.3f}" for v in r.cnns_runs)
-            row["plain_runs"] = " ".join(f"{v:.3f}" for v in r.plain_runs)
-            row["pair_ratios"] = " ".join(f"{v:.3f}" for v in r.pair_ratios)
-            row["plain_compiled_runs"] = " ".join(f"{v:.3f}" for v in r.plain_compiled_runs)
-            row["pair_ratios_compiled"] = " ".join(f"{v:.3f}" for v in r.pair_ratios_compiled)
-            row["baseline_modes"] = " ".join(r.baseline_modes)
-            writer.writerow(row)
-    json_path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+        writer.writerows({k: _csv_cell(v) for k, v in row.items()} for row in rows)
+    records = [{**flat_row(r), "backends": r.backends} if r.kind == BACKENDS_KIND else flat_row(r) for r in results]
+    json_path.write_text(json.dumps({**meta, "results": records}, indent=2) + "\n")
     return csv_path, json_path
 
 

@@ -48,6 +48,8 @@ class OpCost:
     name: str
     flops: float
     bytes: float
+    # its inputs with as many elements as its largest: what a normalisation's reductions must read
+    largest_input_bytes: float = 0.0
 
 
 def _nbytes(tensors) -> float:
@@ -92,8 +94,10 @@ class _OpRecorder(TorchDispatchMode):
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        largest = max((t.numel() for t in inputs), default=0)
         # An in-place operator returns one of its inputs: it is read once and written once.
-        self.ops.append(OpCost(name, flops, _nbytes(inputs) + _nbytes(outputs)))
+        self.ops.append(OpCost(name, flops, _nbytes(inputs) + _nbytes(outputs),
+                               _nbytes([t for t in inputs if t.numel() == largest])))
         return out
 
 

@@ -1,54 +1,35 @@
-"""cnns benchmark: run each benchmarks.yml entry as the seed's command line, beside the plain PyTorch loop.
+"""cnns benchmark: run each benchmarks.yml entry as Graphcore's command line, beside the plain PyTorch loop.
 
-For every entry the runner
-1. runs the entry's ``train.py`` / ``validation.py`` command line in a subprocess and reads its
-   throughput the way the seed's benchmarking README says: the mean of the printed
-   ``throughput: X samples/sec`` values, dropping the first (it includes warm-up);
-2. runs the plain hand-written loop of DESIGN.md (`cnns.bench.baseline`) on the same model, batch size
-   and kind of data, in a subprocess too, and reads it the same way, once per mode the entry's
-   ``baseline_modes`` names: ``eager`` and/or ``compiled`` (``torch.compile(model)``, default mode; both by
-   default on a GPU, eager alone on the CPU), each with images/s and a ratio of its own;
-3. alternates the sides ``--repeats`` times (ours, plain, plain, ours, ...) so that both see the same
-   machine, and reports the best run of each as images/s (other processes on a shared machine only ever
-   slow a run down) and, as the ratio, the median of each repeat's ratio of its two adjacent runs (a
-   shared host's speed drifts within minutes, so the two best runs may come from different moments);
-4. reports images/s, the ratio to the plain loop, and the fraction of the matmul rate measured
-   at start (2048x2048 bfloat16 matmul on this CPU): images/s x FLOPs per image / matmul rate, with
-   training FLOPs = 3 x forward FLOPs, forward FLOPs counted once per model with
-   torch.utils.flop_counter.FlopCounterMode;
-5. reports the fraction of each benchmark's roofline (`cnns.bench.roofline`): the sum over the model's
-   operators, forward and backward, of max(FLOPs / matmul rate, minimal bytes / stream bandwidth), against
-   the time each side measured.
+For every command entry the runner
+1. runs the entry's ``train.py`` / ``validation.py`` command line in a subprocess, its run folder placed with
+   ``--logs-path``, and reads the throughput the engine recorded there (``img_per_sec`` of training.csv, or
+   of validation.csv for validation) the way Graphcore's benchmarking instructions read the printed values:
+   their mean, dropping the first (it includes warm-up);
+2. runs the plain hand-written loop (`cnns.bench.baseline`) on the same model, batch size, kind of data and
+   device, in a subprocess too, which writes the same column into the same file name, once per mode the
+   entry's ``baseline_modes`` names (eager, and ``torch.compile(model)``);
+3. alternates the loops ``--repeats`` times (ours, plain, plain, ours, ...) so that both see the same
+   machine, and reports the best run of each (`cnns.bench.results.Side`) and, as the ratio, the median of the
+   repeats' ratios of adjacent runs;
+4. reports each loop's fraction of the measured matmul peak (training FLOPs = 3 x forward FLOPs, counted
+   with torch.utils.flop_counter) and of the model's roofline (`cnns.bench.roofline`).
 
-Results go to the screen as a table and to ``benchmark-results/<spec>-<time>.{csv,json}``.
+An ``inference-backends`` entry runs ``python -m cnns.bench.backends '<json>'`` instead, which measures eager
+PyTorch, an AOTInductor package and onnxruntime on the same model and input in one process and writes JSON;
+its compiled artefacts are kept in ``<output-dir>/backend-cache``.
 
-An entry with ``kind: inference-backends`` has no command line: it names a model, batch and image size, and
-the runner runs ``python -m cnns.bench.backends '<json>'`` (`cnns.bench.backends`), which measures eager
-PyTorch, an AOTInductor package and onnxruntime on the same model and input in one process; those entries
-get a table of their own (images/s, latency avg and p99, ratio to eager float32, compile seconds) and one
-CSV row per backend. Their compiled artefacts are kept in ``<output-dir>/backend-cache`` and reused.
-
-An entry says where it runs with ``device:`` (``cpu``, the default, or ``cuda``/``cuda:N``); the runner adds
-``--device`` to its command line, so a CPU entry stays on the CPU of a machine that also has a GPU, and runs
-the plain loop on the same device. The matmul rate and the stream bandwidth are measured on each device the
-chosen entries use. An entry whose device is not on this machine is skipped with one line (a CUDA entry on a
-machine without a GPU); a selection that holds nothing else is an error.
-
-A command may say ``{cifar10}``: the runner writes a CIFAR-10-format folder of drawn shapes
-(`cnns.data.builtin.draw_shapes` + `cnns.data.cifar.write_cifar10`; ``cifar10_images:`` in the spec,
-10,000 by default) once and substitutes its path. Nothing is ever downloaded.
-
-The spec is read by `cnns.bench.spec`, the machine's rates measured by `cnns.bench.rates`, and the results
-computed, printed and written by `cnns.bench.results`; this module plans and runs the entries.
+An entry runs on its ``device:`` (cpu by default); the runner adds ``--device``. An entry whose device this
+machine lacks is skipped with one line. A command may say ``{cifar10}``: the runner writes a CIFAR-10-format
+folder of drawn shapes once and substitutes its path; nothing is ever downloaded. Results go to the screen
+and to ``<output-dir>/<spec>-<time>/results.{csv,json}``, beside each run's folder and output.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
-import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -61,39 +42,38 @@ import torch
 
 from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, forward_flops
-from cnns.bench.results import (SIDES, Result, entry_failed, paired_ratio, print_tables, set_peak_fractions,
-                                write_results)
+from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
+                                set_roofline_fractions, write_results)
 from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
 from cnns.errors import ConfigError
+from cnns.models import ModelSpec
 from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
 from cnns.runlog import RunLog
 
-THROUGHPUT = re.compile(r"throughput:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*samples/sec")
 SCRIPTS = {"train.py": "train", "validation.py": "validate"}
+# The file of a run folder holding a mode's measured intervals (an img_per_sec column), both loops alike.
+MEASUREMENTS = {"train": "training.csv", "infer": "validation.csv"}
 CIFAR_IMAGES = 10_000
 # validation.py with generated/synthetic data evaluates at most this many batches per pass
 INFERENCE_BATCHES_PER_PASS = 20
 
 
-# ------------------------------------------------------------------------------------------------
-# parsing
-
-
-def parse_throughputs(text: str) -> list[float]:
-    """Every ``throughput: X samples/sec`` value printed, in order."""
-    return [float(m.group(1)) for m in THROUGHPUT.finditer(text)]
-
-
 def mean_dropping_first(values: list[float]) -> float | None:
-    """The seed's rule: the first value includes warm-up, so average the others (or the only one)."""
+    """Graphcore's rule: the first interval includes warm-up, so average the others (or the only one)."""
     if not values:
         return None
     rest = values[1:] or values
     return sum(rest) / len(rest)
 
 
+def recorded_rates(path: Path) -> list[float]:
+    """The ``img_per_sec`` column of a run folder's training.csv or validation.csv, in order."""
+    with open(path, newline="") as f:
+        return [float(row["img_per_sec"]) for row in csv.DictReader(f)]
+
+
 # ------------------------------------------------------------------------------------------------
-# running one entry
+# planning one entry
 
 
 @dataclass
@@ -103,7 +83,7 @@ class Plan:
     argv: list[str]
     script: str
     mode: str  # "train" | "infer"
-    model_spec: Any
+    model_spec: ModelSpec
     model_label: str
     data: str
     batch_size: int
@@ -113,18 +93,14 @@ class Plan:
     device: str = "cpu"  # where both loops run
     baseline_modes: tuple[str, ...] = ("eager",)  # the plain loop's runs beside the command (spec.BASELINE_MODES)
 
-    def baseline_for(self, mode: str) -> dict[str, Any]:
-        """The plain loop's BaselineSpec fields for one of its modes: eager, or compiled."""
-        return {**self.baseline, "compile": mode == "compiled"}
-
-
-# The Result fields of each plain-loop mode: (images/s etc. prefix, ratio suffix, log-file side name).
-PLAIN_SIDES = {"eager": ("plain", "", "plain"), "compiled": ("plain_compiled", "_compiled", "plain-compiled")}
+    def baseline_for(self, mode: str, folder: Path | None = None) -> dict[str, Any]:
+        """The plain loop's BaselineSpec fields for one of its modes (eager or compiled), writing into `folder`."""
+        return {**self.baseline, "compile": mode == "compiled", "log_dir": str(folder) if folder else None}
 
 
 def plain_loop_workers(device: str) -> int:
-    """The plain loop's DataLoader workers: 2 on the 2-core CPU that computes too (DESIGN.md); on a GPU
-    machine the host only feeds, so as many as a user would give it there (up to 8, its cores allowing)."""
+    """The plain loop's DataLoader workers: 2 on a CPU that computes too; on a GPU machine the host only
+    feeds, so as many as a user would give it there (up to 8, its cores allowing)."""
     if torch.device(device).type == "cpu":
         return 2
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
@@ -152,16 +128,14 @@ def command_argv(script: str, args: list[str], spec_dir: Path) -> list[str]:
     return [sys.executable, "-m", "cnns", SCRIPTS[script], *args]
 
 
-def seed_command(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> tuple[str, list[str]]:
-    """(script, arguments) of a command entry, placeholders filled; training runs log under `log_dir`."""
+def seed_command(entry: Entry, substitutions: dict[str, str]) -> tuple[str, list[str]]:
+    """(script, arguments) of a command entry, placeholders filled and its device added."""
     if entry.kind == BACKENDS_KIND:
         raise ConfigError(f"benchmark {entry.name}: a {BACKENDS_KIND} entry is planned by plan_backends")
     words = shlex.split(entry.command.format(**substitutions))
     if not words or Path(words[0]).name not in SCRIPTS:
         raise ConfigError(f"benchmark {entry.name}: the command must start with train.py or validation.py")
     script, args = Path(words[0]).name, words[1:]
-    if script == "train.py" and "--log-dir" not in args:
-        args += ["--log-dir", str(log_dir)]
     if "--device" in args or "--select-ipus" in args or "--select-ipu" in args:
         raise ConfigError(f"benchmark {entry.name}: say where it runs with the entry's device: key, "
                           f"not on its command line")
@@ -169,16 +143,14 @@ def seed_command(entry: Entry, substitutions: dict[str, str], log_dir: Path) -> 
 
 
 def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, Any]) -> Plan:
-    """A command entry's plan from its seed command line (`seed_command`) and the options that command
-    line resolves to (parsed by the caller, as the script would parse it)."""
+    """A command entry's plan from its command line (`seed_command`) and the options that command line
+    resolves to (parsed by the caller, as the script would parse it)."""
     from cnns.config import RunConfig
 
     mode = "train" if script == "train.py" else "infer"
     cfg = RunConfig.from_options(options)
-    if cfg.data.source == "synthetic":
-        data = "synthetic"
-    elif cfg.data.source == "generated":
-        data = "generated"
+    if cfg.data.source in ("synthetic", "generated"):
+        data = cfg.data.source
     elif options["dataset"] in ("cifar-10", "builtin"):
         data = "cifar"
     else:
@@ -206,8 +178,7 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         "lr": cfg.optim.learning_rate, "momentum": cfg.optim.momentum if cfg.optim.optimiser != "SGD" else 0.0,
         "weight_decay": cfg.optim.weight_decay, "device": entry.device,
     }
-    label = f"{m.arch}-{m.size}" + (f" {m.image_size}px" if m.image_size != 32 else " 32px")
-    label += f" on {entry.device}" if entry.device != "cpu" else ""
+    label = f"{m.arch}-{m.size} {m.image_size}px" + (f" on {entry.device}" if entry.device != "cpu" else "")
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,
                 activation_dtype(cfg.precision.precision, cfg.precision.half_dtype, torch.device(entry.device)),
                 entry.device, tuple(entry.baseline_modes or ("eager",)))
@@ -226,7 +197,7 @@ class BackendsPlan:
     """An inference-backends entry resolved: the JSON for `cnns.bench.backends` (its BackendsSpec) and the model."""
 
     spec: dict[str, Any]
-    model_spec: Any
+    model_spec: ModelSpec
     model_label: str
     batch_size: int
 
@@ -249,101 +220,82 @@ def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
     for key in ("batch_size", "iterations", "rounds"):
         if not isinstance(getattr(spec, key), int) or getattr(spec, key) < 1:
             raise ConfigError(f"benchmark {entry.name}: {key} must be a positive integer, got {getattr(spec, key)!r}")
-    m = model_spec
-    label = f"{m.arch}-{m.size} {m.image_size}px"
+    label = f"{model_spec.arch}-{model_spec.size} {model_spec.image_size}px"
     return BackendsPlan(asdict(spec), model_spec, label, spec.batch_size)
 
 
-def run_and_read(argv: list[str], timeout: float, log_path: Path | None) -> tuple[float | None, str]:
-    """Run one benchmark process; (mean throughput dropping the first value, error or '')."""
+# ------------------------------------------------------------------------------------------------
+# running one entry
+
+
+def run_child(argv: list[str], timeout: float, log_path: Path) -> str:
+    """Run one benchmark process, its output kept in `log_path`; '' or why it failed, in one line."""
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:.0f}s"
-    if log_path is not None:
-        log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
+        return f"timed out after {timeout:.0f}s"
+    log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["(no output)"])[-1]
-        return None, f"exit {out.returncode}: {tail[:300]}"
-    value = mean_dropping_first(parse_throughputs(out.stdout))
-    if value is None:
-        return None, "no throughput lines printed"
-    return value, ""
+        return f"exit {out.returncode}: {tail[:300]}"
+    return ""
 
 
-def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_baseline: bool,
-              logs: Path | None, log: RunLog | None = None, bar=None) -> Result:
-    """Both sides of one entry, `repeats` times, alternating; `bar` (a terminal's progress bar)
-    advances by one per run."""
+def run_and_read(argv: list[str], timeout: float, log_path: Path, measurements: Path) -> tuple[float | None, str]:
+    """One run of one loop: (the mean of its recorded images/s dropping the first interval, error or '')."""
+    error = run_child(argv, timeout, log_path)
+    if error:
+        return None, error
+    try:
+        value = mean_dropping_first(recorded_rates(measurements))
+    except (OSError, KeyError, ValueError) as exc:
+        return None, f"no measurements in {measurements}: {exc}"
+    return (value, "") if value is not None else (None, f"no rows in {measurements}")
+
+
+def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_baseline: bool, folder: Path,
+              log: RunLog | None = None, bar=None) -> Result:
+    """Both loops of one entry, `repeats` times, alternating; each run's folder and output under `folder`;
+    `bar` (a terminal's progress bar) advances by one per run."""
     log = log or RunLog(None)
-    ours_argv = command_argv(plan.script, plan.argv, spec_dir)
     modes = list(plan.baseline_modes) if with_baseline and entry.baseline else []
-    plain_argvs = {mode: [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plan.baseline_for(mode))]
-                   for mode in plan.baseline_modes}
+    plain = [sys.executable, "-m", "cnns.bench.baseline"]
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
-                    data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum,
-                    baseline_command=" ; ".join(shlex.join(argv[1:]) for argv in plain_argvs.values()),
-                    device=plan.device, baseline_modes=modes)
-    errors = []
+                    data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum, device=plan.device,
+                    baseline_command=" ; ".join(shlex.join([*plain[1:], json.dumps(plan.baseline_for(mode))])
+                                                for mode in modes))
+    sides = ["cnns", *(PLAIN_SIDES[mode] for mode in modes)]
+    for name in sides:
+        result.side(name)
     for r in range(repeats):
-        sides = [("cnns", ours_argv, result.cnns_runs)]
-        for mode in modes:
-            prefix, _, side = PLAIN_SIDES[mode]
-            sides.append((side, plain_argvs[mode], getattr(result, f"{prefix}_runs")))
-        if r % 2 == 1:
-            sides.reverse()  # alternate which side goes first
         this_repeat = {}
-        for side, argv, runs in sides:
-            log_path = logs / f"{entry.name}-{side}-{r + 1}.log" if logs else None
-            log.print(f"  [{entry.name}] {side} run {r + 1}/{repeats} ...")
-            value, error = run_and_read(argv, entry.timeout, log_path)
+        for name in sides if r % 2 == 0 else reversed(sides):  # alternate which loop goes first
+            run_folder = folder / f"{entry.name}-{name}-{r + 1}"
+            run_folder.mkdir(parents=True, exist_ok=True)
+            if name == "cnns":
+                argv = command_argv(plan.script, [*plan.argv, "--logs-path", str(run_folder)], spec_dir)
+            else:
+                mode = next(m for m, side in PLAIN_SIDES.items() if side == name)
+                argv = [*plain, json.dumps(plan.baseline_for(mode, run_folder))]
+            log.print(f"  [{entry.name}] {name} run {r + 1}/{repeats} ...")
+            value, error = run_and_read(argv, entry.timeout, folder / f"{entry.name}-{name}-{r + 1}.log",
+                                        run_folder / MEASUREMENTS[plan.mode])
             if bar is not None:
                 bar.update(1)
             if value is None:
-                errors.append(f"{side}: {error}")
-            else:
-                runs.append(value)
-                this_repeat[side] = value
-                log.print(f"  [{entry.name}] {side}: {value:.2f} images/s")
-        for mode in modes:
-            _, suffix, side = PLAIN_SIDES[mode]
-            if this_repeat.get(side) and "cnns" in this_repeat:
-                getattr(result, f"pair_ratios{suffix}").append(this_repeat["cnns"] / this_repeat[side])
-    if errors:
-        result.error = "; ".join(errors)
+                result.add_error(f"{name}: {error}")
+                continue
+            result.sides[name].runs.append(value)
+            this_repeat[name] = value
+            log.print(f"  [{entry.name}] {name}: {value:.2f} images/s")
+        for name in sides[1:]:
+            if this_repeat.get(name) and "cnns" in this_repeat:
+                result.sides[name].pair_ratios.append(this_repeat["cnns"] / this_repeat[name])
     try:
         result.flops_per_image = forward_flops(plan.model_spec) * (3.0 if plan.mode == "train" else 1.0)
     except Exception as exc:  # FLOP counting is a report, never a reason to lose the measurement
-        result.error = ((result.error + "; ") if result.error else "") + f"flop count failed: {exc}"
-    if result.cnns_runs:
-        result.cnns_images_per_sec = max(result.cnns_runs)
-    for mode in modes:
-        prefix, suffix, _ = PLAIN_SIDES[mode]
-        if getattr(result, f"{prefix}_runs"):
-            setattr(result, f"{prefix}_images_per_sec", max(getattr(result, f"{prefix}_runs")))
-        setattr(result, f"ratio{suffix}", paired_ratio(result, mode))
+        result.add_error(f"flop count failed: {exc}")
     return result
-
-
-def run_backends_process(argv: list[str], timeout: float, log_path: Path | None,
-                         result_path: Path) -> tuple[list[dict[str, Any]], str]:
-    """Run one `cnns.bench.backends` process; (its per-backend rows, error or '').
-
-    The process exits 1 when a backend failed but still writes the others' results, so the JSON is read
-    whatever the exit status."""
-    result_path.unlink(missing_ok=True)
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
-    except subprocess.TimeoutExpired:
-        return [], f"timed out after {timeout:.0f}s"
-    if log_path is not None:
-        log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
-    try:
-        rows = json.loads(result_path.read_text())["results"]
-    except (OSError, ValueError, KeyError):
-        tail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["(no output)"])[-1]
-        return [], f"exit {out.returncode}: {tail[:300]}"
-    return rows, ""
 
 
 def combine_backend_runs(backends: list[str], runs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -368,59 +320,44 @@ def combine_backend_runs(backends: list[str], runs: list[dict[str, dict[str, Any
     return rows
 
 
-def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, logs: Path | None,
-                       log: RunLog | None = None, bar=None) -> Result:
+def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, folder: Path, log: RunLog | None = None,
+                       bar=None) -> Result:
     """An inference-backends entry, `repeats` processes, each measuring every backend (the order reversed
-    on every other repeat)."""
-    import tempfile
-
+    on every other repeat) and writing its rows as JSON. The process exits 1 when a backend failed but still
+    writes the others' rows, so the JSON is read whatever its exit status."""
     log = log or RunLog(None)
     shown = {k: v for k, v in plan.spec.items() if k != "result_path"}
     result = Result(entry.name, shlex.join(["python", "-m", "cnns.bench.backends", json.dumps(shown)]),
                     model=plan.model_label, mode="infer", data="synthetic uint8", batch_size=plan.batch_size,
                     kind=BACKENDS_KIND)
     runs: list[dict[str, dict[str, Any]]] = []
-    errors = []
-    with tempfile.TemporaryDirectory(prefix="cnns-backends-") as scratch:
-        for r in range(repeats):
-            order = list(plan.spec["backends"])
-            if r % 2 == 1:
-                order.reverse()
-            folder = logs or Path(scratch)
-            result_path = folder / f"{entry.name}-backends-{r + 1}.json"
-            log_path = logs / f"{entry.name}-backends-{r + 1}.log" if logs else None
-            argv = [sys.executable, "-m", "cnns.bench.backends",
-                    json.dumps({**plan.spec, "backends": order, "result_path": str(result_path)})]
-            log.print(f"  [{entry.name}] backends run {r + 1}/{repeats} ({', '.join(order)}) ...")
-            rows, error = run_backends_process(argv, entry.timeout, log_path, result_path)
-            if bar is not None:
-                bar.update(1)
-            if error:
-                errors.append(f"run {r + 1}: {error}")
-            if rows:
-                runs.append({row["backend"]: row for row in rows})
-                for row in rows:
-                    if row.get("images_per_sec"):
-                        log.print(f"  [{entry.name}] {row['label']}: {row['images_per_sec']:.2f} images/s")
+    for r in range(repeats):
+        order = list(plan.spec["backends"])[::-1 if r % 2 else 1]
+        result_path = folder / f"{entry.name}-backends-{r + 1}.json"
+        result_path.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "cnns.bench.backends",
+                json.dumps({**plan.spec, "backends": order, "result_path": str(result_path)})]
+        log.print(f"  [{entry.name}] backends run {r + 1}/{repeats} ({', '.join(order)}) ...")
+        error = run_child(argv, entry.timeout, folder / f"{entry.name}-backends-{r + 1}.log")
+        if bar is not None:
+            bar.update(1)
+        try:
+            rows = json.loads(result_path.read_text())["results"]
+        except (OSError, ValueError, KeyError):
+            result.add_error(f"run {r + 1}: {error or 'no results written'}")
+            continue
+        runs.append({row["backend"]: row for row in rows})
+        for row in rows:
+            if row.get("images_per_sec"):
+                log.print(f"  [{entry.name}] {row['label']}: {row['images_per_sec']:.2f} images/s")
     result.backends = combine_backend_runs(list(plan.spec["backends"]), runs)
-    if errors:
-        result.error = "; ".join(errors)
     return result
 
 
-def set_roofline_fractions(result: Result, plan: Plan, peak_gflops: float, bandwidth_gbs: float) -> None:
-    """Each side's images/s as a fraction of the roofline's (`cnns.bench.roofline`)."""
-    try:
-        seconds = roofline.update_seconds(plan.model_spec, plan.batch_size, plan.grad_accum, plan.mode == "train",
-                                          plan.activation_dtype, peak_gflops, bandwidth_gbs)
-    except Exception as exc:  # a report, never a reason to lose the measurement
-        result.error = ((result.error + "; ") if result.error else "") + f"roofline failed: {exc}"
-        return
-    result.roofline_images_per_sec = plan.batch_size * plan.grad_accum / seconds
-    for side in SIDES:
-        rate = getattr(result, f"{side}_images_per_sec")
-        if rate:
-            setattr(result, f"{side}_roofline_fraction", rate / result.roofline_images_per_sec)
+def roofline_images_per_sec(plan: Plan, peak_gflops: float, bandwidth_gbs: float) -> float:
+    seconds = roofline.update_seconds(plan.model_spec, plan.batch_size, plan.grad_accum, plan.mode == "train",
+                                      plan.activation_dtype, peak_gflops, bandwidth_gbs)
+    return plan.batch_size * plan.grad_accum / seconds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,8 +412,7 @@ class BenchmarkSuite:
             images = int(self.document.get("cifar10_images", CIFAR_IMAGES))
             folder = self.data_dir or self.output_dir / "data" / f"cifar10-{images}"
             substitutions["cifar10"] = str(ensure_cifar10(folder, images))
-        self._commands = {e.name: seed_command(e, substitutions, self.run_dir / "runs")
-                          for e in self.entries if e.kind != BACKENDS_KIND}
+        self._commands = {e.name: seed_command(e, substitutions) for e in self.entries if e.kind != BACKENDS_KIND}
         return self._commands
 
     def run(self, options: dict[str, dict[str, Any]], repeats: int | None = None, baseline: bool = True,
@@ -486,8 +422,8 @@ class BenchmarkSuite:
         repeats = repeats or int((self.document.get("defaults") or {}).get("repeats", 1))
         if repeats < 1:
             raise ConfigError(f"--repeats must be at least 1, got {repeats}")
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        runs = self.run_dir / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
         commands = self.seed_commands()
         cache = self.output_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
         plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, *commands[e.name],
@@ -501,23 +437,29 @@ class BenchmarkSuite:
             print(rates.describe(), flush=True)
         results = []
         log = RunLog(None)
-        runs = sum(repeats * (1 + len(plan.baseline_modes) if isinstance(plan, Plan) and baseline and entry.baseline
-                              else 1) for entry, plan in plans)
-        with log.progress(runs, description="benchmark", unit="run") as bar:
+        count = sum(repeats * (1 + len(plan.baseline_modes) if isinstance(plan, Plan) and baseline and entry.baseline
+                               else 1) for entry, plan in plans)
+        with log.progress(count, description="benchmark", unit="run") as bar:
             for entry, plan in plans:
                 log.print(f"{entry.name}: {entry.command}")
                 if isinstance(plan, BackendsPlan):
-                    results.append(run_backends_entry(entry, plan, repeats, logs, log, bar))
-                    continue
-                results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, logs,
-                                         log, bar))
+                    results.append(run_backends_entry(entry, plan, repeats, runs, log, bar))
+                else:
+                    results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, runs,
+                                             log, bar))
         for rates in machine.values():  # again at the end, the best of both kept
             rates.measure()
         for result, (_, plan) in zip(results, plans):
             rates = machine[plan.device if isinstance(plan, Plan) else "cpu"]
             set_peak_fractions(result, rates.peak)
             if isinstance(plan, Plan):
-                set_roofline_fractions(result, plan, rates.peak, rates.bandwidth)
+                try:
+                    set_roofline_fractions(result, roofline_images_per_sec(plan, rates.peak, rates.bandwidth))
+                except Exception as exc:  # a report, never a reason to lose the measurement
+                    result.add_error(f"roofline failed: {exc}")
+        if not keep_runs:  # the runs' checkpoints (up to 100 MB per entry); their measurements and logs stay
+            for checkpoint in runs.rglob("*.pt"):
+                checkpoint.unlink()
         cpu = machine["cpu"]
         meta = {"spec": str(self.spec_path), "time": self.stamp, "peak_matmul_gflops": cpu.peak,
                 "matmul_gflops": cpu.rates, "stream_bandwidth_gbs": cpu.bandwidth,
@@ -527,8 +469,6 @@ class BenchmarkSuite:
                 "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16),
                 "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__}
         csv_path, json_path = write_results(results, meta, self.run_dir, "results")
-        if not keep_runs:
-            shutil.rmtree(self.run_dir / "runs", ignore_errors=True)  # final checkpoints: up to 100 MB per entry
         print_tables(results, cpu.peak, cpu.bandwidth)
         print(f"results: {csv_path} {json_path}")
         return 1 if any(entry_failed(r) for r in results) else 0

@@ -28,8 +28,7 @@ def profile(spec: str, names: list[str], updates: int, output_dir: str, data_dir
             seed_options: Callable[[str, list[str]], dict[str, Any]], eager_too: bool = False) -> int:
     """CPU entries by operator family, CUDA entries by GPU kernel family against the GPU's rooflines; with
     `eager_too`, a CUDA entry that compiles is profiled again without compilation (--no-compile)."""
-    from cnns.bench import opprofile
-    from cnns.bench.gpuprofile import CUDA_WARMUP
+    from cnns.bench import gpuprofile, opprofile
     from cnns.bench.runner import BenchmarkSuite, plan_entry
 
     if updates < 1:
@@ -41,7 +40,7 @@ def profile(spec: str, names: list[str], updates: int, output_dir: str, data_dir
         if script != "train.py":
             raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
         folder = suite.run_dir / entry.name
-        warmup = CUDA_WARMUP if entry.device != "cpu" else 1  # compilation, CUDA-graph recording
+        warmup = gpuprofile.CUDA_WARMUP if entry.device != "cpu" else 1  # compilation, CUDA-graph recording
         script_args = script_args + opprofile.profile_arguments(updates, folder, warmup)
         options = seed_options(script, script_args)
         plans.append((entry, folder, warmup, bool(options.get("compile")),
@@ -55,9 +54,13 @@ def profile(spec: str, names: list[str], updates: int, output_dir: str, data_dir
             print(f"{entry.name}: --eager-too adds nothing: it {why}", flush=True)
         sides = "each side" + (" and cnns eager" if eager else "")
         print(f"{entry.name}: profiling {updates} updates of {sides} after {warmup} warm-up ...", flush=True)
-        report = opprofile.profile_entry(entry.name, plan, suite.spec_path.resolve().parent, folder, entry.timeout,
-                                         eager=eager, warmup=warmup)
-        print(opprofile.format_report(report), flush=True)
+        spec_dir = suite.spec_path.resolve().parent
+        if entry.device == "cpu":
+            print(opprofile.format_report(opprofile.profile_entry(entry.name, plan, spec_dir, folder, entry.timeout,
+                                                                  warmup=warmup)), flush=True)
+        else:
+            print(gpuprofile.format_gpu_report(gpuprofile.profile_cuda_entry(
+                entry.name, plan, spec_dir, folder, entry.timeout, eager=eager, warmup=warmup)), flush=True)
     print(f"traces and logs: {suite.run_dir}")
     return 0
 
