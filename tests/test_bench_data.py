@@ -249,3 +249,12 @@ def test_bench_data_names_the_decoder_and_refuses_gpu_decoding_without_a_gpu(tre
     assert "Images decoded by " in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--decode-device cuda needs a run on a CUDA GPU"):
         bench_data_command(["--data-dir", str(tree), "--decode-device", "cuda", *TINY])
+
+
+def test_account_measures_torchvision_in_its_rounds_when_the_comparison_did_not(tree, capsys):
+    assert bench_data_command(["--data-dir", str(tree), "--workers", "0", "--account", "--account-images", "4",
+                               "--rounds", "2", *[a for a in TINY if a != "--no-account"]]) == 0
+    printed = capsys.readouterr().out
+    # The comparison at 0 workers (2 rounds), then the account's loaders, the order reversed in round 2.
+    assert printed_order(printed) == ["cnns"] * 4 + ["torchvision", "torchvision", "cnns", "cnns"]
+    assert "torchvision ImageFolder + PIL loader, 1 worker" in printed

@@ -30,7 +30,8 @@ Run it under `taskset -c N` (one core) so that the main process's share of the o
 paid on the worker's core, as it is when every core has a worker; with a free core beside the
 worker, "across" shows only the worker's side. Beside the account: the decode-only cap, the whole
 image decoded and nothing else (TorchCodec's libjpeg-turbo decoder) on the same files, the rate
-above which a loader must decode less than the whole image.
+above which a loader must decode less than the whole image; and on a folder tree torchvision's
+loader with one worker, measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -251,8 +252,7 @@ def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Com
             for name in pipelines if round_index % 2 == 0 else pipelines[::-1]:
                 result = measure(plan, name, workers)
                 rounds[name].append(result)
-                report(f"  {name:<11} workers {workers}: {result.images_per_second:8.1f} images/s "
-                       f"({result.images} images in {result.seconds:.2f} s, start-up {result.startup_seconds:.2f} s)")
+                report(measurement_line(result))
         comparisons.append(compare_rounds(rounds["cnns"], rounds.get("torchvision")))
     return comparisons
 
@@ -260,6 +260,11 @@ def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Com
 def middle(measurements: list[Measurement]) -> Measurement:
     """The median measurement by images/s (the lower of the middle two)."""
     return sorted(measurements, key=lambda m: m.images_per_second)[(len(measurements) - 1) // 2]
+
+
+def measurement_line(m: Measurement) -> str:
+    return (f"  {m.pipeline:<11} workers {m.workers}: {m.images_per_second:8.1f} images/s ({m.images} images in "
+            f"{m.seconds:.2f} s, start-up {m.startup_seconds:.2f} s)")
 
 
 def compare_rounds(ours: list[Measurement], theirs: list[Measurement] | None) -> Comparison:
@@ -465,18 +470,23 @@ class ImageAccount:
         return rows
 
 
-def loader_with_and_without_a_worker(plan: BenchPlan) -> tuple[Measurement, Measurement]:
-    """The loader with 0 and with 1 worker, `plan.rounds` times each, alternating, and the median of each:
-    their difference is a row of the account, so they are measured side by side in time."""
-    runs: dict[int, list[Measurement]] = {0: [], 1: []}
+def account_loaders(plan: BenchPlan, with_baseline: bool,
+                    report: Callable[[str], None] = print) -> dict[str, Measurement]:
+    """The median of `plan.rounds` measurements of each loader the account needs, in an order reversed
+    every other round: cnns with 0 and with 1 worker (their difference is a row, so they are measured
+    side by side in time) and, with `with_baseline`, torchvision's with 1 worker."""
+    loaders = [("cnns", 0), ("cnns", 1)] + ([("torchvision", 1)] if with_baseline else [])
+    runs: dict[tuple[str, int], list[Measurement]] = {loader: [] for loader in loaders}
     for round_index in range(plan.rounds):
-        for workers in (0, 1) if round_index % 2 == 0 else (1, 0):
-            runs[workers].append(measure(plan, "cnns", workers))
-    return middle(runs[0]), middle(runs[1])
+        for pipeline, workers in loaders if round_index % 2 == 0 else loaders[::-1]:
+            runs[pipeline, workers].append(measure(plan, pipeline, workers))
+            report(measurement_line(runs[pipeline, workers][-1]))
+    return {f"{pipeline} {workers}": middle(found) for (pipeline, workers), found in runs.items()}
 
 
 def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) -> ImageAccount:
-    """The account on the plan's files; `baseline` is torchvision's loader with 1 worker, when measured."""
+    """The account on the plan's files. `baseline` is torchvision's loader with 1 worker when the comparison
+    measured it; on a folder tree it is measured here otherwise."""
     from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
 
     dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
@@ -485,7 +495,9 @@ def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) 
     stages = time_stages(dataset, indices, transform)
     decoder = transform.decoder.name
     decode_only, decode_only_decoder = time_whole_decoding(dataset, indices)
-    no_workers, one_worker = loader_with_and_without_a_worker(plan)
+    loaders = account_loaders(plan, baseline is None and plan.layout == "folder")
+    no_workers, one_worker = loaders["cnns 0"], loaders["cnns 1"]
+    baseline = baseline or loaders.get("torchvision 1")
     return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, decoder, stages, no_workers,
                         one_worker, decode_only, decode_only_decoder, baseline, len(os.sched_getaffinity(0)))
 
