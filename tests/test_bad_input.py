@@ -32,7 +32,7 @@ import torch
 from cnns.cli import run_script as run_command
 from cnns.errors import DataError
 
-from test_tfrecord import colour_jpeg, colour_of, frame, imagenet_example
+from test_tfrecord import bytes_feature, colour_jpeg, colour_of, example, frame, imagenet_example
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
@@ -288,6 +288,219 @@ def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path):
     # ... and names it (once, however often the run met it).
     assert re.search(rf"^Skipped (1 image|2 images) that could not be decoded \(--skip-corrupt-images\); first: {re.escape(str(bad))}$",
                      out.stdout, re.MULTILINE), out.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data errors found before the run folder is made: no new folder under --log-dir
+# ---------------------------------------------------------------------------------------------
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
+
+
+def class_folders(root: Path, images: int = 0) -> Path:
+    """A folder tree train/ and validation/, two class folders each, `images` JPEGs in every class folder."""
+    for split in ("train", "validation"):
+        for name in ("n01", "n02"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(images):
+                (root / split / name / f"{index}.JPEG").write_bytes(colour_jpeg(colour_of(index)))
+    return root
+
+
+def shards(root: Path, train: bytes | None = None, validation: bytes | None = None) -> Path:
+    """One training and one validation shard of 4 good records, or the bytes given instead."""
+    root.mkdir()
+    for split, data, first in (("train", train, 0), ("validation", validation, 4)):
+        path = root / f"{split}-00000-of-00001"
+        if data is None:
+            shard(path, first, 4)
+        else:
+            path.write_bytes(data)
+    return root
+
+
+def empty_class_folders(tmp: Path) -> tuple[list[str], list[str]]:
+    root = class_folders(tmp / "tree")
+    return ["--data-dir", str(root)], [f"{root / 'train'}: no image files in its 2 class folders"]
+
+
+def undecodable_first_image(tmp: Path) -> tuple[list[str], list[str]]:
+    root = class_folders(tmp / "tree", images=2)
+    first = root / "train" / "n01" / "0.JPEG"
+    first.write_bytes(first.read_bytes()[:40])
+    return ["--data-dir", str(root), "--micro-batch-size", "4"], [f"{first}: cannot decode image"]
+
+
+def text_as_training_shard(tmp: Path) -> tuple[list[str], list[str]]:
+    root = shards(tmp / "records", train=b"image_id,label\n1,cat\n2,dog\n" * 4)
+    return ["--data-dir", str(root)], [f"{root / 'train-00000-of-00001'}: not a TFRecord file"]
+
+
+def text_as_validation_shard(tmp: Path) -> tuple[list[str], list[str]]:
+    root = shards(tmp / "records", validation=bytes(range(256)))
+    return ["--data-dir", str(root)], [f"{root / 'validation-00000-of-00001'}: not a TFRecord file"]
+
+
+def record_without_an_image(tmp: Path) -> tuple[list[str], list[str]]:
+    root = shards(tmp / "records", train=frame(example({"image/format": bytes_feature(b"JPEG")})))
+    return ["--data-dir", str(root)], [f"{root / 'train-00000-of-00001'} (record at byte offset 0)",
+                                       "has no bytes feature 'image/encoded'"]
+
+
+def first_record_cut_short(tmp: Path) -> tuple[list[str], list[str]]:
+    whole = frame(imagenet_example(colour_jpeg(colour_of(0)), 1))
+    root = shards(tmp / "records", train=whole[:len(whole) // 2])
+    return ["--data-dir", str(root)], [f"{root / 'train-00000-of-00001'}: truncated TFRecord at byte offset 0"]
+
+
+def micro_batch_above_the_shards(tmp: Path) -> tuple[list[str], list[str]]:
+    root = shards(tmp / "records")
+    return ["--data-dir", str(root), "--micro-batch-size", "8"], [
+        f"the training set in {root} has 4 images, fewer than one batch of 8"]
+
+
+def global_batch_above_the_tree(tmp: Path) -> tuple[list[str], list[str]]:
+    root = class_folders(tmp / "tree", images=3)
+    return ["--data-dir", str(root), "--micro-batch-size", "4", "--gradient-accumulation-count", "2"], [
+        f"the training set in {root / 'train'} has 6 images, fewer than one global batch of 8 "
+        "(micro-batch 4 x accumulation 2)"]
+
+
+@pytest.mark.parametrize("make", [empty_class_folders, undecodable_first_image, text_as_training_shard,
+                                  text_as_validation_shard, record_without_an_image, first_record_cut_short,
+                                  micro_batch_above_the_shards, global_batch_above_the_tree],
+                         ids=lambda make: make.__name__)
+def test_an_imagenet_data_error_leaves_no_run_folder(tmp_path, capfd, make):
+    """Found by the checks before the run folder (the first record of each shard, the first image of each
+    split, class folders until one batch): one line, and --log-dir as it was."""
+    args, fragments = make(tmp_path)
+    logs = tmp_path / "logs"
+    (logs / "an-earlier-run").mkdir(parents=True)
+    before = listing(logs)
+    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, *args, "--log-dir", str(logs), cwd=tmp_path)
+    assert_one_line_error(out, *fragments)
+    assert " Saving to" not in out.stdout
+    assert listing(logs) == before
+
+
+def test_skip_corrupt_images_lets_an_undecodable_first_image_pass_the_checks(tmp_path):
+    from cnns.cli.parsing import resolve_command_line
+    from cnns.commands.checks import check_data_before_writing
+
+    args, _ = undecodable_first_image(tmp_path)
+    config = resolve_command_line("train", [*IMAGENET_RUN, *args, "--skip-corrupt-images"]).config
+    check_data_before_writing(config)  # the run drops it and counts it instead
+    with pytest.raises(DataError, match="cannot decode image"):
+        check_data_before_writing(resolve_command_line("train", [*IMAGENET_RUN, *args]).config)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--micro-batch-size", "40"], "has 30 images, fewer than one batch of 40"),
+    (["--micro-batch-size", "16", "--gradient-accumulation-count", "2"],
+     "has 30 images, fewer than one global batch of 32 (micro-batch 16 x accumulation 2)"),
+    (["--micro-batch-size", "8", "--dataset-percentage-to-use", "20"],
+     "has 30 images (6 with --dataset-percentage-to-use 20), fewer than one batch of 8"),
+])
+def test_a_batch_larger_than_the_cifar_training_set_leaves_no_run_folder(cifar, tmp_path, capfd, extra, fragment):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(cifar), *extra, "--log-dir", str(logs),
+                         cwd=tmp_path)
+    assert_one_line_error(out, f"the training set in {cifar} {fragment}")
+    assert listing(logs) == []
+
+
+GENERATED_RUN = ["--generated-data", "--dataset", "cifar-10", "--model-size", "8", "--micro-batch-size", "2",
+                 "--iterations", "1", "--no-validation"]
+
+
+def test_a_log_dir_in_proc_is_one_line(tmp_path):
+    """Only creating it shows that /proc takes no folders: the process that tries, not a traceback."""
+    out = run_script("train.py", *GENERATED_RUN, "--log-dir", "/proc/cnns-logs", cwd=tmp_path)
+    assert_one_line_error(out, "--log-dir /proc/cnns-logs: cannot create /proc/cnns-logs")
+    assert not Path("/proc/cnns-logs").exists()
+
+
+@pytest.mark.parametrize("option", ["--log-dir", "--logs-path"])
+def test_a_log_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, capfd, option):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder\n")
+    out = run_in_process(capfd, "train.py", *GENERATED_RUN, option, str(a_file), cwd=tmp_path)
+    assert_one_line_error(out, f"{option} {a_file} is a file, not a folder")
+    out = run_in_process(capfd, "train.py", *GENERATED_RUN, option, str(a_file / "logs"), cwd=tmp_path)
+    assert_one_line_error(out, f"{option} {a_file / 'logs'} cannot be made: {a_file} is a file, not a folder")
+    assert a_file.read_text() == "not a folder\n" and listing(tmp_path) == ["notes.txt"]
+
+
+def without_root_override() -> list[str]:
+    """The start of a command line that runs the command without root's leave to write in any folder
+    (CAP_DAC_OVERRIDE), so that a folder's mode bits hold for it too; nothing for another user."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")  # util-linux
+    if setpriv is None:
+        pytest.skip("running as root, and no setpriv to run a command without CAP_DAC_OVERRIDE")
+    dropped = "-dac_override,-dac_read_search"
+    return [setpriv, "--bounding-set", dropped, "--inh-caps", dropped]
+
+
+@pytest.mark.parametrize("script", ["train.py", "restore.py", "validation.py"])
+def test_a_read_only_folder_to_write_in_is_one_line_and_left_alone(trained_run, tmp_path, script):
+    """train.py's --log-dir, or the run folder that restore.py continues and validation.py adds to."""
+    if script == "train.py":
+        folder = tmp_path / "logs"
+        (folder / "an-earlier-run").mkdir(parents=True)
+        args, fragment = [*GENERATED_RUN, "--log-dir", str(folder / "new")], f"--log-dir {folder / 'new'}"
+    else:
+        folder = copy_of(trained_run, tmp_path)
+        args, fragment = ["--restore-path", str(folder)], f"--restore-path {folder}"
+    before = digest(folder), listing(folder)
+    folder.chmod(0o555)
+    try:
+        out = processes.run([*without_root_override(), sys.executable, str(ROOT / script), *args], text=True,
+                            cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT_S)
+    finally:
+        folder.chmod(0o755)
+    assert_one_line_error(out, f"{fragment}: cannot write in {folder} (read-only, or no permission)")
+    assert (digest(folder), listing(folder)) == before
+
+
+def test_restore_py_with_a_training_set_now_smaller_than_a_batch_leaves_the_run_folder_alone(cifar, tmp_path, capfd):
+    from cnns.data.builtin import draw_shapes
+    from cnns.data.cifar import write_cifar10
+
+    data = copy_of(cifar, tmp_path)
+    folder = tmp_path / "run"
+    assert run_command("train", [*CIFAR_RUN, "--micro-batch-size", "8", "--iterations", "2", "--data-dir", str(data),
+                                 "--seed", "4", "--logs-path", str(folder)]) == 0
+    images, labels = draw_shapes(7, seed=5)
+    write_cifar10(data, (images[:5], labels[:5]), (images[5:], labels[5:]))  # 5 training images, a batch is 8
+    before = digest(folder)
+    out = run_in_process(capfd, "restore.py", "--restore-path", str(folder), cwd=tmp_path)
+    assert_one_line_error(out, f"the training set in {data} has 5 images, fewer than one batch of 8")
+    assert digest(folder) == before
+
+
+def test_validation_py_checks_the_validation_files_only(cifar, trained_run, tmp_path, capfd):
+    """With its training files gone the data still validates; a cut test file is one line, the run folder as it was."""
+    data = copy_of(cifar, tmp_path)
+    for path in data.glob("data_batch_*.bin"):
+        path.unlink()
+    test_file = data / "test_batch.bin"
+    whole = test_file.read_bytes()
+    test_file.write_bytes(whole[:-100])
+    folder = copy_of(trained_run, tmp_path)
+    before = digest(folder)
+    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path)
+    assert_one_line_error(out, str(test_file), "not a multiple of the 3073-byte record")
+    assert digest(folder) == before
+
+    test_file.write_bytes(whole)
+    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Validation top-1 accuracy" in out.stdout and (folder / "validation.csv").is_file()
 
 
 # ---------------------------------------------------------------------------------------------
