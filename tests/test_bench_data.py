@@ -258,3 +258,15 @@ def test_account_measures_torchvision_in_its_rounds_when_the_comparison_did_not(
     # The comparison at 0 workers (2 rounds), then the account's loaders, the order reversed in round 2.
     assert printed_order(printed) == ["cnns"] * 4 + ["torchvision", "torchvision", "cnns", "cnns"]
     assert "torchvision ImageFolder + PIL loader, 1 worker" in printed
+
+
+def test_scaling_is_each_worker_count_against_one_worker():
+    from cnns.bench.data import Comparison, Measurement, scaling_lines
+
+    def measured(workers: int, images_per_second: float) -> Comparison:
+        return Comparison(Measurement("cnns", "folder", "train", workers, 32, 224, images_per_second, 1.0, 0.0),
+                          None, None)
+
+    assert scaling_lines([measured(1, 400), measured(2, 760), measured(4, 1400)]) == [
+        "cnns with 2 workers: 1.90x one worker", "cnns with 4 workers: 3.50x one worker"]
+    assert scaling_lines([measured(2, 760)]) == []  # no one-worker measurement to compare with

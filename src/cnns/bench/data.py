@@ -243,18 +243,26 @@ class Comparison:
 
 
 def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Comparison]:
-    """Every worker count: both pipelines, `rounds` times, their order alternating between rounds."""
+    """Every worker count and both pipelines, `rounds` times: each round measures them all, in an order
+    reversed every other round, so that the ratios between pipelines and between worker counts are taken
+    from measurements made close together."""
     pipelines = ["cnns"] + (["torchvision"] if plan.baseline else [])
-    comparisons = []
-    for workers in plan.workers:
-        rounds: dict[str, list[Measurement]] = {name: [] for name in pipelines}
-        for round_index in range(plan.rounds):
-            for name in pipelines if round_index % 2 == 0 else pipelines[::-1]:
-                result = measure(plan, name, workers)
-                rounds[name].append(result)
-                report(measurement_line(result))
-        comparisons.append(compare_rounds(rounds["cnns"], rounds.get("torchvision")))
-    return comparisons
+    runs = [(workers, name) for workers in plan.workers for name in pipelines]
+    found: dict[tuple[int, str], list[Measurement]] = {run: [] for run in runs}
+    for round_index in range(plan.rounds):
+        for workers, name in runs if round_index % 2 == 0 else runs[::-1]:
+            found[workers, name].append(measure(plan, name, workers))
+            report(measurement_line(found[workers, name][-1]))
+    return [compare_rounds(found[workers, "cnns"], found.get((workers, "torchvision"))) for workers in plan.workers]
+
+
+def scaling_lines(comparisons: list[Comparison]) -> list[str]:
+    """cnns with N workers against one worker, for each N > 1 measured beside 1."""
+    one = next((c.cnns for c in comparisons if c.cnns.workers == 1), None)
+    if one is None or one.images_per_second <= 0:
+        return []
+    return [f"cnns with {c.cnns.workers} workers: {c.cnns.images_per_second / one.images_per_second:.2f}x one worker"
+            for c in comparisons if c.cnns.workers > 1]
 
 
 def middle(measurements: list[Measurement]) -> Measurement:
@@ -657,6 +665,8 @@ def bench_data_command(args: BenchDataRequest) -> int:
         print(decoding_header(choice, ImageDecoder(), torch.device(plan.device)))
     comparisons = run_plan(plan)
     print(results_table(comparisons))
+    for line in scaling_lines(comparisons):
+        print(line)
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
     if on_the_device and args.account:
         print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
