@@ -246,11 +246,13 @@ def run_and_read(argv: list[str], timeout: float, log_path: Path, measurements: 
     error = run_child(argv, timeout, log_path)
     if error:
         return None, error
+    if not measurements.is_file():
+        return None, f"it wrote no {measurements.name} in {measurements.parent}"
     try:
         value = mean_dropping_first(recorded_rates(measurements))
-    except (OSError, KeyError, ValueError) as exc:
-        return None, f"no measurements in {measurements}: {exc}"
-    return (value, "") if value is not None else (None, f"no rows in {measurements}")
+    except (KeyError, ValueError) as exc:
+        return None, f"{measurements} has no img_per_sec column of numbers: {exc}"
+    return (value, "") if value is not None else (None, f"{measurements} holds no rows")
 
 
 def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_baseline: bool, folder: Path,
