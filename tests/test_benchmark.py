@@ -35,11 +35,11 @@ def _cuda_present(bfloat16: bool, count: int = 1):
 
 def _plan(entry):
     """An entry's plan, its command line parsed as `cnns benchmark` parses it."""
-    from cnns.bench.runner import plan_entry, seed_command
-    from cnns.cli.measure import seed_script_options
+    from cnns.bench.runner import plan_entry, entry_command
+    from cnns.cli.measure import script_options
 
-    script, args = seed_command(entry, {"cifar10": "/nonexistent"})
-    return plan_entry(entry, script, args, seed_script_options(script, args))
+    script, args = entry_command(entry, {"cifar10": "/nonexistent"})
+    return plan_entry(entry, script, args, script_options(script, args))
 
 
 def test_the_rates_are_read_from_the_run_folders_csv_as_the_engine_writes_it(tmp_path):

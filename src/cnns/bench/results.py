@@ -140,7 +140,8 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
         row += [_percent(side.peak_fraction) for side in sides] + [_fmt(r.roofline_images_per_sec, "{:.1f}")]
         row += [_percent(side.roofline_fraction) for side in sides]
         if paired:
-            row += [" ".join(f"{v:.2f}" for v in side.pair_ratios) or "-" for s, side in zip(shown, sides) if s != "cnns"]
+            row += [" ".join(f"{v:.2f}" for v in side.pair_ratios) or "-"
+                    for s, side in zip(shown, sides) if s != "cnns"]
         rows.append(row)
     lines = _aligned(header, rows)
     lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; training FLOPs = "

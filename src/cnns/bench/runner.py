@@ -128,7 +128,7 @@ def command_argv(script: str, args: list[str], spec_dir: Path) -> list[str]:
     return [sys.executable, "-m", "cnns", SCRIPTS[script], *args]
 
 
-def seed_command(entry: Entry, substitutions: dict[str, str]) -> tuple[str, list[str]]:
+def entry_command(entry: Entry, substitutions: dict[str, str]) -> tuple[str, list[str]]:
     """(script, arguments) of a command entry, placeholders filled and its device added."""
     if entry.kind == BACKENDS_KIND:
         raise ConfigError(f"benchmark {entry.name}: a {BACKENDS_KIND} entry is planned by plan_backends")
@@ -143,7 +143,7 @@ def seed_command(entry: Entry, substitutions: dict[str, str]) -> tuple[str, list
 
 
 def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, Any]) -> Plan:
-    """A command entry's plan from its command line (`seed_command`) and the options that command line
+    """A command entry's plan from its command line (`entry_command`) and the options that command line
     resolves to (parsed by the caller, as the script would parse it)."""
     from cnns.config import RunConfig
 
@@ -404,7 +404,7 @@ class BenchmarkSuite:
         return ([f"{e.name}: {e.command}" + (f" [{e.device}]" if e.device != "cpu" else "") for e in self.entries]
                 + [f"{name}: skipped, {why}" for name, why in self.skipped.items()])
 
-    def seed_commands(self) -> dict[str, tuple[str, list[str]]]:
+    def entry_commands(self) -> dict[str, tuple[str, list[str]]]:
         """(script, arguments) of every command entry by name, for the caller to parse; writes the
         generated CIFAR-10 folder that commands name as ``{cifar10}`` first (once)."""
         if self._commands is not None:
@@ -414,7 +414,7 @@ class BenchmarkSuite:
             images = int(self.document.get("cifar10_images", CIFAR_IMAGES))
             folder = self.data_dir or self.output_dir / "data" / f"cifar10-{images}"
             substitutions["cifar10"] = str(ensure_cifar10(folder, images))
-        self._commands = {e.name: seed_command(e, substitutions) for e in self.entries if e.kind != BACKENDS_KIND}
+        self._commands = {e.name: entry_command(e, substitutions) for e in self.entries if e.kind != BACKENDS_KIND}
         return self._commands
 
     def run(self, options: dict[str, dict[str, Any]], repeats: int | None = None, baseline: bool = True,
@@ -426,7 +426,7 @@ class BenchmarkSuite:
             raise ConfigError(f"--repeats must be at least 1, got {repeats}")
         runs = self.run_dir / "runs"
         runs.mkdir(parents=True, exist_ok=True)
-        commands = self.seed_commands()
+        commands = self.entry_commands()
         cache = self.output_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
         plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, *commands[e.name],
                                                                                          options[e.name]))

@@ -1,6 +1,6 @@
 """A benchmark spec (`benchmarks.yml`) read: its entries, checked, and the ones chosen by name.
 
-An entry is either a seed command line (``kind: command``, the default) run beside the plain loop, or
+An entry is either one of Graphcore's command lines (``kind: command``, the default) run beside the plain loop, or
 ``kind: inference-backends``: a model, batch and image size measured on several inference backends
 (`cnns.bench.backends`). `cnns.bench.runner` runs them.
 

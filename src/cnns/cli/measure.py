@@ -39,7 +39,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def seed_script_options(script: str, args: list[str]) -> dict[str, Any]:
+def script_options(script: str, args: list[str]) -> dict[str, Any]:
     """The options one of Graphcore's command lines (train.py or validation.py and its arguments) resolves to."""
     from cnns.bench.runner import SCRIPTS
     from cnns.config import resolve
@@ -54,7 +54,7 @@ def benchmark_main(argv: list[str]) -> int:
 
     args = benchmark_parser().parse_args(argv)
     return benchmark(args.spec, args.benchmark, args.output_dir, args.data_dir, args.list, args.repeats,
-                     baseline=not args.no_baseline, keep_runs=args.keep_runs, seed_options=seed_script_options)
+                     baseline=not args.no_baseline, keep_runs=args.keep_runs, script_options=script_options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def profile_main(argv: list[str]) -> int:
 
     args = profile_parser().parse_args(argv)
     return profile(args.spec, args.benchmark, args.updates, args.output_dir, args.data_dir,
-                   seed_options=seed_script_options, eager_too=args.eager_too)
+                   script_options=script_options, eager_too=args.eager_too)
 
 
 # ----------------------------------------------------------------------------------------------

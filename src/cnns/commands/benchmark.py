@@ -11,21 +11,21 @@ from cnns.errors import ConfigError
 
 def benchmark(spec: str, names: list[str] | None, output_dir: str, data_dir: str | None, listing: bool,
               repeats: int | None, baseline: bool, keep_runs: bool,
-              seed_options: Callable[[str, list[str]], dict[str, Any]]) -> int:
+              script_options: Callable[[str, list[str]], dict[str, Any]]) -> int:
     """Each entry's command line (train.py or validation.py, as Graphcore's application takes them) is resolved
-    by `seed_options` (the command line's own resolution)."""
+    by `script_options` (the command line's own resolution)."""
     from cnns.bench.runner import BenchmarkSuite
 
     suite = BenchmarkSuite(spec, names, output_dir, data_dir)
     if listing:
         print("\n".join(suite.listing()))
         return 0
-    options = {name: seed_options(script, script_args) for name, (script, script_args) in suite.seed_commands().items()}
+    options = {name: script_options(script, args) for name, (script, args) in suite.entry_commands().items()}
     return suite.run(options, repeats=repeats, baseline=baseline, keep_runs=keep_runs)
 
 
 def profile(spec: str, names: list[str], updates: int, output_dir: str, data_dir: str | None,
-            seed_options: Callable[[str, list[str]], dict[str, Any]], eager_too: bool = False) -> int:
+            script_options: Callable[[str, list[str]], dict[str, Any]], eager_too: bool = False) -> int:
     """CPU entries by operator family, CUDA entries by GPU kernel family against the GPU's rooflines; with
     `eager_too`, a CUDA entry that compiles is profiled again without compilation (--no-compile)."""
     from cnns.bench import gpuprofile, opprofile
@@ -36,13 +36,13 @@ def profile(spec: str, names: list[str], updates: int, output_dir: str, data_dir
     suite = BenchmarkSuite(spec, names, output_dir, data_dir)  # a CUDA entry without a GPU: skipped, one line
     plans = []
     for entry in suite.entries:
-        script, script_args = suite.seed_commands().get(entry.name, ("", []))
+        script, script_args = suite.entry_commands().get(entry.name, ("", []))
         if script != "train.py":
             raise ConfigError(f"benchmark {entry.name}: cnns profile takes training entries (train.py)")
         folder = suite.run_dir / entry.name
         warmup = gpuprofile.CUDA_WARMUP if entry.device != "cpu" else 1  # compilation, CUDA-graph recording
         script_args = script_args + opprofile.profile_arguments(updates, folder, warmup)
-        options = seed_options(script, script_args)
+        options = script_options(script, script_args)
         plans.append((entry, folder, warmup, bool(options.get("compile")),
                       plan_entry(entry, script, script_args, options)))
     for name, why in suite.skipped.items():
