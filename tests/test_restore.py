@@ -169,6 +169,96 @@ def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(d
     assert predict_main(["--restore-path", str(folder / "ckpt-2.pt"), str(tmp_path / "red.png")]) == 0
 
 
+def test_a_run_killed_with_sigkill_and_restored_logs_each_iteration_once(data_dir, tmp_path):
+    """SIGKILL leaves no checkpoint at the last logged iteration: the restored run starts again from the newest
+    checkpoint, and the rows logged past it are set apart in training.abandoned.csv, not repeated."""
+    folder = tmp_path / "run"
+    # 320 images (50 %) in micro-batches of 16: 20 updates an epoch, checkpoints at 0, 20 and 30 (the last).
+    options = ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--micro-batch-size", "16",
+               "--dataset-percentage-to-use", "50", "--iterations", "30", "--log-freq", "1", "--ckpts-per-epoch", "1",
+               "--seed", "5", "--no-validation", "--logs-path", str(folder)]
+    process = processes.start(script("train.py", *options), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    while process.poll() is None and time.monotonic() < deadline:
+        if (folder / "ckpt-20.pt").is_file() and max(logged_iterations(folder), default=0) >= 23:
+            break
+        time.sleep(0.005)
+    alive = process.poll() is None
+    processes.kill_tree(process)  # SIGKILL, to it and anything it started
+    assert alive, f"the run ended (exit {process.returncode}) before it could be killed: {process.stderr.read()[-2000:]}"
+    newest = max(int(path.stem.split("-")[1]) for path in folder.glob("ckpt-*.pt"))
+    killed = lines_of(folder / "training.csv")
+    header, rows = killed[0], killed[1:]
+    kept = [row for row in rows if int(row.split(",")[1]) <= newest]
+    past = rows[len(kept):]
+    assert newest == 20 and past, f"killed at iteration {logged_iterations(folder)[-1]} with checkpoint {newest}: " \
+                                  "the test needs rows past the checkpoint"
+
+    restored = run("restore.py", "--restore-path", str(folder), cwd=tmp_path)
+    assert (f"notice: training.csv held {len(past)} row{'s' if len(past) > 1 else ''} past iteration 20, the "
+            "checkpoint this run continues from: moved to training.abandoned.csv") in restored.stdout
+    iterations = logged_iterations(folder)
+    assert iterations == list(range(1, 31))  # each once, in order: what training.png draws
+    after = lines_of(folder / "training.csv")
+    assert after[:1 + len(kept)] == [header, *kept]  # the rows up to the checkpoint are the killed run's own
+    aside = lines_of(folder / "training.abandoned.csv")
+    assert aside == [header, *past]
+    assert (folder / "training.png").is_file() and (folder / "ckpt-30.pt").is_file()
+
+
+def lines_of(path: Path) -> list[str]:
+    """A CSV file's lines with their own endings (the csv module ends rows with \\r\\n)."""
+    with open(path, newline="") as f:
+        return f.readlines()
+
+
+def write_rows(folder: Path, iterations: list[int], validated: dict[str, int]) -> None:
+    """training.csv and validation.csv as a run writes them."""
+    log = RunLog(folder, quiet=True)
+    for iteration in iterations:
+        log.training_step({"step": iteration, "iteration": iteration, "epoch": iteration / 10, "lr": 0.1,
+                           "loss_batch": 2.0, "loss_avg": 2.0, "train_acc_batch": 10.0, "train_acc_avg": 10.0,
+                           "it_time": 0.01, "img_per_sec": 100.0, "total_time": iteration / 100})
+    for name, iteration in validated.items():
+        log.validation_result({"name": name, "iteration": iteration, "epoch": iteration / 10, "val_acc": 50.0,
+                               "raw_acc": 50.0, "val_time": 1.0, "val_size": 10, "img_per_sec": 10.0, "latency": 1.0,
+                               "val_top5": 90.0})
+
+
+def test_continue_after_sets_apart_the_rows_past_the_checkpoint_and_a_row_cut_short(tmp_path):
+    from cnns.runlog import validated_names
+
+    write_rows(tmp_path, [1, 2, 3, 4, 5, 6], {"ckpt-2": 2, "ckpt-6": 6})
+    training = tmp_path / "training.csv"
+    with open(training, "a") as f:
+        f.write("7,7,0.7,0.1,2.0")  # a row the kill cut short
+    lines = lines_of(training)
+
+    notices = RunLog(tmp_path, quiet=True).continue_after(4)
+    assert notices == [
+        "training.csv held 3 rows past iteration 4, the checkpoint this run continues from: moved to "
+        "training.abandoned.csv, so that training.csv logs each iteration once",
+        "validation.csv held 1 row past iteration 4, the checkpoint this run continues from: moved to "
+        "validation.abandoned.csv, so that validation.csv logs each iteration once"]
+    assert "".join(lines_of(training)) == "".join(lines[:5])  # header and iterations 1-4, as they were
+    assert "".join(lines_of(tmp_path / "training.abandoned.csv")) == "".join([lines[0], *lines[5:7]]) + \
+        "7,7,0.7,0.1,2.0\n"
+    assert validated_names(tmp_path) == {"ckpt-2"}  # ckpt-6 is written again, and validated again
+
+    # The continued run is killed too, and continued from iteration 2: set apart after the first ones.
+    write_rows(tmp_path, [5], {})
+    assert len(RunLog(tmp_path, quiet=True).continue_after(2)) == 1  # validation.csv holds nothing past 2
+    assert logged_iterations(tmp_path) == [1, 2]
+    with open(tmp_path / "training.abandoned.csv", newline="") as f:
+        assert [row["iteration"] for row in csv.DictReader(f)] == ["5", "6", "7", "3", "4", "5"]
+
+    # Nothing past the checkpoint: the files are left as they are.
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert RunLog(tmp_path, quiet=True).continue_after(2) == []
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
 class CountingSource:
     """Micro-batches whose label is their global position, so the test can see the data order."""
 
