@@ -272,25 +272,14 @@ def test_both_norms_are_fused_by_default_where_measured_and_only_on_cpus(monkeyp
 def test_only_the_norms_asked_for_are_fused():
     batch = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm="batch"))
     group = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32, norm="group", groups=4))
+    classes = [type(m) for m in batch.modules()]
     assert fuse_norm_activations(batch, (nn.GroupNorm,)) == 0
-    assert not any("forward" in vars(m) for m in batch.modules())
+    assert [type(m) for m in batch.modules()] == classes  # nothing specialised or swapped
     assert fuse_norm_activations(group, (nn.GroupNorm,)) > 0
     efficientnet = build_model(ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=64))
     assert fuse_norm_activations(efficientnet, (nn.GroupNorm,)) == 0
     # Every norm: stem + 16 depthwise + 15 expansion + 16 projection (no activation) + head.
     assert fuse_norm_activations(efficientnet, (nn.BatchNorm2d,)) == 1 + 16 + 15 + 16 + 1
-
-
-def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
-    from cnns.bench import passes
-
-    assert passes.main(["--shape", "4", "32", "15", "9", "--calls", "1"]) == 0
-    line = capsys.readouterr().out.splitlines()[-1]
-    assert line.startswith("(4, 32, 15, 9)")
-    for name in ("moments", "apply", "backward reduce", "input gradient", "copy", "ATen BN+ReLU fwd+bwd",
-                 "fused BN+ReLU fwd+bwd"):
-        milliseconds = float(line.split(f"{name} ")[1].split(" ms")[0])
-        assert milliseconds > 0
 
 
 @pytest.mark.parametrize("name", ["norm_act", "depthwise", "rounding"])

@@ -9,7 +9,7 @@ Common notation in the docstrings below:
 * ``t``  — the 0-based update number passed to :func:`lr_at`, clamped to ``T``;
 * ``T``  — ``total_steps``, the number of weight updates in the whole run;
 * ``W``  — ``warmup_steps``;
-* ``lr0`` — ``base_lr``, the peak learning rate (``2**exponent * global_batch_size`` in the original,
+* ``lr0`` — ``learning_rate``, the peak learning rate (``2**exponent * global_batch_size`` in the original,
   see :func:`learning_rate_from_exponent`).
 
 Warmup is linear *from zero*, as in the original: update ``t < W`` uses ``t / W`` of the rate the
@@ -32,67 +32,65 @@ SCHEDULE_KINDS = ("stepped", "cosine", "exponential", "polynomial")
 class ScheduleSpec:
     """Everything needed to compute the learning rate of any update.
 
-    Fields used by every kind: ``kind``, ``base_lr``, ``total_steps``, ``warmup_steps``.
-    The others belong to one kind each and are ignored by the rest.
+    Fields are named as the options that set them (`cnns.config.run.OptimConfig` has the same names). Used
+    by every kind: ``lr_schedule``, ``learning_rate``, ``total_steps``, ``warmup_steps`` (the run's length,
+    so not options). The others belong to one kind each and are ignored by the rest; their defaults are
+    Graphcore's application's (`cnns.config.defaults` fills them for a run).
     """
 
-    kind: str
-    base_lr: float
+    lr_schedule: str
+    learning_rate: float
     total_steps: int
     warmup_steps: int = 0
     # stepped (--learning-rate-decay, --learning-rate-schedule)
-    decay: float = 0.1
-    boundaries: tuple[float, ...] = (0.5, 0.75)
-    # exponential (--lr-decay-rate, --lr-drops); defaults are the original's EfficientNet defaults
-    decay_rate: float = 0.97
-    num_drops: int = 146
-    # polynomial (--poly-lr-decay-power, --abs-end-learning-rate, --poly-lr-end-ratio)
-    poly_power: float = 2.0
-    end_lr: float | None = None
-    end_ratio: float = 1e-5
+    learning_rate_decay: float = 0.1
+    learning_rate_schedule: tuple[float, ...] = (0.5, 0.75)
+    # exponential (--lr-decay-rate, --lr-drops)
+    lr_decay_rate: float = 0.97
+    lr_drops: int = 146
+    # polynomial (--poly-lr-decay-power, --poly-lr-end-ratio; --abs-end-learning-rate becomes the ratio)
+    poly_lr_decay_power: float = 2.0
+    poly_lr_end_ratio: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULE_KINDS:
+        if self.lr_schedule not in SCHEDULE_KINDS:
             raise ConfigError(
-                f"unknown learning-rate schedule {self.kind!r}; choose one of {', '.join(SCHEDULE_KINDS)}"
+                f"unknown learning-rate schedule {self.lr_schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}"
             )
-        _require(_is_finite(self.base_lr) and self.base_lr >= 0, f"base learning rate must be >= 0, got {self.base_lr}")
+        _require(_is_finite(self.learning_rate) and self.learning_rate >= 0, f"base learning rate must be >= 0, got {self.learning_rate}")
         _require(self.total_steps >= 1, f"total number of steps must be >= 1, got {self.total_steps}")
         _require(
             0 <= self.warmup_steps <= self.total_steps,
             f"warmup steps must be between 0 and the total number of steps ({self.total_steps}), "
             f"got {self.warmup_steps}",
         )
-        if self.kind == "stepped":
-            _require(_is_finite(self.decay) and self.decay > 0, f"learning-rate decay must be > 0, got {self.decay}")
+        if self.lr_schedule == "stepped":
+            _require(_is_finite(self.learning_rate_decay) and self.learning_rate_decay > 0,
+                     f"learning-rate decay must be > 0, got {self.learning_rate_decay}")
             _require(
-                all(0.0 <= b <= 1.0 for b in self.boundaries) and list(self.boundaries) == sorted(self.boundaries),
+                all(0.0 <= b <= 1.0 for b in self.learning_rate_schedule) and list(self.learning_rate_schedule) == sorted(self.learning_rate_schedule),
                 f"learning-rate schedule boundaries must be increasing fractions of training in [0, 1], "
-                f"got {self.boundaries}",
+                f"got {self.learning_rate_schedule}",
             )
-        elif self.kind == "exponential":
+        elif self.lr_schedule == "exponential":
             _require(
-                _is_finite(self.decay_rate) and self.decay_rate > 0,
-                f"exponential decay rate must be > 0, got {self.decay_rate}",
+                _is_finite(self.lr_decay_rate) and self.lr_decay_rate > 0,
+                f"exponential decay rate must be > 0, got {self.lr_decay_rate}",
             )
-            _require(self.num_drops >= 1, f"number of learning-rate drops must be >= 1, got {self.num_drops}")
-        elif self.kind == "polynomial":
+            _require(self.lr_drops >= 1, f"number of learning-rate drops must be >= 1, got {self.lr_drops}")
+        elif self.lr_schedule == "polynomial":
             # The decay phase divides by T - W, so it must not be empty.
             _require(
                 self.warmup_steps < self.total_steps,
                 f"polynomial decay needs warmup steps ({self.warmup_steps}) below the total ({self.total_steps})",
             )
             _require(
-                _is_finite(self.poly_power) and self.poly_power >= 0,
-                f"polynomial decay power must be >= 0, got {self.poly_power}",
+                _is_finite(self.poly_lr_decay_power) and self.poly_lr_decay_power >= 0,
+                f"polynomial decay power must be >= 0, got {self.poly_lr_decay_power}",
             )
             _require(
-                self.end_lr is None or (_is_finite(self.end_lr) and self.end_lr >= 0),
-                f"end learning rate must be >= 0, got {self.end_lr}",
-            )
-            _require(
-                _is_finite(self.end_ratio) and self.end_ratio >= 0,
-                f"end learning-rate ratio must be >= 0, got {self.end_ratio}",
+                _is_finite(self.poly_lr_end_ratio) and self.poly_lr_end_ratio >= 0,
+                f"end learning-rate ratio must be >= 0, got {self.poly_lr_end_ratio}",
             )
 
 
@@ -124,9 +122,9 @@ def lr_at(spec: ScheduleSpec, step: int) -> float:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     t = min(step, spec.total_steps)
-    if spec.kind == "polynomial":
+    if spec.lr_schedule == "polynomial":
         return _polynomial(spec, t)
-    decayed = {"stepped": _stepped, "cosine": _cosine, "exponential": _exponential}[spec.kind](spec, t)
+    decayed = {"stepped": _stepped, "cosine": _cosine, "exponential": _exponential}[spec.lr_schedule](spec, t)
     return _warmup_factor(spec, t) * decayed
 
 
@@ -136,13 +134,14 @@ def _warmup_factor(spec: ScheduleSpec, t: int) -> float:
 
 
 def _stepped(spec: ScheduleSpec, t: int) -> float:
-    """``lr0 * decay**k``, ``k`` = number of boundaries ``b`` with ``t > int(b * T)``.
+    """``lr0 * learning_rate_decay**k``, ``k`` = number of boundaries ``b`` (``learning_rate_schedule``) with
+    ``t > int(b * T)``.
 
     The strict ``>`` and the truncation ``int(b * T)`` are the original's: the drop takes effect on
     the update *after* the boundary step.
     """
-    drops_passed = sum(1 for b in spec.boundaries if t > int(b * spec.total_steps))
-    return spec.base_lr * spec.decay**drops_passed
+    drops_passed = sum(1 for b in spec.learning_rate_schedule if t > int(b * spec.total_steps))
+    return spec.learning_rate * spec.learning_rate_decay**drops_passed
 
 
 def _cosine(spec: ScheduleSpec, t: int) -> float:
@@ -151,16 +150,16 @@ def _cosine(spec: ScheduleSpec, t: int) -> float:
     As in the original, the cosine spans the whole run (warmup included) and warmup scales it, so
     the rate reaches 0 at ``t = T`` and the peak after warmup is slightly below ``lr0``.
     """
-    return spec.base_lr * 0.5 * (1.0 + math.cos(math.pi * t / spec.total_steps))
+    return spec.learning_rate * 0.5 * (1.0 + math.cos(math.pi * t / spec.total_steps))
 
 
 def _exponential(spec: ScheduleSpec, t: int) -> float:
-    """``lr0 * decay_rate**floor(t * num_drops / T)``: ``num_drops`` equally spaced drops.
+    """``lr0 * lr_decay_rate**floor(t * lr_drops / T)``: ``lr_drops`` equally spaced drops.
 
     Integer arithmetic so that a step exactly on a drop point is never misplaced by rounding.
     """
-    drops_passed = (t * spec.num_drops) // spec.total_steps
-    return spec.base_lr * spec.decay_rate**drops_passed
+    drops_passed = (t * spec.lr_drops) // spec.total_steps
+    return spec.learning_rate * spec.lr_decay_rate**drops_passed
 
 
 def _polynomial(spec: ScheduleSpec, t: int) -> float:
@@ -169,15 +168,15 @@ def _polynomial(spec: ScheduleSpec, t: int) -> float:
     * ``t <= W`` (when ``W > 0``): ``lr0 * t / W``;
     * otherwise: ``(lr0 - lr_end) * (1 - (t - W) / (T - W))**poly_power + lr_end``,
 
-    with ``lr_end = end_lr`` when given (``--abs-end-learning-rate``), else ``end_ratio * lr0``.
+    with ``lr_end = poly_lr_end_ratio * lr0`` (``--abs-end-learning-rate`` is given as that ratio).
     Both branches give ``lr0`` at ``t = W``, and the rate is ``lr_end`` at ``t = T``.
     """
     warmup = spec.warmup_steps
     if warmup > 0 and t <= warmup:
-        return spec.base_lr * t / warmup
-    end_lr = spec.end_lr if spec.end_lr is not None else spec.end_ratio * spec.base_lr
+        return spec.learning_rate * t / warmup
+    end_lr = spec.poly_lr_end_ratio * spec.learning_rate
     remaining = 1.0 - (t - warmup) / (spec.total_steps - warmup)
-    return (spec.base_lr - end_lr) * remaining**spec.poly_power + end_lr
+    return (spec.learning_rate - end_lr) * remaining**spec.poly_lr_decay_power + end_lr
 
 
 def _is_finite(value: float) -> bool:

@@ -1,8 +1,10 @@
-"""A seed command line resolved: configs.yml defaults, overridden by the command line, filled by the seed's
-rules, and (for a finished run) merged with the run's own arguments.json.
+"""A command line of Graphcore's application resolved: configs.yml defaults, overridden by the command line,
+filled by its default rules (`cnns.config.defaults`), and (for a finished run) merged with the run's own
+arguments.json.
 
-`resolve_command_line` is the one way from argv to a configuration: the flat options (what arguments.json and
---print-config show) and the frozen `RunConfig` made from them once, which is all a command reads.
+`resolve_command_line` is the one way from argv to a configuration, for train, restore, validate, weight-avg
+and infer: the flat options (what arguments.json and --print-config show) and the frozen `RunConfig` made from
+them once, which is all a command reads.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import Any
 from dataclasses import dataclass
 
 from cnns.config import NUM_CLASSES, RunConfig, load_named_config, resolve
+from cnns.config import defaults
 from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Parse a seed command line: configs.yml defaults, overridden by the command line, resolved.
+    """Parse a command line of Graphcore's application: configs.yml defaults, overridden by the command line, resolved.
 
     Returns the resolved options and the notices to print (IPU-only options named once).
     """
@@ -30,7 +33,7 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
         values = load_named_config(first.config, first.config_path)
         known = {action.dest for action in parser._actions}
         if "batch_size" in values and "micro_batch_size" not in values:
-            values["micro_batch_size"] = values.pop("batch_size")  # the seed's deprecated spelling
+            values["micro_batch_size"] = values.pop("batch_size")  # Graphcore's application's deprecated spelling
         ignored_config_keys = sorted(k for k in values if k not in known)
         parser.set_defaults(**{k: v for k, v in values.items() if k in known})
     args = parser.parse_args(argv)
@@ -63,7 +66,7 @@ def _ipu_only_notice(values: dict[str, Any], ignored_config_keys: list[str]) -> 
 def dataset_from_folder_contents(data_dir: str | None) -> str | None:
     """The dataset a folder holds, from its file names only (no data is read).
 
-    The seed guessed the dataset from the folder's name; a folder named otherwise still gets the
+    Graphcore's application guessed the dataset from the folder's name; a folder named otherwise still gets the
     right model defaults this way.
     """
     if not data_dir or not os.path.isdir(data_dir):
@@ -91,25 +94,16 @@ def classes_in_the_data(options: dict[str, Any]) -> int:
 
 
 def device_defaults(values: dict[str, Any], decided: set[str] | frozenset[str] = frozenset()) -> None:
-    """What the device the run will use (--device, --select-ipus or the machine's default) decides when the
-    command line does not: --half-dtype (bfloat16 on a CPU and on a GPU with bfloat16 arithmetic, float16 with
-    loss scaling on one without) and --compile (on a GPU, as the seed always compiled its graph; not on a CPU,
-    where it measured no faster, nor with pipeline stages, which do not compile yet). Decided once, here, so
-    that arguments.json records it and every later command keeps it; `decided` names options another source
-    (a run's arguments.json) already gives."""
-    if "half_dtype" not in decided:
-        values["half_dtype_given"] = values.get("half_dtype") is not None
-    missing = [key for key in ("half_dtype", "compile") if values.get(key) is None and key not in decided]
-    if not missing:
+    """`cnns.config.defaults.device_defaults` for the device the run will use (--device, --select-ipus or the
+    machine's default): the machine is looked at here, the defaults are applied there."""
+    if all(values.get(key) is not None or key in decided for key in ("half_dtype", "compile")):
+        defaults.device_defaults(values, "", "", decided)  # only records whether --half-dtype was given
         return
     from cnns.devices import resolve_device
     from cnns.precision import default_half_dtype
 
     device = resolve_device(values.get("device"), values.get("select_ipus"))
-    if "half_dtype" in missing:
-        values["half_dtype"] = default_half_dtype(device)
-    if "compile" in missing:
-        values["compile"] = device.type == "cuda" and (values.get("shards") or 1) == 1
+    defaults.device_defaults(values, device.type, default_half_dtype(device), decided)
 
 
 def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -135,20 +129,14 @@ def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, A
 
 def _training_options(values: dict[str, Any]) -> dict[str, Any]:
     """train.py's rule: the device's half type, the dataset from the folder's contents, the class count from
-    the data, and a seed (drawn here when not given, so that arguments.json records it)."""
+    the data; the seed, when not given, is drawn as the configuration is made (`RunConfig.from_options`)."""
     device_defaults(values)
     if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
         values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))
     options = resolve(values)
     if options.get("num_classes") is None:
         options["num_classes"] = classes_in_the_data(options)
-    if options.get("seed") is None:
-        # Record the seed actually used so that restore.py continues the same data order.
-        options["seed"] = int.from_bytes(os.urandom(4), "little")
-        options["seed_specified"] = False
-    else:
-        options["seed"] = int(options["seed"])
-        options["seed_specified"] = True
+    options["seed_specified"] = options.get("seed") is not None
     return options
 
 
@@ -162,6 +150,8 @@ def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     validation, and generated data unless synthetic data was asked for."""
     device_defaults(values)
     values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
+    if values.get("seed") is None:
+        values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runs`)
     values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
     return resolve(values)
 
@@ -178,15 +168,21 @@ class ResolvedCommandLine:
 
 
 def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
-    """train / validate / weight-avg / infer: argv to the run's configuration, by the script's merge rule
-    (`cnns.runs` for a finished run's folder). restore.py takes its run folder's options instead
-    (`cnns.runs.restore_options`)."""
+    """train / restore / validate / weight-avg / infer: argv to the run's configuration, by the script's merge
+    rule (`cnns.runs` for a finished run's folder: restore.py continues with the run's own options and the
+    stage layout its command line gives)."""
     if script == "train":
         values, notices = parse_options(script, argv)
         options = _training_options(values)
+    elif script == "restore":
+        from cnns.runs import RunFolder, restore_options
+
+        values, notices = parse_options(script, argv)
+        options = restore_options(RunFolder.open(values["restore_path"]), values)
     elif script == "infer":
         values, notices = parse_options(script, argv)
         options = inference_options(values)
     else:
         values, options, notices = resolved_evaluation_options(script, argv)
-    return ResolvedCommandLine(values, options, RunConfig.from_options(options), notices)
+    config = RunConfig.from_options(options)
+    return ResolvedCommandLine(values, dict(config.arguments), config, notices)

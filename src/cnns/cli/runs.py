@@ -1,14 +1,14 @@
 """Commands that make and read run folders, Graphcore's scripts: train.py, restore.py, validation.py and
 weight_avg.py (`cnns train`, `restore`, `validate`, `weight-avg`).
 
-Each resolves its command line once into a frozen configuration (`cnns.cli.parsing.resolve_command_line`;
-for restore.py, the run folder's own options), prints it for --print-config, and calls the one file of
+Each resolves its command line once into a frozen configuration (`cnns.cli.parsing.resolve_command_line`,
+restore.py's from the run folder's own options), prints it for --print-config, and calls the one file of
 `cnns.commands` that runs the script. `cnns.cli.run_script` maps their errors to exit codes.
 """
 
 from __future__ import annotations
 
-from cnns.cli.parsing import parse_options, print_config, resolve_command_line
+from cnns.cli.parsing import print_config, resolve_command_line
 
 
 def train_main(argv: list[str]) -> int:
@@ -26,15 +26,12 @@ def train_main(argv: list[str]) -> int:
 
 def restore_main(argv: list[str]) -> int:
     from cnns.commands.restore import restore
-    from cnns.config import RunConfig
-    from cnns.runs import RunFolder, restore_options
+    from cnns.runs import RunFolder
 
-    values, _ = parse_options("restore", argv)
-    run = RunFolder.open(values["restore_path"])
-    options = restore_options(run, values)
-    if values.get("print_config"):
-        return print_config(options)
-    return restore(run, RunConfig.from_options(options), relaunch=argv)
+    resolved = resolve_command_line("restore", argv)
+    if resolved.values.get("print_config"):
+        return print_config(resolved.options)
+    return restore(RunFolder.open(resolved.values["restore_path"]), resolved.config, relaunch=argv)
 
 
 def validate_main(argv: list[str]) -> int:

@@ -1,8 +1,11 @@
-"""A run's configuration: the options table, configs.yml, the seed's default rules, the frozen RunConfig.
+"""A run's configuration: the options table, configs.yml, Graphcore's application's default
+rules, the frozen RunConfig.
 
-* `table`: every option of every seed script (argparse), and the IPU-only options accepted with a notice.
+* `table`: every option of every script of Graphcore's application (argparse), and the IPU-only options
+  accepted with a notice.
 * `files`: configs.yml read, and values checked against the table's types.
-* `defaults`: the seed's rules that fill and check every option (`resolve`), giving the flat options that
+* `defaults`: Graphcore's application's rules that fill and check every option (`resolve`, and the
+  device's and the random seed's defaults), giving the flat options that
   ``arguments.json`` and ``--print-config`` show.
 * `run`: `RunConfig`, the frozen, typed form that the commands build once per process and everything below
   them reads.

@@ -1,9 +1,11 @@
-"""The seed's default rules: a parsed command line becomes every option, filled and checked.
+"""Graphcore's application's default rules: a parsed command line becomes every option, filled and checked.
 
-Resolution follows the seed: a named configuration from ``configs.yml`` supplies defaults, the command
+Every default is applied here: the generic ones, the dataset's and the model's, the device's
+(`device_defaults`, given the device's facts) and the random seed (`draw_seed`). Resolution follows
+Graphcore's application: a named configuration from ``configs.yml`` supplies defaults, the command
 line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
 derived values (global batch size, learning rate, run name) are computed. The result is a flat dict of
-the seed's option names: what ``arguments.json`` and ``--print-config`` show, and what ``restore.py``
+Graphcore's application's option names: what ``arguments.json`` and ``--print-config`` show, and what ``restore.py``
 reads back. `cnns.config.run.RunConfig` is the frozen, typed form the rest of the package reads.
 """
 
@@ -18,15 +20,15 @@ from cnns.errors import ConfigError
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
 NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
-# EfficientNet's own input sizes (Tan and Le), the seed's ImageNet default for each size.
+# EfficientNet's own input sizes (Tan and Le), Graphcore's application's ImageNet default for each size.
 EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
 BUILTIN_DATA_DIR = "data/builtin"
-# The seed's exponential schedule: the learning rate times 0.97, 146 times over the run.
+# Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run.
 EXPONENTIAL_DECAY_RATE = 0.97
 EXPONENTIAL_DROPS = 146
 
 # ----------------------------------------------------------------------------------------------
-# dataset- and model-dependent defaults (the seed's set_defaults functions)
+# dataset- and model-dependent defaults (Graphcore's application's set_defaults functions)
 
 
 def _dataset_defaults(o: dict[str, Any]) -> None:
@@ -47,7 +49,7 @@ def _dataset_defaults(o: dict[str, Any]) -> None:
 
 
 def infer_dataset_from_name(data_dir: str) -> str | None:
-    """The seed's rule: the dataset is named in the folder's path. Contents are checked later."""
+    """Graphcore's application's rule: the dataset is named in the folder's path. Contents are checked later."""
     lowered = str(data_dir).lower()
     if "imagenet" in lowered:
         return "imagenet"
@@ -130,7 +132,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "replicas": 1,
     "shards": 1,
     "pipeline": False,
-    "pipeline_schedule": "Grouped",  # the seed's default
+    "pipeline_schedule": "Grouped",  # Graphcore's application's default
     "enable_recomputation": False,
     "precision": "16.16",
     "stochastic_rounding": True,
@@ -174,11 +176,11 @@ GENERIC_DEFAULTS: dict[str, Any] = {
 def _precision_defaults(o: dict[str, Any]) -> None:
     # An explicit --half-dtype runs that type even where the hardware would only emulate it.
     # (A run's arguments.json carries the answer already: restore and validation keep it.) train.py
-    # chooses it from the run's device before this (cnns.cli.parsing.device_defaults); options
+    # chooses it from the run's device before this (`device_defaults`); options
     # from elsewhere (benchmarks, tests) without one get the CPU's.
     o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
     _set_if_unset(o, "half_dtype", "bfloat16")
-    # The seed's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
+    # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
 
 
@@ -227,7 +229,7 @@ def _training_defaults(o: dict[str, Any]) -> None:
         _set_if_unset(o, "lr_decay_rate", EXPONENTIAL_DECAY_RATE)
         _set_if_unset(o, "lr_drops", EXPONENTIAL_DROPS)
     if o.get("warmup_epochs") and o.get("epochs") is None:
-        o["warmup_epochs"] = 0.0  # seed: warm-up is defined in epochs and needs --epochs
+        o["warmup_epochs"] = 0.0  # Graphcore's application: warm-up is defined in epochs and needs --epochs
     _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
     _set_if_unset(o, "pipeline_num_parallel", 2)
 
@@ -264,8 +266,29 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
 
 
+def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype: str,
+                    decided: set[str] | frozenset[str] = frozenset()) -> None:
+    """What the run's device decides when the command line does not: --half-dtype (`device_half_dtype`: bfloat16
+    on a CPU and on a GPU with bfloat16 arithmetic, float16 with loss scaling on one without) and --compile (on
+    a GPU, as Graphcore's application always compiled its graph; not on a CPU, where it gains nothing, nor with
+    pipeline stages, which do not compile yet). Decided once, so that arguments.json records it and every later
+    command keeps it; `decided` names options another source (a run's arguments.json) already gives."""
+    if "half_dtype" not in decided:
+        values["half_dtype_given"] = values.get("half_dtype") is not None
+    if values.get("half_dtype") is None and "half_dtype" not in decided:
+        values["half_dtype"] = device_half_dtype
+    if values.get("compile") is None and "compile" not in decided:
+        values["compile"] = device_type == "cuda" and (values.get("shards") or 1) == 1
+
+
+def draw_seed() -> int:
+    """A fresh random seed for a run not given --seed; recorded in arguments.json so the run can be replayed
+    and restore.py continues the same data order. The only place a seed is drawn."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
 def run_name(o: dict[str, Any]) -> str:
-    """The seed's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4."""
+    """Graphcore's application's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4."""
     accumulation = o["gradient_accumulation_count"]
     accum_tag = f"x{accumulation}p" if o["pipeline"] else (f"x{accumulation}a" if accumulation > 1 else "")
     replica_tag = f"x{o['replicas']}r" if o["replicas"] > 1 else ""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from cnns.config.defaults import CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES
+from cnns.config.defaults import CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES, draw_seed
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 
@@ -29,7 +29,7 @@ class DataConfig:
     num_classes: int
     image_size: int | None
     workers: int
-    normalise_imagenet: bool  # ImageNet mean/std; otherwise the seed's mean subtraction
+    normalise_imagenet: bool  # ImageNet mean/std; otherwise Graphcore's application's mean subtraction
     host_normalisation: bool
     percentage: int
     cache: bool
@@ -79,8 +79,8 @@ class TrainConfig:
     ckpt_epochs_offset: float
     logs_per_epoch: float
     log_freq: int
-    seed: int | None
-    seed_specified: bool  # --seed was on the command line (the seed is recorded either way)
+    seed: int  # --seed, or drawn once as the configuration is made (and recorded in arguments.json)
+    seed_specified: bool  # --seed was on the command line
     validation: bool
     label_smoothing: float
     weight_avg_N: tuple[int, ...]
@@ -112,10 +112,10 @@ class OptimConfig:
     warmup_epochs: float
     learning_rate_decay: float
     learning_rate_schedule: tuple[float, ...]
-    lr_decay_rate: float  # the exponential schedule's (the seed's defaults unless given)
+    lr_decay_rate: float  # the exponential schedule's (Graphcore's application's defaults unless given)
     lr_drops: int
-    poly_power: float
-    poly_end_ratio: float
+    poly_lr_decay_power: float
+    poly_lr_end_ratio: float  # --abs-end-learning-rate is given as this ratio (`cnns.config.defaults`)
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,8 @@ class RunConfig:
     def from_options(cls, o: dict[str, Any]) -> "RunConfig":
         from cnns.models import ModelSpec  # models are optional for pure option handling
 
+        if o.get("seed") is None:  # recorded in `arguments`, so a run can be replayed and continued
+            o = {**o, "seed": draw_seed(), "seed_specified": False}
         dataset = o["dataset"]
         # None: a folder whose name and contents show no dataset (missing or empty, reported when the
         # data is read); the model defaults were CIFAR's (_model_defaults), so the model is built so too.
@@ -193,7 +195,7 @@ class RunConfig:
             device_iterations=o["device_iterations"], ckpts_per_epoch=o["ckpts_per_epoch"],
             ckpt_epochs_offset=o["ckpt_epochs_offset"] or 0.0,
             logs_per_epoch=o["logs_per_epoch"], log_freq=o["log_freq"],
-            seed=int(o["seed"]) if o.get("seed") is not None else None,
+            seed=int(o["seed"]),
             seed_specified=bool(o.get("seed_specified", False)), validation=o["validation"],
             label_smoothing=o["label_smoothing"], weight_avg_N=tuple(o.get("weight_avg_N") or ()),
             weight_avg_exp=tuple(o.get("weight_avg_exp") or ()), ema_decay=o.get("ema_decay"),
@@ -211,7 +213,7 @@ class RunConfig:
             learning_rate_schedule=parse_fractions(o["learning_rate_schedule"]),
             lr_decay_rate=_unless_none(o.get("lr_decay_rate"), EXPONENTIAL_DECAY_RATE),
             lr_drops=_unless_none(o.get("lr_drops"), EXPONENTIAL_DROPS),
-            poly_power=o["poly_lr_decay_power"], poly_end_ratio=o["poly_lr_end_ratio"],
+            poly_lr_decay_power=o["poly_lr_decay_power"], poly_lr_end_ratio=o["poly_lr_end_ratio"],
         )
         log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
                         wandb_project=o["wandb_project"], tensorboard=o["tensorboard"],

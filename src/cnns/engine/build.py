@@ -1,10 +1,7 @@
-"""Wiring: a RunConfig becomes the model, optimiser, schedule and loss scaler the loop runs.
+"""What a run builds besides the model: its random state, its optimiser, schedule and loss scaler, its length.
 
-Order of model wrapping is fixed: build -> training-time norm settings -> precision -> channels_last
--> device -> the wrappers of `cnns.engine.wrappers` (backward layouts, depthwise routing,
-recomputation) -> the parallel wrappers of `cnns.engine.parallelize` (cross-replica batch norm, pipeline
-stage or DDP, compilation). Checkpoints always save the plain model (`unwrap`), so their keys are those of a
-single-process run of the same model.
+How the model itself is made the run's is `cnns.engine.assembly.assemble`; `unwrap` gives back the plain
+model under its wrappers, which is what checkpoints hold.
 """
 
 from __future__ import annotations
@@ -23,10 +20,6 @@ from cnns.config import RunConfig
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.engine.fusion import (fuse_norm_activations, fuse_squeeze_excitation, fused_norms,
-                                fuses_squeeze_excitation)
-from cnns.engine.wrappers import (choose_gpu_kernels, keep_gradients_channels_last, recompute_between_splits,
-                                  recompute_blocks, route_slow_depthwise_backward)
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
 
@@ -34,20 +27,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def run_seed(cfg: RunConfig) -> int:
-    """The run's seed: --seed, or a fresh one (recorded in arguments.json so the run can be replayed)."""
-    if cfg.train.seed is not None:
-        return cfg.train.seed
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def set_norm_momentum(model: nn.Module, momentum: float) -> None:
-    """The seed's --BN-decay d is torch's momentum 1-d (a training setting, so not in model code)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.momentum = momentum
 
 
 # glibc mallopt parameters (malloc.h)
@@ -60,8 +39,8 @@ def keep_freed_host_memory(device: torch.device) -> bool:
 
     By default glibc serves each allocation above its mmap threshold (at most 32 MiB) with a fresh
     mmap and unmaps it when freed, so every activation of every step is page-faulted and zeroed by the
-    kernel again: on this 2-core CPU about 1.3 GB of faults per ResNet-50 step (batch 32), 0.4 s of
-    system time, 8-12 % of the step. Serving everything from the heap and never trimming it keeps the
+    kernel again: a large share of a CPU step's system time (docs/performance.md). Serving everything
+    from the heap and never trimming it keeps the
     pages mapped; the process keeps its peak memory, which a training run reaches every step anyway.
     The counterpart of LD_PRELOADing jemalloc/tcmalloc, done in-process. CNNS_MALLOC_TUNING=0 turns
     it off. Returns whether it was applied.
@@ -76,51 +55,6 @@ def keep_freed_host_memory(device: torch.device) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     # -1 is SIZE_MAX once glibc widens it: never trim the heap top.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
-
-
-def build_model_for_training(cfg: RunConfig, policy: PrecisionPolicy, device: torch.device,
-                             bn_group=None) -> nn.Module:
-    """The plain model, on the device, with the run-time wrappers of `cnns.engine.wrappers` in their
-    order; the fused batch norms take their statistics over the --BN-span group of replicas when there is one
-    (the parallel wrappers come after, `cnns.engine.parallelize`)."""
-    from cnns.models import build_model, recomputation_blocks
-    from cnns.parallel.batchnorm import batch_norm_span
-
-    keep_freed_host_memory(device)  # before the model and the data allocate anything large
-    model = build_model(cfg.model)
-    set_norm_momentum(model, cfg.train.bn_momentum)
-    policy.apply_to_model(model)
-    model.to(device=device, memory_format=torch.channels_last)
-    norms = fused_norms(device)
-    if norms:  # with a --BN-span, the fused batch norms take the span's statistics
-        fuse_norm_activations(model, norms, batch_norm_span(bn_group))
-    if fuses_squeeze_excitation(device):
-        fuse_squeeze_excitation(model)
-    keep_gradients_channels_last(model)
-    if device.type == "cuda":
-        choose_gpu_kernels(model, reproducible=cfg.train.seed_specified)
-    if device.type == "cpu" and policy.compute_dtype == torch.bfloat16:  # 16.16 and 16.32
-        route_slow_depthwise_backward(model)
-    if cfg.parallel.recomputation and recomputation_points(cfg):
-        recompute_between_splits(model, recomputation_segments(cfg, model))
-    elif cfg.parallel.recomputation:
-        recompute_blocks(model, recomputation_blocks(cfg.model, model))
-    return model
-
-
-def recomputation_points(cfg: RunConfig) -> bool:
-    """Whether --pipeline-splits mark recomputation points on one device, as the seed's single-IPU
-    pipeline did (`--pipeline --shards 1 --pipeline-splits ... --enable-recomputation`)."""
-    p = cfg.parallel
-    return p.pipeline and p.shards == 1 and bool(p.splits) and p.recomputation
-
-
-def recomputation_segments(cfg: RunConfig, model: nn.Module) -> list:
-    from cnns.models import resolve_splits
-    from cnns.models.splits import model_pieces, stage_pieces
-
-    cuts = resolve_splits(cfg.model, model, list(cfg.parallel.splits))
-    return stage_pieces(model_pieces(cfg.model, model, cuts), cuts)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -167,11 +101,12 @@ def build_lr_schedule(cfg: RunConfig, total_steps: int, epochs: float) -> Schedu
     o = cfg.optim
     warmup = warmup_steps_from_epochs(total_steps, o.warmup_epochs, epochs) if o.warmup_epochs else 0
     warmup = min(warmup, total_steps - 1) if o.lr_schedule == "polynomial" else min(warmup, total_steps)
+    # The options by their own names; the run's length adds the steps.
     return ScheduleSpec(
-        kind=o.lr_schedule, base_lr=o.learning_rate, total_steps=total_steps, warmup_steps=warmup,
-        decay=o.learning_rate_decay, boundaries=o.learning_rate_schedule,
-        decay_rate=o.lr_decay_rate, num_drops=o.lr_drops,
-        poly_power=o.poly_power, end_ratio=o.poly_end_ratio,
+        lr_schedule=o.lr_schedule, learning_rate=o.learning_rate, total_steps=total_steps, warmup_steps=warmup,
+        learning_rate_decay=o.learning_rate_decay, learning_rate_schedule=o.learning_rate_schedule,
+        lr_decay_rate=o.lr_decay_rate, lr_drops=o.lr_drops,
+        poly_lr_decay_power=o.poly_lr_decay_power, poly_lr_end_ratio=o.poly_lr_end_ratio,
     )
 
 
@@ -183,7 +118,7 @@ def build_loss_scaler(cfg: RunConfig, policy: PrecisionPolicy) -> LossScaler:
 
 @dataclass(frozen=True)
 class RunLength:
-    """How long the run is, in weight updates, and the cadences derived from it (the seed's rules)."""
+    """How long the run is, in weight updates, and the cadences derived from it (Graphcore's application's rules)."""
 
     total_iterations: int
     iterations_per_epoch: int

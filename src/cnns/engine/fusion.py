@@ -1,8 +1,10 @@
 """Training on a CPU with the fused normalisation + activation (+ residual) passes of `cnns.kernels`.
 
-Applied to a built model by `cnns.engine.build` for the norms `fused_norms` names (before `cnns.engine.wrappers`' changes):
-module instances get new ``forward`` methods, nothing else, so parameters, buffers and state-dict keys
-stay the plain model's and checkpoints written before or after load alike. Three patterns are fused:
+Applied to a built model by `cnns.engine.assembly.assemble` (`fuse_passes`) for the norms `fused_norms` names:
+each fused module becomes an instance of a fused subclass of its own class (`cnns.engine.wrappers.specialise`),
+and an activation the norm now applies is swapped, by name, for ``nn.Identity``; nothing else changes, so
+parameters, buffers and state-dict keys stay the plain model's and checkpoints written before or after load
+alike. Three patterns are fused:
 
 - a norm followed by its activation (``bn1``/``act1`` of ResNet units and stems, timm's
   ``BatchNormAct2d``/``GroupNormAct`` of EfficientNet): the norm computes ``act(norm(x))``, the
@@ -13,9 +15,9 @@ stay the plain model's and checkpoints written before or after load alike. Three
   their backward in the same passes (`cnns.kernels.excite`), wherever the passes run by default;
 - nothing else: pooling and the head keep torch's kernels.
 
-In evaluation, or for a tensor the passes do not take (CUDA, float16, not 4-d), the patched forwards
-compute the same thing with torch's functions, so one patched model serves training and validation.
-Only exact classes are patched (an unknown block keeps torch's modules). With a --BN-span (``span``) the
+In evaluation, or for a tensor the passes do not take (CUDA, float16, not 4-d), the fused forwards
+compute the same thing with torch's functions, so one fused model serves training and validation.
+Only exact classes are fused (an unknown block keeps torch's modules). With a --BN-span (``span``) the
 fused batch norms take their statistics over the span's replicas (`cnns.kernels.norm_act`), and where the
 passes do not take a tensor, the span's torch version (`cnns.parallel.batchnorm`) runs.
 """
@@ -23,7 +25,6 @@ passes do not take a tensor, the span's torch version (`cnns.parallel.batchnorm`
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from timm.models import resnet as timm_resnet
 from timm.models._efficientnet_blocks import SqueezeExcite
 from torch import nn
 
+from cnns.engine.wrappers import specialise
 from cnns.kernels import excite
 from cnns.kernels import norm_act as kernels
 from cnns.models import cifar_resnet
@@ -48,11 +50,9 @@ Norms = tuple
 def fused_norms(device: torch.device) -> Norms:
     """The norms whose training passes a CPU run fuses: ``CNNS_FUSED_NORM=1`` all, ``=0`` none.
 
-    By default, where the AVX-512 (bfloat16) build runs, batch norm and group norm. On an AVX-512-BF16 EPYC
-    (2 cores, 16.16) against the plain loop: ResNet-50 group norm 1.56x fused against 1.06x with ATen's,
-    batch norm 1.22x against 1.16x, ResNet-20 1.39x against 1.31x, EfficientNet-B0 3.00-3.34x (README,
-    Performance). Not measured on an AVX2-only CPU (where 16.x runs in float32), so nothing is fused there
-    unless asked for.
+    By default, where the AVX-512 (bfloat16) build runs, batch norm and group norm, where they were measured
+    faster than ATen's (docs/performance.md). Not measured on an AVX2-only CPU (where 16.x runs in float32), so
+    nothing is fused there unless asked for.
     """
     if device.type != "cpu" or not kernels.available():
         return ()
@@ -94,18 +94,31 @@ def norm_act(norm: nn.Module, x: torch.Tensor, act: str, residual: torch.Tensor 
     return _PLAIN_ACT[act](y)
 
 
-def _identity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return x
+class _FusedNormAct:
+    """A norm (or timm's norm+act) that computes ``act(norm(x))`` in the fused passes (`norm_act`)."""
+
+    _cnns_activation: str
+    _cnns_span: BatchNormSpan | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_act(self, x, self._cnns_activation, span=self._cnns_span)
 
 
-def _fuse_pair(norm: nn.Module, act_module: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
-    """norm then act_module -> norm computes both; act_module passes its input on."""
-    act = _activation(act_module)
-    if act is None or type(norm) not in norms or "forward" in vars(norm):
-        return False
-    norm.forward = types.MethodType(lambda self, x: norm_act(self, x, act, span=span), norm)
-    act_module.forward = types.MethodType(_identity, act_module)
+def _fused_norm(norm: nn.Module, act: str, span: BatchNormSpan | None) -> None:
+    norm._cnns_activation, norm._cnns_span = act, span
+    specialise(norm, _FusedNormAct)
     _claim(span, norm)
+
+
+def _fuse_pair(owner: nn.Module, norm_name: str, act_name: str, norms: Norms, span: BatchNormSpan | None) -> bool:
+    """owner's norm then activation -> the norm computes both; the activation is swapped for the identity."""
+    norm, act_module = getattr(owner, norm_name), getattr(owner, act_name)
+    act = _activation(act_module)
+    if act is None or type(norm) not in norms:
+        return False
+    _fused_norm(norm, act, span)
+    if act != "none":
+        setattr(owner, act_name, nn.Identity())
     return True
 
 
@@ -120,8 +133,7 @@ def _fuse_norm_act_module(module: nn.Module, norms: Norms, span: BatchNormSpan |
     kind = nn.BatchNorm2d if isinstance(module, BatchNormAct2d) else nn.GroupNorm
     if act is None or kind not in norms or not isinstance(module.drop, nn.Identity):
         return False
-    module.forward = types.MethodType(lambda self, x: norm_act(self, x, act, span=span), module)
-    _claim(span, module)
+    _fused_norm(module, act, span)
     return True
 
 
@@ -142,20 +154,22 @@ def _plain_timm_unit(unit: nn.Module) -> bool:
             and getattr(unit, "se", None) is None and getattr(unit, "drop_path", None) is None)
 
 
-def _unit_forward(pairs: tuple, last: tuple, shortcut_name: str, span: BatchNormSpan | None):
-    conv_last, norm_last, act_last = last
-    convs = [name.replace("bn", "conv") for name, _ in pairs]
+class _FusedUnit:
+    """A residual unit whose norm+activation pairs are fused and whose last norm, shortcut addition and ReLU
+    run as one pass; ``_cnns_unit`` holds the names (pairs, last, shortcut) of `_UNITS`."""
+
+    _cnns_unit: tuple
+    _cnns_span: BatchNormSpan | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pairs, (conv_last, norm_last, _), shortcut_name = self._cnns_unit
         shortcut_module = getattr(self, shortcut_name)
         shortcut = x if shortcut_module is None else shortcut_module(x)
         out = x
-        for conv, (norm, act) in zip(convs, pairs):
-            out = getattr(self, act)(getattr(self, norm)(getattr(self, conv)(out)))
+        for norm, act in pairs:
+            out = getattr(self, act)(getattr(self, norm)(getattr(self, norm.replace("bn", "conv"))(out)))
         return norm_act(getattr(self, norm_last), getattr(self, conv_last)(out), "relu", residual=shortcut,
-                        span=span)
-
-    return forward
+                        span=self._cnns_span)
 
 
 def _fuse_unit(unit: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
@@ -166,10 +180,11 @@ def _fuse_unit(unit: nn.Module, norms: Norms, span: BatchNormSpan | None) -> boo
     norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
     if type(norm_last) not in norms or type(act_last) is not nn.ReLU:
         return False
-    if not all(_fuse_pair(getattr(unit, norm), getattr(unit, act), norms, span) for norm, act in pairs):
+    if not all(_fuse_pair(unit, norm, act, norms, span) for norm, act in pairs):
         return False
-    unit.forward = types.MethodType(_unit_forward(pairs, last, "downsample" if timm_unit else "shortcut", span),
-                                    unit)
+    unit._cnns_unit = (pairs, last, "downsample" if timm_unit else "shortcut")
+    unit._cnns_span = span
+    specialise(unit, _FusedUnit)
     _claim(span, norm_last)
     return True
 
@@ -187,15 +202,24 @@ def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.G
             fused += _fuse_norm_act_module(module, norms, span)
     # The ResNets' stem: conv1, bn1, act1 on the model itself (a unit's own pairs are fused above).
     for owner in model.modules():
-        if type(owner) not in _UNITS and hasattr(owner, "bn1") and hasattr(owner, "act1"):
-            fused += _fuse_pair(owner.bn1, owner.act1, norms, span)
+        if not isinstance(owner, _FusedUnit) and type(owner) not in _UNITS and hasattr(owner, "bn1") \
+                and hasattr(owner, "act1"):
+            fused += _fuse_pair(owner, "bn1", "act1", norms, span)
     return fused
+
+
+def fuse_passes(model: nn.Module, device: torch.device, span: BatchNormSpan | None) -> int:
+    """The fused passes a run on `device` uses (`fused_norms`): norm + activation (+ residual), with a
+    --BN-span's statistics where `span` is given, and squeeze-excitation. Returns how many were fused."""
+    norms = fused_norms(device)
+    if not norms:
+        return 0
+    return fuse_norm_activations(model, norms, span) + fuse_squeeze_excitation(model)
 
 
 def fuses_squeeze_excitation(device: torch.device) -> bool:
     """Whether a CPU run fuses squeeze-excitation: wherever it fuses any norm (by default the AVX-512 build;
-    ``CNNS_FUSED_NORM=1`` everything, ``=0`` nothing). EfficientNet-B0 (16.16, batch 32) on an AVX-512-BF16
-    EPYC: README, Performance."""
+    ``CNNS_FUSED_NORM=1`` everything, ``=0`` nothing)."""
     return bool(fused_norms(device))
 
 
@@ -206,17 +230,20 @@ def _gate_network(module: SqueezeExcite):
     return gate
 
 
-def _squeeze_excite_forward(self: SqueezeExcite, x: torch.Tensor) -> torch.Tensor:
-    if self.training and torch.is_grad_enabled() and kernels.supports(x):
-        return excite.squeeze_excite(x, _gate_network(self), list(self.parameters()))
-    return SqueezeExcite.forward(self, x)
+class _FusedSqueezeExcite:
+    """timm's SqueezeExcite with the fused passes in training (`cnns.kernels.excite`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and kernels.supports(x):
+            return excite.squeeze_excite(x, _gate_network(self), list(self.parameters()))
+        return super().forward(x)
 
 
 def fuse_squeeze_excitation(model: nn.Module) -> int:
     """Give timm's squeeze-excitation blocks the fused passes in training; returns how many."""
     fused = 0
     for module in model.modules():
-        if type(module) is SqueezeExcite and "forward" not in vars(module):
-            module.forward = types.MethodType(_squeeze_excite_forward, module)
+        if type(module) is SqueezeExcite:
+            specialise(module, _FusedSqueezeExcite)
             fused += 1
     return fused

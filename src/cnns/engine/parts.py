@@ -4,7 +4,6 @@ moving average and extra random streams (everything a checkpoint saves and resto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -14,7 +13,10 @@ from cnns.engine.components import Components
 from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
 from cnns.engine.wrappers import replays_cuda_graphs
+from cnns.optim import HalfPrecisionOptimiser
 from cnns.parallel.replicas import no_sync_context
+from cnns.precision import LossScaler
+from cnns.schedules import ScheduleSpec
 
 
 def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
@@ -31,9 +33,9 @@ class TrainingParts:
     """What a training run adds to the components; everything a checkpoint saves and restores."""
 
     length: RunLength
-    schedule: Any
-    optimiser: Any
-    scaler: Any
+    schedule: ScheduleSpec
+    optimiser: HalfPrecisionOptimiser
+    scaler: LossScaler
     step: TrainStep | PipelinedTrainStep
     ema: WeightEma | None
     generators: dict[str, torch.Generator]  # random streams beyond the global ones, saved by name
@@ -60,7 +62,7 @@ def build_training_parts(cfg: RunConfig, c: Components) -> TrainingParts:
                      fp_exceptions=cfg.train.fp_exceptions, mix=mixer, no_sync=no_sync_context(c.replicated),
                      replicated=c.replicated is not None,
                      keep_gradient_buffers=replays_cuda_graphs(cfg.train.compile, c.device))
-    c.parallel.reduce_in_float32(step.accumulator)
+    c.assembled.reduce_in_float32(step.accumulator)
     return TrainingParts(length, schedule, optimiser, scaler, step, ema, generators)
 
 

@@ -1,29 +1,21 @@
-"""What is wrapped around a built model for training, in one place and one fixed order.
+"""How a built model runs for training, never what it computes: each function here changes one thing and
+keeps the model's parameters, buffers and state-dict keys, so checkpoints always hold the plain model's state.
 
-Models know nothing of training; everything here changes how a model runs, never what it computes
-or which parameters and state-dict keys it has, so checkpoints always hold the plain model's state:
+* channels_last gradients, reproducible GPU kernels, the bfloat16 depthwise backward (`choose_kernels`): speed
+* recomputation (`recompute`): memory
+* compilation (`maybe_compile`): speed, where it wins
 
-0. ``fuse_norm_activations``         CPU (group norm; CNNS_FUSED_NORM=1/0 all/none): norm + activation (+ residual) in
-                                     fused passes (speed; `cnns.engine.fusion`)
-
-1. ``keep_gradients_channels_last``  channels_last through the backward pass too (speed)
-   ``choose_gpu_kernels``            on a GPU: cuDNN's fastest kernels per shape, or with --seed deterministic
-                                     ones (``compute_reproducibly``), so a run repeats bit for bit
-2. ``route_slow_depthwise_backward`` bfloat16 depthwise convolutions avoid two slow oneDNN kernels (speed;
-                                     `cnns.kernels.depthwise`)
-3. ``recompute_blocks``              --enable-recomputation: activation checkpointing per block (memory),
-   or ``recompute_between_splits``   per segment between the seed's recomputation points (--shards 1 splits)
-4. ``maybe_compile``                 --compile: torch.compile (speed, where it wins)
-
-The first three patch module instances (hooks, bound methods); the last returns a new module whose
-``_orig_mod`` is the plain one (`cnns.engine.build.unwrap`).
+The order they are applied in is stated once, by `cnns.engine.assembly.assemble`. A module whose computation
+changes becomes an instance of a subclass of its own class (`specialise`) rather than getting a bound method
+patched in: it stays the same object under the same name, with the same hooks and keys, and a deep copy (the
+moving average) keeps the change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import types
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +25,35 @@ from torch.utils.checkpoint import checkpoint
 from cnns.errors import ConfigError
 from cnns.kernels import depthwise
 
+
+def specialise(module: nn.Module, override: type) -> nn.Module:
+    """`module` made an instance of a subclass of its own class whose methods `override` (a mixin) replaces.
+
+    The module stays the same object, under the same name in its parent (the root of a model too), with the
+    same parameters, buffers, hooks and state-dict keys; a deep copy is specialised as well.
+    `torch.nn.utils.parametrize` changes a module's class the same way. Returns the module.
+    """
+    module.__class__ = _subclass(override, type(module))
+    return module
+
+
+@functools.cache
+def _subclass(override: type, base: type) -> type:
+    return type(f"{override.__name__.lstrip('_')}{base.__name__}", (override, base), {})
+
+
+def choose_kernels(model: nn.Module, device: torch.device, compute_dtype: torch.dtype, reproducible: bool) -> None:
+    """The kernels a run computes with, none of which changes a result beyond its rounding: on a GPU cuDNN's
+    fastest or (with --seed) deterministic ones; on a CPU in bfloat16, another backward for the depthwise
+    convolutions whose oneDNN one is slow; everywhere, gradients kept channels_last."""
+    if device.type == "cuda":
+        choose_gpu_kernels(model, reproducible)
+    if device.type == "cpu" and compute_dtype == torch.bfloat16:  # 16.16 and 16.32
+        route_slow_depthwise_backward(model)
+    keep_gradients_channels_last(model)  # last: hooks the pooling layers as the GPU choice left them
+
 # ------------------------------------------------------------------------------------------------
-# 1. channels_last gradients
+# channels_last gradients
 
 
 class _ChannelsLastGradient(torch.autograd.Function):
@@ -63,9 +82,9 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
     global average pooling (its backward expands the pooled gradient) and the CIFAR ResNets'
     option-A shortcut (subsampling plus zero channels: the backward of a strided slice is a fresh
     NCHW tensor). Every kernel behind them then meets one NCHW and one channels_last operand and
-    takes its slow generic path (a ReLU backward measured 20x slower), down to the next convolution.
-    A forward pre-hook routes their input through an identity whose backward converts the gradient
-    once: ResNet-20 training +9 % on this CPU. Returns the number of layers hooked.
+    takes its slow generic path, down to the next convolution. A forward pre-hook (torch's documented
+    way to change a module's input) routes their input through an identity whose backward converts the
+    gradient once. Returns the number of layers hooked.
     """
     from cnns.models.cifar_resnet import ZeroPadShortcut
 
@@ -78,7 +97,7 @@ def keep_gradients_channels_last(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# 1b. reproducible GPU runs
+# reproducible GPU runs
 
 
 def choose_gpu_kernels(model: nn.Module, reproducible: bool) -> None:
@@ -113,8 +132,9 @@ def compute_reproducibly(model: nn.Module) -> int:
     torch.utils.deterministic.fill_uninitialized_memory = False
     changed = 0
     for module in model.modules():
-        if isinstance(module, nn.AdaptiveAvgPool2d) and _is_global(module.output_size):
-            module.forward = types.MethodType(_global_mean, module)
+        if isinstance(module, nn.AdaptiveAvgPool2d) and _is_global(module.output_size) \
+                and not isinstance(module, _GlobalMean):
+            specialise(module, _GlobalMean)
             changed += 1
     return changed
 
@@ -123,12 +143,15 @@ def _is_global(output_size) -> bool:
     return tuple(output_size) == (1, 1) if isinstance(output_size, (tuple, list)) else output_size == 1
 
 
-def _global_mean(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return x.mean(dim=(-2, -1), keepdim=True)
+class _GlobalMean:
+    """Global average pooling as a mean over the spatial dimensions: the same value, a deterministic backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(-2, -1), keepdim=True)
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. bfloat16 depthwise convolutions on the CPU
+# bfloat16 depthwise convolutions on the CPU
 
 
 # How one half of a depthwise backward is computed: by the same oneDNN kernel as the forward's dtype, by
@@ -139,13 +162,11 @@ NATIVE, FLOAT32, CNNS = "native", "float32", "cnns"
 class _DepthwiseConv(torch.autograd.Function):
     """A bfloat16 depthwise convolution whose slow backward halves are computed another way.
 
-    oneDNN's bfloat16 depthwise kernels on this CPU (AVX-512 BF16, torch 2.14.1) are fast forward but
-    have two pathological backward cases, measured on EfficientNet-B0 shapes at batch 32 (channels_last):
-    the input gradient of a strided depthwise convolution (96 channels, 112x112, stride 2: 82-97 ms in
-    bfloat16, 38-41 in float32, 6.4 in cnns.kernels.depthwise on 2 threads) and the weight gradient of a 5x5
-    one (240 channels, 28x28: 30-33 ms in bfloat16, 15 in float32, 3.5 in cnns.kernels.depthwise). Those halves go to the
-    C++ kernels where they are built, else to oneDNN in float32; the other half and the forward stay oneDNN
-    bfloat16. All accumulate in float32 and round the result to bfloat16 as the bfloat16 kernel does.
+    oneDNN's bfloat16 depthwise kernels are fast forward but have two pathological backward cases on
+    EfficientNet-B0's shapes (docs/performance.md): the input gradient of a strided depthwise convolution and
+    the weight gradient of a 5x5 one. Those halves go to the C++ kernels where they are built, else to oneDNN
+    in float32; the other half and the forward stay oneDNN bfloat16. All accumulate in float32 and round the
+    result to bfloat16 as the bfloat16 kernel does.
     """
 
     @staticmethod
@@ -186,16 +207,19 @@ class _DepthwiseConv(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _depthwise_conv_forward(self: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor, bias):
-    if torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
-        # 16.32: autocast would run the convolution in its dtype; cast as it does, and route from there.
-        dtype = torch.get_autocast_dtype("cpu")
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    if not (torch.is_grad_enabled() and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16):
-        return nn.Conv2d._conv_forward(self, x, weight, bias)
-    return _DepthwiseConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                                *self._cnns_depthwise_routes)
+class _RoutedDepthwise:
+    """An nn.Conv2d whose bfloat16 training convolution is `_DepthwiseConv` with its `depthwise_routes`."""
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias):
+        if torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+            # 16.32: autocast would run the convolution in its dtype; cast as it does, and route from there.
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        if not (torch.is_grad_enabled() and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16):
+            return super()._conv_forward(x, weight, bias)
+        return _DepthwiseConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups,
+                                    *self._cnns_depthwise_routes)
 
 
 def depthwise_routes(conv: nn.Conv2d) -> tuple[str, str]:
@@ -203,10 +227,9 @@ def depthwise_routes(conv: nn.Conv2d) -> tuple[str, str]:
 
     Depthwise = one input channel per group. Strided ones take another input gradient, 5x5 and larger another
     weight gradient: cnns.kernels.depthwise where it supports the convolution, else oneDNN in float32. 3x3
-    stride-1 depthwise and grouped convolutions (group size 16, the seed's --group-dim) stay oneDNN's bfloat16:
-    its input gradient at stride 1 beats the C++ kernel on every EfficientNet-B0 shape (240 channels, 28 px,
-    5x5: 1.8 against 5.7 ms on 2 threads), and its 3x3 weight gradients are within 1 ms of it (faster at 14
-    and 7 px, slower at 112 and 56 px: 3.9 against 3.2 ms, 6.4 against 5.5).
+    stride-1 depthwise and grouped convolutions (group size 16, Graphcore's application's --group-dim) stay
+    oneDNN's bfloat16: its input gradient at stride 1 beats the C++ kernel on EfficientNet-B0's shapes, and its
+    3x3 weight gradients are about as fast (docs/performance.md).
     """
     if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return NATIVE, NATIVE
@@ -223,18 +246,15 @@ def route_slow_depthwise_backward(model: nn.Module) -> int:
     """
     rerouted = 0
     for module in model.modules():
-        if type(module) is not nn.Conv2d:
-            continue
-        routes = depthwise_routes(module)
-        if routes != (NATIVE, NATIVE):
-            module._cnns_depthwise_routes = routes
-            module._conv_forward = types.MethodType(_depthwise_conv_forward, module)
+        if type(module) is nn.Conv2d and depthwise_routes(module) != (NATIVE, NATIVE):
+            module._cnns_depthwise_routes = depthwise_routes(module)
+            specialise(module, _RoutedDepthwise)
             rerouted += 1
     return rerouted
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. recomputation
+# recomputation
 
 
 @contextlib.contextmanager
@@ -268,12 +288,37 @@ def recomputed(function, owner: nn.Module):
     return run
 
 
-def _recomputed_forward(self: nn.Module, *args, **kwargs):
-    return recomputed(self._cnns_plain_forward, self)(*args, **kwargs)
+class _Recomputed:
+    """A block whose forward (its class's, or the fused one of `cnns.engine.fusion`) is recomputed."""
+
+    def forward(self, *args, **kwargs):
+        return recomputed(super().forward, self)(*args, **kwargs)
+
+
+class _RecomputedSegments:
+    """A whole model run as its segments between recomputation points (``_cnns_segments``)."""
+
+    def forward(self, x):
+        for run in self._cnns_segments:
+            x = run(x)
+        return x
+
+
+def recompute(model: nn.Module, spec, splits: tuple[str, ...] | None, between_splits: bool) -> int:
+    """--enable-recomputation: per segment between the --pipeline-splits when the run marks recomputation points
+    on one device (`between_splits`), else per block. Returns the number of segments or blocks recomputed."""
+    from cnns.models import recomputation_blocks, resolve_splits
+    from cnns.models.splits import model_pieces, stage_pieces
+
+    if between_splits:
+        cuts = resolve_splits(spec, model, list(splits or ()))
+        return recompute_between_splits(model, stage_pieces(model_pieces(spec, model, cuts), cuts))
+    return recompute_blocks(model, recomputation_blocks(spec, model))
 
 
 def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
-    """The seed's --enable-recomputation on one device: keep only each block's input, recompute the rest.
+    """Graphcore's application's --enable-recomputation on one device: keep only each block's input,
+    recompute the rest.
 
     ``blocks`` are qualified module names (the residual units or EfficientNet blocks, see
     `cnns.models.recomputation_blocks`). In training each block runs under non-reentrant
@@ -282,16 +327,12 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
     once. Gradients are bitwise those of the plain model. Returns the number of blocks wrapped.
     """
     for name in blocks:
-        module = model.get_submodule(name)
-        # The block's forward as it is now (the class's, or the fused one of `cnns.engine.fusion`), kept as
-        # a bound method so that a deep copy (the EMA model) recomputes its own block, not this one.
-        module._cnns_plain_forward = module.forward
-        module.forward = types.MethodType(_recomputed_forward, module)
+        specialise(model.get_submodule(name), _Recomputed)
     return len(blocks)
 
 
 def recompute_between_splits(model: nn.Module, segments: list) -> int:
-    """The seed's recomputation points on one device (`--pipeline --shards 1 --pipeline-splits ...
+    """Graphcore's application's recomputation points on one device (`--pipeline --shards 1 --pipeline-splits ...
     --enable-recomputation`): the model runs as its segments between the splits (lists of
     `cnns.models.splits.Piece`), and only each segment's input is kept for the backward pass;
     everything inside a segment is recomputed. Returns the number of segments."""
@@ -304,19 +345,13 @@ def recompute_between_splits(model: nn.Module, segments: list) -> int:
 
         return recomputed(run, model)
 
-    runs = [segment(pieces) for pieces in segments]
-
-    def forward(self, x):
-        for run in runs:
-            x = run(x)
-        return x
-
-    model.forward = types.MethodType(forward, model)
-    return len(runs)
+    model._cnns_segments = [segment(pieces) for pieces in segments]
+    specialise(model, _RecomputedSegments)
+    return len(model._cnns_segments)
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. compilation
+# compilation
 
 
 def replays_cuda_graphs(compiled: bool, device: torch.device) -> bool:
@@ -326,15 +361,14 @@ def replays_cuda_graphs(compiled: bool, device: torch.device) -> bool:
 
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     """torch.compile the model when --compile asks for it: the default on a GPU, off on a CPU
-    (`cnns.cli.parsing.device_defaults`). Compilation happens at the first call; a model that cannot
+    (`cnns.config.defaults.device_defaults`). Compilation happens at the first call; a model that cannot
     compile fails there (`compilation_failures_named`), never silently eager.
 
-    On this 2-core CPU it measured no faster and costs about a minute of compilation (ResNet-50 batch
-    32 16.16: 0.94-1.0x; ResNet-20 batch 128: 0.96-0.99x): the convolutions stay oneDNN calls and
-    Inductor's fused batch-norm/ReLU kernels were no faster than ATen's. On CUDA the reduce-overhead
-    mode records CUDA graphs, which removes the per-kernel launch cost that small batches are bound by
-    (not measured here: no GPU). A graph's replays write into memory of its own, so the training step
-    keeps its gradients outside it (`TrainStep`'s ``keep_gradient_buffers``).
+    On a CPU the convolutions stay oneDNN calls and Inductor's fused batch-norm/ReLU kernels are no faster
+    than ATen's, so compilation costs its time and gains nothing (docs/performance.md). On CUDA the
+    reduce-overhead mode records CUDA graphs, which removes the per-kernel launch cost that small batches
+    are bound by. A graph's replays write into memory of its own, so the training step keeps its gradients
+    outside it (`TrainStep`'s ``keep_gradient_buffers``).
     """
     if not enabled:
         return model
