@@ -25,8 +25,8 @@ from cnns.data.decoding import (
     decode_crops_on_device,
     decode_whole,
     resize_crop_into,
-    stored_orientation,
 )
+from cnns.data.imagefolder import stored_orientation
 from cnns.data.imagenet import ImageNetBatches, ImageNetTransform
 from cnns.errors import ConfigError, DataError
 
@@ -131,7 +131,7 @@ def test_build_sources_chooses_once_and_says_so(tmp_path):
                         mixup_alpha=0.0, cutmix_lambda=1.0, cutmix_version=1, decode_device="auto")
     sources = build_sources(config, micro_batch_size=2, eval_batch_size=2, seed=0, device=torch.device("cpu"),
                             need_eval=False)
-    assert sources.decoding.startswith(f"Images decoded by {ImageDecoder().name} (--decode-device auto: the run is on cpu")
+    assert sources.decoding == f"Images decoded by {ImageDecoder().name} (--decode-device auto: the run is on cpu)"
     with pytest.raises(ConfigError, match="needs a run on a CUDA GPU"):
         build_sources(config.__class__(**{**config.__dict__, "decode_device": "cuda"}), micro_batch_size=2,
                       eval_batch_size=2, seed=0, device=torch.device("cpu"), need_eval=False)
@@ -217,7 +217,8 @@ def test_a_jpeg_the_native_decoder_rejects_is_decoded_whole_or_named_as_before(f
     fake_native.corrupt = truncated
     with pytest.raises(DataError) as error:
         decoder(truncated, "a.JPEG", (1, 0))
-    assert str(error.value) == "a.JPEG: cannot decode image (Image is incomplete or truncated; PIL: Truncated File Read)"
+    assert str(error.value) == ("a.JPEG: cannot decode image (Image is incomplete or truncated; "
+                                "PIL: Truncated File Read)")
 
 
 def test_a_header_declaring_too_many_pixels_is_refused_by_every_path(fake_native):

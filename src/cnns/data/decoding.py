@@ -15,10 +15,9 @@ One decoder serves a run, chosen once and named in the run's header:
   crops and resizes them on the GPU (`DeviceBatch.finish`). Files nvJPEG does not take are decoded by
   the workers as above and travel as pixels.
 
-Orientation: the pixels are the file's stored ones. TorchCodec applies a JPEG's EXIF orientation and
-libjpeg-turbo does not, so the EXIF segment is hidden from TorchCodec (`stored_orientation`): every path
-then agrees with the header's size, with torchvision's and TensorFlow's decoders (which ignore EXIF), and
-so with the way ImageNet models have been trained.
+Orientation: the pixels are the file's stored ones, as libjpeg-turbo gives them; TorchCodec would apply
+a JPEG's EXIF orientation, so `cnns.data.imagefolder.decode_rgb` hides that segment from it (see
+`stored_orientation`).
 """
 
 from __future__ import annotations
@@ -70,34 +69,10 @@ Placement = Callable[[int, int], Crop]  # (height, width) of the image -> its cr
 # ----------------------------------------------------------------------------------------------
 
 
-_EXIF_APP1 = b"\xff\xe1"
-_APP15 = 0xEF  # an application segment no decoder reads
-
-
-def stored_orientation(data: bytes) -> bytes:
-    """JPEG bytes whose EXIF segment (APP1 "Exif") is relabelled as an application segment no decoder
-    reads, so TorchCodec gives the stored pixels as libjpeg-turbo does; other bytes unchanged (the copy is
-    made only when there is such a segment)."""
-    if data[:2] != b"\xff\xd8":
-        return data
-    position = 2
-    while position + 10 <= len(data) and data[position] == 0xFF:
-        marker = data[position + 1]
-        if marker == 0xDA or 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return data  # a frame or the scan: past the header segments
-        length = int.from_bytes(data[position + 2:position + 4], "big")
-        if marker == 0xE1 and data[position + 4:position + 10] == b"Exif\x00\x00":
-            relabelled = bytearray(data)
-            relabelled[position + 1] = _APP15
-            return bytes(relabelled)
-        position += 2 + length
-    return data
-
-
 def decode_whole(data: bytes, source: str) -> torch.Tensor:
     """Encoded bytes -> uint8 [H, W, 3] (contiguous), in the file's stored orientation. DataError naming
     `source` when no decoder reads them or the header declares too many pixels."""
-    return decode_rgb(stored_orientation(data), source).permute(1, 2, 0)
+    return decode_rgb(data, source).permute(1, 2, 0)
 
 
 def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -183,7 +158,7 @@ class ImageDecoder:
                 crop = place(height, width)
                 native.decode_resized_into(data, out, crop.box, crop.flip)
                 return
-            except native.JpegError:  # CMYK / YCCK, or bytes it rejects: TorchCodec or PIL decodes them, or names the fault
+            except native.JpegError:  # CMYK / YCCK, or bytes it rejects: decoded whole, or the fault named
                 pass
         image = decode_whole(data, source)
         resize_crop_into(image, place(image.shape[0], image.shape[1]), out)

@@ -34,19 +34,46 @@ MAX_IMAGE_PIXELS = 178_956_970
 
 
 def decode_rgb(data: bytes, source: str) -> torch.Tensor:
-    """Encoded image bytes -> uint8 [3, H, W], HWC in memory (``.permute(1, 2, 0)`` is contiguous).
-    TorchCodec's decoder finds the format from the bytes, whatever the file's extension, and converts
-    grayscale, CMYK JPEGs, palette and 16-bit PNGs to 8-bit RGB itself; PIL is the fallback for formats
-    it does not read. DataError naming `source` when neither can decode the bytes, or when the header
-    declares more than MAX_IMAGE_PIXELS pixels."""
+    """Encoded image bytes -> uint8 [3, H, W], HWC in memory (``.permute(1, 2, 0)`` is contiguous), in
+    the file's stored orientation. TorchCodec's decoder finds the format from the bytes, whatever the
+    file's extension, and converts grayscale, CMYK JPEGs, palette and 16-bit PNGs to 8-bit RGB itself;
+    PIL is the fallback for formats it does not read. DataError naming `source` when neither can decode
+    the bytes, or when the header declares more than MAX_IMAGE_PIXELS pixels."""
     check_declared_size(data, source)
     try:
-        image = decode_image(data, mode="RGB")
+        image = decode_image(stored_orientation(data), mode="RGB")
     except (RuntimeError, ValueError) as first_error:
         return _decode_rgb_with_pil(data, source, first_error)
     if image.dim() == 4:  # an animated GIF or WebP: its first frame
         image = image[0]
     return image
+
+
+_APP15 = 0xEF  # an application segment no decoder reads
+
+
+def stored_orientation(data: bytes) -> bytes:
+    """JPEG bytes whose EXIF segment (APP1 "Exif") is relabelled as an application segment no decoder
+    reads; other bytes unchanged (the copy is made only when there is such a segment).
+
+    TorchCodec applies a JPEG's EXIF orientation; libjpeg-turbo (the native region decoder, nvJPEG's
+    host side), torchvision's and TensorFlow's decoders do not, and crops are drawn from the header's
+    size, which is the stored one. Hidden from TorchCodec, every decoder gives the same stored pixels,
+    as the models trained on ImageNet saw them."""
+    if data[:2] != b"\xff\xd8":
+        return data
+    position = 2
+    while position + 10 <= len(data) and data[position] == 0xFF:
+        marker = data[position + 1]
+        if marker == 0xDA or 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return data  # a frame or the scan: past the header segments
+        length = int.from_bytes(data[position + 2:position + 4], "big")
+        if marker == 0xE1 and data[position + 4:position + 10] == b"Exif\x00\x00":
+            relabelled = bytearray(data)
+            relabelled[position + 1] = _APP15
+            return bytes(relabelled)
+        position += 2 + length
+    return data
 
 
 def check_declared_size(data: bytes, source: str) -> tuple[int, int] | None:

@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cnns.data.batches import ShardPlan, mix_seed
-from cnns.data.decoding import Crop, DeviceBatch, ImageDecoder, device_jpeg_size, stored_orientation
-from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes
+from cnns.data.decoding import Crop, DeviceBatch, ImageDecoder, device_jpeg_size
+from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes, stored_orientation
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
 from cnns.errors import CnnsError, ConfigError, DataError
 
