@@ -28,6 +28,7 @@ from cnns.data.imagenet import (
     detect_imagenet,
     evaluation_resize,
     evaluation_transform,
+    sample_generator,
     training_crop,
 )
 from cnns.errors import DataError
@@ -284,19 +285,19 @@ def test_whole_image_evaluation_is_resize_then_centre_crop_exactly(size):
 
 
 def test_training_crop_has_random_resized_crops_distribution():
-    """numpy draws of training_crop against torchvision's RandomResizedCrop.get_params, n each, on a
-    500 x 375 image. The area fraction and log aspect: two-sample Kolmogorov-Smirnov distance under the
-    critical distance for alpha = 1e-4 at these sample sizes (a correct sampler fails one run in 10,000;
-    aspect 1/2-2 is over it), and the extremes reach the ends of the ranges (draws within 0.01 of the
-    smallest area are about 1 % of them, within 0.02 of either end of the log aspect at least 1 %: none of
-    them in n = 4000 draws has a chance of e^-40, while an area range of 8-100 % has none). The
-    flip rate within 4.5 binomial standard deviations of 1/2."""
+    """training_crop on n samples' own generators against torchvision's RandomResizedCrop.get_params,
+    n draws each, on a 500 x 375 image. The area fraction and log aspect: two-sample Kolmogorov-Smirnov
+    distance under the critical distance for alpha = 1e-4 at these sample sizes (a correct sampler fails
+    one run in 10,000; aspect 1/2-2 is over it), and the extremes reach the ends of the ranges (draws
+    within 0.01 of the smallest area are about 1 % of them, within 0.02 of either end of the log aspect at
+    least 1 %: none of them in n = 4000 draws has a chance of e^-40, while an area range of 8-100 % has
+    none). The flip rate within 4.5 binomial standard deviations of 1/2."""
     from torchvision.transforms import v2
 
     n = 4000
     height, width = 375, 500
-    rng = np.random.default_rng(0)
-    ours = [training_crop(height, width, rng) for _ in range(n)]
+    # As the loader draws them: each sample from its own stream, a function of (seed, epoch, index).
+    ours = [training_crop(height, width, sample_generator(7, 2, index)) for index in range(n)]
     torch.manual_seed(0)
     theirs = [v2.RandomResizedCrop.get_params(torch.empty(3, height, width), list(CROP_AREA), list(CROP_ASPECT))
               for _ in range(n)]

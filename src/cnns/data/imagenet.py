@@ -40,6 +40,7 @@ CROP_ASPECT = (3 / 4, 4 / 3)
 CROP_TRIES = 10
 # Labels the crop's random stream apart from the other streams of (seed, epoch, index).
 _CROP_STREAM = 0xC409
+_MASK64 = (1 << 64) - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +106,30 @@ def evaluation_transform(image_size: int):
     ])
 
 
+def _splitmix64(value: int) -> int:
+    """SplitMix64's finaliser: a 64-bit integer well mixed into another (the usual way to seed from counters)."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+_SAMPLE_GENERATOR = np.random.Generator(np.random.PCG64(0))
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """numpy's PCG64 generator set to a state that is a function of (seed, epoch, index) alone: the
+    sample's own random stream, whichever process or worker draws it. One generator per process is
+    reused and its state replaced, which costs a tenth of building one (SeedSequence's hashing)."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(_CROP_STREAM ^ (seed & _MASK64)) ^ (epoch & _MASK64))
+                        ^ (index & _MASK64))
+    low, increment = _splitmix64(mixed), _splitmix64(mixed ^ _MASK64)
+    _SAMPLE_GENERATOR.bit_generator.state = {
+        "bit_generator": "PCG64", "state": {"state": mixed << 64 | low, "inc": increment << 1 | 1},
+        "has_uint32": 0, "uinteger": 0}
+    return _SAMPLE_GENERATOR
+
+
 SampleKey = tuple[int, int] | int  # training: (dataset index, epoch); evaluation: the dataset index
 
 
@@ -124,8 +149,7 @@ class ImageNetTransform:
         if not self.train:
             return evaluation_crop(height, width, self.image_size)
         index, epoch = key
-        # One SeedSequence over the same integers mix_seed hashes (a generator of its own per sample).
-        return training_crop(height, width, np.random.default_rng([_CROP_STREAM, self.seed % 2**64, epoch, index]))
+        return training_crop(height, width, sample_generator(self.seed, epoch, index))
 
     def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor) -> None:
         """Write the sample's crop into `out` (uint8 [image_size, image_size, 3]); DataError naming
@@ -382,21 +406,19 @@ class ImageBatchDataset(Dataset):
             return self._for_device(keys)
         size = self.transform.image_size
         images = new_batch_tensor((len(keys), size, size, 3))
-        labels = torch.empty(len(keys), dtype=torch.int64)
+        labels: list[int] = []
         skipped: list[str] = []
-        filled = 0
         for key in keys:
             data, label, source = self.records.read(_index(key))
             try:
-                self.transform.into(data, source, key, images[filled])
+                self.transform.into(data, source, key, images[len(labels)])
             except DataError:
                 if not self.skip_corrupt:
                     raise
                 skipped.append(source)
                 continue
-            labels[filled] = label
-            filled += 1
-        batch = (images[:filled], labels[:filled])
+            labels.append(label)
+        batch = (images[:len(labels)], torch.tensor(labels, dtype=torch.int64))
         return (*batch, skipped) if self.skip_corrupt else batch
 
     def _for_device(self, keys: list[SampleKey]) -> DeviceBatch:
