@@ -606,3 +606,22 @@ def test_backend_repeats_keep_the_best_run_and_the_median_ratio():
     assert not entry_failed(result)  # skipped is not failed
     result.backends[1] = {**aoti, "error": "RuntimeError: boom"}
     assert entry_failed(result) and "rb: aoti: RuntimeError: boom" in format_backends_table([result])
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m cnns.bench.passes: each fused pass alone, against a copy and ATen's layer
+
+
+def test_the_pass_benchmark_times_every_pass_and_both_layers(capsys):
+    from cnns.bench import passes
+    from cnns.kernels import norm_act
+
+    if not norm_act.available():
+        pytest.skip("the fused kernels were not built")
+    assert passes.main(["--shape", "4", "32", "15", "9", "--calls", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("(4, 32, 15, 9)")
+    for name in ("moments", "apply", "backward reduce", "input gradient", "copy", "ATen BN+ReLU fwd+bwd",
+                 "fused BN+ReLU fwd+bwd"):
+        milliseconds = float(line.split(f"{name} ")[1].split(" ms")[0])
+        assert milliseconds > 0
