@@ -3,11 +3,14 @@
 Everything else is in pyproject.toml. The extensions are compiled once, at install time, never at run
 time. Where they cannot be built (no C++ compiler, no torch headers) the install goes on without them and
 cnns runs torch's own modules and kernels (`cnns.kernels.norm_act.available()`,
-`cnns.kernels.depthwise.available()`, `cnns.kernels.rounding.available()`).
+`cnns.kernels.depthwise.available()`, `cnns.kernels.rounding.available()`). The region JPEG decoder
+(`cnns.kernels.jpeg.available()`) also needs libjpeg-turbo's headers; without them whole images are decoded.
 """
 
 import os
 import platform
+import shlex
+import subprocess
 import sys
 
 from setuptools import setup
@@ -47,7 +50,42 @@ def extensions():
                               depends=headers + source,
                               extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"],
                               extra_link_args=link)]
+    exts += _jpeg_extension(CppExtension)
     return exts, _build_ext(BuildExtension)
+
+
+def _jpeg_extension(CppExtension) -> list:
+    """The region JPEG decoder (src/cnns/kernels/jpeg.cpp), where libjpeg-turbo's headers are found: in the
+    compiler's own include path (Debian's libjpeg62-turbo-dev / libjpeg-dev) or in $CONDA_PREFIX/include
+    (conda's libjpeg-turbo). Without them cnns decodes whole images with its general decoder."""
+    include_dirs = _jpeg_include_dirs()
+    if include_dirs is None:
+        print("cnns: jpeglib.h not found (install libjpeg62-turbo-dev, libjpeg-dev or conda's libjpeg-turbo); "
+              "installing without the region JPEG decoder", file=sys.stderr)
+        return []
+    library_dirs = [os.path.join(os.path.dirname(d), "lib") for d in include_dirs]
+    flags = ["-O3"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=x86-64-v3")  # the resize's vector loops; libjpeg-turbo picks its own SIMD at run time
+    return [CppExtension("cnns.kernels._jpeg", ["src/cnns/kernels/jpeg.cpp"], include_dirs=include_dirs,
+                         library_dirs=library_dirs, runtime_library_dirs=library_dirs, libraries=["jpeg"],
+                         extra_compile_args=flags)]
+
+
+def _jpeg_include_dirs() -> list[str] | None:
+    """[] where the C++ compiler finds jpeglib.h by itself, [$CONDA_PREFIX/include] where that holds it, else None."""
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    try:
+        probe = subprocess.run([*compiler, "-E", "-x", "c++", "-"], input="#include <cstdio>\n#include <jpeglib.h>\n",
+                               capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            return []
+    except (OSError, subprocess.SubprocessError):
+        pass
+    conda = os.environ.get("CONDA_PREFIX")
+    if conda and os.path.isfile(os.path.join(conda, "include", "jpeglib.h")):
+        return [os.path.join(conda, "include")]
+    return None
 
 
 def _build_ext(BuildExtension):

@@ -1,0 +1,512 @@
+// Decodes only the region of a JPEG that a crop needs and writes the crop, resized and optionally flipped,
+// as uint8 HWC straight into a caller's buffer (one image of a batch): one call per image, the GIL released.
+//
+// Why: decoding the whole image caps a core's throughput, and a training crop covers 5-100 % of the image
+// (and is resized down, often by 2x or more). libjpeg-turbo can decode less: jpeg_crop_scanline restricts
+// the IDCT and colour conversion to a column range (widened to iMCU boundaries), jpeg_skip_scanlines skips
+// rows above the region without their IDCT, and decoding stops after the last row the resize reads
+// (jpeg_abort_decompress). Where the crop is at least 2x (4x) the output in both dimensions the DCT itself
+// scales by 1/2 (1/4): the SIMD scaled IDCTs, a quarter (a sixteenth) of the pixels to convert and resize.
+// None of TorchCodec, simplejpeg or Pillow decodes a region; PyTurboJPEG's crop needs libturbojpeg 3.
+//
+// The resize is PIL's (and torchvision's uint8 antialias=True): the triangle filter widened by the downscale
+// factor, separable, weights in fixed point (14 bits) normalised per output pixel, uint8 between the passes.
+// The filter reads only pixels of the box (rounded outwards to whole pixels): for an integer box that is
+// torchvision's crop-then-resize (training's random resized crop). With read_around it reads the pixels
+// around the box too, as resizing the whole image then cropping does (evaluation's resize + centre crop).
+// The vertical pass runs first, over whole rows, so that the horizontal pass, which gathers, runs on the
+// output's rows only; libjpeg writes RGBX so that a pixel is one 32-bit lane; each pass multiplies two taps
+// at a time (pmaddwd). The flip costs nothing: the horizontal pass takes its outputs' weights in reverse.
+//
+// Errors: libjpeg's error_exit longjmps back into the guarded step that called it (each guarded step is a
+// function holding no object with a destructor) and is thrown as JpegError from there. Its warnings
+// ("premature end of data segment", "corrupt JPEG data") are errors too: the loader then gives the file to
+// its general decoder, which decides as it does for every other image. A file that does not end with the
+// EOI marker may be truncated after the region: it is decoded to its end (entropy decoding only for the rows
+// past the region) so that truncation is reported wherever it is.
+
+#include <pybind11/pybind11.h>
+
+#include <jpeglib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csetjmp>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef JCS_EXTENSIONS
+#error "libjpeg-turbo's jpeglib.h is needed (JCS_EXT_RGBX)"
+#endif
+
+namespace {
+
+class JpegError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class UnsupportedJpeg : public JpegError {
+ public:
+  using JpegError::JpegError;
+};
+
+// Fixed-point weights of 14 bits (PIL has 22 in int32): a weight (at most 1) fits an int16, so two taps take
+// one multiply-add (pmaddwd); rounding 14-bit weights moves a result by at most taps * 2^-15 * 255, < 0.05.
+constexpr int kBits = 14;
+constexpr int kChannels = 4;  // libjpeg writes RGBX: one pixel is one 32-bit lane in the passes
+constexpr int kMargin = 2;
+
+struct ErrorManager {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+
+void fail(j_common_ptr cinfo) {
+  auto* errors = reinterpret_cast<ErrorManager*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, errors->message);
+  std::longjmp(errors->jump, 1);
+}
+
+void on_message(j_common_ptr cinfo, int level) {
+  if (level < 0) fail(cinfo);  // a warning: corrupt or truncated data
+}
+
+struct Decoder {
+  jpeg_decompress_struct cinfo;
+  ErrorManager errors;
+  bool created = false;
+
+  Decoder() {
+    cinfo.err = jpeg_std_error(&errors.pub);
+    errors.pub.error_exit = fail;
+    errors.pub.emit_message = on_message;
+    errors.message[0] = '\0';
+  }
+  ~Decoder() {
+    if (created) jpeg_destroy_decompress(&cinfo);
+  }
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  [[noreturn]] void raise() const { throw JpegError(std::string("cannot decode JPEG: ") + errors.message); }
+};
+
+// ---- guarded steps: each returns false where libjpeg reported an error (the message is in errors) ----
+
+bool guarded_read_header(Decoder& d, const uint8_t* data, size_t size) {
+  if (setjmp(d.errors.jump)) return false;
+  jpeg_create_decompress(&d.cinfo);
+  d.created = true;
+  jpeg_mem_src(&d.cinfo, data, static_cast<unsigned long>(size));
+  jpeg_read_header(&d.cinfo, TRUE);
+  return true;
+}
+
+// Starts decompression at scale 1/denom (scaled_width: the whole scaled width), cropped to the columns
+// [*xoffset, *xoffset + *width), which libjpeg widens to iMCU boundaries.
+bool guarded_start(Decoder& d, unsigned denom, JDIMENSION* scaled_width, JDIMENSION* xoffset, JDIMENSION* width) {
+  if (setjmp(d.errors.jump)) return false;
+  d.cinfo.scale_num = 1;
+  d.cinfo.scale_denom = denom;
+  d.cinfo.out_color_space = JCS_EXT_RGBX;  // grayscale and YCbCr alike; 4-byte pixels for the passes
+  jpeg_start_decompress(&d.cinfo);
+  *scaled_width = d.cinfo.output_width;
+  if (*width < d.cinfo.output_width) {
+    jpeg_crop_scanline(&d.cinfo, xoffset, width);
+  } else {
+    *xoffset = 0;
+    *width = d.cinfo.output_width;
+  }
+  return true;
+}
+
+// Rows [first, first + count) of the (scaled, cropped) output into rows[0 .. count); then either stops
+// (jpeg_abort_decompress) or, with to_end, reads on to the end of the data so that a truncation is seen.
+bool guarded_read_rows(Decoder& d, JDIMENSION first, JDIMENSION count, JSAMPROW* rows, JSAMPROW scratch,
+                       bool to_end) {
+  if (setjmp(d.errors.jump)) return false;
+  if (first > 0 && jpeg_skip_scanlines(&d.cinfo, first) != first) {
+    std::snprintf(d.errors.message, sizeof d.errors.message, "could not skip to row %u", first);
+    return false;
+  }
+  for (JDIMENSION done = 0; done < count;) {
+    const JDIMENSION got = jpeg_read_scanlines(&d.cinfo, rows + done, count - done);
+    if (got == 0) {
+      std::snprintf(d.errors.message, sizeof d.errors.message, "no rows after row %u", first + done);
+      return false;
+    }
+    done += got;
+  }
+  if (!to_end) {
+    jpeg_abort_decompress(&d.cinfo);
+    return true;
+  }
+  // Skipping to the very last row would skip without decoding: skip to the row before it, read it.
+  const JDIMENSION remaining = d.cinfo.output_height - d.cinfo.output_scanline;
+  if (remaining > 1) jpeg_skip_scanlines(&d.cinfo, remaining - 1);
+  while (d.cinfo.output_scanline < d.cinfo.output_height) jpeg_read_scanlines(&d.cinfo, &scratch, 1);
+  jpeg_finish_decompress(&d.cinfo);
+  return true;
+}
+
+// ---- the resize's weights ----
+
+// One axis: output i reads source pixels start[i] .. start[i] + count[i] with weights[i * width ..].
+struct Taps {
+  std::vector<int32_t> start, count, weights;
+  int width = 0;
+  int lo = 0, hi = 0;  // all outputs together read [lo, hi)
+};
+
+// PIL's precompute_coeffs for the source interval [in0, in1) resized to out_size pixels, reading only source
+// pixels in [bound0, bound1).
+Taps make_taps(double in0, double in1, int bound0, int bound1, int out_size, int bits) {
+  Taps t;
+  const double scale = (in1 - in0) / out_size;
+  const double filterscale = std::max(scale, 1.0);
+  const double support = filterscale;  // the triangle's support (1) widened by the downscale factor
+  t.width = static_cast<int>(std::ceil(support)) * 2 + 2;  // even: the horizontal pass takes taps in pairs
+  t.start.resize(out_size);
+  t.count.resize(out_size);
+  t.weights.assign(static_cast<size_t>(out_size) * t.width, 0);
+  std::vector<double> k(t.width);
+  t.lo = bound1;
+  t.hi = bound0;
+  for (int i = 0; i < out_size; ++i) {
+    const double center = in0 + (i + 0.5) * scale;
+    const int xmin = std::max(static_cast<int>(std::floor(center - support + 0.5)), bound0);
+    const int xmax = std::min(static_cast<int>(std::floor(center + support + 0.5)), bound1);
+    int n = std::min(std::max(xmax - xmin, 0), t.width);
+    double total = 0;
+    for (int x = 0; x < n; ++x) {
+      const double w = std::max(0.0, 1.0 - std::abs((x + xmin - center + 0.5) / filterscale));
+      k[x] = w;
+      total += w;
+    }
+    int first = xmin;
+    if (total <= 0) {  // cannot happen for a box inside the image; the nearest pixel then
+      first = std::min(std::max(static_cast<int>(std::floor(center)), bound0), bound1 - 1);
+      n = 1;
+      k[0] = total = 1;
+    }
+    t.start[i] = first;
+    t.count[i] = n;
+    for (int x = 0; x < n; ++x) {
+      t.weights[static_cast<size_t>(i) * t.width + x] =
+          static_cast<int32_t>(std::lround(k[x] / total * (1 << bits)));
+    }
+    t.lo = std::min(t.lo, first);
+    t.hi = std::max(t.hi, first + n);
+  }
+  return t;
+}
+
+void reverse_outputs(Taps& t) {
+  std::reverse(t.start.begin(), t.start.end());
+  std::reverse(t.count.begin(), t.count.end());
+  const size_t n = t.start.size();
+  for (size_t i = 0; i < n / 2; ++i) {
+    std::swap_ranges(t.weights.begin() + i * t.width, t.weights.begin() + (i + 1) * t.width,
+                     t.weights.begin() + (n - 1 - i) * t.width);
+  }
+}
+
+inline uint8_t clip8(int32_t acc, int bits) {
+  return static_cast<uint8_t>(std::min(std::max(acc >> bits, 0), 255));
+}
+
+// The vertical pass: output row y of dst (n bytes) combines rows start[y] .. of the region, from byte col0.
+// Taps in pairs (an odd count's last pair has a zero weight and reads its last row again).
+void vertical_pass(const JSAMPROW* rows, int row0, int col0, const Taps& ty, int n, uint8_t* dst) {
+  const int out_h = static_cast<int>(ty.start.size());
+  constexpr int32_t half = 1 << (kBits - 1);
+  std::vector<const uint8_t*> src(ty.width);
+  std::vector<int32_t> pair(ty.width / 2);
+  for (int y = 0; y < out_h; ++y) {
+    const int count = ty.count[y];
+    const int pairs = (count + 1) / 2;
+    const int32_t* w = ty.weights.data() + static_cast<size_t>(y) * ty.width;  // zero past count
+    for (int k = 0; k < 2 * pairs; ++k) src[k] = rows[ty.start[y] - row0 + std::min(k, count - 1)] + col0;
+    for (int k = 0; k < pairs; ++k) {
+      pair[k] = static_cast<int32_t>((static_cast<uint32_t>(w[2 * k + 1]) << 16) |
+                                     (static_cast<uint32_t>(w[2 * k]) & 0xFFFFu));
+    }
+    uint8_t* out = dst + static_cast<size_t>(y) * n;
+    int x = 0;
+#if defined(__AVX2__)
+    // 16 bytes at a time: the bytes of two rows interleaved as int16 pairs, pmaddwd with their two weights.
+    for (; x + 16 <= n; x += 16) {
+      __m256i low = _mm256_set1_epi32(half), high = low;
+      for (int k = 0; k < pairs; ++k) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[2 * k] + x));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[2 * k + 1] + x));
+        const __m256i weights = _mm256_set1_epi32(pair[k]);
+        low = _mm256_add_epi32(low, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b)), weights));
+        high = _mm256_add_epi32(high, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b)), weights));
+      }
+      // int32 -> int16 packs within 128-bit lanes: put the four 64-bit quarters back in order, then -> uint8.
+      __m256i words = _mm256_packs_epi32(_mm256_srai_epi32(low, kBits), _mm256_srai_epi32(high, kBits));
+      words = _mm256_permute4x64_epi64(words, 0xD8);
+      const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + x), bytes);
+    }
+#endif
+    for (; x < n; ++x) {
+      int32_t acc = half;
+      for (int k = 0; k < 2 * pairs; ++k) acc += w[k] * src[k][x];
+      out[x] = clip8(acc, kBits);
+    }
+  }
+}
+
+// The horizontal pass: each of `rows` RGBX rows of src (pixel 0 is column tx.lo) -> out_w RGB pixels of dst.
+// Every output takes tx.width taps, in pairs, the ones past its own count with zero weights (src holds the
+// pixels they read). Integer arithmetic throughout: every branch below gives the same bytes.
+void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& tx, uint8_t* dst) {
+  const int out_w = static_cast<int>(tx.start.size());
+  const int pairs = tx.width / 2;
+  // packed[i * pairs + k]: output i's taps 2k and 2k + 1 as the two int16 halves of an int32.
+  std::vector<int32_t> packed(static_cast<size_t>(out_w) * pairs);
+  for (int i = 0; i < out_w; ++i) {
+    for (int k = 0; k < pairs; ++k) {
+      const int32_t* w = tx.weights.data() + static_cast<size_t>(i) * tx.width + 2 * k;
+      packed[static_cast<size_t>(i) * pairs + k] =
+          static_cast<int32_t>((static_cast<uint32_t>(w[1]) << 16) | (static_cast<uint32_t>(w[0]) & 0xFFFFu));
+    }
+  }
+  std::vector<int32_t> offset(out_w);
+  for (int i = 0; i < out_w; ++i) offset[i] = (tx.start[i] - tx.lo) * kChannels;
+  const size_t out_stride = static_cast<size_t>(out_w) * 3;
+  constexpr int32_t half = 1 << (kBits - 1);
+  for (int y = 0; y < rows; ++y) {
+    const uint8_t* line = src + static_cast<size_t>(y) * src_stride;
+    uint8_t* out = dst + y * out_stride;
+    const bool last_row = y == rows - 1;
+    int i = 0;
+#if defined(__AVX2__)
+    // Two outputs at once, one per 128-bit lane; two RGBX pixels -> the int16 pairs (r0, r1), (g0, g1),
+    // (b0, b1), (x0, x1) that pmaddwd combines with the pair of weights.
+    const __m256i spread = _mm256_setr_epi8(0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128,
+                                            0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128);
+    for (; i + 2 < out_w || (i + 2 == out_w && !last_row); i += 2) {
+      const uint8_t* p0 = line + offset[i];
+      const uint8_t* p1 = line + offset[i + 1];
+      const int32_t* w0 = packed.data() + static_cast<size_t>(i) * pairs;
+      const int32_t* w1 = w0 + pairs;
+      __m256i acc = _mm256_set1_epi32(half);
+      for (int k = 0; k < pairs; ++k) {
+        const __m256i two = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+        const __m256i weights = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(w0[k])),
+                                                        _mm_set1_epi32(w1[k]), 1);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(two, spread), weights));
+      }
+      acc = _mm256_srai_epi32(acc, kBits);
+      acc = _mm256_packus_epi16(_mm256_packs_epi32(acc, acc), acc);
+      const uint32_t first = static_cast<uint32_t>(_mm256_cvtsi256_si32(acc));
+      const uint32_t second = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(acc, 1)));
+      std::memcpy(out + 3 * i, &first, 4);  // its fourth byte is the next pixel's first, written next
+      std::memcpy(out + 3 * i + 3, &second, 4);
+    }
+#endif
+    for (; i < out_w; ++i) {  // the rest one at a time, the image's last pixel three bytes only
+      const uint8_t* p = line + offset[i];
+      const int32_t* w = tx.weights.data() + static_cast<size_t>(i) * tx.width;
+      int32_t acc[3] = {half, half, half};
+      for (int k = 0; k < 2 * pairs; ++k) {
+        for (int c = 0; c < 3; ++c) acc[c] += w[k] * p[kChannels * k + c];
+      }
+      for (int c = 0; c < 3; ++c) out[3 * i + c] = clip8(acc[c], kBits);
+    }
+  }
+}
+
+// ---- the calls ----
+
+struct Bytes {
+  const uint8_t* data;
+  size_t size;
+};
+
+Bytes bytes_of(const pybind11::buffer& data) {
+  pybind11::buffer_info info = data.request();
+  if (info.ndim != 1 || info.itemsize != 1 || (info.shape[0] > 1 && info.strides[0] != 1)) {
+    throw std::invalid_argument("JPEG data must be contiguous bytes (bytes, memoryview or a 1-D uint8 array)");
+  }
+  return {static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.shape[0])};
+}
+
+void check_colour_space(const jpeg_decompress_struct& cinfo) {
+  if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
+    throw UnsupportedJpeg("CMYK/YCCK JPEG: not decoded by the region decoder");
+  }
+  if (cinfo.num_components != 1 && cinfo.num_components != 3) {
+    throw UnsupportedJpeg("JPEG with " + std::to_string(cinfo.num_components) +
+                          " components: not decoded by the region decoder");
+  }
+}
+
+void read_header_into(Decoder& d, Bytes bytes) {
+  if (!guarded_read_header(d, bytes.data, bytes.size)) d.raise();
+  check_colour_space(d.cinfo);
+}
+
+pybind11::tuple header(const pybind11::buffer& data) {
+  const Bytes bytes = bytes_of(data);
+  Decoder d;
+  {
+    pybind11::gil_scoped_release release;
+    read_header_into(d, bytes);
+  }
+  return pybind11::make_tuple(d.cinfo.image_height, d.cinfo.image_width, d.cinfo.num_components);
+}
+
+bool ends_with_eoi(Bytes bytes) {
+  return bytes.size >= 2 && bytes.data[bytes.size - 2] == 0xFF && bytes.data[bytes.size - 1] == 0xD9;
+}
+
+// A buffer kept by each thread between images, grown to the largest asked for, not cleared: a fresh one
+// per image would be fresh pages from the kernel, zeroed, faulted in, every time.
+class Buffer {
+ public:
+  uint8_t* get(size_t size) {
+    if (size > size_) {
+      data_.reset(new uint8_t[size]);
+      size_ = size;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t size_ = 0;
+};
+
+thread_local Buffer region_buffer, column_buffer;
+
+using Clock = std::chrono::steady_clock;
+
+int64_t nanoseconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
+
+// The DCT scale's denominator: 4 (2) where the box is at least 4x (2x) the output in both dimensions.
+unsigned dct_denominator(double box_h, double box_w, int out_h, int out_w) {
+  for (unsigned denom : {4u, 2u}) {
+    if (box_h >= denom * out_h && box_w >= denom * out_w) return denom;
+  }
+  return 1;
+}
+
+struct Timings {
+  int64_t decode = 0, resize = 0, flip = 0;
+};
+
+Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left, double box_h,
+                       double box_w, bool flip, bool read_around) {
+  const Clock::time_point t0 = Clock::now();
+  Decoder d;
+  read_header_into(d, bytes);
+  const double height = d.cinfo.image_height, width = d.cinfo.image_width;
+  constexpr double kSlack = 1e-6;  // a box computed in floating point may pass the edge by a rounding error
+  if (!(box_h > 0 && box_w > 0 && top >= -kSlack && left >= -kSlack && top + box_h <= height + kSlack &&
+        left + box_w <= width + kSlack)) {
+    throw std::invalid_argument("crop box (top " + std::to_string(top) + ", left " + std::to_string(left) +
+                                ", height " + std::to_string(box_h) + ", width " + std::to_string(box_w) +
+                                ") is not inside the " + std::to_string(d.cinfo.image_height) + " x " +
+                                std::to_string(d.cinfo.image_width) + " image");
+  }
+  const unsigned denom = dct_denominator(box_h, box_w, out_h, out_w);
+  // The scaled image's pixel i covers source pixels [i * denom, (i + 1) * denom).
+  const int scaled_h = static_cast<int>((d.cinfo.image_height + denom - 1) / denom);
+  const int scaled_w = static_cast<int>((d.cinfo.image_width + denom - 1) / denom);
+  const double y0 = std::max(top, 0.0) / denom, y1 = std::min(top + box_h, height) / denom;
+  const double x0 = std::max(left, 0.0) / denom, x1 = std::min(left + box_w, width) / denom;
+  auto inner = [](double v) { return static_cast<int>(std::floor(v + kSlack)); };
+  auto outer = [](double v) { return static_cast<int>(std::ceil(v - kSlack)); };
+  // The filter reads the box's pixels (rounded outwards), or with read_around every pixel of the image its
+  // support reaches, as resizing the whole image and then cropping does.
+  const Taps ty = make_taps(y0, y1, read_around ? 0 : std::max(inner(y0), 0),
+                            read_around ? scaled_h : std::min(outer(y1), scaled_h), out_h, kBits);
+  Taps tx = make_taps(x0, x1, read_around ? 0 : std::max(inner(x0), 0),
+                      read_around ? scaled_w : std::min(outer(x1), scaled_w), out_w, kBits);
+
+  // libjpeg's chroma upsampling treats the cropped columns' edges as the image's: a margin of kMargin
+  // columns each side keeps the columns the resize reads as the whole image's decoding has them.
+  const int crop0 = std::max(tx.lo - kMargin, 0), crop1 = std::min(tx.hi + kMargin, scaled_w);
+  JDIMENSION xoffset = crop0, crop_w = crop1 - crop0, libjpeg_w = 0;
+  if (!guarded_start(d, denom, &libjpeg_w, &xoffset, &crop_w)) d.raise();
+  if (static_cast<int>(libjpeg_w) != scaled_w || static_cast<int>(d.cinfo.output_height) != scaled_h) {
+    throw JpegError("libjpeg scaled the image to " + std::to_string(d.cinfo.output_height) + " x " +
+                    std::to_string(libjpeg_w) + ", not the expected " + std::to_string(scaled_h) +
+                    " x " + std::to_string(scaled_w));
+  }
+  const JDIMENSION row0 = ty.lo, rows = ty.hi - ty.lo;
+  const size_t stride = static_cast<size_t>(crop_w) * kChannels;
+  uint8_t* region = region_buffer.get(stride * (rows + 1));  // + a row for reading past the region
+  std::vector<JSAMPROW> pointers(rows);
+  for (JDIMENSION r = 0; r < rows; ++r) pointers[r] = region + r * stride;
+  if (!guarded_read_rows(d, row0, rows, pointers.data(), region + rows * stride, !ends_with_eoi(bytes))) d.raise();
+  const Clock::time_point t1 = Clock::now();
+
+  if (flip) reverse_outputs(tx);
+  const Clock::time_point t2 = Clock::now();
+
+  const int n = (tx.hi - tx.lo) * kChannels;
+  // + the pixels that the last outputs' zero-weight taps read
+  uint8_t* columns = column_buffer.get(static_cast<size_t>(out_h) * n + static_cast<size_t>(tx.width) * kChannels);
+  vertical_pass(pointers.data(), static_cast<int>(row0), static_cast<int>(tx.lo - xoffset) * kChannels, ty, n,
+                columns);
+  horizontal_pass(columns, n, out_h, tx, out);
+  const Clock::time_point t3 = Clock::now();
+  return {nanoseconds(t0, t1), nanoseconds(t2, t3), nanoseconds(t1, t2)};
+}
+
+// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
+pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
+                                     double left, double box_h, double box_w, bool flip, bool read_around,
+                                     bool timings) {
+  pybind11::buffer_info target = out.request(true);
+  if (target.ndim != 3 || target.itemsize != 1 || target.format != "B" || target.shape[2] != 3 ||
+      target.shape[0] < 1 || target.shape[1] < 1 || target.strides[2] != 1 || target.strides[1] != 3 ||
+      target.strides[0] != 3 * target.shape[1]) {
+    throw std::invalid_argument("out must be a contiguous uint8 [H, W, 3] buffer");
+  }
+  const Bytes bytes = bytes_of(data);
+  uint8_t* pixels = static_cast<uint8_t*>(target.ptr);
+  const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
+  Timings t;
+  {
+    pybind11::gil_scoped_release release;
+    t = decode_resized(bytes, pixels, out_h, out_w, top, left, box_h, box_w, flip, read_around);
+  }
+  if (!timings) return pybind11::none();
+  return pybind11::make_tuple(t.decode, t.resize, t.flip);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Region JPEG decoding (libjpeg-turbo) with antialiased resize and flip into a uint8 HWC buffer (cnns).";
+  auto jpeg_error = pybind11::register_exception<JpegError>(m, "JpegError", PyExc_ValueError);
+  pybind11::register_exception<UnsupportedJpeg>(m, "UnsupportedJpeg", jpeg_error.ptr());
+  m.def("header", &header, "(height, width, components) from the JPEG header");
+  m.def("decode_resized_into", &decode_resized_into, "decode the box's region, resize, flip, write into out",
+        pybind11::arg("data"), pybind11::arg("out"), pybind11::arg("top"), pybind11::arg("left"),
+        pybind11::arg("height"), pybind11::arg("width"), pybind11::arg("flip"), pybind11::arg("read_around"),
+        pybind11::arg("timings"));
+  m.attr("LIBJPEG_TURBO_VERSION") = LIBJPEG_TURBO_VERSION_NUMBER;
+}
