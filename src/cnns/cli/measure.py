@@ -34,7 +34,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None,
                         help="Where the generated CIFAR-10 folder is kept (default: <output-dir>/data/cifar10).")
     parser.add_argument("--keep-runs", action="store_true",
-                        help="Keep the training runs' folders (checkpoints included); by default only logs stay.")
+                        help="Keep the runs' checkpoints; by default each run's folder keeps only its CSV files and logs.")
     parser.add_argument("--list", action="store_true", help="List the benchmarks and exit.")
     return parser
 
