@@ -177,7 +177,7 @@ Taps make_taps(double in0, double in1, int bound0, int bound1, int out_size, int
   const double scale = (in1 - in0) / out_size;
   const double filterscale = std::max(scale, 1.0);
   const double support = filterscale;  // the triangle's support (1) widened by the downscale factor
-  t.width = static_cast<int>(std::ceil(support)) * 2 + 2;  // even: the horizontal pass takes taps in pairs
+  t.width = static_cast<int>(std::ceil(support)) * 2 + 2;  // enough for any output; trimmed below
   t.start.resize(out_size);
   t.count.resize(out_size);
   t.weights.assign(static_cast<size_t>(out_size) * t.width, 0);
@@ -210,6 +210,15 @@ Taps make_taps(double in0, double in1, int bound0, int bound1, int out_size, int
     t.lo = std::min(t.lo, first);
     t.hi = std::max(t.hi, first + n);
   }
+  // Keep only as many taps per output as the widest needs, rounded up to a pair.
+  const int widest = *std::max_element(t.count.begin(), t.count.end());
+  const int width = (widest + 1) / 2 * 2;
+  for (int i = 0; i < out_size; ++i) {
+    std::copy_n(t.weights.begin() + static_cast<size_t>(i) * t.width, width,
+                t.weights.begin() + static_cast<size_t>(i) * width);
+  }
+  t.weights.resize(static_cast<size_t>(out_size) * width);
+  t.width = width;
   return t;
 }
 
@@ -286,6 +295,16 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
           static_cast<int32_t>((static_cast<uint32_t>(w[1]) << 16) | (static_cast<uint32_t>(w[0]) & 0xFFFFu));
     }
   }
+#if defined(__AVX2__)
+  // lanes[(i / 2) * pairs * 8 + 8k ..]: pair k of output i's weights four times, then of output i + 1's.
+  std::vector<int32_t> lanes(static_cast<size_t>((out_w + 1) / 2) * pairs * 8, 0);
+  for (int i = 0; i < out_w; ++i) {
+    for (int k = 0; k < pairs; ++k) {
+      int32_t* lane = lanes.data() + static_cast<size_t>(i / 2) * pairs * 8 + 8 * k + 4 * (i % 2);
+      std::fill_n(lane, 4, packed[static_cast<size_t>(i) * pairs + k]);
+    }
+  }
+#endif
   std::vector<int32_t> offset(out_w);
   for (int i = 0; i < out_w; ++i) offset[i] = (tx.start[i] - tx.lo) * kChannels;
   const size_t out_stride = static_cast<size_t>(out_w) * 3;
@@ -303,16 +322,14 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
     for (; i + 2 < out_w || (i + 2 == out_w && !last_row); i += 2) {
       const uint8_t* p0 = line + offset[i];
       const uint8_t* p1 = line + offset[i + 1];
-      const int32_t* w0 = packed.data() + static_cast<size_t>(i) * pairs;
-      const int32_t* w1 = w0 + pairs;
+      const int32_t* weights = lanes.data() + static_cast<size_t>(i / 2) * pairs * 8;
       __m256i acc = _mm256_set1_epi32(half);
       for (int k = 0; k < pairs; ++k) {
         const __m256i two = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
-        const __m256i weights = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(w0[k])),
-                                                        _mm_set1_epi32(w1[k]), 1);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(two, spread), weights));
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 8 * k));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(two, spread), w));
       }
       acc = _mm256_srai_epi32(acc, kBits);
       acc = _mm256_packus_epi16(_mm256_packs_epi32(acc, acc), acc);
