@@ -274,3 +274,20 @@ def test_timings_are_three_durations():
     out = torch.empty(32, 32, 3, dtype=torch.uint8)
     timings = jpeg.decode_resized_into(data, out, (0, 0, 240, 320), True, timings=True)
     assert len(timings) == 3 and all(isinstance(t, int) and t >= 0 for t in timings) and timings[0] > 0
+
+
+def test_threads_decode_at_once_into_one_batch():
+    """The GIL is released while decoding and each thread keeps its own buffers: images decoded by several
+    threads at once into one batch are the ones decoded one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(80)
+    files = [photo_jpeg(kind, 300 + 7 * index, 200 + 5 * index, seed=80 + index)
+             for index, kind in enumerate(["420", "444", "gray", "progressive"] * 2)]
+    jobs = [(data, next(random_boxes(rng, *jpeg.header(data)[:2], 1, scaled=bool(index % 2)))[0], bool(index % 3))
+            for index, data in enumerate(files)]
+    one_by_one = torch.stack([decoded(data, box, (56, 48), flip) for data, box, flip in jobs])
+    batch = torch.zeros(len(jobs), 56, 48, 3, dtype=torch.uint8)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: jpeg.decode_resized_into(jobs[i][0], batch[i], jobs[i][1], jobs[i][2]), range(len(jobs))))
+    assert torch.equal(batch, one_by_one)
