@@ -117,14 +117,14 @@ def test_pipeline_num_parallel_is_the_number_of_processes_that_decode(jpeg_tree,
     # Every decode appends its process id to a file; DataLoader workers are forked, so they run the
     # patched transform too (a one-line append is atomic between processes).
     decoders = tmp_path / "decoders.txt"
-    transform = ImageNetTransform.__call__
+    into = ImageNetTransform.into
 
-    def decode(self, data, source):
+    def decode(self, data, source, key, out):
         with open(decoders, "a") as f:
             f.write(f"{os.getpid()}\n")
-        return transform(self, data, source)
+        return into(self, data, source, key, out)
 
-    monkeypatch.setattr(ImageNetTransform, "__call__", decode)
+    monkeypatch.setattr(ImageNetTransform, "into", decode)
     assert run_command("train", [*RESNET18_64PX, "--data-dir", str(jpeg_tree), "--micro-batch-size", "2",
                                  "--iterations", "6", "--pipeline-num-parallel", str(workers), "--no-validation",
                                  "--logs-path", str(tmp_path / "run")]) == 0
@@ -184,7 +184,7 @@ def test_evaluation_cache_replays_the_first_complete_pass(jpeg_tree, cache):
     first = [(images.clone(), labels.clone()) for images, labels in source.epoch(0)]
     assert sum(len(labels) for _, labels in first) == 13 and torch.equal(partial[0], first[0][0])
     reads = []
-    source.loader.dataset.transform = lambda data, name: reads.append(name) or torch.zeros(16, 16, 3, dtype=torch.uint8)
+    source.loader.dataset.transform.into = lambda data, name, key, out: reads.append(name)
     again = list(source.epoch(0))
     resumed = list(source.epoch(0, start_batch=2))
     if cache:
