@@ -125,6 +125,9 @@ def test_truncated_files_are_errors_wherever_the_crop_is(kind):
     # The bytes the tests elsewhere cut to 50 and 60 fail at the header already.
     with pytest.raises(jpeg.JpegError):
         jpeg.header(data[:60])
+    # Bytes after the end marker (padding, appended data) are not a truncation: read to the end, same image.
+    for tail in (bytes(100), b"appended"):
+        assert torch.equal(decoded(data + tail, top_rows, (16, 160)), decoded(data, top_rows, (16, 160)))
 
 
 def test_corrupt_scan_data_is_an_error():
