@@ -22,9 +22,10 @@ timed inside one image's step, so they come from the real loader's delivered rat
 * across to the main process = per-image time of the loader with 1 worker - with 0 workers (the
   batch leaving the worker and arriving in the main process).
 
-The two loaders are measured alternately, --rounds times each, and their medians taken, so that the
-machine's drift moves both terms of the difference alike; on a shared machine a difference can still
-come out below zero, and is printed as measured.
+Each round measures all of them (the stages in this process, the decode-only cap, the loaders), in an
+order reversed every other round, and each row uses the medians over --rounds, so that the machine's
+drift moves both terms of a difference alike; on a shared machine a difference can still come out
+below zero, and is printed as measured.
 
 Run it under `taskset -c N` (one core) so that the main process's share of the one-worker run is
 paid on the worker's core, as it is when every core has a worker; with a free core beside the
@@ -420,9 +421,12 @@ def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageN
     return times
 
 
-def time_whole_decoding(dataset: ImageDataset, indices: Sequence[int]) -> tuple[float, str]:
-    """(seconds per image, decoder): the whole image decoded to RGB and nothing else, from bytes already
-    in memory, one thread: TorchCodec's decoder (libjpeg-turbo for JPEG)."""
+DECODE_ONLY_DECODER = "TorchCodec, libjpeg-turbo"
+
+
+def time_whole_decoding(dataset: ImageDataset, indices: Sequence[int]) -> float:
+    """Seconds per image: the whole image decoded to RGB and nothing else, from bytes already in memory,
+    one thread, by TorchCodec's decoder (libjpeg-turbo for JPEG)."""
     from torchcodec.decoders import decode_image
 
     encoded = [torch.frombuffer(bytearray(dataset.read(index)[0]), dtype=torch.uint8) for index in indices]
@@ -433,7 +437,7 @@ def time_whole_decoding(dataset: ImageDataset, indices: Sequence[int]) -> tuple[
         for data in encoded:
             decode_image(data, mode="RGB")
         elapsed = time.perf_counter_ns() - start
-    return elapsed / len(encoded) / 1e9, "TorchCodec, libjpeg-turbo"
+    return elapsed / len(encoded) / 1e9
 
 
 @dataclass
@@ -478,36 +482,64 @@ class ImageAccount:
         return rows
 
 
-def account_loaders(plan: BenchPlan, with_baseline: bool,
-                    report: Callable[[str], None] = print) -> dict[str, Measurement]:
-    """The median of `plan.rounds` measurements of each loader the account needs, in an order reversed
-    every other round: cnns with 0 and with 1 worker (their difference is a row, so they are measured
-    side by side in time) and, with `with_baseline`, torchvision's with 1 worker."""
-    loaders = [("cnns", 0), ("cnns", 1)] + ([("torchvision", 1)] if with_baseline else [])
-    runs: dict[tuple[str, int], list[Measurement]] = {loader: [] for loader in loaders}
+@dataclass
+class AccountRounds:
+    """What the account measures, `rounds` times each: the stages in this process, the whole-image decoding,
+    and the loaders (cnns with 0 and 1 worker, torchvision's with 1 when asked)."""
+
+    stages: list[StageTimes] = field(default_factory=list)
+    decode_only: list[float] = field(default_factory=list)
+    loaders: dict[str, list[Measurement]] = field(default_factory=dict)
+
+
+def measure_account_rounds(plan: BenchPlan, dataset: ImageDataset, indices: Sequence[int],
+                           transform: ImageNetTransform, with_baseline: bool,
+                           report: Callable[[str], None] = print) -> AccountRounds:
+    """Every measurement of the account once per round, in an order reversed every other round: the rows
+    are differences and ratios of these, so each is taken beside the others in time and the medians used
+    (the machine's drift then moves the terms of a difference alike)."""
+    found = AccountRounds()
+
+    def stages() -> None:
+        found.stages.append(time_stages(dataset, indices, transform))
+        report(f"  in one process, stage by stage: {1e9 * found.stages[-1].images / found.stages[-1].step:8.1f} "
+               f"images/s ({found.stages[-1].images} images)")
+
+    def decode_only() -> None:
+        found.decode_only.append(time_whole_decoding(dataset, indices))
+        report(f"  decode-only (whole image): {1 / found.decode_only[-1]:8.1f} images/s")
+
+    def loader(pipeline: str, workers: int) -> Callable[[], None]:
+        def run() -> None:
+            found.loaders.setdefault(f"{pipeline} {workers}", []).append(measure(plan, pipeline, workers))
+            report(measurement_line(found.loaders[f"{pipeline} {workers}"][-1]))
+        return run
+
+    steps = [stages, decode_only, loader("cnns", 0), loader("cnns", 1)]
+    steps += [loader("torchvision", 1)] if with_baseline else []
     for round_index in range(plan.rounds):
-        for pipeline, workers in loaders if round_index % 2 == 0 else loaders[::-1]:
-            runs[pipeline, workers].append(measure(plan, pipeline, workers))
-            report(measurement_line(runs[pipeline, workers][-1]))
-    return {f"{pipeline} {workers}": middle(found) for (pipeline, workers), found in runs.items()}
+        for step in steps if round_index % 2 == 0 else steps[::-1]:
+            step()
+    return found
 
 
 def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) -> ImageAccount:
     """The account on the plan's files. `baseline` is torchvision's loader with 1 worker when the comparison
-    measured it; on a folder tree it is measured here otherwise."""
+    measured it; on a folder tree it is measured in the account's rounds otherwise."""
     from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
 
     dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
     indices = account_indices(len(dataset), images)
     transform = ImageNetTransform(plan.train, plan.image_size, plan.seed)
-    stages = time_stages(dataset, indices, transform)
-    decoder = transform.decoder.name
-    decode_only, decode_only_decoder = time_whole_decoding(dataset, indices)
-    loaders = account_loaders(plan, baseline is None and plan.layout == "folder")
-    no_workers, one_worker = loaders["cnns 0"], loaders["cnns 1"]
-    baseline = baseline or loaders.get("torchvision 1")
-    return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, decoder, stages, no_workers,
-                        one_worker, decode_only, decode_only_decoder, baseline, len(os.sched_getaffinity(0)))
+    rounds = measure_account_rounds(plan, dataset, indices, transform, baseline is None and plan.layout == "folder")
+    stages = sorted(rounds.stages, key=lambda times: times.step)[(plan.rounds - 1) // 2]
+    decode_only = sorted(rounds.decode_only)[(plan.rounds - 1) // 2]
+    no_workers, one_worker = middle(rounds.loaders["cnns 0"]), middle(rounds.loaders["cnns 1"])
+    if baseline is None and "torchvision 1" in rounds.loaders:
+        baseline = middle(rounds.loaders["torchvision 1"])
+    return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
+                        stages, no_workers, one_worker, decode_only, DECODE_ONLY_DECODER, baseline,
+                        len(os.sched_getaffinity(0)))
 
 
 def decode_label(stages: StageTimes) -> str:
@@ -671,8 +703,8 @@ def bench_data_command(args: BenchDataRequest) -> int:
     if on_the_device and args.account:
         print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
     elif args.account and plan.layout in ("tfrecord", "folder"):
-        print(f"The account of one image ({args.account_images} images timed stage by stage in this process, then "
-              f"the loader with 0 and 1 worker, {plan.rounds} rounds):")
+        print(f"The account of one image ({args.account_images} images timed stage by stage in this "
+              f"process, the loader with 0 and 1 worker, {plan.rounds} rounds):")
         account = measure_account(plan, args.account_images, one_worker_baseline(comparisons))
         print(account_table(account))
         print(account_summary(account))
