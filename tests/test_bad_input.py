@@ -412,6 +412,19 @@ def test_a_batch_larger_than_the_cifar_training_set_leaves_no_run_folder(cifar, 
     assert listing(logs) == []
 
 
+def test_a_cifar_label_out_of_range_leaves_no_run_folder(cifar, tmp_path, capfd):
+    data = copy_of(cifar, tmp_path)
+    path = data / "data_batch_4.bin"
+    records = bytearray(path.read_bytes())
+    records[3073] = 12  # the second record's class
+    path.write_bytes(bytes(records))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), "--log-dir", str(logs), cwd=tmp_path)
+    assert_one_line_error(out, f"CIFAR file has class label 12, outside 0..9: {path}")
+    assert listing(logs) == []
+
+
 GENERATED_RUN = ["--generated-data", "--dataset", "cifar-10", "--model-size", "8", "--micro-batch-size", "2",
                  "--iterations", "1", "--no-validation"]
 
