@@ -79,7 +79,7 @@ def dataset_benchmark(cfg, notices: list[str]) -> int:
     from cnns.bench.data import dataset_benchmark as time_the_pipeline
     from cnns.commands.checks import check_data_before_writing
 
-    check_data_before_writing(cfg)
+    check_data_before_writing(cfg, train=True, evaluation=False)  # only the training pipeline is timed
     for notice in notices:
         print(notice)
     time_the_pipeline(cfg)

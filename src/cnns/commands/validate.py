@@ -80,15 +80,19 @@ def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notice
 
 
 def _nominal_train_images(cfg: RunConfig) -> int:
-    """Only for checkpoints that do not record their epoch (the seed's rule: the dataset's size)."""
+    """Only for checkpoints that do not record their epoch (Graphcore's application's rule: the dataset's size)."""
     from cnns.data.sources import NOMINAL_TRAIN_IMAGES
 
     return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
 
 
 def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:
-    """The seed's inference benchmark: no checkpoint, `--repeat` passes over generated data."""
-    log = RunLog(None, quiet=not world.is_writer)
+    """Graphcore's application's inference benchmark: no checkpoint, `--repeat` passes over generated data.
+    With --logs-path the writer keeps its lines and validation.csv there, which `cnns benchmark` reads."""
+    folder = Path(cfg.log.logs_path) if cfg.log.logs_path and world.is_writer else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    log = RunLog(folder, quiet=not world.is_writer)
     for notice in notices:
         log.notice(notice)
     c = build_components(cfg, world, need_train=False)
@@ -107,4 +111,5 @@ def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world
     if total is not None and total.latencies_ms:
         # Drop the first pass's first batch: it includes one-off warm-up.
         log.print(latency_line(total.latencies_ms[1:] or total.latencies_ms))
+    log.close()
     return 0

@@ -25,8 +25,8 @@ def weight_average(cfg: RunConfig, restore_path: str | None, mode: str, count: i
     if not restore_path:
         raise ConfigError("weight_avg.py needs --restore-path <run folder>")
     check_supported(cfg)
-    if validate:
-        check_data_before_writing(cfg)
+    if validate:  # the averages are validated, never trained: only the validation data must be there
+        check_data_before_writing(cfg, train=False, evaluation=True)
     folder = Path(restore_path)
     decay = DEFAULT_DECAY if decay is None else decay
     _check_averaging_options(mode, count, decay, discard_last)
