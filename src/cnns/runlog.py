@@ -1,8 +1,8 @@
-"""The run folder and everything written to it, in the seed's wording.
+"""The run folder and everything written to it, in Graphcore's application's wording.
 
 ``logs/<name>_<3 random chars>/`` holds arguments.json, log.txt (everything printed), training.csv,
-validation.csv and the checkpoints. The printed lines keep the seed's format so existing log parsers
-(and `cnns benchmark`) read them.
+validation.csv and the checkpoints. The printed lines keep Graphcore's application's format so existing
+log parsers read them; `cnns benchmark` reads the img_per_sec column of the CSV files.
 
 training.csv and validation.csv hold each iteration once, in order. A run that stopped without a checkpoint at
 its last logged iteration (killed, or its newest checkpoint unreadable) and is continued from an earlier
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 TRAINING_FILE, VALIDATION_FILE = "training.csv", "validation.csv"
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
                     "train_acc_avg", "it_time", "img_per_sec", "total_time")
-# The seed's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
+# Graphcore's application's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
 VALIDATION_COLUMNS = ("name", "iteration", "epoch", "val_acc", "raw_acc", "val_time", "val_size",
                       "img_per_sec", "latency", "val_top5")
 

@@ -200,8 +200,8 @@ def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     """validation.py / weight_avg.py / predict / export: the command line's values over the run's
     arguments.json, for one process.
 
-    `values` are a seed parser's values (None where not given). Returns (resolved options, the
-    run's arguments.json or {}). As in the seed, the training run's global batch size is kept (it
+    `values` are the values of a parser of Graphcore's scripts (None where not given). Returns (resolved options, the
+    run's arguments.json or {}). As in Graphcore's application, the training run's global batch size is kept (it
     places a checkpoint in epochs) unless --global-batch-size says otherwise.
     """
     restore_path = Path(values["restore_path"]) if values.get("restore_path") else None

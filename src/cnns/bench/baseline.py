@@ -182,10 +182,10 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """bfloat16 on a CPU or GPU that computes it; float16 on a GPU without bfloat16 arithmetic (Volta,
     Turing: the GradScaler comes with it); None (float32) on a CPU that would emulate bfloat16.
 
-    On an AVX2-only CPU bfloat16 autocast runs ResNet-20 about 10x slower than float32: nobody writing
+    A CPU without bfloat16 arithmetic emulates bfloat16 autocast many times slower than float32: nobody writing
     the plain loop by hand would keep it there, and cnns runs float32 on such a CPU too. On an Ampere or
     later GPU bfloat16 needs no loss scaling (no GradScaler, whose step reads its inf check on the host
-    every update), as the issue's reference loop ran it, and cnns's 16.x computes bfloat16 there too.
+    every update), as a hand-written reference loop runs it, and cnns's 16.x computes bfloat16 there too.
     """
     from cnns.precision import cpu_half_is_emulated, gpu_computes_bfloat16
 

@@ -19,8 +19,8 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int
     seconds.
 
     A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX, e.g. an AVX2-only EPYC) emulates it
-    about 300x slower than float32: one 2048x2048 product would take a minute. A 256x256 probe
-    estimates the rate first, and the big product is only timed when the budget allows it.
+    orders of magnitude slower than float32, so one 2048x2048 product could outlast the budget many times
+    over. A 256x256 probe estimates the rate first, and the big product is only timed when the budget allows it.
     """
     def timed(size: int, count: int) -> float:
         a = torch.randn(size, size, device=device).to(dtype)

@@ -1,4 +1,4 @@
-"""One file per seed script and tool: what each does with its resolved, frozen configuration.
+"""One file per script of Graphcore's application and per tool: what each does with its resolved, frozen configuration.
 
 | script or command                                                        | file           |
 |--------------------------------------------------------------------------|----------------|

@@ -1,8 +1,8 @@
-"""ImageNet loading shared by both layouts (TFRecord shards, JPEG folder tree): the seed's
-preprocessing, sharded sampling, and a DataLoader whose workers fill whole batches.
+"""ImageNet loading shared by both layouts (TFRecord shards, JPEG folder tree): Graphcore's
+application's preprocessing, sharded sampling, and a DataLoader whose workers fill whole batches.
 
 Batches are (uint8 [N, H, W, 3], int64 [N]): 8-bit I/O is the default transfer, and the device
-normalises (cnns.data.augment.normalise), as the seed's --eight-bit-io does.
+normalises (cnns.data.augment.normalise), as Graphcore's application does with --eight-bit-io.
 
 A worker is given the keys of a whole batch (`ImageBatchDataset`): it allocates the batch in shared
 memory, and for each image reads the encoded bytes, draws the crop from the header's size and has the
@@ -33,7 +33,7 @@ from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_cl
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
 from cnns.errors import CnnsError, ConfigError, DataError
 
-# The seed's training crop (sample_distorted_bounding_box without boxes), as torchvision's
+# Graphcore's application's training crop (sample_distorted_bounding_box without boxes), as torchvision's
 # RandomResizedCrop draws it: area and aspect ranges, and the tries before the centre-crop fallback.
 CROP_AREA = (0.05, 1.0)
 CROP_ASPECT = (3 / 4, 4 / 3)
@@ -49,7 +49,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def evaluation_resize(image_size: int) -> int:
-    """The short side before the centre crop: 256 for 224, scaled with the image size (seed's rule)."""
+    """The short side before the centre crop: 256 for 224, scaled with the image size (Graphcore's rule)."""
     return int(image_size * 256 / 224)
 
 
@@ -245,8 +245,8 @@ def imagenet_dataset(folder: str | os.PathLike, train: bool, transform=None) -> 
 def training_subset(dataset: Dataset, percentage: int) -> np.ndarray:
     """Indices of the first `percentage` % of the training set (--dataset-percentage-to-use).
 
-    TFRecord shards are class-mixed, so the first records are a fair sample (the seed takes the
-    first shards). A folder tree is sorted by class, so there the first p % of each class is taken
+    TFRecord shards are class-mixed, so the first records are a fair sample (Graphcore's application takes
+    the first shards). A folder tree is sorted by class, so there the first p % of each class is taken
     instead: the plain first p % would drop whole classes."""
     if not 1 <= percentage <= 100:
         raise ConfigError(f"--dataset-percentage-to-use must be between 1 and 100, got {percentage}")
@@ -579,7 +579,7 @@ class ImageNetBatches:
     with global_batch_size whole global batches (TrainingSampler); evaluation keeps the last partial
     batch, so every image is seen exactly once across ranks.
 
-    The dataset cache (the seed's default; --no-dataset-cache turns it off): evaluation batches are
+    The dataset cache (Graphcore's application's default; --no-dataset-cache turns it off): evaluation batches are
     the same at every pass (resize and centre crop are deterministic), so the first complete pass
     keeps them in memory as uint8 and later passes (one per validated checkpoint) decode nothing.
     Training batches are never cached: their crops change every epoch, so they must be decoded

@@ -1,14 +1,14 @@
-"""Mixup and cutmix on whole batches, with the seed's semantics (--mixup-alpha, --cutmix-lambda,
+"""Mixup and cutmix on whole batches, with Graphcore's application's semantics (--mixup-alpha, --cutmix-lambda,
 --cutmix-version), as pure functions of (images, soft targets, generator).
 
-Written by hand because torchvision's v2.MixUp / v2.CutMix differ from the seed: they draw one
-Beta coefficient per batch (the seed draws one per image and keeps the larger side), pair each
-image with its neighbour for both (the seed pairs by rolling the batch 1 for mixup and 2 for
+Written by hand because torchvision's v2.MixUp / v2.CutMix differ from Graphcore's application: they
+draw one Beta coefficient per batch (it draws one per image and keeps the larger side), pair each
+image with its neighbour for both (it pairs by rolling the batch 1 for mixup and 2 for
 cutmix, so a mixed-up image is never cut with its own partner), sample the cutmix area from a
-Beta distribution (the seed uses a fixed or v1-sampled lambda and shifts the box inside the image)
+Beta distribution (it uses a fixed or v1-sampled lambda and shifts the box inside the image)
 and draw from torch's global RNG.
 
-Seed semantics:
+Graphcore's application's semantics:
 
 * mixup: per image i, m_i ~ Beta(a, a), m_i = max(m_i, 1 - m_i) (the original image stays the
   'foreground'); image_i = m_i x_i + (1 - m_i) x_{i-1}; target_i likewise.
@@ -18,8 +18,8 @@ Seed semantics:
   the box's exact pixel fraction (so it matches what was pasted, not the requested lambda).
   Version 1 first draws lambda itself: 1 (no cutmix) with probability lambda*1.55 - 0.96, else
   1 + log(u)/4 with u ~ U(e^-4, 1).
-* both: mixup first, then cutmix of the mixed batch; the soft targets compose the same way (the
-  seed's four-label formula is exactly this composition).
+* both: mixup first, then cutmix of the mixed batch; the soft targets compose the same way (its
+  four-label formula is exactly this composition).
 
 Images may be on any device; the few random numbers are drawn on the CPU generator and moved.
 """
@@ -41,9 +41,9 @@ def one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.f
 
 
 def smooth_targets(targets: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """The seed's label smoothing on (soft) targets: a one-hot row becomes 1 - e on its class and
+    """Graphcore's application's label smoothing on (soft) targets: a one-hot row becomes 1 - e on its class and
     e / (K - 1) on each other class. The map is affine, so smoothing mixed targets equals mixing
-    smoothed one-hot targets (which is how the seed computes it), and rows still sum to one."""
+    smoothed one-hot targets (which is how Graphcore's application computes it), and rows still sum to one."""
     classes = targets.shape[-1]
     if label_smoothing == 0 or classes < 2:
         return targets
@@ -53,8 +53,8 @@ def smooth_targets(targets: torch.Tensor, label_smoothing: float) -> torch.Tenso
 
 def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                               label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean over the batch of -sum_k t_k log softmax(logits)_k, in float32, with the seed's label
-    smoothing applied to the targets; integer targets are one-hot encoded first."""
+    """Mean over the batch of -sum_k t_k log softmax(logits)_k, in float32, with Graphcore's
+    application's label smoothing applied to the targets; integer targets are one-hot encoded first."""
     logits = logits.float()
     if not targets.dtype.is_floating_point:
         targets = one_hot(targets, logits.shape[-1])
@@ -63,8 +63,8 @@ def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def _numpy_rng(generator: torch.Generator) -> np.random.Generator:
-    """A numpy RNG seeded from `generator`: torch has no generator-driven Beta sampler, and the
-    seed drew its mixup coefficients with numpy's beta."""
+    """A numpy RNG seeded from `generator`: torch has no generator-driven Beta sampler, and
+    Graphcore's application drew its mixup coefficients with numpy's beta."""
     return np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=generator)))
 
 
@@ -156,8 +156,8 @@ def cutmix(images: torch.Tensor, targets: torch.Tensor, cutmix_lambda: float, ge
 def mix_batch(images: torch.Tensor, labels: torch.Tensor, num_classes: int, generator: torch.Generator, *,
               mixup_alpha: float = 0.0, cutmix_lambda: float = 1.0, cutmix_version: int = 1,
               label_smoothing: float = 0.0, layout: str = "NCHW") -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's training-time mixing of one batch: mixup if alpha > 0, then cutmix if lambda < 1.
-    Returns (images, [N, num_classes] float32 soft targets) with the seed's label smoothing
+    """Graphcore's application's training-time mixing of one batch: mixup if alpha > 0, then cutmix if lambda < 1.
+    Returns (images, [N, num_classes] float32 soft targets) with that label smoothing
     applied, ready for a cross entropy that takes soft targets as given."""
     targets = one_hot(labels, num_classes).to(images.device)
     if mixup_alpha > 0:

@@ -2,8 +2,8 @@
 
 Every source yields (uint8 NHWC images, int64 labels) batches through the same small protocol:
 ``len(source)`` batches per epoch, ``source.epoch(e, start_batch)`` and ``source.num_samples``. The
-device side (`cnns.engine.feed`) moves them to the device and normalises them there, which is the
-seed's 8-bit I/O: a quarter of the bytes of float32 cross to the device.
+device side (`cnns.engine.feed`) moves them to the device and normalises them there, which is
+Graphcore's application's 8-bit I/O: a quarter of the bytes of float32 cross to the device.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from cnns.config import NUM_CLASSES, DataConfig
 from cnns.errors import DataError
 
-# The seed's dataset sizes, used to define an "epoch" of generated or synthetic data.
+# Graphcore's application's dataset sizes, used to define an "epoch" of generated or synthetic data.
 NOMINAL_TRAIN_IMAGES = {"imagenet": 1281167, "cifar-10": 50000, "cifar-100": 50000, "builtin": 5000}
 NOMINAL_EVAL_IMAGES = {"imagenet": 50000, "cifar-10": 10000, "cifar-100": 10000, "builtin": 1000}
 

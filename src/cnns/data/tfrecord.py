@@ -1,4 +1,4 @@
-"""ImageNet TFRecord shards (the seed's format) read without TensorFlow, by random access.
+"""ImageNet TFRecord shards (Graphcore's application's format) read without TensorFlow, by random access.
 
 A TFRecord file is a sequence of records, each framed as::
 
