@@ -6,7 +6,7 @@ Cases that tests/test_cli.py, test_validation.py and test_data_cifar.py already 
 here (an unknown config name, a missing CIFAR folder, a truncated or pickled checkpoint run in-process,
 another model's checkpoint to validation.py).
 
-A new interpreter costs ~4 s here (train.py imports torch and the engine before parsing), so the
+A new interpreter is slow to start (train.py imports torch and the engine before parsing), so the
 cases where the process itself matters (DataLoader worker processes, C libraries writing to stderr,
 each script's own entry) run the root script in a subprocess; the others run the same command in
 this process through cnns.cli.run_script (what the root scripts call), with stderr captured at the

@@ -163,7 +163,7 @@ def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end(tmp_path, capsys):
     assert not list(runs.rglob("*.pt"))  # the checkpoints go unless --keep-runs
 
 
-def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
+def test_the_repository_spec_lists_graphcores_benchmarks_and_parses():
     entries, document = load_spec(ROOT / "benchmarks.yml")
     names = {e.name for e in entries}
     for wanted in ("resnet50-train-synthetic", "resnext101-train-synthetic", "efficientnet-b0-train-synthetic",
@@ -184,7 +184,7 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
         "resnet50-train-synthetic-gpu", "resnet50-train-synthetic-gn-gpu", "resnet50-train-synthetic-gn-gpu-eager",
         "efficientnet-b0-train-synthetic-gpu", "efficientnet-b0-train-synthetic-gn-gpu", "resnet20-cifar10-train-gpu",
         "resnet50-infer-synthetic-gpu"}
-    # The GPU list, as its reporter measured it: batch 256 for ImageNet, 512 for ResNet-20, each beside
+    # The GPU entries benchmarks.yml promises: batch 256 for ImageNet, 512 for ResNet-20, each beside
     # the plain loop eager and compiled; ResNet-50 group norm also with cnns eager.
     with _cuda_present(bfloat16=True):
         gpu_plans = {name: _plan(entry) for name, entry in gpu.items()}
@@ -197,7 +197,7 @@ def test_the_repository_spec_lists_the_seed_benchmarks_and_parses():
     assert gpu_plans["resnet20-cifar10-train-gpu"].data == "cifar"
     assert [n for n, p in gpu_plans.items() if "--no-compile" in p.argv] == ["resnet50-train-synthetic-gn-gpu-eager"]
     assert all(e.baseline_modes == ("eager",) for e in entries if e.device == "cpu" and e.kind != BACKENDS_KIND)
-    # The backend comparison: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
+    # The backend comparison benchmarks.yml promises: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
     backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
     assert {(p.model_spec.arch, p.model_spec.size, p.batch_size, p.model_spec.image_size)
             for p in backends.values()} == {("resnet", "50", 1, 224), ("resnet", "50", 32, 224),
@@ -360,7 +360,7 @@ def _tiny_baseline(**fields) -> str:
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_the_baseline_compiles_the_plain_model_when_its_spec_says_so(monkeypatch, capsys, tmp_path, mode):
-    # A real torch.compile of a CIFAR ResNet-8 costs about 80 s on 2 cores: the model handed to torch.compile
+    # A real torch.compile of even a CIFAR ResNet-8 takes far longer than the loop: the model handed to torch.compile
     # is recorded instead, and the loop runs what it returns.
     from cnns.bench import baseline
 

@@ -1,4 +1,4 @@
-"""The seed's command lines are accepted, and options resolve to the seed's values."""
+"""The command lines of Graphcore's application are accepted, and options resolve to its values."""
 
 from __future__ import annotations
 
@@ -15,34 +15,34 @@ from cnns.cli import parse_options, resolved_training_options
 from cnns.config import run_name
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED_COMMAND_LINES = ROOT / "tests" / "data" / "seed_command_lines.txt"
+GRAPHCORE_COMMAND_LINES = ROOT / "tests" / "data" / "graphcore_command_lines.txt"
 
 
-def seed_command_lines(script: str) -> list[list[str]]:
-    """Every `<script> ...` command line of seeds 000 and 001, as argv lists (tests/data keeps them)."""
+def graphcore_command_lines(script: str) -> list[list[str]]:
+    """Every `<script> ...` command line of Graphcore's application's two READMEs, as argv lists (tests/data keeps them)."""
     commands = []
-    for line in SEED_COMMAND_LINES.read_text().splitlines():
+    for line in GRAPHCORE_COMMAND_LINES.read_text().splitlines():
         if line.startswith("#") or not line.strip():
             continue
-        _seed, name, arguments = line.split(" ", 2)
+        _readme, name, arguments = line.split(" ", 2)
         if name == script:
             commands.append(shlex.split(arguments))
     return commands
 
 
-TRAIN_LINES = seed_command_lines("train.py")
-VALIDATION_LINES = seed_command_lines("validation.py")
-EMBEDDED_LINES = seed_command_lines("inference_embedded.py")
-RESTORE_LINES = seed_command_lines("restore.py")
+TRAIN_LINES = graphcore_command_lines("train.py")
+VALIDATION_LINES = graphcore_command_lines("validation.py")
+EMBEDDED_LINES = graphcore_command_lines("inference_embedded.py")
+RESTORE_LINES = graphcore_command_lines("restore.py")
 
 
-def test_the_seed_command_lines_are_all_collected():
-    # Counted from the seeds: a parametrised test below that silently collected nothing would pass.
+def test_graphcore_command_lines_are_all_collected():
+    # Counted from the two READMEs: a parametrised test below that silently collected nothing would pass.
     assert (len(TRAIN_LINES), len(VALIDATION_LINES), len(EMBEDDED_LINES), len(RESTORE_LINES)) == (20, 12, 1, 1)
 
 
 @pytest.mark.parametrize("argv", TRAIN_LINES, ids=lambda a: " ".join(a)[:80])
-def test_every_seed_train_command_line_resolves(argv, monkeypatch):
+def test_every_graphcore_train_command_line_resolves(argv, monkeypatch):
     monkeypatch.setenv("DATA_DIR", "/nonexistent/imagenet")
     # What it says: each line resolves without error (config.py computes the batch and learning rate from
     # them by the rules the tests of those rules check; restating the product here would check nothing).
@@ -57,7 +57,7 @@ STANDARD_PARAMETERS = {("resnet", "18"): 11_689_512, ("resnet", "50"): 25_557_03
 
 
 @pytest.mark.parametrize("argv", TRAIN_LINES, ids=lambda a: " ".join(a)[:80])
-def test_every_seed_train_command_line_builds_its_model_on_as_many_devices_as_its_name_says(argv, monkeypatch):
+def test_every_graphcore_train_command_line_builds_its_model_on_as_many_devices_as_its_name_says(argv, monkeypatch):
     import re
 
     import torch
@@ -73,8 +73,8 @@ def test_every_seed_train_command_line_builds_its_model_on_as_many_devices_as_it
     size = str(options["model_size"])
     architecture = (options["model"], "B" + size.lstrip("bB") if options["model"] == "efficientnet" else size)
     if options["model"] == "efficientnet" and options.get("group_dim", 1) > 1:
-        # The seed's g16 variant: group convolutions of 16 channels with expansion ratio 4 instead of
-        # depthwise ones with 6, "with a similar number of trainable parameters" (seed 000).
+        # Graphcore's g16 variant: group convolutions of 16 channels with expansion ratio 4 instead of
+        # depthwise ones with 6, "with a similar number of trainable parameters" (the application's README).
         assert abs(parameters / STANDARD_PARAMETERS[architecture] - 1) < 0.01, parameters
     else:
         assert parameters == STANDARD_PARAMETERS[architecture]
@@ -85,7 +85,7 @@ def test_every_seed_train_command_line_builds_its_model_on_as_many_devices_as_it
 
 
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
-def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
+def test_every_graphcore_validation_command_line_prints_its_config(argv, capsys):
     from cnns.cli.runs import validate_main
 
     assert validate_main(argv + ["--print-config"]) == 0
@@ -94,7 +94,7 @@ def test_every_seed_validation_command_line_prints_its_config(argv, capsys):
 
 
 @pytest.mark.parametrize("argv", EMBEDDED_LINES, ids=lambda a: " ".join(a)[:80])
-def test_every_seed_inference_embedded_command_line_prints_its_config(argv, capsys):
+def test_every_graphcore_inference_embedded_command_line_prints_its_config(argv, capsys):
     from cnns.cli.inference import infer_main as infer_command
 
     assert infer_command(argv + ["--print-config"]) == 0
@@ -103,7 +103,7 @@ def test_every_seed_inference_embedded_command_line_prints_its_config(argv, caps
 
 
 @pytest.mark.parametrize("argv", RESTORE_LINES, ids=lambda a: " ".join(a)[:80])
-def test_every_seed_restore_command_line_parses(argv):
+def test_every_graphcore_restore_command_line_parses(argv):
     values, _ = parse_options("restore", argv)
     assert values["restore_path"] == argv[argv.index("--restore-path") + 1]
 
@@ -115,7 +115,7 @@ def test_every_seed_restore_command_line_parses(argv):
     ("efficientnet_b4_g1_16ipus", 768),
     ("efficientnet_b4_g16_16ipus", 6144),
 ])
-def test_named_configurations_give_the_seed_global_batch(config, global_batch):
+def test_named_configurations_give_graphcores_global_batch(config, global_batch):
     options, _ = resolved_training_options("train", ["--config", config, "--data-dir", "/x/imagenet"])
     assert options["global_batch_size"] == global_batch
 
@@ -131,7 +131,7 @@ def test_print_config_from_the_root_script_is_json_with_arguments_keys(tmp_path)
     assert not (tmp_path / "cifar-10").exists()  # --print-config reads no data and writes nothing
 
 
-def test_learning_rate_rule_of_the_seed():
+def test_learning_rate_rule_of_graphcores_application():
     options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", "/x", "--micro-batch-size", "16",
                                                      "--base-learning-rate-exponent", "-4"])
     assert options["learning_rate"] == 1.0
@@ -157,7 +157,7 @@ def test_dataset_dependent_defaults_and_run_names():
 
 
 @pytest.mark.parametrize("argv, groups", [
-    (["--dataset", "cifar-10"], {16}),  # the seed's CIFAR default: ResNet-20's 16, 32 and 64 channels in 16 groups
+    (["--dataset", "cifar-10"], {16}),  # Graphcore's CIFAR default: ResNet-20's 16, 32 and 64 channels in 16 groups
     (["--dataset", "imagenet", "--model-size", "18"], {32}),
     (["--dataset", "imagenet", "--model", "efficientnet"], {4}),
     (["--dataset", "cifar-10", "--groups", "8"], {8}),
@@ -208,7 +208,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-def test_help_is_grouped_like_the_seed():
+def test_help_is_grouped_like_graphcores_application():
     out = processes.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("usage: train.py")
     for group in ("Model:", "Dataset:", "Training:", "Logging:"):

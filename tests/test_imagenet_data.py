@@ -1,5 +1,5 @@
 """ImageNet loading from both layouts on tiny data written here: decoding of the odd files real
-ImageNet holds, the seed's transforms and crop distribution, exact sharded evaluation, seeded training
+ImageNet holds, Graphcore's application's transforms and crop distribution, exact sharded evaluation, seeded training
 order, batches filled by the workers in shared memory, and corrupt images with and without
 --skip-corrupt-images."""
 

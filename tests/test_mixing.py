@@ -120,7 +120,7 @@ def test_mix_batch_composes_mixup_then_cutmix_as_graphcore_does():
     assert torch.allclose(targets, four_labels, atol=1e-6)
 
 
-def test_label_smoothing_matches_the_seed_and_torch():
+def test_label_smoothing_matches_graphcores_application_and_torch():
     logits = torch.randn(4, 5)
     labels = torch.tensor([0, 3, 4, 1])
     smoothed = smooth_targets(one_hot(labels, 5), 0.1)

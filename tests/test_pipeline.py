@@ -178,7 +178,7 @@ GRAPHCORE_PIPELINES = {
 
 
 @pytest.mark.parametrize("name", list(GRAPHCORE_PIPELINES))
-def test_the_seed_pipelining_command_lines_train(tmp_path, name):
+def test_graphcores_pipelining_command_lines_train(tmp_path, name):
     args, expected = GRAPHCORE_PIPELINES[name]
     out, err = train_with(tmp_path, "--dataset", "imagenet", "--generated-data", "--pipeline", "--no-validation",
                           "--enable-recomputation", "--iterations", "1", *args, "--log-dir", str(tmp_path / "logs"))

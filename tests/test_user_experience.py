@@ -1,4 +1,4 @@
-"""What a user sees: the seed's printed lines in order, a progress bar only on a terminal, lines that
+"""What a user sees: Graphcore's application's printed lines in order, a progress bar only on a terminal, lines that
 reach a pipe as they are printed, training.png, and validation of random data that stays bounded."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run_folder(stdout: str) -> Path:
     return Path(re.search(r"^ Saving to (.+)$", stdout, re.MULTILINE).group(1))
 
 
-def test_the_seed_lines_in_their_order_and_training_png(tmp_path):
+def test_graphcores_lines_in_their_order_and_training_png(tmp_path):
     out = run(tmp_path, "train.py", *QUICK, "--iterations", "20", "--ckpts-per-epoch", "1000")
     folder = tmp_path / run_folder(out)
     lines = out.splitlines()
@@ -85,7 +85,7 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path):
     assert process.returncode == 0, seen[-2000:]
     terminal = seen.decode(errors="replace")
     assert "update/s" in terminal or "s/update" in terminal, terminal[-2000:]  # tqdm's rate
-    assert "step:     30" in terminal  # the seed's lines still printed, above the bar
+    assert "step:     30" in terminal  # Graphcore's lines still printed, above the bar
     piped = run(tmp_path, "train.py", *QUICK, "--iterations", "30", "--no-validation", "--ckpts-per-epoch", "0")
     assert "update/s" not in piped and "s/update" not in piped and "\r" not in piped
 
@@ -105,8 +105,8 @@ def test_lines_reach_a_pipe_while_the_run_goes_on(tmp_path):
         processes.kill_tree(process)
 
 
-def test_the_seed_resnet50_line_validates_a_bounded_number_of_generated_images(tmp_path):
-    # The seed's own test line, as written: 10 updates of one image, then validation of the run.
+def test_graphcores_resnet50_line_validates_a_bounded_number_of_generated_images(tmp_path):
+    # Graphcore's application's own test line, as written: 10 updates of one image, then validation of the run.
     out = run(tmp_path, "train.py", "--generated-data", "--dataset", "ImageNet", "--model-size", "50",
               "--micro-batch-size", "1", "--iterations", "10", "--device-iterations", "10")
     assert "Validating 10 of the 50000 generated images per checkpoint (as many as the run trained on)" in out
@@ -116,7 +116,7 @@ def test_the_seed_resnet50_line_validates_a_bounded_number_of_generated_images(t
         assert [int(row["val_size"]) for row in csv.DictReader(f)] == [10]
 
 
-def test_the_seed_restore_test_as_written(tmp_path):
+def test_graphcores_restore_test_as_written(tmp_path):
     out = run(tmp_path, "train.py", *QUICK, "--iterations", "10", "--device-iterations", "10")
     assert "Saved initial checkpoint to" in out and "ckpt" in out
     restored = run(tmp_path, "restore.py", "--restore-path", str(tmp_path / run_folder(out)))

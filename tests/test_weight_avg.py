@@ -19,7 +19,7 @@ from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.engine.averaging import average_state_dicts
 from cnns.engine.ema import WeightEma
-from test_cli import seed_command_lines
+from test_cli import graphcore_command_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_weight_avg_py_with_nothing_left_to_average_is_one_clear_error(run_copy,
     assert capsys.readouterr().err.strip() == "error: --discard-last 4 leaves none of the 4 checkpoints"
 
 
-VALIDATION_LINES = seed_command_lines("validation.py")
+VALIDATION_LINES = graphcore_command_lines("validation.py")
 
 
 @pytest.mark.parametrize("argv", VALIDATION_LINES, ids=lambda a: " ".join(a)[:80])
