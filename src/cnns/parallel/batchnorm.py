@@ -3,8 +3,8 @@
 Why this exists: torch's ``nn.SyncBatchNorm`` refuses CPU tensors. Checked with torch 2.14.1 in a
 2-process gloo group: a training-mode forward on a CPU tensor raises
 ``ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone``. So on the
-CPU every batch norm's forward is patched (a bound method on the instance, as
-`cnns.engine.wrappers` does) with the cross-replica normalisation below, written by hand because no
+CPU every batch norm's forward is replaced (a bound method on the instance) by the cross-replica
+normalisation below, written by hand because no
 library offers it; on CUDA ``SyncBatchNorm`` serves (timm's ``convert_sync_batchnorm``, which also
 converts timm's ``BatchNormAct2d``).
 
@@ -116,6 +116,8 @@ def cross_replica_batch_norm(model: nn.Module, group: "dist.ProcessGroup | None"
         if not isinstance(module, _BatchNorm) or getattr(module, "_cnns_bn_span", False):
             continue
         post = _post_normalisation(module)
+        # The one bound-method patch left: the process group must stay out of the module's state (a subclass
+        # would have to store it there, and EMA's deep copy and state_dict would then meet it).
         module.forward = types.MethodType(functools.partial(_cross_replica_forward, group=group, post=post),
                                           module)
         module._cnns_bn_span = True
