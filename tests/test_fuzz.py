@@ -4,7 +4,7 @@ parsing, image decoding, configs.yml, checkpoints and a run folder's arguments.j
 The property is the same for each: any input either loads, or raises the project's own error (a
 CnnsError subclass, which the command line prints as one line) with a non-empty one-line message.
 Any other exception type fails the test. Bounded and derandomised (the same examples on every run,
-so CI is reproducible); the whole file runs in well under a minute on two cores.
+so CI is reproducible), with example counts kept small enough for the file to stay among the quick ones.
 """
 
 from __future__ import annotations
