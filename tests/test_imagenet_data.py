@@ -166,7 +166,7 @@ def test_two_shard_evaluation_yields_every_image_exactly_once(tmp_path, layout):
         loader, num_samples, num_classes = build_imagenet_loader(
             tmp_path, False, batch_size=4, image_size=8, workers=0, seed=0, shard=(rank, 2))
         assert num_samples == 13 and num_classes == (3 if layout == "folder" else 1000)
-        for images, labels in loader:
+        for images, labels, *_ in loader:  # then the images left out and the batch's buffer
             assert images.dtype == torch.uint8 and images.shape[1:] == (8, 8, 3) and images.shape[0] <= 4
             assert labels.dtype == torch.int64
             for image, label in zip(images, labels):
@@ -215,7 +215,7 @@ def test_training_sampler_equal_disjoint_shards_reshuffled_per_epoch():
 
 def _batches(loader, epoch):
     loader.sampler.set_epoch(epoch)
-    return [(images.clone(), labels.clone()) for images, labels in loader]
+    return [(images.clone(), labels.clone()) for images, labels, *_ in loader]
 
 
 def test_training_batches_are_seeded_and_independent_of_workers(tmp_path):
@@ -238,7 +238,7 @@ def test_dataset_percentage_keeps_every_class_of_a_folder_tree(tmp_path):
     write_tree(tmp_path, "train", [10, 10, 10])
     loader, num_samples, _ = build_imagenet_loader(tmp_path, True, 3, 8, 0, 0, percentage=30)
     assert num_samples == 9
-    labels = torch.cat([labels for _, labels in loader])
+    labels = torch.cat([labels for _, labels, *_ in loader])
     assert sorted(Counter(labels.tolist()).values()) == [3, 3, 3]
 
 
@@ -246,7 +246,7 @@ def test_dataset_percentage_takes_first_records(tmp_path):
     write_imagenet_shards(tmp_path, "train", [[1] * 10, [2] * 10])
     loader, num_samples, _ = build_imagenet_loader(tmp_path, True, 5, 8, 0, 0, percentage=50)
     assert num_samples == 10
-    assert set(torch.cat([labels for _, labels in loader]).tolist()) == {0}
+    assert set(torch.cat([labels for _, labels, *_ in loader]).tolist()) == {0}
 
 
 def random_photo(height: int, width: int, file_format: str = "PNG", seed: int = 1) -> bytes:
@@ -381,7 +381,7 @@ def test_odd_files_go_through_the_loader_as_rgb_crops(tmp_path, decoder):
     transform = ImageNetTransform(True, 16, seed=2, decoder=decoder)
     loader, _, _ = build_imagenet_loader(tmp_path, True, len(paths), 16, 0, 2, decoder=decoder)
     loader.sampler.set_epoch(0)
-    [(images, labels)] = list(loader)
+    [(images, labels, *_)] = list(loader)
     keys = [key for batch in loader.sampler for key in batch]
     for row, (index, epoch) in enumerate(keys):
         reference = torch.from_numpy(np.array(Image.open(dataset.path(index)).convert("RGB"))).permute(2, 0, 1)

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cnns.data.batches import ShardPlan, mix_seed
+from cnns.data.batchpool import BatchPool, new_shared_tensor
 from cnns.data.decoding import Crop, DeviceBatch, ImageDecoder, device_jpeg_size
 from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes, stored_orientation
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
@@ -167,13 +168,10 @@ SKIPPED_NAMES_KEPT = 3  # named in the run's last lines; the rest are counted
 
 
 def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialised tensor for a batch. In a DataLoader worker it is made in shared memory from the
-    start, as torch's own collate makes its batches there: sending it to the main process then passes
-    a handle to the memory, not the pixels (``share_memory_()`` on an ordinary tensor would copy it)."""
+    """An uninitialised tensor for a batch: in a DataLoader worker, in shared memory from the start."""
     if get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+    return new_shared_tensor(shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,16 +385,18 @@ class ImageBatchDataset(Dataset):
     """dataset[keys] is a whole batch: the samples of `keys` (from BatchKeys) read from `records` and
     decoded straight into one uint8 [N, S, S, 3] tensor, made in shared memory in a worker.
 
-    Returns (images, labels), with skip_corrupt (images, labels, names of the images that could not be
-    decoded, which are left out: the batch shrinks). With `device_decoding` it returns a DeviceBatch
-    instead, for the main process to decode on that device."""
+    Returns (images, labels, names of the images that could not be decoded, which skip_corrupt leaves
+    out: the batch shrinks, the pool's number of the batch's buffer or -1). With `pool` the workers write
+    their batches into its reusable buffers. With `device_decoding` it returns a DeviceBatch instead, for
+    the main process to decode on that device."""
 
     def __init__(self, records: ImageRecords, transform: ImageNetTransform, skip_corrupt: bool = False,
-                 device_decoding: torch.device | None = None) -> None:
+                 device_decoding: torch.device | None = None, pool: BatchPool | None = None) -> None:
         self.records = records
         self.transform = transform
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding
+        self.pool = pool
 
     def __len__(self) -> int:
         return len(self.records)
@@ -405,7 +405,8 @@ class ImageBatchDataset(Dataset):
         if self.device_decoding is not None:
             return self._for_device(keys)
         size = self.transform.image_size
-        images = new_batch_tensor((len(keys), size, size, 3))
+        shape = (len(keys), size, size, 3)
+        images, number = self.pool.batch(shape) if self.pool is not None else (new_batch_tensor(shape), -1)
         labels: list[int] = []
         skipped: list[str] = []
         for key in keys:
@@ -418,8 +419,7 @@ class ImageBatchDataset(Dataset):
                 skipped.append(source)
                 continue
             labels.append(label)
-        batch = (images[:len(labels)], torch.tensor(labels, dtype=torch.int64))
-        return (*batch, skipped) if self.skip_corrupt else batch
+        return images[:len(labels)], torch.tensor(labels, dtype=torch.int64), skipped, number
 
     def _for_device(self, keys: list[SampleKey]) -> DeviceBatch:
         """The JPEGs nvJPEG takes go as encoded bytes with their crops; the workers decode the rest."""
@@ -477,6 +477,11 @@ def _index(key: SampleKey) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+# A worker's reusable batches: the DataLoader's two batches in flight per worker, the one the consumer is
+# using and one it has just let go of (freed when the next arrives).
+BATCH_BUFFERS_PER_WORKER = 4
+
+
 def build_imagenet_loader(
     folder: str | os.PathLike,
     train: bool,
@@ -495,8 +500,8 @@ def build_imagenet_loader(
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
-    The loader yields (uint8 [N, image_size, image_size, 3], int64 [N]) batches (with skip_corrupt,
-    also the names of the images left out; with device_decoding, DeviceBatch). Call
+    The loader yields (uint8 [N, image_size, image_size, 3], int64 [N], names of the images left out
+    (skip_corrupt), the batch's buffer in the loader's BatchPool or -1) (with device_decoding, DeviceBatch). Call
     ``loader.sampler.set_epoch(epoch, start=samples_to_skip)`` before each epoch (training
     reshuffles; evaluation ignores the epoch). num_samples is the size of the split over all
     ranks, after `percentage` (which applies to training only). With drop_last False, evaluation
@@ -519,8 +524,12 @@ def build_imagenet_loader(
         samples = EvaluationSampler(len(records), shard)
         num_samples = len(records)
     transform = ImageNetTransform(train, image_size, seed, decoder)
+    # Reusable batch buffers where the workers' batches are the ones the consumer gets: pinning copies them
+    # to page-locked memory anyway, and device decoding sends encoded bytes.
+    pool = (BatchPool(workers, BATCH_BUFFERS_PER_WORKER)
+            if workers > 0 and not pin_memory and device_decoding is None else None)
     loader = DataLoader(
-        ImageBatchDataset(records, transform, skip_corrupt, device_decoding),
+        ImageBatchDataset(records, transform, skip_corrupt, device_decoding, pool),
         batch_size=None,
         sampler=BatchKeys(samples, batch_size, drop_last),
         num_workers=workers,
@@ -640,18 +649,22 @@ class ImageNetBatches:
                 if keep is not None:
                     keep.append(_private_copy(images, labels))
                 yield images, labels
+                del images, labels  # so that the pool can take the buffer back once the consumer lets go
         finally:
             self.keys.set_epoch(epoch, start=0)
         if keep is not None:  # only a pass that ran to the end is complete
             self._cached = keep
 
     def _finished(self, batch: tuple | DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """(images, labels, names of the images dropped) from what a worker made."""
+        """(images, labels, names of the images dropped) from what a worker made; a batch in one of the
+        pool's buffers is recorded as lent out until nothing holds it."""
         if isinstance(batch, DeviceBatch):
             return batch.finish(self.device_decoding, self.skip_corrupt)
-        if self.skip_corrupt:
-            return batch
-        return (*batch, [])
+        images, labels, skipped, number = batch
+        pool = self.loader.dataset.pool
+        if pool is not None:
+            pool.lend(images, number)
+        return images, labels, skipped
 
     def _count_skipped(self, skipped: list[str]) -> None:
         self.skipped_images += len(skipped)
