@@ -1,7 +1,7 @@
 """Options observed on real runs of train.py (in this process: no interpreter start-up per run).
 
 The learning rate of every update under each schedule and warm-up, read back from training.csv and
-compared with the seed's closed forms; device iterations as the number of metric read-backs;
+compared with Graphcore's application's closed forms; device iterations as the number of metric read-backs;
 generated data through the host pipeline against synthetic data made once on the device; the
 profiler's trace.
 """
@@ -22,7 +22,7 @@ from cnns.cli import run_script as run_command
 
 TRAIN_IMAGES, MICRO_BATCH = 32, 8  # 4 updates per epoch
 EXPONENT = -8
-LR0 = 2.0**EXPONENT * MICRO_BATCH  # the seed's rule: 2^exponent x global batch
+LR0 = 2.0**EXPONENT * MICRO_BATCH  # Graphcore's application's rule: 2^exponent x global batch
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_stepped_schedule_drops_after_half_three_quarters_and_seven_eighths_of_t
     rates = logged_rates(train(data_dir, tmp_path, *every_update(8), "--warmup-epochs", "0",
                                "--lr-schedule", "stepped", "--learning-rate-decay", "0.1",
                                "--learning-rate-schedule", "0.5,0.75,0.875"))
-    # T = 32: the seed drops on the update after int(b x T) = 16, 24, 28.
+    # T = 32: Graphcore's application drops on the update after int(b x T) = 16, 24, 28.
     expected = [LR0] * 17 + [LR0 * 0.1] * 8 + [LR0 * 0.01] * 4 + [LR0 * 0.001] * 3
     assert rates == pytest.approx(expected, rel=1e-12)
 
@@ -81,7 +81,7 @@ def test_polynomial_schedule_warms_up_then_decays_to_its_end_ratio(data_dir, tmp
 
 
 def test_warm_up_is_five_epochs_by_default_and_none_with_iterations(data_dir, tmp_path):
-    # The seed's default schedule (stepped at 0.5, 0.75) after five epochs of linear warm-up from 0.
+    # Graphcore's application's default schedule (stepped at 0.5, 0.75) after five epochs of linear warm-up from 0.
     rates = logged_rates(train(data_dir, tmp_path / "epochs", *every_update(10)))
     T, W = 40, 20
     expected = [LR0 * min(1.0, t / W) * 0.1 ** ((t > T // 2) + (t > 3 * T // 4)) for t in range(T)]
@@ -112,7 +112,7 @@ def test_device_iterations_read_the_metrics_back_once_every_n_updates(data_dir, 
     monkeypatch.setattr(Outfeed, "drain", counted)
     train(data_dir, tmp_path, "--iterations", "12", "--log-freq", "12",
           "--device-iterations", str(device_iterations))
-    # Read-backs divide the 12-update log interval evenly (the seed's rule): a request of 5 becomes
+    # Read-backs divide the 12-update log interval evenly (Graphcore's application's rule): a request of 5 becomes
     # 12 // round(12 / 5) = 6.
     assert drained == read_backs
 

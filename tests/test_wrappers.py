@@ -86,7 +86,7 @@ def test_enable_recomputation_trains_and_evaluation_runs_without_it(tmp_path):
     assert out.stdout.count("throughput:") >= 3
 
 
-def test_the_seeds_recomputation_points_keep_only_the_segment_inputs():
+def test_graphcores_recomputation_points_keep_only_the_segment_inputs():
     """--pipeline --shards 1 --pipeline-splits A B --enable-recomputation: three segments, each
     recomputed whole; the same outputs, gradients and statistics as the plain model, and fewer saved
     tensors than even per-unit recomputation."""

@@ -1,5 +1,7 @@
 """Stochastic rounding from float32 to a half type, bit by bit: what lets 16.16's half-precision weights
-accumulate updates far below their spacing (the seed's stochastic rounding, seed 003).
+accumulate updates far below their spacing (Graphcore's application
+rounds its 16.16 weight updates stochastically too): rounding to nearest would drop every update smaller than
+half a spacing, so a small learning rate would leave the weights unchanged.
 
 `stochastic_round` is unbiased (E[round(x)] = x) and reproducible from its generator. bfloat16 runs through
 the fused CPU kernel where it was built (`cnns.kernels.rounding`), else through torch operations on
@@ -51,7 +53,8 @@ def _stochastic_round_bfloat16(x: Tensor, generator: torch.Generator | None) -> 
     #
     # It runs over every weight at every 16.16 update, so it is written for speed. On a CPU, one parallel
     # C++ pass (`cnns.kernels.rounding`) whose noise hashes (key, element index), the key one draw of the
-    # generator: torch's CPU generator is sequential (a ResNet-50's noise took 15 of 27 ms here). Elsewhere
+    # generator: torch's CPU generator is sequential, so drawing every element's noise from it would
+    # make the generator, not the rounding, the cost of the pass. Elsewhere
     # (GPUs; CPUs where the pass was not built), torch operators: the 16 noise bits of four elements come
     # from one full-range 64-bit draw (the CPU generator's cost is per draw; a bounded randint is several
     # times slower), the top halves are read straight out of the int32 sums (no float conversion pass),

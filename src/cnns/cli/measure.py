@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from cnns.cli.parsing import device_defaults, parse_options, resolve_command_line
-from cnns.config.table import SeedArgumentParser
+from cnns.config.table import OneLineErrorParser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def profile_main(argv: list[str]) -> int:
 
 
 def bench_data_parser() -> argparse.ArgumentParser:
-    parser = SeedArgumentParser(prog="cnns bench-data", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = OneLineErrorParser(prog="cnns bench-data", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="Run the input pipeline alone and report images/s (per worker core), "
                                             "and on ImageNet files the account of one image's time.")
     parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),

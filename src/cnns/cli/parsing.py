@@ -129,7 +129,7 @@ def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, A
 
 def _training_options(values: dict[str, Any]) -> dict[str, Any]:
     """train.py's rule: the device's half type, the dataset from the folder's contents, the class count from
-    the data; the seed, when not given, is drawn as the configuration is made (`RunConfig.from_options`)."""
+    the data; the random seed, when not given, is drawn as the configuration is made (`RunConfig.from_options`)."""
     device_defaults(values)
     if not values.get("dataset") and not (values.get("generated_data") or values.get("synthetic_data")):
         values["dataset"] = dataset_from_folder_contents(values.get("data_dir") or os.environ.get("DATA_DIR"))

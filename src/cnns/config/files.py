@@ -99,7 +99,7 @@ def check_option_types(values: dict[str, Any], where: str, strings_are_parsed: b
             raise ConfigError(f"{where}: {key} must be {problem}, got {_shown(value)}")
 
 
-# configs.yml keys that are another option's (the seed's deprecated spelling, see cnns.cli.parse_options).
+# configs.yml keys that are another option's (Graphcore's application's deprecated spelling, see cnns.cli.parse_options).
 _CONFIG_ALIASES = {"batch_size": "micro_batch_size"}
 # Values that resolve() derives, as arguments.json holds them.
 _DERIVED_TYPES: dict[str, tuple[type, ...]] = {

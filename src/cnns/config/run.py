@@ -1,7 +1,7 @@
 """The frozen, typed configuration of one run: what every part of the package below the commands reads.
 
 `RunConfig.from_options` turns the resolved flat options (`cnns.config.defaults.resolve`) into typed
-objects with plain field names, once per process. Values the processes agree on later (the seed,
+objects with plain field names, once per process. Values the processes agree on later (the random seed,
 automatic pipeline splits) come back as a `dataclasses.replace` of it (`with_seed`, `with_splits`); the
 flat options stay beside it, read-only, only to be written as ``arguments.json``.
 """
@@ -224,7 +224,7 @@ class RunConfig:
                    arguments=MappingProxyType(dict(o)))
 
     def with_seed(self, seed: int) -> "RunConfig":
-        """The configuration with the seed every process agreed on (rank 0's), or a restored run's."""
+        """The configuration with the random seed every process agreed on (rank 0's), or a restored run's."""
         return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=int(seed)),
                                    arguments=MappingProxyType({**self.arguments, "seed": int(seed)}))
 

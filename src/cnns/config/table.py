@@ -1,8 +1,8 @@
-"""The seed's options: one table for the command line, configs.yml and arguments.json.
+"""Graphcore's application's options: one table for the command line, configs.yml and arguments.json.
 
 Every option of the original application's `train.py` / `validation.py` / `restore.py` /
-`weight_avg.py` / `inference_embedded.py` is declared here as an argparse parser, with the seed's
-spellings and aliases, so that every command line of the seed's READMEs is accepted. `cnns.cli`
+`weight_avg.py` / `inference_embedded.py` is declared here as an argparse parser, with its
+spellings and aliases, so that every command line of Graphcore's READMEs is accepted. `cnns.cli`
 parses argv with these parsers; `cnns.config` checks configs.yml and arguments.json values against
 the same declarations and turns the values into typed configuration objects. The table sits below
 both, so that neither reaches up for the other.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
-# (so seed command lines and configurations still run), change nothing, and are named once in a
+# (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
 # notice. Keys are argparse dests; values are the spelled flag.
 IPU_ONLY_OPTIONS = {
     # dest: (flag, kind) with kind "flag" (store_true), "value" (one value) or "list" (one or more values)
@@ -65,7 +65,7 @@ PRECISIONS = ("16.16", "16.32", "32.32")
 
 def _on_off(value: str) -> bool:
     lowered = value.strip().lower()
-    # The seed's variants ON_prng_stable / RI_prng_stable are stochastic rounding too.
+    # Graphcore's application's variants ON_prng_stable / RI_prng_stable are stochastic rounding too.
     if lowered in ("on", "true", "1", "yes", "on_prng_stable", "ri_prng_stable"):
         return True
     if lowered in ("off", "false", "0", "no"):
@@ -83,11 +83,11 @@ def _replicas(value: str) -> int | str:
 
 
 def _model_size(value: str) -> str:
-    # The seed accepts 4, B4 and b4 for EfficientNet; ResNet sizes are numbers. Keep it a string.
+    # Graphcore's application accepts 4, B4 and b4 for EfficientNet; ResNet sizes are numbers. Keep it a string.
     return str(value)
 
 
-class SeedArgumentParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line and exit code 2, never a usage dump on stdout."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
@@ -159,12 +159,12 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Training")
-    # The seed's two spellings of one option, as two mutually exclusive arguments: the parser refuses
+    # Graphcore's application's two spellings of one option, as two mutually exclusive arguments: the parser refuses
     # both on one command line (it would keep only the last, silently).
     batch = group.add_mutually_exclusive_group()
     batch.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
                        help="Samples per forward/backward pass on one replica.")
-    batch.add_argument("--batch-size", dest="micro_batch_size", type=int, help="The seed's spelling of --micro-batch-size.")
+    batch.add_argument("--batch-size", dest="micro_batch_size", type=int, help="Graphcore's spelling of --micro-batch-size.")
     group.add_argument("--gradient-accumulation-count", type=int,
                        help="Micro-batches whose gradients are summed before one weight update (default 1).")
     group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
@@ -238,7 +238,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     rounding.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
                           help="Round weight updates to nearest.")
     group.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
-    group.add_argument("--select-ipus", "--select-ipu", dest="select_ipus", nargs="+", help="Seed spelling of device selection: an index selects cuda:<index>.")
+    group.add_argument("--select-ipus", "--select-ipu", dest="select_ipus", nargs="+", help="Graphcore's spelling of device selection: an index selects cuda:<index>.")
     group.add_argument("--replicas", type=_replicas, help="Data-parallel replicas (processes), or auto: one per "
                        "usable core (CPU) or GPU; alone, train.py starts them itself; under torchrun, the "
                        "process count / --shards.")
@@ -269,7 +269,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile-dir", help="Folder for the profiler trace (default: the run folder).")
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
-    group.add_argument("--distributed", action="store_true", default=None, help="Seed option: multi-process run (use --replicas).")
+    group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
 
 
 def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
@@ -281,7 +281,7 @@ def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=dest, action="store_true", default=None, help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, dest=dest, help=argparse.SUPPRESS)
-    group.description = "Accepted for compatibility with the seed, no effect here: " + ", ".join(
+    group.description = "Accepted for compatibility with Graphcore's application, no effect here: " + ", ".join(
         sorted(flag for flag, _ in IPU_ONLY_OPTIONS.values()))
 
 
@@ -313,11 +313,11 @@ def _add_validation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--validation-micro-batch-size", type=int, help="Batch size for validation (default: micro-batch).")
 
 
-def build_parser(script: str) -> SeedArgumentParser:
-    """The parser of one seed script: train, validation, restore, weight_avg or inference_embedded."""
+def build_parser(script: str) -> OneLineErrorParser:
+    """The parser of one of Graphcore's scripts: train, validation, restore, weight_avg or inference_embedded."""
     prog = {"train": "train.py", "validate": "validation.py", "restore": "restore.py",
             "weight-avg": "weight_avg.py", "infer": "inference_embedded.py"}[script]
-    parser = SeedArgumentParser(prog=prog, allow_abbrev=True,
+    parser = OneLineErrorParser(prog=prog, allow_abbrev=True,
                                 description=_DESCRIPTIONS[script],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if script == "restore":

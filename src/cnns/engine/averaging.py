@@ -1,6 +1,6 @@
 """Weight averaging of a run's checkpoints: weight_avg.py, and --weight-avg-N / --weight-avg-exp after training.
 
-The seed's formulas (seed code), over checkpoints ordered by iteration:
+Graphcore's application's formulas, over checkpoints ordered by iteration:
   mean:        V = C_0 / n, then V = V + C_i / n for each later C_i
   exponential: V = C_0,     then V = decay * V + (1 - decay) * C_i for each later C_i
 computed in float64 and cast back to each tensor's dtype. Integer tensors (BatchNorm's
@@ -28,7 +28,7 @@ Checkpoints = list[tuple[int, Path]]
 
 def average_state_dicts(states: Iterable[dict[str, torch.Tensor]], count: int, mode: str,
                         decay: float = 0.97) -> dict[str, torch.Tensor]:
-    """The seed's mean or exponential average of `count` state dicts, consumed one at a time."""
+    """Graphcore's application's mean or exponential average of `count` state dicts, consumed one at a time."""
     average: dict[str, torch.Tensor] = {}
     last: dict[str, torch.Tensor] = {}
     for index, state in enumerate(states):
@@ -60,7 +60,7 @@ def last_checkpoints(checkpoints: Checkpoints, count: int | None, discard_last: 
 
 
 def checkpoints_in_last_epochs(checkpoints: Checkpoints, epochs: float, epoch_of: Callable[[int], float]) -> Checkpoints:
-    """--weight-avg-N: the checkpoints of the last `epochs` epochs (epochs compared to 0.1, as the seed)."""
+    """--weight-avg-N: the checkpoints of the last `epochs` epochs (epochs compared to 0.1, as Graphcore's application does)."""
     final_epoch = epoch_of(checkpoints[-1][0])
     return [(it, path) for it, path in checkpoints if round(epoch_of(it), 1) >= round(final_epoch - epochs, 1)]
 

@@ -1,12 +1,12 @@
-"""Host -> device: the seed's infeed, and where normalisation happens.
+"""Host -> device: Graphcore's application's infeed, and where normalisation happens.
 
-Batches arrive as uint8 NHWC. By default they cross to the device as uint8 (the seed's 8-bit I/O,
+Batches arrive as uint8 NHWC. By default they cross to the device as uint8 (Graphcore's application's 8-bit I/O,
 a quarter of float32's bytes) and are normalised there into a channels_last float tensor of the
 model's input dtype. With host-side normalisation the float tensor is made on the host instead.
 On CUDA the copy is pinned and non-blocking, and the next batch's copy is queued before the current
 batch's step, so the host never waits for a copy. It runs on the compute stream, between two steps, not
-beside one: 8-bit batches are small (ResNet-50's 32 images at 224 px are 4.8 MB, about 0.2 ms at PCIe 4's
-25 GB/s), so a second stream would save little.
+beside one: 8-bit batches are small (a quarter of the float32 batch's bytes, and a small part of a step's
+memory traffic), so a second stream would save little.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class DeviceFeed:
         self.device = device
         self.dtype = dtype
         self.mean: Sequence[float] = IMAGENET_MEAN
-        # Without --normalise-input the seed only subtracts the mean; batch norm takes care of scale.
+        # Without --normalise-input Graphcore's application only subtracts the mean; batch norm takes care of scale.
         self.std: Sequence[float] = (0.229, 0.224, 0.225) if imagenet_normalisation else UNIT_STD
         self.host_normalisation = host_normalisation
         self.pin = device.type == "cuda"

@@ -1,7 +1,7 @@
 """The training loop: updates, the metrics outfeed, step lines, checkpoints, interrupts.
 
 Per-update metrics stay on the device in the outfeed and are read back once every `sync_every`
-updates (the seed's device iterations), so the loop never blocks on the step's results in between.
+updates (Graphcore's application's device iterations), so the loop never blocks on the step's results in between.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class TrainingLoop:
         return every is not None and before // every < after // every
 
     def _log_due(self, last_log: int, done: int) -> bool:
-        # Exactly the cadence --log-freq / --logs-per-epoch asks (the seed's); the first update's
+        # Exactly the cadence --log-freq / --logs-per-epoch asks (as Graphcore's application logs); the first update's
         # `Compilation time:` line is the run's sign of life before the first step line.
         return self._crossed(self.length.log_every, last_log, done)
 
@@ -227,7 +227,7 @@ class TrainingLoop:
         return result
 
     def _first_update_done(self, metrics: StepMetrics, started: float) -> tuple[float, int]:
-        """The seed's `Compilation time:` line: the first update, which pays for any compilation,
+        """Graphcore's application's `Compilation time:` line: the first update, which pays for any compilation,
         kernel selection and first-touch allocation. Waits for the device this once."""
         if metrics.loss_sum.is_cuda:
             torch.cuda.synchronize(metrics.loss_sum.device)

@@ -98,7 +98,7 @@ def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.
 
 
 # ----------------------------------------------------------------------------------------------
-# The model behind the graph's input: float NCHW, or uint8 NHWC normalised inside (the seed's 8-bit I/O)
+# The model behind the graph's input: float NCHW, or uint8 NHWC normalised inside (Graphcore's application's 8-bit I/O)
 
 
 class FloatClassifier(nn.Module):

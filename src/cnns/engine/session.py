@@ -147,7 +147,7 @@ class TrainingSession:
                 self.log.print(line)
 
     def _after_training(self, c: Components, checkpointer: Checkpointer, trained_images: int) -> None:
-        """The seed's end of training: weight averages (rank 0), then validation of what is not
+        """Graphcore's application's end of training: weight averages (rank 0), then validation of what is not
         validated yet (every process validates its share of the images; of generated data, as many
         images as this run trained on)."""
         cfg = self.cfg

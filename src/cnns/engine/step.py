@@ -31,7 +31,8 @@ class StepMetrics:
 
 
 class FloatGradientAccumulator:
-    """Sums half-precision micro-batch gradients in float32 (seed 002, 6.7.3).
+    """Sums half-precision micro-batch gradients in float32: added up in half precision, each micro-batch's
+    gradient would be rounded to the spacing of the growing sum, and small contributions would be lost.
 
     With replicas the sum is also all-reduced in float32: `reduce_hook` is DDP's communication hook
     for the update's last micro-batch, which adds that micro-batch's half gradients to the float32
@@ -287,9 +288,9 @@ class NonFiniteError(CnnsError):
 
 
 def cross_entropy_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Cross entropy with the seed's label smoothing: 1-e on the true class, e spread over the others.
+    """Cross entropy with Graphcore's application's label smoothing: 1-e on the true class, e spread over the others.
 
-    torch's label_smoothing spreads e over all K classes (true class gets 1-e+e/K); the seed spreads
+    torch's label_smoothing spreads e over all K classes (true class gets 1-e+e/K); Graphcore's application spreads
     it over the K-1 others, which is torch's rule with e' = e*K/(K-1). Soft targets (from mixing)
     are used as given.
     """
