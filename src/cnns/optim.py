@@ -109,8 +109,8 @@ def build_optimiser(params_or_groups: Iterable, spec: OptimiserSpec) -> torch.op
     ``spec.weight_decay``. For LARS, groups marked ``NORM_OR_BIAS`` get neither trust ratio nor decay
     (plain momentum SGD, as the original's skip list), every other group gets the trust ratio and
     ``lars_weight_decay`` in place of its own decay. ``foreach`` is left to the implementations, which
-    use the multi-tensor kernels wherever they exist (CUDA). On the CPU the per-parameter loop wins
-    (measured: ResNet-50 momentum step 65 ms vs 73 ms with foreach=True): each parameter's few
+    use the multi-tensor kernels wherever they exist (CUDA). On the CPU the per-parameter loop is
+    faster than foreach=True (docs/performance.md): each parameter's few
     operations run while it is still in cache, where a foreach operation sweeps all of them each time.
     """
     cls, groups, arguments = optimiser_recipe(params_or_groups, spec)
@@ -204,8 +204,8 @@ class HalfPrecisionOptimiser:
     Speed (the update runs over every weight at every step): the working copies of the half
     parameters are views of one flat float32 buffer, laid out like the parameters (channels_last
     convolution weights included), so reading the weights in, converting the gradients and rounding
-    back are a few multi-tensor or whole-buffer operations in memory order. ResNet-50: 180 ms per
-    update with one parameter at a time, 54 ms now (torch.optim.SGD alone on float32 weights: 15 ms).
+    back are a few multi-tensor or whole-buffer operations in memory order, rather than several small
+    operations per parameter, each paying its own dispatch and a fresh pass over memory.
     The inner optimiser sees one tensor per parameter (LARS needs per-layer norms); its state dict
     has the usual layout.
     """
