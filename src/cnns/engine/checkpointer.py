@@ -4,7 +4,7 @@ A checkpoint holds everything a continuation needs to be exact: the plain model 
 single-process run, whatever the replicas, stages or compilation), the optimiser (with its stochastic-rounding
 generator; a sharded optimiser's state consolidated first), the loss scaler, every random stream (each rank's
 with replicas), the moving average of the weights, the iteration (which fixes the data position and the
-learning rate) and the seed. Every process calls `save`: the replicas average their batch-norm statistics, the
+learning rate) and the random seed. Every process calls `save`: the replicas average their batch-norm statistics, the
 stages send their parts to rank 0, and rank 0 (with --ckpt-all-instances every unpipelined rank) writes.
 """
 
