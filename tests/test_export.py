@@ -30,7 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 UNIT_STD = (1.0, 1.0, 1.0)  # the run trains without --normalise-input: mean subtraction only
 
 
-@pytest.fixture(scope="module")
+# The exports share one trained run: one test worker (`--dist loadgroup`) and a session fixture, so it is
+# trained once, not once per worker and again whenever the worker ran another module's tests in between.
+pytestmark = pytest.mark.xdist_group("test_export-run")
+
+
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     """A ResNet-8 trained in 16.16 with bfloat16 weights (2 epochs of 640 drawn shapes)."""
     root = tmp_path_factory.mktemp("export")
@@ -46,7 +51,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return list_checkpoints(folder)[-1][1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def eager(checkpoint) -> torch.nn.Module:
     """The reference: the checkpoint's weights in a float32 ResNet-8, built here from the model code."""
     state = torch.load(checkpoint, weights_only=True)["model"]

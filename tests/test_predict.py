@@ -30,7 +30,7 @@ LINE = re.compile(r"^(?P<path>.+?): (?P<entries>.+)$")
 ENTRY = re.compile(r"^(?P<label>.+) \((?P<p>[0-9.]+)\)$")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run_folder(tmp_path_factory) -> Path:
     """A ResNet-8 trained for 10 epochs on 2000 drawn-shape images in CIFAR-10 format, with a
     moving average of its weights (--ema-decay 0.9). About 89% on its 200 test images."""
@@ -51,7 +51,7 @@ def run_folder(tmp_path_factory) -> Path:
     return Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def held_out(tmp_path_factory) -> tuple[Path, list[str]]:
     """100 new drawings (a seed training never saw) as PNG files, and their true class names."""
     folder = tmp_path_factory.mktemp("held-out")
@@ -63,7 +63,7 @@ def held_out(tmp_path_factory) -> tuple[Path, list[str]]:
     return folder, names
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def photos(tmp_path_factory) -> Path:
     """scikit-learn's two sample photographs (427 x 640), each as JPEG and as PNG."""
     from sklearn.datasets import load_sample_images

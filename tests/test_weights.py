@@ -18,7 +18,8 @@ from PIL import Image
 from cnns.cli import run_script as run_command
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
-# The tests that start from the trained run share one test worker, so the run is trained once (`--dist loadgroup`).
+# The tests that start from the trained run share one test worker (`--dist loadgroup`), and the run is a
+# session fixture: a module fixture is made again when the worker runs another module's tests in between.
 ON_THE_TRAINED_RUN = pytest.mark.xdist_group("test_weights-pretrained")
 
 # ResNet-18 (timm's resnet18) on 40 px digits, float32, batch norm, seeded.
@@ -46,12 +47,12 @@ def digits_tree(root: Path, digits: list[int], train_per_class: int, validation_
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> Path:
     return digits_tree(tmp_path_factory.mktemp("digits"), list(range(10)), 120, 40)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pretrained(digits, tmp_path_factory) -> Path:
     """A ResNet-18 trained on the ten digits: 6 epochs, 86.5 % validation accuracy (measured)."""
     folder = tmp_path_factory.mktemp("runs") / "digits"
