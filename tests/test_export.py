@@ -21,9 +21,9 @@ from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
 from cnns.cli.inference import export_main
-from cnns.engine.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
+from cnns.deploy.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
                                 max_batch)
-from cnns.engine.restored import FloatClassifier
+from cnns.deploy.restored import FloatClassifier
 from cnns.models import ModelSpec, build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -172,7 +172,7 @@ def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, 
     from cnns.cli.inference import export_main
     from cnns.data.augment import normalise
     from cnns.commands.predict import decoded_images, evaluation_transform, image_files
-    from cnns.engine.restored import run_config
+    from cnns.deploy.restored import run_config
 
     out = tmp_path / "digits-resnet18"
     assert export_main(["--restore-path", str(pretrained), "--format", "safetensors", "--out", str(out)]) == 0
@@ -207,7 +207,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     from safetensors import safe_open
 
     from cnns.cli.inference import export_main
-    from cnns.engine.restored import restore_model
+    from cnns.deploy.restored import restore_model
 
     run = tmp_path / "run"
     assert run_command("train", ["--model", model, "--model-size", size, "--dataset", "imagenet", "--image-size", "64",

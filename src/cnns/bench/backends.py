@@ -4,7 +4,7 @@
 other, and times them the same way:
 
 * **The same model and input.** `cnns.models.build_model` (random initialisation from a fixed seed)
-  behind `cnns.engine.restored.NormalisedClassifier`, so every backend takes the same random uint8 NHWC
+  behind `cnns.deploy.restored.NormalisedClassifier`, so every backend takes the same random uint8 NHWC
   batch and normalises it itself, as ``inference_embedded.py`` and ``cnns export --eight-bit-io`` do.
   The logits of every backend on that batch are compared with eager float32's (``max_abs_diff``, and
   ``max_rel_diff``: over the largest |logit|, since randomly initialised EfficientNets give logits of
@@ -97,7 +97,7 @@ def default_threads() -> int:
 
 def float32_module(model_spec, seed: int) -> nn.Module:
     """uint8 NHWC -> float32 logits, float32 channels_last weights, the same for every seed."""
-    from cnns.engine.restored import NormalisedClassifier
+    from cnns.deploy.restored import NormalisedClassifier
     from cnns.models import build_model
 
     torch.manual_seed(seed)
@@ -107,7 +107,7 @@ def float32_module(model_spec, seed: int) -> nn.Module:
 
 def bf16_eager_module(reference: nn.Module) -> nn.Module:
     """cnns's eager 16.16 inference: bfloat16 weights, normalisation layers in float32 (mixed-type kernels)."""
-    from cnns.engine.restored import NormalisedClassifier
+    from cnns.deploy.restored import NormalisedClassifier
     from cnns.precision import PrecisionPolicy
 
     model = copy.deepcopy(reference.model)
@@ -118,7 +118,7 @@ def bf16_eager_module(reference: nn.Module) -> nn.Module:
 
 def bf16_embedded_module(reference: nn.Module) -> nn.Module:
     """What inference_embedded.py compiles at 16.16: the whole model in bfloat16 (its build_inference_model)."""
-    from cnns.engine.restored import NormalisedClassifier
+    from cnns.deploy.restored import NormalisedClassifier
 
     model = copy.deepcopy(reference.model).to(dtype=torch.bfloat16, memory_format=torch.channels_last).eval()
     return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
@@ -154,7 +154,7 @@ def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
 def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder: Path,
                   force: bool = False) -> tuple[Path, float, bool]:
     """The backend's compiled file in `folder` (made unless there): (path, seconds it took to make, cached)."""
-    from cnns.engine.graphs import export_onnx, export_pt2
+    from cnns.deploy.graphs import export_onnx, export_pt2
 
     path = folder / ("model.onnx" if backend == "onnxruntime" else f"{backend}.pt2")
     meta = _read_meta(folder)

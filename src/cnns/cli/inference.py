@@ -33,7 +33,7 @@ def infer_main(argv: list[str]) -> int:
 
 
 def predict_parser() -> argparse.ArgumentParser:
-    from cnns.engine.restored import WEIGHT_CHOICES
+    from cnns.deploy.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns predict",
@@ -63,7 +63,7 @@ def predict_main(argv: list[str]) -> int:
 
 def export_parser() -> argparse.ArgumentParser:
     from cnns.commands.export import FORMATS
-    from cnns.engine.restored import WEIGHT_CHOICES
+    from cnns.deploy.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns export",

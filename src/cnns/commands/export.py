@@ -8,19 +8,19 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
 
 * **Which weights.** `--restore-path` as for `cnns predict` (a run folder: its newest checkpoint; or
   one checkpoint or weight-average file), `--weights raw|ema`; the model is rebuilt from the run's
-  arguments.json (`cnns.engine.restored.restore_model`).
+  arguments.json (`cnns.deploy.restored.restore_model`).
 * **Precision.** Always float32, whatever the training precision: a 16.16 run's bfloat16 (or float16)
   weights are converted to float32 (exactly), so the file runs on any CPU or GPU runtime, and its
   results do not depend on a half type the target may only emulate.
 * **Input.** By default ``images``: float32 NCHW, RGB, already normalised as training normalises
   (``(pixel / 255 - mean) / std`` with the run's constants, printed). With ``--eight-bit-io``:
   uint8 NHWC RGB pixels 0..255, the normalisation folded into the graph (as
-  `cnns.engine.restored.NormalisedClassifier`, the 8-bit I/O of Graphcore's application). Images must already be
+  `cnns.deploy.restored.NormalisedClassifier`, the 8-bit I/O of Graphcore's application). Images must already be
   image_size x image_size (resized and cropped as `cnns predict` does). The output ``logits`` is
   float32 [batch, classes]: softmax gives probabilities.
 * **Batch size.** ``--batch-size dynamic`` (the default) exports the batch dimension as a
   `torch.export.Dim`: any size from 1, and at most 65535 in a pt2 package for CUDA
-  (`cnns.engine.graphs.CUDA_MAX_BATCH`: cuDNN's batch-norm limit, which torch.export turns into a bound);
+  (`cnns.deploy.graphs.CUDA_MAX_BATCH`: cuDNN's batch-norm limit, which torch.export turns into a bound);
   the range the exported program recorded is printed. ``--batch-size N`` fixes it to N.
 * **Formats.**
   ``onnx``: torch's dynamo exporter (``torch.onnx.export(..., dynamo=True)``) at ONNX opset 18,
@@ -52,9 +52,9 @@ import torch
 from torch import nn
 
 from cnns.errors import ConfigError
-from cnns.engine.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
+from cnns.deploy.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
                                 max_batch)
-from cnns.engine.restored import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
+from cnns.deploy.restored import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
 
 FORMATS = ("onnx", "pt2", "safetensors")
 

@@ -29,7 +29,7 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.devices import resolve_device
 from cnns.engine.build import unwrap
-from cnns.engine.restored import NormalisedClassifier
+from cnns.deploy.restored import NormalisedClassifier
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
 from cnns.precision import PrecisionPolicy

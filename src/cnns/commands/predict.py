@@ -10,7 +10,7 @@ What it does, step by step:
 * **Model.** `--restore-path` is a run folder (its newest ``ckpt-<iteration>.pt``) or one checkpoint
   file of a run folder (``ckpt-N.pt``, or a weight average ``weight_avg_*.pt``). The model is rebuilt
   from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
-  (`cnns.engine.restored.restore_model`), the checkpoint's ``"model"``
+  (`cnns.deploy.restored.restore_model`), the checkpoint's ``"model"``
   entry (or with ``--weights ema`` its ``"ema"`` entry, the float32 moving average of ``--ema-decay``)
   is loaded, and the model runs in **float32** in eval mode whatever the training precision: a 16.16
   checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
@@ -54,7 +54,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from cnns.engine.restored import restore_model
+from cnns.deploy.restored import restore_model
 from cnns.errors import ConfigError, DataError
 
 
