@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402
+from _pytest.nodeid import NodeId  # noqa: E402
 
 import processes  # noqa: E402
 
@@ -33,12 +34,28 @@ NO_GPU = "no CUDA GPU here" if GPU_TIER else "the CUDA tier: make test-gpu runs 
 
 
 def pytest_collection_modifyitems(config, items):
-    """The CUDA tier is skipped without a GPU, with one reason that the summary below counts."""
+    """The CUDA tier is skipped without a GPU, with one reason that the summary below counts; the tests of an
+    xdist_group go to one worker."""
+    keep_xdist_groups_together(config, items)
     if torch.cuda.is_available():
         return
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+def keep_xdist_groups_together(config, items):
+    """`--dist loadgroup` sends the tests of one `xdist_group` to one worker, so a trained run they share is made
+    once. pytest-xdist 3.8 marks the group by appending it to `item._nodeid`, which pytest 9 no longer reads (a
+    node's id is the structured `item._id`): every group was silently spread over the workers. This sets the id
+    pytest 9 reads, in the worker, with the same `name@group` form the scheduler splits."""
+    if not getattr(config, "workerinput", None) or not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                         for mark in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def pytest_terminal_summary(terminalreporter):
