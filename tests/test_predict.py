@@ -18,7 +18,7 @@ from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
 from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
-from cnns.cli.inference import predict_main
+from cnns.cli.inference import predict_main, restored_run
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 100
@@ -242,10 +242,10 @@ def test_bad_input_is_a_one_line_error(run_folder, argv, text):
         predict_main(["--restore-path", str(run_folder), *argv])
 
 
-def test_an_empty_folder_and_a_folder_without_arguments_json_are_refused(tmp_path):
+def test_an_empty_folder_and_a_folder_without_arguments_json_are_refused(run_folder, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CnnsError, match="no image files"):
-        predict_main(["--restore-path", str(tmp_path), str(tmp_path / "empty")])
+        predict_main(["--restore-path", str(run_folder), str(tmp_path / "empty")])
     (tmp_path / "ckpt-1.pt").write_bytes(b"")
     with pytest.raises(CnnsError, match="arguments.json"):
         predict_main(["--restore-path", str(tmp_path), str(one_image(tmp_path))])
@@ -285,6 +285,7 @@ def test_the_run_folder_reads_back_what_training_wrote(run_folder):
     assert raw.keys() == ema.keys()
     assert any(not torch.equal(raw[key], ema[key]) for key in raw if raw[key].is_floating_point())
     assert run.class_names() == (list(BUILTIN_CLASSES), str(Path(run.config.data.data_dir) / "batches.meta.txt"))
-    evaluation = run.evaluation_config()  # validation.py's view: one process, the run's model and batch
+    # predict and export see the run as validation.py resolves it: one process, the run's model and batch.
+    _, evaluation = restored_run(str(run_folder))
     assert evaluation.parallel.replicas == 1 and evaluation.model == run.config.model
     assert evaluation.train.global_batch_size == run.options["global_batch_size"]

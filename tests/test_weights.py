@@ -206,7 +206,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     import timm
     from safetensors import safe_open
 
-    from cnns.cli.inference import export_main
+    from cnns.cli.inference import export_main, restored_run
     from cnns.deploy.restored import restore_model
 
     run = tmp_path / "run"
@@ -226,7 +226,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
             assert f.get_tensor("bn1.weight").dtype == torch.float32
     theirs = timm.create_model(timm_name, pretrained=True, num_classes=1000, pretrained_cfg_overlay=dict(
         file=str(tmp_path / "export-False" / "model.safetensors"), num_classes=1000)).eval()
-    ours = restore_model(run).model
+    ours = restore_model(*restored_run(str(run))).model
     pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(theirs(pixels), ours(pixels))  # the same float32 modules, weights and kernels

@@ -33,7 +33,6 @@ from typing import Any
 from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig, check_option_types, resolve
 from cnns.errors import CheckpointError, ConfigError
-from cnns.config.table import option_defaults
 from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
@@ -94,15 +93,9 @@ class RunFolder:
             raise CheckpointError(f"{self.path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
         return checkpoint_weights(checkpoint, which)
 
-    def evaluation_config(self, checkpoint: Path | None = None) -> RunConfig:
-        """The configuration validation.py would use for one of this run's checkpoints, given nothing
-        else on its command line (predict and export rebuild the model with it)."""
-        values = {**option_defaults("validate"), "restore_path": str(checkpoint or self.path)}
-        return RunConfig.from_options(evaluation_options(values)[0])
-
     def class_names(self) -> tuple[list[str] | None, str]:
         """(class names in class-index order or None, where they come from); see `class_names`."""
-        return class_names(self.evaluation_config(), self.path)
+        return class_names(self.config, self.path)
 
 
 def read_run_options(folder: Path) -> dict[str, Any]:

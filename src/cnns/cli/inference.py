@@ -6,8 +6,10 @@ Each parses its command line into plain values and calls its file of `cnns.comma
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from cnns.cli.parsing import print_config, resolve_command_line
+from cnns.config import RunConfig
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
 WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
@@ -26,6 +28,15 @@ def infer_main(argv: list[str]) -> int:
         return print_config(resolved.options)
     return infer(resolved.config, resolved.notices, restore_path=values.get("restore_path"),
                  artefact_path=values.get("artefact_path"), force_recompile=bool(values.get("force_recompile")))
+
+
+def restored_run(restore_path: str) -> tuple[Path, RunConfig]:
+    """predict / export: (the checkpoint --restore-path names, its run's configuration resolved as validation.py
+    resolves it for that checkpoint)."""
+    from cnns.deploy.restored import locate_run_checkpoint
+
+    checkpoint = locate_run_checkpoint(restore_path)
+    return checkpoint, resolve_command_line("validate", ["--restore-path", str(checkpoint)]).config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,7 +64,7 @@ def predict_main(argv: list[str]) -> int:
     from cnns.commands.predict import predict
 
     args = predict_parser().parse_args(argv)
-    return predict(args.restore_path, args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
+    return predict(*restored_run(args.restore_path), args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
                    batch_size=args.batch_size, device=args.device)
 
 
@@ -93,5 +104,5 @@ def export_main(argv: list[str]) -> int:
     from cnns.commands.export import export
 
     args = export_parser().parse_args(argv)
-    return export(args.restore_path, args.format, args.out, batch_size=args.batch_size,
+    return export(*restored_run(args.restore_path), args.format, args.out, batch_size=args.batch_size,
                   eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype)

@@ -170,7 +170,8 @@ class ResolvedCommandLine:
 def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
     """train / restore / validate / weight-avg / infer: argv to the run's configuration, by the script's merge
     rule (`cnns.runs` for a finished run's folder: restore.py continues with the run's own options and the
-    stage layout its command line gives)."""
+    stage layout its command line gives). predict and export resolve a run as validate does
+    (`cnns.cli.inference.restored_run`)."""
     if script == "train":
         values, notices = parse_options(script, argv)
         options = _training_options(values)

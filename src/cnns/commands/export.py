@@ -8,7 +8,7 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
 
 * **Which weights.** `--restore-path` as for `cnns predict` (a run folder: its newest checkpoint; or
   one checkpoint or weight-average file), `--weights raw|ema`; the model is rebuilt from the run's
-  arguments.json (`cnns.deploy.restored.restore_model`).
+  arguments.json, resolved as validation.py resolves it (`cnns.cli.inference.restored_run`).
 * **Precision.** Always float32, whatever the training precision: a 16.16 run's bfloat16 (or float16)
   weights are converted to float32 (exactly), so the file runs on any CPU or GPU runtime, and its
   results do not depend on a half type the target may only emulate.
@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cnns.config import RunConfig
 from cnns.errors import ConfigError
 from cnns.deploy.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
                                 max_batch)
@@ -129,15 +130,15 @@ def _batch_size(value: str) -> int | None:
     return batch
 
 
-def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dynamic", eight_bit_io: bool = False,
-           weights: str = "raw", device: str = "cpu", keep_dtype: bool = False) -> int:
+def export(checkpoint: Path, cfg: RunConfig, fmt: str, out: str | Path, batch_size: str = "dynamic",
+           eight_bit_io: bool = False, weights: str = "raw", device: str = "cpu", keep_dtype: bool = False) -> int:
     """Write a run's model as `fmt` (onnx or pt2) to `out` and print how to run it (module docstring)."""
     from cnns.devices import resolve_device
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "safetensors":
-        return export_for_timm(restore_path, Path(out), weights, keep_dtype)
+        return export_for_timm(checkpoint, cfg, Path(out), weights, keep_dtype)
     batch = _batch_size(batch_size)
     out = Path(out)
     if out.is_dir():
@@ -145,7 +146,7 @@ def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dyna
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
     device = resolve_device(device) if fmt == "pt2" else torch.device("cpu")
-    restored = restore_model(restore_path, weights, device)
+    restored = restore_model(checkpoint, cfg, weights, device)
     module = exportable_module(restored, eight_bit_io)
     example = example_input(restored, batch or DYNAMIC_EXAMPLE_BATCH, eight_bit_io)
     dynamic = batch is None
@@ -166,7 +167,7 @@ def export(restore_path: str, fmt: str, out: str | Path, batch_size: str = "dyna
     return 0
 
 
-def export_for_timm(restore_path: str, out: Path, weights: str, keep_dtype: bool) -> int:
+def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, keep_dtype: bool) -> int:
     """--format safetensors: FOLDER/model.safetensors and FOLDER/config.json (module docstring)."""
     import json
 
@@ -178,7 +179,7 @@ def export_for_timm(restore_path: str, out: Path, weights: str, keep_dtype: bool
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder "
                           "(model.safetensors, config.json)")
-    restored = restore_model(restore_path, weights)  # checks the weights against the run's model
+    restored = restore_model(checkpoint, cfg, weights)  # checks the weights against the run's model
     architecture, model_args = timm_model(restored.cfg.model)
     if keep_dtype:
         tensors = dict(checkpoint_weights(restored.checkpoint, weights))

@@ -9,8 +9,8 @@ What it does, step by step:
 
 * **Model.** `--restore-path` is a run folder (its newest ``ckpt-<iteration>.pt``) or one checkpoint
   file of a run folder (``ckpt-N.pt``, or a weight average ``weight_avg_*.pt``). The model is rebuilt
-  from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
-  (`cnns.deploy.restored.restore_model`), the checkpoint's ``"model"``
+  from the run folder's ``arguments.json`` resolved exactly as ``validation.py`` resolves it
+  (`cnns.cli.inference.restored_run`, `cnns.deploy.restored.restore_model`), the checkpoint's ``"model"``
   entry (or with ``--weights ema`` its ``"ema"`` entry, the float32 moving average of ``--ema-decay``)
   is loaded, and the model runs in **float32** in eval mode whatever the training precision: a 16.16
   checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
@@ -54,6 +54,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from cnns.config import RunConfig
 from cnns.deploy.restored import restore_model
 from cnns.errors import ConfigError, DataError
 
@@ -158,8 +159,8 @@ def _batches(items: Iterator[tuple[Path, torch.Tensor | None]], size: int):
 # The command
 
 
-def predict(restore_path: str, images: Sequence[str], top_k: int = 5, as_json: bool = False, weights: str = "raw",
-            batch_size: int = 64, device: str | None = None) -> int:
+def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int = 5, as_json: bool = False,
+            weights: str = "raw", batch_size: int = 64, device: str | None = None) -> int:
     """Print the top-k classes of every image (module docstring); 1 when an image could not be read."""
     from cnns.data.augment import normalise
     from cnns.devices import resolve_device
@@ -170,7 +171,7 @@ def predict(restore_path: str, images: Sequence[str], top_k: int = 5, as_json: b
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
     files = image_files(images)
-    restored = restore_model(restore_path, weights, resolve_device(device))
+    restored = restore_model(checkpoint, cfg, weights, resolve_device(device))
     device = restored.device
     names, names_source = class_names(restored.cfg, restored.checkpoint.parent)
     top_k = min(top_k, restored.num_classes)

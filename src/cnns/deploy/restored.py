@@ -1,8 +1,8 @@
 """A trained run's model rebuilt for inference: `cnns predict` and `cnns export` start here.
 
-The model is rebuilt from the run folder's ``arguments.json`` exactly as ``validation.py`` rebuilds it
-(`cnns.runs.RunFolder.evaluation_config`), a checkpoint's raw or moving-average weights are loaded, and it
-runs in float32 in eval mode whatever the training precision.
+The caller resolves the run's configuration as ``validation.py`` does (`cnns.cli.inference.restored_run`: the
+one resolution every command goes through); the model is rebuilt from it, a checkpoint's raw or moving-average
+weights are loaded, and it runs in float32 in eval mode whatever the training precision.
 """
 
 from __future__ import annotations
@@ -52,14 +52,16 @@ class RestoredModel:
         return int(self.cfg.model.num_classes)
 
 
-def run_config(folder: Path, checkpoint: Path):
-    """The run's RunConfig, rebuilt from its arguments.json as validation.py rebuilds it."""
-    from cnns.runs import RunFolder
+def locate_run_checkpoint(restore_path: str | Path) -> Path:
+    """--restore-path (a run folder: its newest checkpoint; or one checkpoint file in one) -> the checkpoint;
+    CheckpointError (one line) when there is none or its folder is not a cnns run folder."""
+    from cnns.runs import locate_checkpoint
 
+    folder, checkpoint = locate_checkpoint(restore_path)
     if not (folder / "arguments.json").is_file():
         raise CheckpointError(f"{folder} has no arguments.json: cannot tell which model {checkpoint.name} holds "
                               "(--restore-path must be a cnns run folder or a checkpoint inside one)")
-    return RunFolder.open(folder).evaluation_config(checkpoint)
+    return checkpoint
 
 
 def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -70,21 +72,20 @@ def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(float(v) for v in feed.mean), tuple(float(v) for v in feed.std)
 
 
-def restore_model(restore_path: str | Path, weights: str = "raw", device: torch.device | str = "cpu") -> RestoredModel:
-    """Rebuild the run's model and load a checkpoint's raw or EMA weights, in float32, eval mode.
+def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
+                  device: torch.device | str = "cpu") -> RestoredModel:
+    """Rebuild the model of `cfg` (its run's configuration) and load `checkpoint`'s raw or EMA weights, in
+    float32, eval mode.
 
-    CheckpointError (one line, naming the file) for a missing or foreign checkpoint, a run folder
-    without arguments.json, weights that do not fit the model, or --weights ema on a checkpoint
-    that holds no moving average."""
+    CheckpointError (one line, naming the file) for weights that do not fit the model, or --weights ema on a
+    checkpoint that holds no moving average."""
     from cnns.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runs import checkpoint_weights, locate_checkpoint
+    from cnns.runs import checkpoint_weights
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
     device = torch.device(device)
-    folder, checkpoint = locate_checkpoint(restore_path)
-    cfg = run_config(folder, checkpoint)
     state_dict = checkpoint_weights(checkpoint, weights)
     model = build_model(cfg.model)
     description = f"{cfg.model.arch}-{cfg.model.size}"
