@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -407,10 +407,18 @@ class ImageBatchDataset(Dataset):
         size = self.transform.image_size
         shape = (len(keys), size, size, 3)
         images, number = self.pool.batch(shape) if self.pool is not None else (new_batch_tensor(shape), -1)
+        samples = ((key, *self.records.read(_index(key))) for key in keys)  # read as each is decoded
+        _, labels, skipped = self._decode_into_rows(samples, images)
+        return images[:len(labels)], torch.tensor(labels, dtype=torch.int64), skipped, number
+
+    def _decode_into_rows(self, samples: Iterable[tuple[SampleKey, bytes, int, str]],
+                          images: torch.Tensor) -> tuple[list[int], list[int], list[str]]:
+        """Decode each sample (key, data, label, source) into the next free row of `images`. Returns (the
+        positions in `samples` that were decoded, their labels, the sources --skip-corrupt-images left out)."""
+        decoded: list[int] = []
         labels: list[int] = []
         skipped: list[str] = []
-        for key in keys:
-            data, label, source = self.records.read(_index(key))
+        for position, (key, data, label, source) in enumerate(samples):
             try:
                 self.transform.into(data, source, key, images[len(labels)])
             except DataError:
@@ -418,8 +426,9 @@ class ImageBatchDataset(Dataset):
                     raise
                 skipped.append(source)
                 continue
+            decoded.append(position)
             labels.append(label)
-        return images[:len(labels)], torch.tensor(labels, dtype=torch.int64), skipped, number
+        return decoded, labels, skipped
 
     def _for_device(self, keys: list[SampleKey]) -> DeviceBatch:
         """The JPEGs nvJPEG takes go as encoded bytes with their crops; the workers decode the rest."""
@@ -434,21 +443,13 @@ class ImageBatchDataset(Dataset):
             row = len(labels)
             labels.append(label)
             if shape is None:
-                host_samples.append((row, data, source, key))
+                host_samples.append((row, (key, data, label, source)))
             else:
                 device_samples.append((row, stored_orientation(data), source, self.transform.crop(*shape, key), shape))
         host_images = new_batch_tensor((len(host_samples), size, size, 3))
-        host_rows, skipped, dropped = [], [], set()
-        for row, data, source, key in host_samples:
-            try:
-                self.transform.into(data, source, key, host_images[len(host_rows)])
-            except DataError:
-                if not self.skip_corrupt:
-                    raise
-                skipped.append(source)
-                dropped.add(row)
-                continue
-            host_rows.append(row)
+        decoded, _, skipped = self._decode_into_rows([sample for _, sample in host_samples], host_images)
+        host_rows = [host_samples[position][0] for position in decoded]
+        dropped = {row for row, _ in host_samples} - set(host_rows)
         # Rows renumbered without the dropped ones.
         renumbered = {row: new for new, row in enumerate(r for r in range(len(labels)) if r not in dropped)}
         offsets = np.cumsum([0] + [len(data) for _, data, *_ in device_samples]).tolist()
