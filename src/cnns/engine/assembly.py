@@ -49,8 +49,9 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     0. training-time norm settings (--BN-decay)
     1. precision: weight dtype, norms kept float32 where the policy says, channels_last on the device
     2. fused passes (CPU): norm + activation (+ residual) and squeeze-excitation, batch norms taking the
-       --BN-span's statistics where there is a span; then the kernels (GPU algorithms, bfloat16 depthwise
-       backward, channels_last gradients)
+       --BN-span's statistics where there is a span; then the kernels (GPU algorithms, float32 kernels for the
+       half convolutions of a CPU that only emulates the half type, else the bfloat16 depthwise backward,
+       channels_last gradients)
     3. recomputation (--enable-recomputation): per block, or per segment between --pipeline-splits on one device
     4. cross-replica batch norm (--BN-span, the batch norms the fused passes left), then this process's
        pipeline stage (--shards > 1, replicas start equal) or data parallel (--replicas > 1, DDP)

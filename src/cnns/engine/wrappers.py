@@ -1,7 +1,8 @@
 """How a built model runs for training, never what it computes: each function here changes one thing and
 keeps the model's parameters, buffers and state-dict keys, so checkpoints always hold the plain model's state.
 
-* channels_last gradients, reproducible GPU kernels, the bfloat16 depthwise backward (`choose_kernels`): speed
+* channels_last gradients, reproducible GPU kernels, the bfloat16 depthwise backward, float32 kernels for half
+  convolutions a CPU only emulates (`choose_kernels`): speed
 * recomputation (`recompute`): memory
 * compilation (`maybe_compile`): speed, where it wins
 
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cnns.errors import ConfigError
 from cnns.kernels import depthwise
+from cnns.precision import cpu_half_is_emulated
 
 
 def specialise(module: nn.Module, override: type) -> nn.Module:
@@ -44,11 +46,15 @@ def _subclass(override: type, base: type) -> type:
 
 def choose_kernels(model: nn.Module, device: torch.device, compute_dtype: torch.dtype, reproducible: bool) -> None:
     """The kernels a run computes with, none of which changes a result beyond its rounding: on a GPU cuDNN's
-    fastest or (with --seed) deterministic ones; on a CPU in bfloat16, another backward for the depthwise
-    convolutions whose oneDNN one is slow; everywhere, gradients kept channels_last."""
+    fastest or (with --seed) deterministic ones; on a CPU that only emulates the half type, float32 kernels for
+    its convolutions; on one that computes bfloat16, another backward for the depthwise convolutions whose
+    oneDNN one is slow; everywhere, gradients kept channels_last."""
     if device.type == "cuda":
         choose_gpu_kernels(model, reproducible)
-    if device.type == "cpu" and compute_dtype == torch.bfloat16:  # 16.16 and 16.32
+    half = compute_dtype in (torch.bfloat16, torch.float16)  # 16.16 and 16.32
+    if device.type == "cpu" and half and cpu_half_is_emulated(device, compute_dtype):
+        compute_half_convolutions_in_float32(model)
+    elif device.type == "cpu" and compute_dtype == torch.bfloat16:
         route_slow_depthwise_backward(model)
     keep_gradients_channels_last(model)  # last: hooks the pooling layers as the GPU choice left them
 
@@ -251,6 +257,69 @@ def route_slow_depthwise_backward(model: nn.Module) -> int:
             specialise(module, _RoutedDepthwise)
             rerouted += 1
     return rerouted
+
+
+# ------------------------------------------------------------------------------------------------
+# half convolutions on a CPU that only emulates the half type
+
+
+class _Float32ComputedConv(torch.autograd.Function):
+    """A half-precision convolution computed by oneDNN's float32 kernels, forward and backward.
+
+    Without AVX512-BF16 or AMX (AMX-FP16 for float16), oneDNN has no half convolution and torch falls back to a
+    generic im2col + matrix product, many times slower than float32. The half operands convert to float32
+    exactly, and a product of two half values is exact in float32 (8 or 11 significant bits each, 24 in
+    float32), so this computes what a CPU with half arithmetic computes (exact products, float32 sums, the result
+    rounded to the half type), in another summation order. The half inputs are what is saved for the backward:
+    no float32 copy is kept between the passes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.conv = (stride, padding, dilation, groups, bias is not None)
+        with torch.autocast("cpu", enabled=False):  # 16.32: autocast would make the float32 operands half again
+            out = F.conv2d(x.float(), weight.float(), bias.float() if bias is not None else None, stride, padding,
+                           dilation, groups)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, has_bias = ctx.conv
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+        with torch.autocast("cpu", enabled=False):
+            grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+                grad.float(), x.float(), weight.float(), [weight.shape[0]] if has_bias else None, stride, padding,
+                dilation, False, [0, 0], groups, mask)
+        return (grad_input.to(x.dtype) if mask[0] else None, grad_weight.to(weight.dtype) if mask[1] else None,
+                grad_bias.to(weight.dtype) if mask[2] else None, None, None, None, None)
+
+
+class _Float32ComputedHalfConv:
+    """An nn.Conv2d whose half-precision convolutions are `_Float32ComputedConv`."""
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias):
+        if torch.is_autocast_enabled("cpu"):
+            # 16.32: autocast would run the convolution in its dtype; cast as it does, and compute from there.
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+            return super()._conv_forward(x, weight, bias)
+        return _Float32ComputedConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def compute_half_convolutions_in_float32(model: nn.Module) -> int:
+    """Every zero-padded nn.Conv2d of `model` computes its half-precision convolutions with float32 kernels
+    (above). Returns the number of convolutions changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d) and module.padding_mode == "zeros" and \
+                type(module)._conv_forward is nn.Conv2d._conv_forward:
+            specialise(module, _Float32ComputedHalfConv)
+            changed += 1
+    return changed
 
 
 # ------------------------------------------------------------------------------------------------
