@@ -169,10 +169,9 @@ def predictions(folder: Path, images: Path, capsys) -> list[list[float]]:
 def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, digits, tmp_path, capsys):
     import timm
 
-    from cnns.cli.inference import export_main
+    from cnns.cli.inference import export_main, restored_run
     from cnns.data.augment import normalise
     from cnns.commands.predict import decoded_images, evaluation_transform, image_files
-    from cnns.deploy.restored import run_config
 
     out = tmp_path / "digits-resnet18"
     assert export_main(["--restore-path", str(pretrained), "--format", "safetensors", "--out", str(out)]) == 0
@@ -189,7 +188,7 @@ def test_exported_safetensors_load_in_timm_and_predict_as_cnns_does(pretrained, 
     from_folder = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     images = digits / "validation" / "digit3"
     files = image_files([str(images)])[:6]
-    cfg = run_config(pretrained, pretrained / "ckpt-225.pt")
+    _, cfg = restored_run(str(pretrained / "ckpt-225.pt"))
     batch = torch.stack([image for _, image in decoded_images(files, evaluation_transform(cfg))])
     pixels = normalise(batch, config["pretrained_cfg"]["mean"], config["pretrained_cfg"]["std"], torch.float32)
     with torch.no_grad():
