@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,39 +26,56 @@ RN8 = ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10", "--mic
 PROBED = f"torch {torch.__version__} loaded and ran the compiled model in a child process first"
 
 
-def test_first_run_compiles_and_saves_later_runs_load(tmp_path):
-    argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
-            "--dataset", "cifar-10", "--micro-batch-size", "2", "--iterations", "5", "--generated-data",
-            "--precision", "32.32"]
-    first = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
+EMBEDDED = [sys.executable, str(ROOT / "inference_embedded.py")]
+
+
+def embedded(folder: Path, *argv: str):
+    return processes.run([*EMBEDDED, *argv], capture_output=True, text=True, cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, str]:
+    """inference_embedded.py's first run in an empty folder (the folder, what it printed): it compiles and saves
+    the package the tests below start from, each in a copy of the folder (one compilation for both)."""
+    folder = tmp_path_factory.mktemp("first-run")
+    first = embedded(folder, *RN8)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "Compilation time:" in first.stdout
-    assert PROBED not in first.stdout  # a CPU package loads in this process directly
-    artefacts = list(tmp_path.glob("*.pt2"))
+    return folder, first.stdout
+
+
+def copy_of(folder: Path, into: Path) -> Path:
+    shutil.copytree(folder, into, dirs_exist_ok=True)
+    return into
+
+
+def test_first_run_compiles_and_saves_later_runs_load(first_run, tmp_path):
+    folder, printed = first_run
+    assert "Compilation time:" in printed
+    assert PROBED not in printed  # a CPU package loads in this process directly
+    folder = copy_of(folder, tmp_path)
+    artefacts = list(folder.glob("*.pt2"))
     assert len(artefacts) == 1
-    second = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    second = embedded(folder, *RN8)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "Loading the compiled model" in second.stdout and "Compilation time:" not in second.stdout
     assert "latency 99p9:" in second.stdout
     artefacts[0].write_bytes(b"not a package")
-    broken = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    broken = embedded(folder, *RN8)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr
     assert "--force-recompile" in broken.stderr
 
 
-def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(tmp_path):
+def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(first_run, tmp_path):
     """The file name of Graphcore's application says model, batch, precision and weights; a CIFAR-100 run of
     the same model must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
-    def run(dataset: str, *extra: str):
-        argv = [sys.executable, str(ROOT / "inference_embedded.py"), "--model", "resnet", "--model-size", "8",
-                "--dataset", dataset, "--micro-batch-size", "2", "--iterations", "3", "--generated-data",
-                "--precision", "32.32", *extra]
-        out = processes.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    folder = copy_of(first_run[0], tmp_path)
+
+    def run(dataset: str):
+        out = embedded(folder, *RN8[:RN8.index("--dataset")], "--dataset", dataset, *RN8[RN8.index("--dataset") + 2:])
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout
 
-    assert "Compilation time:" in run("cifar-10")
-    (package,) = tmp_path.glob("*.pt2")
+    (package,) = folder.glob("*.pt2")  # the CIFAR-10 run's
     ten_classes = package.read_bytes()
     again = run("cifar-100")
     assert f"The compiled model at {package.name} was built for another model: compiling it again" in again

@@ -308,10 +308,16 @@ def test_a_worker_killed_under_torchrun_max_restarts_is_recovered(data_dir, tmp_
     assert relative_difference(folder / "ckpt-48.pt", reference / "ckpt-48.pt") < 1e-6
 
 
+# Long enough to be stopped mid-run (its updates take seconds after the first step line, which the tests wait
+# for), short enough for restore.py to finish it quickly.
+LONG_RUN = 120
+
+
 def started_long_run(folder: Path, data_dir: Path, cwd: Path) -> subprocess.Popen:
-    """A self-spawned 2-replica run of 400 updates, returned once its first step line is written."""
+    """A self-spawned 2-replica run of LONG_RUN updates, returned once its first step line is written."""
     run = start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
-                 str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", "400", "--log-freq", "1",
+                 str(folder), "--replicas", "2", "--micro-batch-size", "16", "--iterations", str(LONG_RUN),
+                 "--log-freq", "1",
                  "--ckpts-per-epoch", "0"], cwd)
     deadline = time.monotonic() + TIMEOUT_S
     while not (folder / "training.csv").exists() and run.poll() is None and time.monotonic() < deadline:
@@ -326,11 +332,11 @@ def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(da
     run.send_signal(signal.SIGTERM)
     out, _ = finish(run)
     stopped_at = int(re.search(r"Training interrupted by SIGTERM at iteration (\d+)", out).group(1))
-    assert 0 < stopped_at < 400
+    assert 0 < stopped_at < LONG_RUN
     assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == [f"ckpt-{stopped_at}.pt"]
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker processes left"
     out, _ = train(tmp_path, "--restore-path", str(folder), script="restore.py")
-    assert f"ckpt-{stopped_at}.pt" in out and (folder / "ckpt-400.pt").is_file()
+    assert f"ckpt-{stopped_at}.pt" in out and (folder / f"ckpt-{LONG_RUN}.pt").is_file()
 
 
 def test_a_rendezvous_that_never_completes_ends_with_one_line(tmp_path):
