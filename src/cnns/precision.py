@@ -49,7 +49,7 @@ class PrecisionPolicy:
         if precision != "32.32" and not half_dtype_given and cpu_half_is_emulated(device, half):
             return cls(torch.float32, torch.float32, device.type, use_autocast=False, note=(
                 f"precision {precision}: this CPU has no {half_dtype} arithmetic (no AVX512-BF16 or AMX), so "
-                f"{half_dtype} would be emulated, far slower than float32; running in float32. "
+                f"{half_dtype} would be emulated, slower than float32; running in float32. "
                 f"--half-dtype {half_dtype} insists on it."))
         compute_bits, master_bits = precision.split(".")
         compute = half if compute_bits == "16" else torch.float32
@@ -107,11 +107,13 @@ def gpu_computes_bfloat16(device: torch.device) -> bool:
 
 
 def cpu_half_is_emulated(device: torch.device, half: torch.dtype) -> bool:
-    """Whether half arithmetic on this CPU is emulated (far slower than float32).
+    """Whether half arithmetic on this CPU is emulated (slower than float32).
 
     oneDNN computes bfloat16 natively with AVX512-BF16 or AMX; without them (AVX2-only CPUs such as
-    AMD EPYC Milan) bfloat16 operations fall back to emulation through float32 conversions, so matmuls and
-    whole training steps run many times slower than in float32 itself. float16 on the CPU needs AMX-FP16 likewise.
+    AMD EPYC Milan) bfloat16 operations fall back to emulation through float32 conversions, and torch's half
+    convolutions to a generic im2col + matrix product many times slower than float32 (a run that insists on
+    the half type computes its convolutions with float32 kernels instead: `cnns.engine.wrappers`). float16 on
+    the CPU needs AMX-FP16 likewise.
     """
     if device.type != "cpu":
         return False
