@@ -311,12 +311,12 @@ class _Float32ComputedHalfConv:
 
 
 def compute_half_convolutions_in_float32(model: nn.Module) -> int:
-    """Every zero-padded nn.Conv2d of `model` computes its half-precision convolutions with float32 kernels
-    (above). Returns the number of convolutions changed."""
+    """Every zero-padded nn.Conv2d of `model` with numeric padding (the backward's form; not "same") computes its
+    half-precision convolutions with float32 kernels (above). Returns the number of convolutions changed."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, nn.Conv2d) and module.padding_mode == "zeros" and \
-                type(module)._conv_forward is nn.Conv2d._conv_forward:
+        if isinstance(module, nn.Conv2d) and module.padding_mode == "zeros" and not isinstance(module.padding, str) \
+                and type(module)._conv_forward is nn.Conv2d._conv_forward:
             specialise(module, _Float32ComputedHalfConv)
             changed += 1
     return changed
