@@ -16,7 +16,7 @@ from torch import nn
 
 from cnns.models import ModelSpec, build_model
 from cnns.stochastic_rounding import stochastic_round
-from cnns.precision import PrecisionPolicy, cpu_half_is_emulated
+from cnns.precision import PrecisionPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

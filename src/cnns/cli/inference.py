@@ -64,8 +64,8 @@ def predict_main(argv: list[str]) -> int:
     from cnns.commands.predict import predict
 
     args = predict_parser().parse_args(argv)
-    return predict(*restored_run(args.restore_path), args.images, top_k=args.top_k, as_json=args.json, weights=args.weights,
-                   batch_size=args.batch_size, device=args.device)
+    return predict(*restored_run(args.restore_path), args.images, top_k=args.top_k, as_json=args.json,
+                   weights=args.weights, batch_size=args.batch_size, device=args.device)
 
 
 # ----------------------------------------------------------------------------------------------
