@@ -10,7 +10,6 @@ from pathlib import Path
 
 from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
-from cnns.engine.session import TrainingSession
 from cnns.errors import CheckpointError
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
@@ -29,6 +28,8 @@ def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
     check_writable(run.path, f"--restore-path {run.path}")
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+    from cnns.engine.session import TrainingSession  # as train.py: not in a process that only starts workers
+
     world, cfg, _ = join_run(cfg)
     try:
         if world.distributed:  # every process continues from the checkpoint rank 0 chose

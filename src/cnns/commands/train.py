@@ -8,13 +8,16 @@ started them, this process's place among them, the run folder, and the training 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cnns.commands.checks import (check_data_before_writing, check_run_folder_place, check_supported, parallel_notices,
                                   print_split_points, wants_split_names)
 from cnns.config import RunConfig
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
-from cnns.engine.session import TrainingSession
 from cnns.runs import open_new_run
-from cnns.weights import initial_weights
+
+if TYPE_CHECKING:
+    from cnns.weights import InitialWeights
 
 
 def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
@@ -26,9 +29,13 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
     notices = notices + parallel_notices(cfg)
     check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     check_run_folder_place(cfg)
-    initial = initial_weights(cfg.train.init_path, cfg.model) if cfg.train.init_path else None
+    initial = _checked_initial_weights(cfg)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+    # The engine and the models (timm, torchvision, torch._dynamo: seconds of imports) are loaded by the
+    # processes that train, not by one that only starts them.
+    from cnns.engine.session import TrainingSession
+
     world, cfg, agreed = join_run(cfg)
     try:
         folder, restore, log, instance_folder = open_new_run(cfg, world)
@@ -42,3 +49,12 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
         return TrainingSession(cfg, log, folder, world, instance_folder, initial).run_to_the_end(restore)
     finally:
         world.close()
+
+
+def _checked_initial_weights(cfg: RunConfig) -> InitialWeights | None:
+    """--init-path's weights, read and matched to the model before anything is written (None without it)."""
+    if not cfg.train.init_path:
+        return None
+    from cnns.weights import initial_weights
+
+    return initial_weights(cfg.train.init_path, cfg.model)

@@ -5,7 +5,6 @@ only the option-A CIFAR ResNets are written here. The models know nothing about 
 parallelism; ``split_points`` names the places where a pipeline may cut them.
 """
 
-from .registry import build_model, count_parameters
 from .spec import ModelError, ModelSpec, run_name_prefix, valid_sizes
 from .splits import describe_split_points, recomputation_blocks, resolve_splits, split_points
 
@@ -21,3 +20,14 @@ __all__ = [
     "split_points",
     "valid_sizes",
 ]
+
+
+def __getattr__(name: str):
+    """build_model and count_parameters on first use (PEP 562): their module imports timm, and timm torchvision
+    and torch._dynamo, seconds of start-up that reading a command line's ModelSpec, or a process that only starts
+    the workers of a run, does not need."""
+    if name in ("build_model", "count_parameters"):
+        from . import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
