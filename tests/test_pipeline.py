@@ -16,6 +16,7 @@ import torch
 
 from test_replicas import ROOT, TORCHRUN, data_dir, finish, relative_difference, start  # noqa: F401  (a fixture)
 from test_replicas import train as train_with
+from scripts import run_here, train_here
 
 # CPU kernels sum in an order that depends on their thread count (one process, 1 vs 2 threads: 3e-4
 # apart after 6 group-norm updates): every process here computes with one thread, so the layouts
@@ -31,6 +32,7 @@ PIPELINE = ("--dataset", "cifar-10", "--model-size", "20", "--precision", "32.32
 TWO_STAGES = ("--shards", "2", "--pipeline", "--pipeline-splits", "stage2/unit1/relu")
 VARIANTS = {
     "group-norm": ("--group-norm", "--groups", "4"),
+    "batch-norm": ("--batch-norm",),
     "group-norm-recomputed": ("--group-norm", "--groups", "4", "--enable-recomputation"),
     "batch-norm-recomputed": ("--batch-norm", "--enable-recomputation"),
 }
@@ -41,27 +43,62 @@ def train(cwd, *args: str, script: str = "train.py"):
 
 
 def one_process(tmp_path, data_dir, name, *args):  # noqa: F811
+    """The reference run, in this process (one thread, as conftest sets for the suite): the same kernels on the
+    same shapes as a stage process, without a new interpreter's start-up."""
     folder = tmp_path / name
-    train(tmp_path, *args, "--data-dir", str(data_dir), "--logs-path", str(folder))
+    train_here(*args, "--data-dir", str(data_dir), "--logs-path", str(folder))
     return folder
+
+
+# The tests that share the module's runs (the references, the uninterrupted 2-stage run) go to one test worker,
+# so each run is made once.
+SHARED_RUNS = pytest.mark.xdist_group("test_pipeline-runs")
 
 
 @pytest.fixture(scope="module")
 def references(data_dir, tmp_path_factory):  # noqa: F811
-    """One process with accumulation 4, per variant (recomputation changes no number: one reference)."""
+    """One process with accumulation 4, per norm (recomputation changes no number: one reference each)."""
     tmp = tmp_path_factory.mktemp("pipeline-references")
     return {
         "group-norm": one_process(tmp, data_dir, "gn", *PIPELINE, *VARIANTS["group-norm"]),
-        "batch-norm": one_process(tmp, data_dir, "bn", *PIPELINE, "--batch-norm"),
+        "batch-norm": one_process(tmp, data_dir, "bn", *PIPELINE, *VARIANTS["batch-norm"]),
     }
 
 
-@pytest.mark.parametrize("schedule", ["Grouped", "Interleaved", "Sequential"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_two_stages_update_as_one_process_with_accumulation(data_dir, references, tmp_path, schedule, variant):  # noqa: F811
-    folder = tmp_path / "pipelined"
-    out, _ = train(tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule", schedule,
-                   "--data-dir", str(data_dir), "--logs-path", str(folder))
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
+    """A 2-stage run of 6 updates with a checkpoint every 3 (16 updates an epoch, 5 checkpoints), Grouped (the
+    default schedule): (its folder, what it printed)."""
+    tmp = tmp_path_factory.mktemp("pipeline-uninterrupted")
+    out, _ = train(tmp, *PIPELINE, *VARIANTS["group-norm"], *TWO_STAGES, "--ckpts-per-epoch", "5",
+                   "--data-dir", str(data_dir), "--logs-path", str(tmp / "run"), "--log-all-instances", "true")
+    return tmp / "run", out
+
+
+# Norm x recomputation x schedule, every pair of values once (a pairwise cover: 6 runs instead of 12), with the
+# riskiest triples in: batch norm recomputed under Interleaved, whose backward of one micro-batch recomputes its
+# forward after the next micro-batch's forward. Group norm without recomputation under Grouped is the
+# uninterrupted run the restore tests continue.
+TWO_STAGE_CASES = [
+    ("group-norm", "Grouped"),
+    ("batch-norm-recomputed", "Grouped"),
+    ("batch-norm-recomputed", "Interleaved"),
+    ("group-norm", "Interleaved"),
+    ("group-norm-recomputed", "Sequential"),
+    ("batch-norm", "Sequential"),
+]
+
+
+@SHARED_RUNS
+@pytest.mark.parametrize("variant, schedule", TWO_STAGE_CASES, ids=[f"{v}-{s}" for v, s in TWO_STAGE_CASES])
+def test_two_stages_update_as_one_process_with_accumulation(data_dir, references, uninterrupted, tmp_path,
+                                                            schedule, variant):  # noqa: F811
+    if (variant, schedule) == ("group-norm", "Grouped"):
+        folder, out = uninterrupted
+    else:
+        folder = tmp_path / "pipelined"
+        out, _ = train(tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule", schedule,
+                       "--data-dir", str(data_dir), "--logs-path", str(folder))
     reference = references[variant.replace("-recomputed", "")]
     # Bitwise: the stages run the model's pieces on the same micro-batches, shapes and thread count (one
     # per process) as the one process, and add the micro-batches' gradients in the same order.
@@ -76,28 +113,22 @@ def test_two_stages_update_as_one_process_with_accumulation(data_dir, references
     for index, state in theirs["optimiser"]["inner"]["state"].items():
         buffer = mine["optimiser"]["inner"]["state"][index]["momentum_buffer"]
         assert torch.equal(buffer, state["momentum_buffer"])
-    # The printed loss is the whole batch's, as one process prints it.
-    losses = [re.findall(r"loss: +([\d.]+)", text) for text in (out, (reference / "log.txt").read_text())]
+    # The printed loss is the whole batch's, as one process prints it (rank 0's lines, which its log.txt holds:
+    # the uninterrupted run prints every instance's).
+    losses = [re.findall(r"loss: +([\d.]+)", (f / "log.txt").read_text()) for f in (folder, reference)]
     assert losses[0] and losses[0] == losses[1]
     assert " Batch Size: 32 (micro-batch 8 x accumulation 4 x replicas 1)" in out
     assert "Total Parameters:269722" in out  # ResNet-20 (group norm or batch norm: the same count)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
-    """A 2-stage run of 6 updates with a checkpoint every 3 (16 updates an epoch, 5 checkpoints)."""
-    tmp = tmp_path_factory.mktemp("pipeline-uninterrupted")
-    train(tmp, *PIPELINE, *VARIANTS["group-norm"], *TWO_STAGES, "--ckpts-per-epoch", "5", "--data-dir", str(data_dir),
-          "--logs-path", str(tmp / "run"), "--log-all-instances", "true")
-    return tmp / "run"
-
-
+@SHARED_RUNS
 def test_each_stage_process_holds_only_its_part_of_the_model(uninterrupted):
     """Each stage's log says what its process holds: the parameters before the cut, or after it, and
     together the whole model once."""
     from cnns.models import build_model
     from cnns.runs import RunFolder
 
+    uninterrupted, _ = uninterrupted
     pattern = r" Pipeline stage (\d) of 2: (\d+) parameters, (\d+) tensors \((\S+) \.\.\. (\S+)\)"
     stages = [re.search(pattern, (folder / "log.txt").read_text()).groups()
               for folder in (uninterrupted, uninterrupted / "instance_1")]
@@ -113,19 +144,25 @@ def test_each_stage_process_holds_only_its_part_of_the_model(uninterrupted):
     assert 0 < int(stages[0][1]) < 269722 and int(stages[0][1]) + int(stages[1][1]) == 269722
 
 
+@SHARED_RUNS
 @pytest.mark.parametrize("layout", [(), ("--shards", "1")], ids=["two-stages", "one-process"])
-def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, layout):
+def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, layout, capfd):
+    uninterrupted, _ = uninterrupted
     cut = tmp_path / "cut"
     shutil.copytree(uninterrupted, cut)
     for later in ("ckpt-6.pt", "training.csv"):  # as the run folder was after update 3
         (cut / later).unlink()
-    out, _ = train(tmp_path, "--restore-path", str(cut), *layout, script="restore.py")
+    if layout:  # one process: this one
+        out = run_here(capfd, "restore.py", "--restore-path", str(cut), *layout).stdout
+    else:
+        out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
     assert "Restoring training from latest checkpoint:" in out and "ckpt-3.pt" in out
     # Bitwise at either stage count: stages compute as one process does (test above), and the restored
     # run starts from the same state.
     assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") == 0.0
 
 
+@SHARED_RUNS
 def test_torchrun_runs_two_stages_by_two_replicas_as_one_process(data_dir, references, tmp_path):  # noqa: F811
     """Under torchrun the world is stages x replicas: 4 processes, rank r stage r % 2 of replica r // 2."""
     grid = tmp_path / "grid"
@@ -146,7 +183,8 @@ def test_stages_by_replicas_with_batch_norm_spans_and_sharded_state_equal_the_re
              "--iterations", "3")
     grid = tmp_path / "grid"
     out, _ = train(tmp_path, *PIPELINE, *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid))
-    reference = one_process(tmp_path, data_dir, "replicas", *PIPELINE, *spans)
+    reference = tmp_path / "replicas"
+    train(tmp_path, *PIPELINE, *spans, "--data-dir", str(data_dir), "--logs-path", str(reference))
     # Bitwise: the same replicas, cut into stages that compute as the whole model does.
     assert relative_difference(grid / "ckpt-3.pt", reference / "ckpt-3.pt") == 0.0
     assert "Optimiser state sharded over 2 replicas (--rts)" in out
@@ -193,7 +231,7 @@ def test_graphcores_pipelining_command_lines_train(tmp_path, name):
         == int(re.search(r"Total Parameters:(\d+)", out).group(1))
 
 
-def test_splits_auto_then_validation_with_the_whole_model_counting_every_image_once(data_dir, tmp_path):  # noqa: F811
+def test_splits_auto_then_validation_with_the_whole_model_counting_every_image_once(data_dir, tmp_path, capfd):  # noqa: F811
     """--pipeline-splits auto: rank 0 measures and every stage takes its proposal. After training each of
     the 2 processes validates its share of the 101 test images with the whole model; the accuracy is
     that of one process validating the same checkpoint."""
@@ -212,7 +250,7 @@ def test_splits_auto_then_validation_with_the_whole_model_counting_every_image_o
     with open(folder / "validation.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and [int(row["val_size"]) for row in rows] == [TEST_IMAGES] * len(rows)
-    out, _ = train(tmp_path, "--restore-path", str(folder / "ckpt-2.pt"), script="validation.py")
+    out = run_here(capfd, "validation.py", "--restore-path", str(folder / "ckpt-2.pt")).stdout
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)
 
