@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import processes
+from scripts import run_here, train_here
 
 
 pytestmark = pytest.mark.multiprocess
@@ -97,48 +99,88 @@ def relative_difference(a: Path, b: Path) -> float:
     return float((x - y).norm() / y.norm())
 
 
-def trained(tmp: Path, name: str, data_dir: Path, *args: str, validate: bool = False, norm: str = "--group-norm") -> Path:
+def trained(tmp: Path, name: str, data_dir: Path, *args: str, validate: bool = False, norm: str = "--group-norm",
+            env: dict[str, str] | None = None) -> Path:
     folder = tmp / name
     common = [norm if a == "--group-norm" else a for a in COMMON if not (validate and a == "--no-validation")]
-    train(tmp, *common, "--data-dir", str(data_dir), "--logs-path", str(folder), *args)
+    train(tmp, *common, "--data-dir", str(data_dir), "--logs-path", str(folder), *args, env=env)
     return folder
 
 
-@pytest.mark.parametrize("replicated, single", [
-    (("--replicas", "2", "--micro-batch-size", "16"), ("--gradient-accumulation-count", "2", "--micro-batch-size", "16")),
-    (("--replicas", "2", "--gradient-accumulation-count", "2", "--micro-batch-size", "8"),
-     ("--gradient-accumulation-count", "4", "--micro-batch-size", "8")),
-], ids=["R2xA1-vs-A2", "R2xA2-vs-A4"])
-def test_replicas_train_as_one_process_with_accumulation(data_dir, tmp_path, replicated, single):
-    r = trained(tmp_path, "replicas", data_dir, *replicated)
-    a = trained(tmp_path, "accumulation", data_dir, *single)
+def trained_here(tmp: Path, name: str, data_dir: Path, *args: str, norm: str = "--group-norm") -> Path:
+    """A one-process run of COMMON, in this process (one thread, as the replicas'), without a new interpreter."""
+    folder = tmp / name
+    train_here(*(norm if a == "--group-norm" else a for a in COMMON), "--data-dir", str(data_dir),
+               "--logs-path", str(folder), *args)
+    return folder
+
+
+# Tests that share the module's runs below go to one test worker, so each run is made once.
+SHARED_RUNS = pytest.mark.xdist_group("test_replicas-runs")
+# One thread per replica whatever the machine's cores, so that runs launched in different ways compute alike.
+ONE_THREAD = {"CNNS_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def replicas_run(data_dir, tmp_path_factory) -> Path:
+    """Two self-spawned replicas of 16 images, 12 updates: what accumulation, a restore, sharded optimiser state
+    and two torchrun launchers are compared with."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    folder = tmp / "replicas"
+    train(tmp, *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2",
+          "--micro-batch-size", "16", env=ONE_THREAD)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def accumulation_run(data_dir, tmp_path_factory) -> Path:
+    """One process with accumulation 2 of 16 images: the replicas' global batch of 32."""
+    return trained_here(tmp_path_factory.mktemp("accumulation"), "accumulation", data_dir,
+                        "--gradient-accumulation-count", "2", "--micro-batch-size", "16")
+
+
+def assert_replicas_train_as_accumulation(replicas: Path, accumulation: Path) -> None:
     # The same micro-batches, gradients and updates, but not the same float32 sums: the replicas add
     # their gradients in gloo's all-reduce, the one process in .grad, micro-batch after micro-batch, in
     # another order. Each update's gradient so differs by about one rounding (2^-24 relative), and 12
     # updates of training carry it on. Measured on the AVX-512 EPYC of 2026-11-24: 3.3e-8 (A1, two terms
     # reordered) and 5.8e-6 (A2, four); asserted 1e-4, which a wrong sample, a lost micro-batch or an
     # unscaled gradient (all >= 1e-2 here) breaks at once.
-    assert relative_difference(r / "ckpt-12.pt", a / "ckpt-12.pt") < 1e-4
-    arguments = json.loads((r / "arguments.json").read_text())
+    assert relative_difference(replicas / "ckpt-12.pt", accumulation / "ckpt-12.pt") < 1e-4
+    arguments = json.loads((replicas / "arguments.json").read_text())
     assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
     # The printed loss is the global batch's, so it matches the single process's: to the same rounding,
     # about 1e-6 on a loss of 2 here; 1e-4 keeps a margin and still fails on a loss of one replica's half.
-    with open(r / "training.csv") as f, open(a / "training.csv") as g:
+    with open(replicas / "training.csv") as f, open(accumulation / "training.csv") as g:
         ours, theirs = ([float(row["loss_avg"]) for row in csv.DictReader(h)] for h in (f, g))
     assert len(ours) == len(theirs) > 0 and ours == pytest.approx(theirs, abs=1e-4)
 
 
-def test_a_restored_replicated_run_continues_the_same_samples(data_dir, tmp_path):
-    whole = trained(tmp_path, "whole", data_dir, "--replicas", "2", "--micro-batch-size", "16")
-    cut = trained(tmp_path, "cut", data_dir, "--replicas", "2", "--micro-batch-size", "16")
+@SHARED_RUNS
+def test_replicas_train_as_one_process_with_accumulation(replicas_run, accumulation_run):
+    assert_replicas_train_as_accumulation(replicas_run, accumulation_run)
+
+
+def test_replicas_with_accumulation_train_as_one_process_with_more_accumulation(data_dir, tmp_path):
+    replicas = trained(tmp_path, "replicas", data_dir, "--replicas", "2", "--gradient-accumulation-count", "2",
+                       "--micro-batch-size", "8")
+    accumulation = trained_here(tmp_path, "accumulation", data_dir, "--gradient-accumulation-count", "4",
+                                "--micro-batch-size", "8")
+    assert_replicas_train_as_accumulation(replicas, accumulation)
+
+
+@SHARED_RUNS
+def test_a_restored_replicated_run_continues_the_same_samples(replicas_run, tmp_path):
+    cut = tmp_path / "cut"
+    shutil.copytree(replicas_run, cut)
     # Checkpoints fall on the host synchronisations (every 6 updates here): continue from ckpt-6.
     for later in ("ckpt-12.pt", "training.csv"):
         (cut / later).unlink()
-    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
+    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py", env=ONE_THREAD)
     assert "Restoring training from latest checkpoint:" in out and "ckpt-6.pt" in out
     # Bitwise: the restored run computes the same shapes on the same threads and kernels from the same
     # weights, optimiser state, random states and samples as the uninterrupted one.
-    assert relative_difference(cut / "ckpt-12.pt", whole / "ckpt-12.pt") == 0.0
+    assert relative_difference(cut / "ckpt-12.pt", replicas_run / "ckpt-12.pt") == 0.0
 
 
 def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(data_dir, tmp_path):
@@ -147,7 +189,7 @@ def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(data
     short = ("--iterations", "3", "--log-freq", "3")
     span = trained(tmp_path, "span", data_dir, "--replicas", "2", "--micro-batch-size", "8", "--BN-span", "2",
                    *short, norm="--batch-norm")
-    one = trained(tmp_path, "one", data_dir, "--micro-batch-size", "16", *short, norm="--batch-norm")
+    one = trained_here(tmp_path, "one", data_dir, "--micro-batch-size", "16", *short, norm="--batch-norm")
     # The span's statistics are sums of per-replica sums (all-reduced), the one process's one sum over 16
     # images: the same terms in another order, one float32 rounding apart per statistic, and batch norm's
     # division by the deviation amplifies that. Measured 7.2e-6 after 3 updates on the AVX-512 EPYC; a span
@@ -158,10 +200,11 @@ def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(data
         assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
 
 
-def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, tmp_path):
+@SHARED_RUNS
+def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, replicas_run, tmp_path):
     sharded = trained(tmp_path, "rts", data_dir, "--replicas", "2", "--micro-batch-size", "16", "--rts",
-                      "--log-all-instances", "true")
-    plain = trained(tmp_path, "plain", data_dir, "--replicas", "2", "--micro-batch-size", "16")
+                      "--log-all-instances", "true", env=ONE_THREAD)
+    plain = replicas_run
     # Bitwise: each replica applies the same element-wise momentum update to its shard that the plain
     # optimiser applies to the whole, from the same all-reduced gradients, and broadcasts the result.
     assert relative_difference(sharded / "ckpt-12.pt", plain / "ckpt-12.pt") == 0.0
@@ -222,7 +265,7 @@ def test_replicas_auto_picks_the_process_count_for_this_cpu(data_dir, tmp_path):
     assert not (folder / "instance_2").exists()
 
 
-def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
+def test_distributed_validation_counts_every_image_once(data_dir, tmp_path, capfd):
     folder = trained(tmp_path, "val", data_dir, "--replicas", "2", "--micro-batch-size", "16", validate=True)
     with open(folder / "validation.csv") as f:
         rows = list(csv.DictReader(f))
@@ -230,7 +273,7 @@ def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
     # The same checkpoint validated by one process gives the same accuracy.
     single = tmp_path / "single"
     single.mkdir()
-    out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), script="validation.py")
+    out = run_here(capfd, "validation.py", "--restore-path", str(folder / "ckpt-12.pt"), cwd=single).stdout
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)  # printed with 3 decimals
     # validation.py itself over 2 processes (Graphcore's application runs it under poprun): the same count and accuracy.
@@ -240,20 +283,20 @@ def test_distributed_validation_counts_every_image_once(data_dir, tmp_path):
         assert [int(row["val_size"]) for row in csv.DictReader(f)][-1] == TEST_IMAGES
 
 
-def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, tmp_path):
+@SHARED_RUNS
+def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, replicas_run, tmp_path):
     port = free_port()
     folder = tmp_path / "two-nodes"
     launchers = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cnns-test",
                         str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder),
-                        "--replicas", "2", "--micro-batch-size", "16"], tmp_path) for node in (0, 1)]
+                        "--replicas", "2", "--micro-batch-size", "16"], tmp_path, ONE_THREAD) for node in (0, 1)]
     outputs = [finish(launcher) for launcher in launchers]
     arguments = json.loads((folder / "arguments.json").read_text())
     assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
-    # poprun --host: the two hosts' processes train the model one process trains with accumulation
-    # (to the all-reduce's reordering of float32 sums: see test_replicas_train_as_one_process_with_accumulation).
-    single = trained(tmp_path, "single", data_dir, "--gradient-accumulation-count", "2", "--micro-batch-size", "16")
-    assert relative_difference(folder / "ckpt-12.pt", single / "ckpt-12.pt") < 1e-4
+    # poprun --host: the two hosts' processes train the model that two local replicas train, bit for bit (the
+    # same two ranks, shards, threads and all-reduce), which is one process's with accumulation (test above).
+    assert relative_difference(folder / "ckpt-12.pt", replicas_run / "ckpt-12.pt") == 0.0
     # poprun --only-output-from-instance 0, the default: rank 1 prints no line of the run and writes nothing.
     (node0, _), (node1, _) = outputs
     assert "Saving to" in node0 and "step:" in node0
