@@ -91,6 +91,20 @@ def test_normalise_casts_after_computing_in_float32():
     assert torch.equal(out, exact.to(torch.bfloat16))
 
 
+def test_normalise_traced_by_export_leaves_nothing_behind_for_eager_batches_or_the_next_export():
+    """An export traces with fake tensors: constants it computes must not be cached for the eager batches and
+    exports after it (inference_embedded.py compiling twice in one process failed on them)."""
+
+    class Normalised(torch.nn.Module):
+        def forward(self, images):
+            return normalise(images, (0.3, 0.4, 0.5), (0.2, 0.25, 0.3), torch.float32)
+
+    images = random_images(2, size=5)
+    for _ in range(2):  # the second export after the first
+        exported = torch.export.export(Normalised(), (images,))
+        torch.testing.assert_close(exported.module()(images), Normalised()(images), rtol=0, atol=0)
+
+
 # --- TensorBatches -------------------------------------------------------------------------------
 
 

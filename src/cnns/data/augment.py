@@ -121,7 +121,13 @@ def normalise(
     channels = images.shape[3]
     if len(mean) != channels or len(std) != channels:
         raise ValueError(f"mean and std need {channels} values, got {len(mean)} and {len(std)}")
-    scale, shift = _scale_and_shift(tuple(map(float, mean)), tuple(map(float, std)), images.device)
+    constants = (tuple(map(float, mean)), tuple(map(float, std)), images.device)
+    # Traced by torch.export or torch.compile the constants are the trace's (fake) tensors: computed for it, never
+    # cached, or the next eager batch or export in this process would be handed them.
+    if torch.compiler.is_compiling():
+        scale, shift = _scale_and_shift.__wrapped__(*constants)
+    else:
+        scale, shift = _scale_and_shift(*constants)
     nchw = images.permute(0, 3, 1, 2)
     result = torch.addcmul(shift, nchw.to(torch.float32), scale)
     return result.to(dtype).contiguous(memory_format=torch.channels_last)
