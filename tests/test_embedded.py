@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,10 +28,27 @@ PROBED = f"torch {torch.__version__} loaded and ran the compiled model in a chil
 
 
 EMBEDDED = [sys.executable, str(ROOT / "inference_embedded.py")]
+# The tests share one compilation per fixture: one test worker makes it.
+pytestmark = pytest.mark.xdist_group("test_embedded-packages")
 
 
 def embedded(folder: Path, *argv: str):
+    """inference_embedded.py as a new process: the script itself, as a user starts it."""
     return processes.run([*EMBEDDED, *argv], capture_output=True, text=True, cwd=folder)
+
+
+def embedded_here(capfd, folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    """inference_embedded.py's command in this process (the script calls the same `run_script`), without a new
+    interpreter's seconds of start-up: its exit code and what reached fds 1 and 2."""
+    previous = os.getcwd()
+    capfd.readouterr()
+    os.chdir(folder)
+    try:
+        code = run_script("infer", list(argv))
+    finally:
+        os.chdir(previous)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -48,30 +66,31 @@ def copy_of(folder: Path, into: Path) -> Path:
     return into
 
 
-def test_first_run_compiles_and_saves_later_runs_load(first_run, tmp_path):
+def test_first_run_compiles_and_saves_later_runs_load(first_run, tmp_path, capfd):
     folder, printed = first_run
     assert "Compilation time:" in printed
     assert PROBED not in printed  # a CPU package loads in this process directly
     folder = copy_of(folder, tmp_path)
     artefacts = list(folder.glob("*.pt2"))
     assert len(artefacts) == 1
-    second = embedded(folder, *RN8)
+    second = embedded_here(capfd, folder, *RN8)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "Loading the compiled model" in second.stdout and "Compilation time:" not in second.stdout
     assert "latency 99p9:" in second.stdout
     artefacts[0].write_bytes(b"not a package")
-    broken = embedded(folder, *RN8)
+    broken = embedded_here(capfd, folder, *RN8)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr
     assert "--force-recompile" in broken.stderr
 
 
-def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(first_run, tmp_path):
+def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(first_run, tmp_path, capfd):
     """The file name of Graphcore's application says model, batch, precision and weights; a CIFAR-100 run of
     the same model must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
     folder = copy_of(first_run[0], tmp_path)
 
     def run(dataset: str):
-        out = embedded(folder, *RN8[:RN8.index("--dataset")], "--dataset", dataset, *RN8[RN8.index("--dataset") + 2:])
+        out = embedded_here(capfd, folder, *RN8[:RN8.index("--dataset")], "--dataset", dataset,
+                            *RN8[RN8.index("--dataset") + 2:])
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout
 
