@@ -6,11 +6,12 @@ Cases that tests/test_cli.py, test_validation.py and test_data_cifar.py already 
 here (an unknown config name, a missing CIFAR folder, a truncated or pickled checkpoint run in-process,
 another model's checkpoint to validation.py).
 
-A new interpreter is slow to start (train.py imports torch and the engine before parsing), so the
-cases where the process itself matters (DataLoader worker processes, C libraries writing to stderr,
-each script's own entry) run the root script in a subprocess; the others run the same command in
-this process through cnns.cli.run_script (what the root scripts call), with stderr captured at the
-file-descriptor level, so that a C library's message would still show.
+A new interpreter is slow to start (train.py imports torch and the engine before parsing), so the cases
+run the script's command in this process (tests/scripts.py: through cnns.cli.run_script, what the root scripts
+call), with stdout and stderr captured at the file-descriptor level, so that a C library's message, or one from
+a DataLoader worker (forked from this process, it writes to the same descriptors), would still show. Only the
+read-only folder runs the root script in a subprocess: as root, that process is started without the capability
+to write anywhere.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import numpy as np
 import pytest
 
 import processes
+import scripts
 import torch
 
-from cnns.cli import run_script as run_command
 from cnns.errors import DataError
 
 from test_tfrecord import bytes_feature, colour_jpeg, colour_of, example, frame, imagenet_example
@@ -41,31 +42,6 @@ CIFAR_RUN = ["--dataset", "cifar-10", "--model-size", "8", "--micro-batch-size",
 # 64 px: at 32 px and below the models take their CIFAR form, which has no ResNet-18.
 IMAGENET_RUN = ["--dataset", "imagenet", "--model-size", "18", "--image-size", "64", "--micro-batch-size", "2",
                 "--iterations", "1", "--pipeline-num-parallel", "1", "--seed", "1"]
-
-
-def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=TIMEOUT_S)
-
-
-COMMANDS = {"train.py": "train", "validation.py": "validate", "restore.py": "restore"}
-
-
-def run_in_process(capfd, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The script's command run here: its exit code (an argparse error's too) and what reached fds 1 and 2."""
-    previous = os.getcwd()
-    os.chdir(cwd)
-    capfd.readouterr()
-    try:
-        try:
-            code = run_command(COMMANDS[script], list(args))
-        except SystemExit as exit_:  # the argument parser's one-line errors
-            code = exit_.code
-    finally:
-        os.chdir(previous)
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess([script, *args], code, out, err)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -103,11 +79,11 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / folder.name))
 
 
-def test_truncated_cifar_file(cifar, tmp_path):
+def test_truncated_cifar_file(cifar, tmp_path, capfd):
     data = copy_of(cifar, tmp_path)
     path = data / "data_batch_3.bin"
     path.write_bytes(path.read_bytes()[:-1000])
-    out = run_script("train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path, expect=2)
     assert_one_line_error(out, str(path), "truncated", "3073-byte record")
 
 
@@ -115,7 +91,7 @@ def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
     data = copy_of(cifar, tmp_path)
     path = data / "data_batch_2.bin"
     path.write_bytes(bytes(3074 * 6))  # six CIFAR-100 records in a CIFAR-10 folder
-    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), cwd=tmp_path, expect=2)
     assert_one_line_error(out, str(path), "not a multiple of the 3073-byte record")
 
 
@@ -127,8 +103,8 @@ def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
 def test_empty_data_folder(tmp_path, capfd, dataset, message):
     folder = tmp_path / "empty"
     folder.mkdir()
-    out = run_in_process(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
-                     "--iterations", "1", cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
+                           "--iterations", "1", cwd=tmp_path, expect=2)
     assert_one_line_error(out, message.format(folder=folder))
     assert not (tmp_path / "logs").exists()
 
@@ -136,8 +112,8 @@ def test_empty_data_folder(tmp_path, capfd, dataset, message):
 @pytest.mark.parametrize("dataset", [None, "imagenet"])
 def test_missing_data_folder(tmp_path, capfd, dataset):
     folder = tmp_path / "no-such-folder"
-    out = run_in_process(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
-                     "--iterations", "1", cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--data-dir", str(folder), *(["--dataset", dataset] if dataset else []),
+                           "--iterations", "1", cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"data folder not found: {folder}")
     assert not (tmp_path / "logs").exists()
 
@@ -167,7 +143,7 @@ def test_missing_data_folder(tmp_path, capfd, dataset):
     (["--dataset", "cifar-10", "--base-learning-rate-exponent", "5000"], ["--base-learning-rate-exponent 5000"]),
 ])
 def test_unknown_names_and_contradictory_options(cifar, tmp_path, capfd, argv, fragments):
-    out = run_in_process(capfd, "train.py", "--data-dir", str(cifar), *argv, cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--data-dir", str(cifar), *argv, cwd=tmp_path, expect=2)
     assert_one_line_error(out, *fragments)
     assert not (tmp_path / "logs").exists()
 
@@ -175,14 +151,14 @@ def test_unknown_names_and_contradictory_options(cifar, tmp_path, capfd, argv, f
 def test_unknown_config_in_a_given_configs_file(tmp_path, capfd):
     path = tmp_path / "mine.yml"
     path.write_text("small:\n  model_size: 8\n")
-    out = run_in_process(capfd, "train.py", "--config", "large", "--config-path", str(path), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--config", "large", "--config-path", str(path), cwd=tmp_path, expect=2)
     assert_one_line_error(out, "unknown config 'large'", str(path), "available configs: small")
 
 
 def test_config_with_an_option_of_the_wrong_type(tmp_path, capfd):
     path = tmp_path / "mine.yml"
     path.write_text("small:\n  model_size: 8\n  micro_batch_size: [8, 16]\n")
-    out = run_in_process(capfd, "train.py", "--config", "small", "--config-path", str(path), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--config", "small", "--config-path", str(path), cwd=tmp_path, expect=2)
     assert_one_line_error(out, "config 'small'", str(path), "micro_batch_size must be a single value, got [8, 16]")
 
 
@@ -210,14 +186,14 @@ def tfrecords(tmp_path) -> Path:
     return root
 
 
-def test_tfrecord_with_a_bad_data_crc_met_while_training(tfrecords, tmp_path):
+def test_tfrecord_with_a_bad_data_crc_met_while_training(tfrecords, tmp_path, capfd):
     path = tfrecords / "train-00000-of-00001"
     offsets = shard(path, 0, 4)
     blob = bytearray(path.read_bytes())
     blob[offsets[1] + 12 + 100] ^= 0xFF  # inside the second record's data: found when it is read
     path.write_bytes(bytes(blob))
-    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(tfrecords),
-                     cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(tfrecords),
+                           cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[1]} (data CRC mismatch)")
 
 
@@ -227,7 +203,7 @@ def test_tfrecord_with_a_bad_length_crc(tfrecords, tmp_path, capfd):
     blob = bytearray(path.read_bytes())
     blob[offsets[2] + 1] ^= 0x01  # the third record's length: found when the shard is indexed
     path.write_bytes(bytes(blob))
-    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[2]} (length CRC mismatch)")
 
 
@@ -235,11 +211,11 @@ def test_truncated_tfrecord(tfrecords, tmp_path, capfd):
     path = tfrecords / "train-00000-of-00001"
     offsets = shard(path, 0, 4)
     path.write_bytes(path.read_bytes()[:-30])
-    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{path}: truncated TFRecord at byte offset {offsets[3]}")
 
 
-def test_corrupt_validation_tfrecord_read_in_a_worker_process_is_one_line(tfrecords, tmp_path):
+def test_corrupt_validation_tfrecord_read_in_a_worker_process_is_one_line(tfrecords, tmp_path, capfd):
     """The error is raised in a DataLoader worker; torch re-raises it with the worker's traceback in
     its message, which must reach the user as the worker's own one line."""
     path = tfrecords / "validation-00000-of-00001"
@@ -248,7 +224,7 @@ def test_corrupt_validation_tfrecord_read_in_a_worker_process_is_one_line(tfreco
     middle = offsets[2] + 12 + 200  # four bytes in the middle of the file, inside the third record's JPEG
     blob[middle:middle + 4] = b"\x00\x01\x02\x03"
     path.write_bytes(bytes(blob))
-    out = run_script("train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--data-dir", str(tfrecords), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{path}: corrupt TFRecord at byte offset {offsets[2]} (data CRC mismatch)")
     assert "Caught DataError" not in out.stderr
 
@@ -269,7 +245,7 @@ def test_worker_errors_are_given_back_as_raised(tfrecords):
     assert message.startswith(f"{path}: corrupt TFRecord at byte offset ") and "\n" not in message
 
 
-def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path):
+def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path, capfd):
     root = tmp_path / "imagenet-tree"
     for split, count in (("train", 4), ("validation", 2)):
         for index in range(count):
@@ -278,12 +254,12 @@ def test_corrupt_jpeg_in_a_folder_tree_is_named(tmp_path):
             path.write_bytes(colour_jpeg(colour_of(index)))
     bad = root / "train" / "n00000001" / "train_3.JPEG"
     bad.write_bytes(bad.read_bytes()[:50])
-    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(root),
-                     "--no-validation", cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--micro-batch-size", "4", "--data-dir", str(root),
+                           "--no-validation", cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{bad}: cannot decode image")
     # --skip-corrupt-images: the run goes on without it and says how many were dropped.
-    out = run_script("train.py", *IMAGENET_RUN, "--micro-batch-size", "2", "--data-dir", str(root),
-                     "--no-validation", "--skip-corrupt-images", "--iterations", "2", cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, "--micro-batch-size", "2", "--data-dir", str(root),
+                           "--no-validation", "--skip-corrupt-images", "--iterations", "2", cwd=tmp_path, expect=None)
     assert out.returncode == 0, out.stderr[-2000:]
     # ... and names it (once, however often the run met it).
     assert re.search(rf"^Skipped (1 image|2 images) that could not be decoded \(--skip-corrupt-images\); first: {re.escape(str(bad))}$",
@@ -379,7 +355,7 @@ def test_an_imagenet_data_error_leaves_no_run_folder(tmp_path, capfd, make):
     logs = tmp_path / "logs"
     (logs / "an-earlier-run").mkdir(parents=True)
     before = listing(logs)
-    out = run_in_process(capfd, "train.py", *IMAGENET_RUN, *args, "--log-dir", str(logs), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *IMAGENET_RUN, *args, "--log-dir", str(logs), cwd=tmp_path, expect=2)
     assert_one_line_error(out, *fragments)
     assert " Saving to" not in out.stdout
     assert listing(logs) == before
@@ -406,8 +382,8 @@ def test_skip_corrupt_images_lets_an_undecodable_first_image_pass_the_checks(tmp
 def test_a_batch_larger_than_the_cifar_training_set_leaves_no_run_folder(cifar, tmp_path, capfd, extra, fragment):
     logs = tmp_path / "logs"
     logs.mkdir()
-    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(cifar), *extra, "--log-dir", str(logs),
-                         cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(cifar), *extra, "--log-dir", str(logs),
+                           cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"the training set in {cifar} {fragment}")
     assert listing(logs) == []
 
@@ -420,7 +396,8 @@ def test_a_cifar_label_out_of_range_leaves_no_run_folder(cifar, tmp_path, capfd)
     path.write_bytes(bytes(records))
     logs = tmp_path / "logs"
     logs.mkdir()
-    out = run_in_process(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), "--log-dir", str(logs), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *CIFAR_RUN, "--data-dir", str(data), "--log-dir", str(logs),
+                           cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"CIFAR file has class label 12, outside 0..9: {path}")
     assert listing(logs) == []
 
@@ -429,9 +406,9 @@ GENERATED_RUN = ["--generated-data", "--dataset", "cifar-10", "--model-size", "8
                  "--iterations", "1", "--no-validation"]
 
 
-def test_a_log_dir_in_proc_is_one_line(tmp_path):
+def test_a_log_dir_in_proc_is_one_line(tmp_path, capfd):
     """Only creating it shows that /proc takes no folders: the process that tries, not a traceback."""
-    out = run_script("train.py", *GENERATED_RUN, "--log-dir", "/proc/cnns-logs", cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *GENERATED_RUN, "--log-dir", "/proc/cnns-logs", cwd=tmp_path, expect=2)
     assert_one_line_error(out, "--log-dir /proc/cnns-logs: cannot create /proc/cnns-logs")
     assert not Path("/proc/cnns-logs").exists()
 
@@ -440,9 +417,9 @@ def test_a_log_dir_in_proc_is_one_line(tmp_path):
 def test_a_log_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, capfd, option):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a folder\n")
-    out = run_in_process(capfd, "train.py", *GENERATED_RUN, option, str(a_file), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *GENERATED_RUN, option, str(a_file), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{option} {a_file} is a file, not a folder")
-    out = run_in_process(capfd, "train.py", *GENERATED_RUN, option, str(a_file / "logs"), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *GENERATED_RUN, option, str(a_file / "logs"), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"{option} {a_file / 'logs'} cannot be made: {a_file} is a file, not a folder")
     assert a_file.read_text() == "not a folder\n" and listing(tmp_path) == ["notes.txt"]
 
@@ -472,6 +449,7 @@ def test_a_read_only_folder_to_write_in_is_one_line_and_left_alone(trained_run, 
     before = digest(folder), listing(folder)
     folder.chmod(0o555)
     try:
+        # A child: as root, only a process started without CAP_DAC_OVERRIDE meets the folder's mode bits.
         out = processes.run([*without_root_override(), sys.executable, str(ROOT / script), *args], text=True,
                             cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT_S)
     finally:
@@ -486,12 +464,12 @@ def test_restore_py_with_a_training_set_now_smaller_than_a_batch_leaves_the_run_
 
     data = copy_of(cifar, tmp_path)
     folder = tmp_path / "run"
-    assert run_command("train", [*CIFAR_RUN, "--micro-batch-size", "8", "--iterations", "2", "--data-dir", str(data),
-                                 "--seed", "4", "--logs-path", str(folder)]) == 0
+    scripts.train_here(*CIFAR_RUN, "--micro-batch-size", "8", "--iterations", "2", "--data-dir", str(data),
+                       "--seed", "4", "--logs-path", str(folder))
     images, labels = draw_shapes(7, seed=5)
     write_cifar10(data, (images[:5], labels[:5]), (images[5:], labels[5:]))  # 5 training images, a batch is 8
     before = digest(folder)
-    out = run_in_process(capfd, "restore.py", "--restore-path", str(folder), cwd=tmp_path)
+    out = scripts.run_here(capfd, "restore.py", "--restore-path", str(folder), cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"the training set in {data} has 5 images, fewer than one batch of 8")
     assert digest(folder) == before
 
@@ -506,12 +484,14 @@ def test_validation_py_checks_the_validation_files_only(cifar, trained_run, tmp_
     test_file.write_bytes(whole[:-100])
     folder = copy_of(trained_run, tmp_path)
     before = digest(folder)
-    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path,
+                           expect=2)
     assert_one_line_error(out, str(test_file), "not a multiple of the 3073-byte record")
     assert digest(folder) == before
 
     test_file.write_bytes(whole)
-    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(folder), "--data-dir", str(data), cwd=tmp_path,
+                           expect=None)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Validation top-1 accuracy" in out.stdout and (folder / "validation.csv").is_file()
 
@@ -525,9 +505,8 @@ def test_validation_py_checks_the_validation_files_only(cifar, trained_run, tmp_
 def trained_run(cifar, tmp_path_factory) -> Path:
     """Two updates of ResNet-8, a checkpoint after each, trained in this process (no interpreter start-up)."""
     folder = tmp_path_factory.mktemp("bad-input-runs") / "run"
-    assert run_command("train", [*CIFAR_RUN, "--iterations", "2", "--data-dir", str(cifar), "--seed", "4",
-                                 "--ckpts-per-epoch", "1000000", "--device-iterations", "1",
-                                 "--logs-path", str(folder)]) == 0
+    scripts.train_here(*CIFAR_RUN, "--iterations", "2", "--data-dir", str(cifar), "--seed", "4", "--ckpts-per-epoch",
+                       "1000000", "--device-iterations", "1", "--logs-path", str(folder))
     assert (folder / "ckpt-2.pt").is_file() and (folder / "arguments.json").is_file()
     return folder
 
@@ -562,17 +541,17 @@ MISTYPED = ["is not a cnns checkpoint: its 'iteration' entry is a str, not int"]
 
 
 # (tests/test_validation.py runs validation.py on a truncated checkpoint.)
-@pytest.mark.parametrize("script, damage, fragments, real", [
-    ("validation.py", corrupt, CORRUPT, True),
-    ("restore.py", corrupt, CORRUPT, True),
-    ("validation.py", foreign, FOREIGN, True),
-    ("restore.py", foreign, FOREIGN, False),
-    ("restore.py", truncate, TRUNCATED, True),
-    ("validation.py", mistyped, MISTYPED, False),
-    ("restore.py", mistyped, MISTYPED, False),
+@pytest.mark.parametrize("script, damage, fragments", [
+    ("validation.py", corrupt, CORRUPT),
+    ("restore.py", corrupt, CORRUPT),
+    ("validation.py", foreign, FOREIGN),
+    ("restore.py", foreign, FOREIGN),
+    ("restore.py", truncate, TRUNCATED),
+    ("validation.py", mistyped, MISTYPED),
+    ("restore.py", mistyped, MISTYPED),
 ], ids=lambda value: value.__name__ if callable(value) else value if isinstance(value, str) else "")
 def test_damaged_checkpoint_is_one_line_and_leaves_the_run_folder_alone(trained_run, tmp_path, capfd, script, damage,
-                                                                        fragments, real):
+                                                                        fragments):
     """Every checkpoint of the run damaged alike: nothing readable to continue from or to validate. (With one
     damaged and others readable, restore.py and validation.py go on with the others: tests/test_validation.py.)"""
     folder = copy_of(trained_run, tmp_path)
@@ -580,7 +559,7 @@ def test_damaged_checkpoint_is_one_line_and_leaves_the_run_folder_alone(trained_
         damage(path)
     before = digest(folder)
     args = ("--restore-path", str(folder))
-    out = run_script(script, *args, cwd=tmp_path) if real else run_in_process(capfd, script, *args, cwd=tmp_path)
+    out = scripts.run_here(capfd, script, *args, cwd=tmp_path, expect=2)
     assert_one_line_error(out, f"no readable checkpoint in {folder}", str(folder / "ckpt-2.pt"), *fragments)
     assert digest(folder) == before
 
@@ -589,19 +568,18 @@ def test_damaged_checkpoint_file_given_to_validation_py(trained_run, tmp_path, c
     folder = copy_of(trained_run, tmp_path)
     corrupt(folder / "ckpt-1.pt")
     before = digest(folder)
-    out = run_in_process(capfd, "validation.py", "--restore-path", str(folder / "ckpt-1.pt"), cwd=tmp_path)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(folder / "ckpt-1.pt"), cwd=tmp_path, expect=2)
     assert_one_line_error(out, str(folder / "ckpt-1.pt"), *CORRUPT)
     assert digest(folder) == before
 
 
-@pytest.mark.parametrize("content, fragments, real", [
-    (None, ["has no arguments.json: not a cnns run folder"], True),
-    (b"{\"model\": \"resnet\",", ["arguments.json is not valid JSON"], False),
-    (b"[1, 2]", ["arguments.json is not a JSON object of options"], False),
-    (b"{\"model\": \"resnet\"}", ["arguments.json lacks the option"], False),
+@pytest.mark.parametrize("content, fragments", [
+    (None, ["has no arguments.json: not a cnns run folder"]),
+    (b"{\"model\": \"resnet\",", ["arguments.json is not valid JSON"]),
+    (b"[1, 2]", ["arguments.json is not a JSON object of options"]),
+    (b"{\"model\": \"resnet\"}", ["arguments.json lacks the option"]),
 ])
-def test_run_folder_with_bad_arguments_json_given_to_restore_py(trained_run, tmp_path, capfd, content, fragments,
-                                                                real):
+def test_run_folder_with_bad_arguments_json_given_to_restore_py(trained_run, tmp_path, capfd, content, fragments):
     folder = copy_of(trained_run, tmp_path)
     if content is None:
         (folder / "arguments.json").unlink()
@@ -609,8 +587,7 @@ def test_run_folder_with_bad_arguments_json_given_to_restore_py(trained_run, tmp
         (folder / "arguments.json").write_bytes(content)
     before = digest(folder)
     args = ("--restore-path", str(folder))
-    out = run_script("restore.py", *args, cwd=tmp_path) if real else run_in_process(capfd, "restore.py", *args,
-                                                                                    cwd=tmp_path)
+    out = scripts.run_here(capfd, "restore.py", *args, cwd=tmp_path, expect=2)
     assert_one_line_error(out, str(folder), *fragments)
     assert digest(folder) == before
 

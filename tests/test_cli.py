@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import processes
+import scripts
 
-from cnns.cli import parse_options, resolved_training_options, run_script
+from cnns.cli import parse_options, resolved_training_options
 from cnns.config import run_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,13 +205,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(capfd, argv, message):
     # train.py's command run in this process through cnns.cli.run_script, which the root script calls, with fds 1
     # and 2 captured (a C library's message would show): a new interpreter per case costs seconds and checks
     # nothing more. test_the_root_script_stops_with_the_same_one_line runs the script itself.
-    capfd.readouterr()
-    try:
-        code = run_script("train", argv)
-    except SystemExit as exit_:  # the argument parser's one-line errors
-        code = exit_.code
-    _, err = capfd.readouterr()
-    assert code == 2
+    err = scripts.run_here(capfd, "train.py", *argv, expect=2).stderr
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
@@ -231,21 +226,27 @@ def test_help_is_grouped_like_graphcores_application():
         assert group in out.stdout
 
 
+@pytest.mark.parametrize("script", ["validation.py", "restore.py", "weight_avg.py"])
+def test_every_root_script_starts_as_its_own_program(script):
+    """The tests run most commands in their own process (tests/scripts.py); each root script is still started as a
+    user starts it at least once here (train.py above; inference_embedded.py in test_embedded)."""
+    out = processes.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith(f"usage: {script}") and "--restore-path" in out.stdout
+
+
 def test_run_name_pipeline_and_replica_tags():
     options, _ = resolved_training_options("train", ["--config", "resnet50_bn_16ipus", "--data-dir", "/x/imagenet"])
     assert run_name(options) == "RN50_bs16x4rx256p_BN_16.32"
 
 
-def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
+def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path, capfd):
     """resnet50_bn_16ipus sets pipeline, 4 shards, 3 splits and recomputation; with --shards 1 its splits
     are the recomputation points of one process (here: one update of generated data, to show it gets
     past option checks and trains)."""
-    out = processes.run([sys.executable, str(ROOT / "train.py"), "--config", "resnet50_bn_16ipus", "--shards", "1",
-                          "--replicas", "1", "--generated-data", "--dataset", "imagenet",
-                          "--image-size", "64", "--micro-batch-size", "2", "--gradient-accumulation-count", "1",
-                          "--iterations", "1", "--no-validation", "--log-dir", str(tmp_path)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = scripts.run_here(capfd, "train.py", "--config", "resnet50_bn_16ipus", "--shards", "1", "--replicas", "1",
+                           "--generated-data", "--dataset", "imagenet", "--image-size", "64", "--micro-batch-size",
+                           "2", "--gradient-accumulation-count", "1", "--iterations", "1", "--no-validation",
+                           "--log-dir", str(tmp_path), cwd=tmp_path)
     assert "--pipeline with --shards 1: one stage; its --pipeline-splits are the recomputation points" in out.stdout
     assert "step:" in out.stdout
 
@@ -253,15 +254,13 @@ def test_a_pipelined_configuration_fitted_to_one_shard_runs(tmp_path):
 def test_a_run_resolves_its_configuration_once_and_the_engine_never_again(monkeypatch, tmp_path):
     """The command line becomes one frozen RunConfig per process; what the processes agree on later comes back
     as a replace of it, so a training run (validation after it included) builds it exactly once."""
-    from cnns.cli import run_script
     from cnns.config import RunConfig
 
     built = []
     original = RunConfig.from_options.__func__
     monkeypatch.setattr(RunConfig, "from_options", classmethod(lambda cls, o: built.append(cls) or original(cls, o)))
     folder = tmp_path / "run"
-    assert run_script("train", ["--synthetic-data", "--dataset", "cifar-10", "--model-size", "8", "--iterations", "2",
-                                "--micro-batch-size", "8", "--seed", "3", "--validation-images", "16",
-                                "--logs-path", str(folder)]) == 0
+    scripts.train_here("--synthetic-data", "--dataset", "cifar-10", "--model-size", "8", "--iterations", "2",
+                       "--micro-batch-size", "8", "--seed", "3", "--validation-images", "16", "--logs-path", str(folder))
     assert len(built) == 1
     assert json.loads((folder / "arguments.json").read_text())["seed"] == 3

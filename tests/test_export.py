@@ -4,7 +4,6 @@ eager float32 model's logits, for float NCHW and for uint8 NHWC (--eight-bit-io)
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-import processes
+import scripts
 import torch
 
 from cnns.checkpoint import list_checkpoints
@@ -26,7 +25,6 @@ from cnns.deploy.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_
 from cnns.deploy.restored import FloatClassifier
 from cnns.models import ModelSpec, build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 UNIT_STD = (1.0, 1.0, 1.0)  # the run trains without --normalise-input: mean subtraction only
 
 
@@ -41,13 +39,10 @@ def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("export")
     images, labels = draw_shapes(672, seed=8)
     write_cifar10(root / "data", (images[:640], labels[:640]), (images[640:], labels[640:]))
-    out = processes.run(
-        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(root / "data"),
-         "--model-size", "8", "--precision", "16.16", "--half-dtype", "bfloat16", "--epochs", "2",
-         "--ckpts-per-epoch", "0", "--seed", "1", "--no-validation", "--log-dir", str(root / "logs")],
-        capture_output=True, text=True, cwd=root)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    folder = Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(root / "data"), "--model-size", "8", "--precision",
+                       "16.16", "--half-dtype", "bfloat16", "--epochs", "2", "--ckpts-per-epoch", "0", "--seed", "1",
+                       "--no-validation", "--log-dir", str(root / "logs"))
+    (folder,) = (root / "logs").iterdir()  # the run's folder, named by train.py
     return list_checkpoints(folder)[-1][1]
 
 

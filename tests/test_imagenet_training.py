@@ -13,8 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
+import scripts
 from test_tfrecord import imagenet_example, write_tfrecord
-from test_training import read_csv, run_folder, run_script
+from test_training import read_csv, run_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -78,11 +79,11 @@ RESNET18_64PX = ["--model", "resnet", "--model-size", "18", "--dataset", "imagen
                  "--iterations", "3", "--micro-batch-size", "4", "--log-freq", "1", "--seed", "3"]
 
 
-def test_train_from_tfrecords_validates_every_checkpoint_on_all_13_images(tfrecords, tmp_path):
+def test_train_from_tfrecords_validates_every_checkpoint_on_all_13_images(tfrecords, tmp_path, capfd):
     # 12 training images in batches of 4: one epoch is 3 iterations, so 3 checkpoints per epoch
     # puts one after every update; their validations after the first come from the dataset cache.
-    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(tfrecords), "--ckpts-per-epoch", "3",
-                     "--hostside-norm", "--normalise-input", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", *RESNET18_64PX, "--data-dir", str(tfrecords), "--ckpts-per-epoch", "3",
+                           "--hostside-norm", "--normalise-input", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
     folder = run_folder(out.stdout)
     assert [int(r["iteration"]) for r in read_csv(folder / "training.csv")] == [1, 2, 3]
     validation = read_csv(folder / "validation.csv")
@@ -92,10 +93,10 @@ def test_train_from_tfrecords_validates_every_checkpoint_on_all_13_images(tfreco
     assert options["hostside_norm"] and options["normalise_input"]
 
 
-def test_train_from_a_jpeg_tree_with_the_data_options(jpeg_tree, tmp_path):
-    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--eight-bit-io",
-                     "--dataset-percentage-to-use", "50", "--no-dataset-cache", "--pipeline-num-parallel", "1",
-                     "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+def test_train_from_a_jpeg_tree_with_the_data_options(jpeg_tree, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--eight-bit-io",
+                           "--dataset-percentage-to-use", "50", "--no-dataset-cache", "--pipeline-num-parallel", "1",
+                           "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
     folder = run_folder(out.stdout)
     rows = read_csv(folder / "training.csv")
     # 50 % of each class: 2 x 3 = 6 images, so 3 updates of 4 are 2 epochs.
@@ -136,10 +137,10 @@ def test_pipeline_num_parallel_is_the_number_of_processes_that_decode(jpeg_tree,
         assert len(set(pids)) == workers and str(os.getpid()) not in pids  # shared by the workers
 
 
-def test_dataset_benchmark_runs_the_pipeline_alone(jpeg_tree, tmp_path):
-    out = run_script("train.py", "--dataset", "imagenet", "--data-dir", str(jpeg_tree), "--image-size", "48",
-                     "--micro-batch-size", "2", "--iterations", "5", "--pipeline-num-parallel", "0",
-                     "--dataset-benchmark", cwd=tmp_path)
+def test_dataset_benchmark_runs_the_pipeline_alone(jpeg_tree, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", "--dataset", "imagenet", "--data-dir", str(jpeg_tree), "--image-size",
+                           "48", "--micro-batch-size", "2", "--iterations", "5", "--pipeline-num-parallel", "0",
+                           "--dataset-benchmark", cwd=tmp_path)
     assert "Dataset benchmark: " in out.stdout and " images/sec (" in out.stdout
     assert "Total Parameters" not in out.stdout  # no model
     assert not (tmp_path / "logs").exists()  # no run folder
@@ -214,9 +215,9 @@ def test_dataset_is_recognised_from_folder_contents_whatever_its_name(tmp_path):
 RESNET18_3_CLASSES = 11_689_512 - 997 * (512 + 1)  # resnet18's classifier with 3 outputs instead of 1,000
 
 
-def test_a_folder_tree_gives_the_model_as_many_outputs_as_it_has_classes(jpeg_tree, tmp_path):
-    out = run_script("train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--log-dir", str(tmp_path / "logs"),
-                     cwd=tmp_path)
+def test_a_folder_tree_gives_the_model_as_many_outputs_as_it_has_classes(jpeg_tree, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *RESNET18_64PX, "--data-dir", str(jpeg_tree), "--log-dir",
+                           str(tmp_path / "logs"), cwd=tmp_path)
     assert f"Total Parameters:{RESNET18_3_CLASSES}\n" in out.stdout
     folder = run_folder(out.stdout)
     assert json.loads((folder / "arguments.json").read_text())["num_classes"] == 3
@@ -225,7 +226,7 @@ def test_a_folder_tree_gives_the_model_as_many_outputs_as_it_has_classes(jpeg_tr
     # Every later command rebuilds the same model from arguments.json (a 1,000-class model would not load).
     validation = read_csv(folder / "validation.csv")
     assert validation and int(validation[-1]["val_size"]) == sum(VALIDATION_PER_CLASS)
-    again = run_script("validation.py", "--restore-path", str(folder / "ckpt-3.pt"), cwd=tmp_path)
+    again = scripts.run_here(capfd, "validation.py", "--restore-path", str(folder / "ckpt-3.pt"), cwd=tmp_path)
     assert f"Total Parameters:{RESNET18_3_CLASSES}\n" in again.stdout
 
 

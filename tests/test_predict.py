@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import processes
+import scripts
 import torch
 from torchvision.io import encode_jpeg, encode_png
 
@@ -20,7 +19,6 @@ from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
 from cnns.cli.inference import predict_main, restored_run
 
-ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 100
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
@@ -40,15 +38,12 @@ def run_folder(tmp_path_factory) -> Path:
     write_cifar10(data, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
     # The class names as the CIFAR-10 binary archive ships them: one a line, then a blank line.
     (data / "batches.meta.txt").write_text("\n".join(BUILTIN_CLASSES) + "\n\n")
-    out = processes.run(
-        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
-         "--precision", "32.32", "--epochs", "10", "--warmup-epochs", "1", "--lr-schedule", "cosine",
-         "--optimiser", "momentum", "--base-learning-rate-exponent", "-8", "--ckpts-per-epoch", "0",
-         "--logs-per-epoch", "1", "--seed", "1", "--ema-decay", "0.9", "--no-validation",
-         "--log-dir", str(root / "logs")],
-        capture_output=True, text=True, cwd=root, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--precision", "32.32",
+                       "--epochs", "10", "--warmup-epochs", "1", "--lr-schedule", "cosine", "--optimiser", "momentum",
+                       "--base-learning-rate-exponent", "-8", "--ckpts-per-epoch", "0", "--logs-per-epoch", "1",
+                       "--seed", "1", "--ema-decay", "0.9", "--no-validation", "--log-dir", str(root / "logs"))
+    (folder,) = (root / "logs").iterdir()  # the run's folder, named by train.py
+    return folder
 
 
 @pytest.fixture(scope="session")

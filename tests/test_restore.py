@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import processes
+import scripts
 import torch
 
 from cnns.cli import run_script as run_command
@@ -24,7 +25,6 @@ from cnns.engine.step import StepMetrics
 from cnns.runlog import RunLog
 from cnns.schedules import ScheduleSpec
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN_IMAGES = 640
 
 
@@ -34,18 +34,8 @@ def data_dir(shapes_cifar10) -> Path:
 
 
 def script(name: str, *args: str) -> list[str]:
-    return [sys.executable, str(ROOT / name), *args]
-
-
-def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = processes.run(script(name, *args), capture_output=True, text=True, cwd=cwd)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def train_in_this_process(*args: str) -> None:
-    """As train.py, without a new interpreter's seconds of start-up; one thread, like the subprocesses."""
-    assert run_command("train", list(args)) == 0
+    """The root script's command line for a child, where the test signals or kills the process."""
+    return [sys.executable, str(scripts.ROOT / name), *args]
 
 
 def logged_iterations(folder: Path) -> list[int]:
@@ -98,14 +88,14 @@ def assert_identical_checkpoints(a: Path, b: Path) -> None:
     ("16.16", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--gradient-accumulation-count", "2",
                "--epochs", "3", "--ema-decay", "0.9", "--mixup-alpha", "0.2"], 20),
 ])
-def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, precision, extra,
-                                                                              per_epoch):
+def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, capfd, precision,
+                                                                              extra, per_epoch):
     total = 80 if precision == "32.32" else 60
     options = ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--precision", precision,
                "--seed", "11", "--optimiser", "momentum", "--warmup-epochs", "1", "--device-iterations", "1",
                "--logs-per-epoch", str(per_epoch), "--ckpts-per-epoch", "1", "--no-validation", *extra]
     whole, parted = tmp_path / "whole", tmp_path / "parted"
-    train_in_this_process(*options, "--logs-path", str(whole))
+    scripts.train_here(*options, "--logs-path", str(whole))
 
     out = interrupt_after(script("train.py", *options, "--logs-path", str(parted)), parted, 3, cwd=tmp_path)
     match = re.search(r"Training interrupted by SIGTERM at iteration (\d+); checkpoint saved", out.stdout)
@@ -116,7 +106,7 @@ def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(d
     arguments = (parted / "arguments.json").read_bytes()
     first = (parted / "ckpt-0.pt").stat().st_mtime_ns
 
-    restored = run("restore.py", "--restore-path", str(parted), cwd=tmp_path)
+    restored = scripts.run_here(capfd, "restore.py", "--restore-path", str(parted), cwd=tmp_path)
     assert f"Restoring training from latest checkpoint: {parted / f'ckpt-{stopped}.pt'}" in restored.stdout
     assert " Saving to" not in restored.stdout
     assert (parted / "arguments.json").read_bytes() == arguments
@@ -132,8 +122,8 @@ def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(d
 
 def test_restoring_a_finished_run_trains_nothing_more(data_dir, tmp_path, capsys):
     folder = tmp_path / "run"
-    train_in_this_process("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",
-                          "2", "--micro-batch-size", "16", "--no-validation", "--logs-path", str(folder))
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations", "2",
+                       "--micro-batch-size", "16", "--no-validation", "--logs-path", str(folder))
     before = {p.name: p.stat().st_mtime_ns for p in folder.glob("ckpt-*.pt")}
     assert run_command("restore", ["--restore-path", str(folder)]) == 0
     assert "Training already complete at iteration 2." in capsys.readouterr().out
@@ -147,9 +137,9 @@ def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(d
     from cnns.cli.inference import predict_main
 
     folder = tmp_path / "run"
-    train_in_this_process("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",
-                          "2", "--micro-batch-size", "16", "--no-validation", "--ckpts-per-epoch", "0", "--seed", "3",
-                          "--logs-path", str(folder))
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations", "2",
+                       "--micro-batch-size", "16", "--no-validation", "--ckpts-per-epoch", "0", "--seed", "3",
+                       "--logs-path", str(folder))
     state = load_checkpoint(folder / "ckpt-2.pt")
     philox = torch.arange(16, dtype=torch.uint8)  # what torch.cuda.get_rng_state() returns: seed and offset
     state["rng"]["cuda"] = [philox, philox + 1]
@@ -169,7 +159,7 @@ def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(d
     assert predict_main(["--restore-path", str(folder / "ckpt-2.pt"), str(tmp_path / "red.png")]) == 0
 
 
-def test_a_run_killed_with_sigkill_and_restored_logs_each_iteration_once(data_dir, tmp_path):
+def test_a_run_killed_with_sigkill_and_restored_logs_each_iteration_once(data_dir, tmp_path, capfd):
     """SIGKILL leaves no checkpoint at the last logged iteration: the restored run starts again from the newest
     checkpoint, and the rows logged past it are set apart in training.abandoned.csv, not repeated."""
     folder = tmp_path / "run"
@@ -195,7 +185,7 @@ def test_a_run_killed_with_sigkill_and_restored_logs_each_iteration_once(data_di
     assert newest == 20 and past, f"killed at iteration {logged_iterations(folder)[-1]} with checkpoint {newest}: " \
                                   "the test needs rows past the checkpoint"
 
-    restored = run("restore.py", "--restore-path", str(folder), cwd=tmp_path)
+    restored = scripts.run_here(capfd, "restore.py", "--restore-path", str(folder), cwd=tmp_path)
     assert (f"notice: training.csv held {len(past)} row{'s' if len(past) > 1 else ''} past iteration 20, the "
             "checkpoint this run continues from: moved to training.abandoned.csv") in restored.stdout
     iterations = logged_iterations(folder)

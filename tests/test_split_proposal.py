@@ -7,6 +7,7 @@ import random
 import pytest
 
 import processes
+import scripts
 import torch
 
 from cnns.parallel.planning import (balanced_cuts, format_report, prepare_model, profile_cuts, propose,
@@ -122,17 +123,23 @@ def test_efficientnet_sub_block_cuts_and_proposal():
     assert sum(proposal.stage_seconds) == pytest.approx(proposal.profile.total_seconds)
 
 
-@pytest.mark.parametrize("args, rows, stages", [
-    (["--model", "resnet", "--model-size", "50", "--shards", "4", "--micro-batch-size", "1"], 16, 4),
-    (["--model", "efficientnet", "--model-size", "B0", "--image-size", "96", "--micro-batch-size", "1"], None, 2),
+# The first case runs `python -m cnns` itself (the one CPU test of that entry point); the second runs the splits
+# command in this process (tests/scripts.py), without a new interpreter's seconds of start-up.
+@pytest.mark.parametrize("args, rows, stages, child", [
+    (["--model", "resnet", "--model-size", "50", "--shards", "4", "--micro-batch-size", "1"], 16, 4, True),
+    (["--model", "efficientnet", "--model-size", "B0", "--image-size", "96", "--micro-batch-size", "1"], None, 2, False),
 ], ids=["resnet50-4-stages", "efficientnet-b0"])
-def test_cnns_splits_prints_every_cut_and_a_proposal_that_resolves(args, rows, stages):
+def test_cnns_splits_prints_every_cut_and_a_proposal_that_resolves(args, rows, stages, child, capfd):
     import re
     import sys
 
     from cnns.models import build_model, resolve_splits
 
-    out = processes.run([sys.executable, "-m", "cnns", "splits", *args], capture_output=True, text=True, timeout=300)
+    if child:
+        out = processes.run([sys.executable, "-m", "cnns", "splits", *args], capture_output=True, text=True,
+                            timeout=300)
+    else:
+        out = scripts.run_here(capfd, "splits", *args, expect=None)
     assert out.returncode == 0, out.stderr
     proposed = re.search(rf"Proposed for --shards {stages}: --pipeline-splits (.+)", out.stdout).group(1).split()
     spec = (ModelSpec("resnet", "50", 1000, 224) if rows else ModelSpec("efficientnet", "B0", 1000, 96))

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import csv
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import processes
+import scripts
 import torch
-
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
 
 
 def run_folder(stdout: str) -> Path:
@@ -40,9 +29,9 @@ def small_cifar(shapes_cifar10) -> Path:
     return shapes_cifar10("small", train=640, test=200, seed=3)
 
 
-def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cifar, tmp_path):
-    out = run_script("train.py", "--config", "resnet8_test", "--data-dir", str(small_cifar),
-                     "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cifar, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", "--config", "resnet8_test", "--data-dir", str(small_cifar),
+                           "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
     folder = run_folder(out.stdout)
     assert folder.name.startswith("RN8_bs32_BN_16.16_")
     assert re.search(r"^Total Parameters:\d+$", out.stdout, re.MULTILINE)
@@ -60,21 +49,23 @@ def test_resnet8_test_config_runs_ten_epochs_and_writes_the_run_folder(small_cif
     assert "Time to train:" in out.stdout
 
 
-def test_stepped_schedule_logs_graphcores_learning_rates(small_cifar, tmp_path):
-    out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size", "8",
-                     "--micro-batch-size", "32", "--epochs", "10", "--warmup-epochs", "0",
-                     "--learning-rate-decay", "0.1", "--learning-rate-schedule", "0.5,0.75,0.875",
-                     "--no-validation", "--ckpts-per-epoch", "0", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+def test_stepped_schedule_logs_graphcores_learning_rates(small_cifar, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size",
+                           "8", "--micro-batch-size", "32", "--epochs", "10", "--warmup-epochs", "0",
+                           "--learning-rate-decay", "0.1", "--learning-rate-schedule", "0.5,0.75,0.875",
+                           "--no-validation", "--ckpts-per-epoch", "0", "--log-dir", str(tmp_path / "logs"),
+                           cwd=tmp_path)
     rows = read_csv(run_folder(out.stdout) / "training.csv")
     assert float(rows[0]["lr"]) == pytest.approx(0.5)
     assert float(rows[-1]["lr"]) == pytest.approx(0.0005)
 
 
-def test_checkpoint_holds_a_plain_state_dict_loadable_weights_only(small_cifar, tmp_path):
+def test_checkpoint_holds_a_plain_state_dict_loadable_weights_only(small_cifar, tmp_path, capfd):
     from cnns.models import ModelSpec, build_model
 
-    out = run_script("train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size", "8",
-                     "--iterations", "3", "--no-validation", "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--dataset", "cifar-10", "--data-dir", str(small_cifar), "--model-size",
+                           "8", "--iterations", "3", "--no-validation", "--log-dir", str(tmp_path / "logs"),
+                           cwd=tmp_path)
     folder = run_folder(out.stdout)
     state = torch.load(folder / "ckpt-3.pt", weights_only=True)
     plain = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
@@ -89,7 +80,8 @@ def test_checkpoint_holds_a_plain_state_dict_loadable_weights_only(small_cifar, 
     (["--model", "efficientnet", "--model-size", "B0", "--dataset", "imagenet", "--image-size", "64"], 5_288_548),
     (["--model", "efficientnet", "--model-size", "4", "--dataset", "imagenet", "--image-size", "64"], 19_341_616),
 ])
-def test_compile_only_prints_the_standard_parameter_counts(argv, parameters, tmp_path):
-    out = run_script("train.py", *argv, "--synthetic-data", "--micro-batch-size", "2", "--compile-only", cwd=tmp_path)
+def test_compile_only_prints_the_standard_parameter_counts(argv, parameters, tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *argv, "--synthetic-data", "--micro-batch-size", "2", "--compile-only",
+                           cwd=tmp_path)
     assert f"Total Parameters:{parameters}\n" in out.stdout
     assert not (tmp_path / "logs").exists()  # nothing written

@@ -1,5 +1,8 @@
 """What a user sees: Graphcore's application's printed lines in order, a progress bar only on a terminal, lines that
-reach a pipe as they are printed, training.png, and validation of random data that stays bounded."""
+reach a pipe as they are printed, training.png, and validation of random data that stays bounded.
+
+A run whose output goes to a terminal or a pipe, and Graphcore's own test lines, run train.py and restore.py
+in a child process; the others run the command in this process (tests/scripts.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import processes
+import scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -25,18 +29,17 @@ QUICK = ("--generated-data", "--dataset", "cifar-10", "--model-size", "8", "--mi
 
 
 def run(cwd: Path, script: str, *args: str) -> str:
-    out = processes.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
-                         timeout=TIMEOUT_S)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    """The root script in a child process, its stdout a pipe."""
+    return scripts.run_child(script, *args, cwd=cwd, timeout=TIMEOUT_S).stdout
 
 
 def run_folder(stdout: str) -> Path:
     return Path(re.search(r"^ Saving to (.+)$", stdout, re.MULTILINE).group(1))
 
 
-def test_graphcores_lines_in_their_order_and_training_png(tmp_path):
-    out = run(tmp_path, "train.py", *QUICK, "--iterations", "20", "--ckpts-per-epoch", "1000")
+def test_graphcores_lines_in_their_order_and_training_png(tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *QUICK, "--iterations", "20", "--ckpts-per-epoch", "1000",
+                           cwd=tmp_path).stdout
     folder = tmp_path / run_folder(out)
     lines = out.splitlines()
 
@@ -52,8 +55,8 @@ def test_graphcores_lines_in_their_order_and_training_png(tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_compile_only_says_the_graph_is_compiled_and_trains_nothing(tmp_path):
-    out = run(tmp_path, "train.py", *QUICK, "--iterations", "5", "--compile-only")
+def test_compile_only_says_the_graph_is_compiled_and_trains_nothing(tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *QUICK, "--iterations", "5", "--compile-only", cwd=tmp_path).stdout
     assert "Training graph successfully compiled" in out and "Total Parameters:" in out
     assert "step:" not in out and not (tmp_path / "logs").exists()
 
@@ -145,10 +148,10 @@ def test_fp_exceptions_names_the_iteration_and_the_first_parameter_that_is_not_f
         step(batch, 0.1)
 
 
-def test_fp_exceptions_in_a_run_is_one_line_with_the_iteration(tmp_path):
-    out = processes.run([sys.executable, str(ROOT / "train.py"), *QUICK, "--iterations", "5", "--precision", "32.32",
-                          "--abs-learning-rate", "1e30", "--fp-exceptions", "--no-validation"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=TIMEOUT_S)
+def test_fp_exceptions_in_a_run_is_one_line_with_the_iteration(tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", *QUICK, "--iterations", "5", "--precision", "32.32",
+                           "--abs-learning-rate", "1e30", "--fp-exceptions", "--no-validation", cwd=tmp_path,
+                           expect=None)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: floating-point exception at iteration 2: the loss is NaN or Inf (--fp-exceptions)"], out.stderr

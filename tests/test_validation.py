@@ -6,24 +6,16 @@ import csv
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import processes
+import scripts
 import torch
 
 from cnns.cli import run_script as run_command
 
-ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGES = 48
-
-
-def run_script(script: str, *args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    out = processes.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd)
-    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -49,10 +41,9 @@ def trained_run(data_dir, tmp_path_factory) -> Path:
     Trained in this process (a new interpreter would import torch again).
     """
     folder = tmp_path_factory.mktemp("runs") / "run"
-    assert run_command("train", ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8",
-                                 "--micro-batch-size", "16", "--iterations", "4", "--device-iterations", "2",
-                                 "--no-validation", "--ckpts-per-epoch", "1000000", "--seed", "2",
-                                 "--logs-path", str(folder)]) == 0
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--micro-batch-size",
+                       "16", "--iterations", "4", "--device-iterations", "2", "--no-validation", "--ckpts-per-epoch",
+                       "1000000", "--seed", "2", "--logs-path", str(folder))
     return folder
 
 
@@ -63,9 +54,9 @@ def run_copy(trained_run, tmp_path) -> Path:
     return copy
 
 
-def test_validation_validates_every_checkpoint_once(run_copy, tmp_path, capsys):
+def test_validation_validates_every_checkpoint_once(run_copy, tmp_path, capfd):
     assert sorted(p.name for p in run_copy.glob("ckpt-*.pt")) == ["ckpt-0.pt", "ckpt-2.pt", "ckpt-4.pt"]
-    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy), cwd=tmp_path)
     lines = re.findall(r"^Validation top-1 accuracy: +[\d.]+% \[(ckpt-\d+)\] \(iteration: +(\d+), epoch: +([\d.]+),",
                        out.stdout, re.MULTILINE)
     assert [(name, int(it)) for name, it, _ in lines] == [("ckpt-0", 0), ("ckpt-2", 2), ("ckpt-4", 4)]
@@ -76,8 +67,7 @@ def test_validation_validates_every_checkpoint_once(run_copy, tmp_path, capsys):
         assert int(row["val_size"]) == TEST_IMAGES
         assert 0.0 <= float(row["val_acc"]) <= float(row["val_top5"]) <= 100.0
 
-    assert run_command("validate", ["--restore-path", str(run_copy)]) == 0  # again: nothing new
-    again = capsys.readouterr().out
+    again = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy)).stdout  # again: nothing new
     assert "Validation top-1 accuracy" not in again
     assert again.count("Skipping validation run on checkpoint") == 3
     assert len(read_csv(run_copy / "validation.csv")) == 3
@@ -167,9 +157,9 @@ def test_a_checkpoint_of_another_model_is_one_clear_error(run_copy, capsys):
 
 
 @pytest.mark.parametrize("damage", [truncate, foreign], ids=["truncated", "foreign"])
-def test_validation_names_an_unreadable_checkpoint_and_validates_the_others(run_copy, tmp_path, damage):
+def test_validation_names_an_unreadable_checkpoint_and_validates_the_others(run_copy, tmp_path, capfd, damage):
     damage(run_copy / "ckpt-4.pt")
-    out = run_script("validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=1)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=1)
     validated = re.findall(r"^Validation top-1 accuracy: .*\[(ckpt-\d+)\]", out.stdout, re.MULTILINE)
     assert validated == ["ckpt-0", "ckpt-2"]
     assert "ckpt-4.pt" in out.stdout.splitlines()[-1] and "unreadable" in out.stdout.splitlines()[-1]
@@ -179,13 +169,13 @@ def test_validation_names_an_unreadable_checkpoint_and_validates_the_others(run_
 
 @pytest.mark.parametrize("damage", [truncate, foreign], ids=["truncated", "foreign"])
 def test_restore_skips_an_unreadable_newest_checkpoint_and_ends_where_the_run_ended(trained_run, run_copy, tmp_path,
-                                                                                    damage):
+                                                                                    capfd, damage):
     """The newest checkpoint unreadable (a copy cut short, another program's file): restore.py continues from the
     one before it, says which it skipped, keeps its bytes aside, and (seeded, on the CPU) trains to the same
     weights as the uninterrupted run."""
     damage(run_copy / "ckpt-4.pt")
     damaged = (run_copy / "ckpt-4.pt").read_bytes()
-    out = run_script("restore.py", "--restore-path", str(run_copy), cwd=tmp_path)
+    out = scripts.run_here(capfd, "restore.py", "--restore-path", str(run_copy), cwd=tmp_path)
     assert "skipped the unreadable checkpoint" in out.stdout and "kept as ckpt-4.pt.unreadable" in out.stdout
     assert (run_copy / "ckpt-4.pt.unreadable").read_bytes() == damaged
     assert f"Restoring training from latest checkpoint: {run_copy / 'ckpt-2.pt'}" in out.stdout
@@ -195,10 +185,10 @@ def test_restore_skips_an_unreadable_newest_checkpoint_and_ends_where_the_run_en
     assert all(torch.equal(restored[k], uninterrupted[k]) for k in restored)
 
 
-def test_restore_with_no_readable_checkpoint_is_one_line_and_leaves_the_folder(run_copy, tmp_path):
+def test_restore_with_no_readable_checkpoint_is_one_line_and_leaves_the_folder(run_copy, tmp_path, capfd):
     for path in run_copy.glob("ckpt-*.pt"):
         truncate(path)
     before = snapshot(run_copy)
-    out = run_script("restore.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=2)
+    out = scripts.run_here(capfd, "restore.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=2)
     assert out.stderr.startswith("error: no readable checkpoint in") and out.stderr.count("\n") == 1
     assert snapshot(run_copy) == before

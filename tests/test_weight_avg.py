@@ -5,12 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-import processes
+import scripts
 import torch
 from torch import nn
 
@@ -20,8 +19,6 @@ from cnns.data.cifar import write_cifar10
 from cnns.engine.averaging import average_state_dicts
 from cnns.engine.ema import WeightEma
 from test_cli import graphcore_command_lines
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -105,10 +102,10 @@ def averaged_run(tmp_path_factory) -> Path:
     images, labels = draw_shapes(128 + 32, seed=9)
     write_cifar10(data, (images[:128], labels[:128]), (images[128:], labels[128:]))
     folder = data.parent / "averaged-run"
-    assert run_command("train", [
+    scripts.train_here(
         "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--micro-batch-size", "16",
         "--epochs", "2", "--warmup-epochs", "0", "--ckpts-per-epoch", "2", "--optimiser", "momentum", "--seed", "3",
-        "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9", "--logs-path", str(folder)]) == 0
+        "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9", "--logs-path", str(folder))
     return folder
 
 
@@ -143,11 +140,9 @@ def run_copy(averaged_run, tmp_path) -> Path:
     return copy
 
 
-def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(run_copy, tmp_path):
-    out = processes.run([sys.executable, str(ROOT / "weight_avg.py"), "--restore-path", str(run_copy),
-                          "--mode", "mean", "-N", "2", "--discard-last", "1"],
-                         capture_output=True, text=True, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(run_copy, tmp_path, capfd):
+    out = scripts.run_here(capfd, "weight_avg.py", "--restore-path", str(run_copy), "--mode", "mean", "-N", "2",
+                           "--discard-last", "1", cwd=tmp_path)
     averaged = load(run_copy / "weight_avg_mean_last2_discard1.pt")
     assert averaged["averaged_iterations"] == [8, 12]
     trained = checkpoints(run_copy, [8, 12])
