@@ -434,10 +434,14 @@ def test_table_csv_and_json_hold_both_plain_loops_and_their_ratios(tmp_path):
 TINY_BACKENDS = ("eager", "eager-bf16", "aoti", "onnxruntime")
 
 
+# The tests sharing backend_folder go to one test worker, which compiles the tiny model's artefacts once.
+SHARED_BACKEND_CACHE = pytest.mark.xdist_group("test_benchmark-backend-cache")
+
+
 @pytest.fixture(scope="module")
 def backend_folder(tmp_path_factory):
     """One folder for the module: the runner test below finds the tiny model's compiled artefacts in its
-    backend-cache, made by the measurement test (when both run in the same process)."""
+    backend-cache, made by the measurement test."""
     return tmp_path_factory.mktemp("backends")
 
 
@@ -447,6 +451,7 @@ def _tiny_spec():
     return ModelSpec("resnet", "8", 10, 32)
 
 
+@SHARED_BACKEND_CACHE
 def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_folder):
     import torch
 
@@ -484,6 +489,7 @@ def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_fo
     assert any("images/s" in line for line in lines)
 
 
+@SHARED_BACKEND_CACHE
 def test_a_backend_that_computes_something_else_is_an_error_and_the_others_still_count(backend_folder, monkeypatch):
     import torch
 
@@ -507,6 +513,7 @@ def test_an_unknown_backend_is_refused():
         measure_backends(_tiny_spec(), 2, backends=("eager", "tensorrt"))
 
 
+@SHARED_BACKEND_CACHE
 def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(backend_folder, capsys, monkeypatch):
     from cnns.bench import rates
 
