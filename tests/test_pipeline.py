@@ -1,7 +1,7 @@
 """Pipelined model parallelism on real processes (gloo over 127.0.0.1): a 2-stage ResNet-20 computes
 the same updates as one process with the same micro-batches under every schedule, checkpoints hold
 the whole model and restore at any stage count, Graphcore's pipelining command lines run, stages x
-replicas run as 4 processes.
+replicas run as 4 processes under torchrun.
 
 Every process runs under a bounded timeout (test_replicas's helpers) and is killed on expiry.
 """
@@ -162,31 +162,21 @@ def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, la
     assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") == 0.0
 
 
-@SHARED_RUNS
-def test_torchrun_runs_two_stages_by_two_replicas_as_one_process(data_dir, references, tmp_path):  # noqa: F811
-    """Under torchrun the world is stages x replicas: 4 processes, rank r stage r % 2 of replica r // 2."""
-    grid = tmp_path / "grid"
-    out, _ = finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "train.py"), *PIPELINE,
-                           *VARIANTS["group-norm"], *TWO_STAGES, "--replicas", "2", "--gradient-accumulation-count", "2",
-                           "--data-dir", str(data_dir), "--logs-path", str(grid)], tmp_path, ONE_THREAD))
-    # Replicas sum their accumulated gradients in another order than one process: about one float32
-    # rounding per update, carried on by training (see test_replicas); measured 1.5e-5 after 6 updates.
-    assert relative_difference(grid / "ckpt-6.pt", references["group-norm"] / "ckpt-6.pt") < 1e-4
-    assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
-
-
-def test_stages_by_replicas_with_batch_norm_spans_and_sharded_state_equal_the_replicas_alone(data_dir, tmp_path):  # noqa: F811
-    """Batch-norm statistics over the two replicas of each stage, the optimiser state of each stage
-    sharded over its replicas: the weights of the same two replicas without stages (test_replicas
-    checks those against one process)."""
+def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_state_as_the_replicas_alone(data_dir, tmp_path):  # noqa: F811,E501
+    """Under torchrun the world is stages x replicas: 4 processes, rank r stage r % 2 of replica r // 2. Batch-norm
+    statistics over the two replicas of each stage, the optimiser state of each stage sharded over its replicas:
+    the weights of the same two replicas without stages (test_replicas checks those against one process)."""
     spans = ("--batch-norm", "--replicas", "2", "--gradient-accumulation-count", "2", "--BN-span", "2", "--rts",
              "--iterations", "3")
     grid = tmp_path / "grid"
-    out, _ = train(tmp_path, *PIPELINE, *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid))
+    out, _ = finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "train.py"), *PIPELINE,
+                           *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid)],
+                          tmp_path, ONE_THREAD))
     reference = tmp_path / "replicas"
     train(tmp_path, *PIPELINE, *spans, "--data-dir", str(data_dir), "--logs-path", str(reference))
     # Bitwise: the same replicas, cut into stages that compute as the whole model does.
     assert relative_difference(grid / "ckpt-3.pt", reference / "ckpt-3.pt") == 0.0
+    assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
     assert "Optimiser state sharded over 2 replicas (--rts)" in out
 
 
