@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 import processes
 import torch
+from scripts import train_here
 from torch import nn
 
 from cnns.models import ModelSpec, build_model
@@ -168,17 +168,13 @@ def learnable_cifar(shapes_cifar10) -> Path:
 EPOCHS = 15  # to the plateau (on a CPU that only emulates bfloat16 too: its convolutions run float32 kernels)
 
 
-def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dict]]:
+def _train(precision: str, data: Path, folder: Path) -> tuple[list[dict], list[dict]]:
     """(training.csv rows, validation.csv rows) of a short seeded ResNet-8 run in real ``precision``
-    (--half-dtype bfloat16: bfloat16 even on a CPU that only emulates it)."""
-    out = processes.run(
-        [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8",
-         "--precision", precision, "--half-dtype", "bfloat16", "--epochs", str(EPOCHS), "--warmup-epochs", "1",
-         "--lr-schedule", "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-9",
-         "--ckpts-per-epoch", "0", "--logs-per-epoch", "1", "--seed", "11", "--log-dir", str(logs)],
-        capture_output=True, text=True, cwd=logs.parent)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    folder = Path(re.search(r"^ Saving to (.+)$", out.stdout, re.MULTILINE).group(1))
+    (--half-dtype bfloat16: bfloat16 even on a CPU that only emulates it), in this process."""
+    train_here("--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--precision", precision,
+               "--half-dtype", "bfloat16", "--epochs", str(EPOCHS), "--warmup-epochs", "1", "--lr-schedule", "cosine",
+               "--optimiser", "momentum", "--base-learning-rate-exponent", "-9", "--ckpts-per-epoch", "0",
+               "--logs-per-epoch", "1", "--seed", "11", "--logs-path", str(folder))
     rows = []
     for name in ("training.csv", "validation.csv"):
         with open(folder / name, newline="") as f:
@@ -187,8 +183,8 @@ def _train(precision: str, data: Path, logs: Path) -> tuple[list[dict], list[dic
 
 
 def test_16_16_learns_as_well_as_32_32(learnable_cifar, tmp_path):
-    training_16, validation_16 = _train("16.16", learnable_cifar, tmp_path / "logs16")
-    training_32, validation_32 = _train("32.32", learnable_cifar, tmp_path / "logs32")
+    training_16, validation_16 = _train("16.16", learnable_cifar, tmp_path / "run16")
+    training_32, validation_32 = _train("32.32", learnable_cifar, tmp_path / "run32")
     # The last row averages only the few updates after the last whole epoch (937 = 15 x 62 + 7): noisy.
     # Compare whole epochs: the first and the last.
     losses_16 = [float(row["loss_avg"]) for row in training_16][:-1]
