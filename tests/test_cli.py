@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -232,6 +233,17 @@ def test_every_root_script_starts_as_its_own_program(script):
     user starts it at least once here (train.py above; inference_embedded.py in test_embedded)."""
     out = processes.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith(f"usage: {script}") and "--restore-path" in out.stdout
+
+
+def test_a_process_that_only_starts_workers_or_reads_options_loads_no_engine():
+    """Parsing a command line, checking it and starting a run's workers import torch only: timm, torchvision and
+    torch._dynamo (seconds of start-up, in every worker anyway) stay out of the launcher and of --help."""
+    code = ("import sys; import cnns.cli.runs, cnns.commands.train, cnns.commands.restore, cnns.models; "
+            "from cnns.models import ModelSpec; "
+            "print(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules))")
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_run_name_pipeline_and_replica_tags():
