@@ -1,5 +1,5 @@
-"""Graphcore's root scripts (train.py, validation.py, restore.py, weight_avg.py) run by the tests: in a child
-process, or in the test's own process.
+"""Graphcore's root scripts (train.py, validation.py, restore.py, weight_avg.py, inference_embedded.py) run by the
+tests: in a child process, or in the test's own process.
 
 A child interpreter imports torch, torch._dynamo, timm and torchvision again before its first line of work
 (about 5 CPU seconds on a 2-core CI machine), which is most of what a small test run costs. So a test runs the
@@ -27,7 +27,8 @@ import torch
 import processes
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {"train.py": "train", "validation.py": "validate", "restore.py": "restore", "weight_avg.py": "weight-avg"}
+COMMANDS = {"train.py": "train", "validation.py": "validate", "restore.py": "restore", "weight_avg.py": "weight-avg",
+            "inference_embedded.py": "infer"}
 
 
 def run_child(script: str, *args: str, cwd: Path, expect: int | None = 0, env: dict[str, str] | None = None,

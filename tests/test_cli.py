@@ -273,6 +273,7 @@ def test_a_run_resolves_its_configuration_once_and_the_engine_never_again(monkey
     monkeypatch.setattr(RunConfig, "from_options", classmethod(lambda cls, o: built.append(cls) or original(cls, o)))
     folder = tmp_path / "run"
     scripts.train_here("--synthetic-data", "--dataset", "cifar-10", "--model-size", "8", "--iterations", "2",
-                       "--micro-batch-size", "8", "--seed", "3", "--validation-images", "16", "--logs-path", str(folder))
+                       "--micro-batch-size", "8", "--seed", "3", "--validation-images", "16",
+                       "--logs-path", str(folder))
     assert len(built) == 1
     assert json.loads((folder / "arguments.json").read_text())["seed"] == 3

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import processes
+import scripts
 
 import cnns.commands.infer as infer_command
 from cnns.cli import parse_options, run_script
@@ -38,17 +39,9 @@ def embedded(folder: Path, *argv: str):
 
 
 def embedded_here(capfd, folder: Path, *argv: str) -> subprocess.CompletedProcess:
-    """inference_embedded.py's command in this process (the script calls the same `run_script`), without a new
-    interpreter's seconds of start-up: its exit code and what reached fds 1 and 2."""
-    previous = os.getcwd()
-    capfd.readouterr()
-    os.chdir(folder)
-    try:
-        code = run_script("infer", list(argv))
-    finally:
-        os.chdir(previous)
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
+    """inference_embedded.py's command in this process (tests/scripts.py), without a new interpreter's seconds of
+    start-up: its exit code and what reached fds 1 and 2."""
+    return scripts.run_here(capfd, "inference_embedded.py", *argv, cwd=folder, expect=None)
 
 
 @pytest.fixture(scope="module")
