@@ -15,6 +15,7 @@ rank, never a hang.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -177,9 +178,12 @@ class World:
         return total.tolist()
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A device tensor summed in place over every process (the default group: NCCL on CUDA)."""
+        """A device tensor summed in place over every process: the default group on a GPU (NCCL), the
+        control group on the CPU (both gloo there), so that on the CPU the default group, which torch's
+        functional collectives keep alive past `close`, never holds a tensor of ours."""
         if self.distributed:
-            self._collective("sum metrics", dist.all_reduce, tensor)
+            group = self.control if tensor.device.type == "cpu" else None
+            self._collective("sum metrics", dist.all_reduce, tensor, group=group)
         return tensor
 
     def average_among_replicas_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -246,16 +250,32 @@ class World:
                                    f"({TIMEOUT_ENV}) while trying to {what}: {_first_line(exc)}") from None
 
     def settle(self) -> None:
-        """Wait until every process is done before tearing the groups down: a process whose last sends
-        are still in flight when its process group is destroyed can abort ("terminate called without an
-        active exception", seen once under load after a pipelined run with replicas). Only on success:
-        on a failure path a peer may be gone."""
+        """Wait until every process is done before tearing the groups down, so that none closes its
+        connections while a peer is still in a collective with it. Only on success: on a failure path a
+        peer may be gone."""
         if self.distributed:
             self._collective("finish together", dist.barrier, group=self.control)
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
+        """Destroy the process groups, and their threads with them, while the interpreter is still whole.
+
+        `destroy_process_group` only unregisters the groups: each group's worker and transport threads
+        live until the last Python reference to it goes (this world's fields, the modules and the
+        optimiser that hold a group, often in reference cycles). Left to the interpreter's shutdown, a
+        gloo worker thread still releasing a tensor of its last collective takes the GIL of a finalising
+        interpreter and the process aborts ("terminate called without an active exception": a stage
+        process of a pipelined run with replicas, now and then under load). So the references go here,
+        and the cycles are collected now. (The default group is the exception: once torch's functional
+        collectives have run, as --BN-span's do, torch itself holds it; on the CPU it runs no collective
+        of ours, see `sum_`.)
+        """
+        if self.control is None:  # this process joined no process group (a single process)
+            return
+        if dist.is_initialized():
             dist.destroy_process_group()
+        self.control = self.bn_group = self.pipeline_group = self.replica_group = None
+        self._groups.clear()
+        gc.collect()
 
 
 # Where torch's transports name themselves in the errors they raise deep in a collective (DDP's
