@@ -126,22 +126,20 @@ def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
     assert document["results"][1]["error"].startswith("cnns: exit 2")
 
 
-def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end(tmp_path, capsys):
-    spec = _write_spec(tmp_path / "tiny.yml", """\
-        cifar10_images: 256
-        benchmarks:
-          - name: tiny-resnet8-cifar
-            command: >-
-              train.py --model resnet --model-size 8 --dataset cifar-10 --data-dir {cifar10}
-              --micro-batch-size 16 --iterations 4 --log-freq 1 --no-validation --ckpts-per-epoch 0
-        """)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU entry")
+def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end_and_skips_a_gpu_entry_with_one_line(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "tiny.yml", GPU_AND_CPU)
     out_dir = tmp_path / "results"
-    code = benchmark_command(["--spec", str(spec), "--benchmark", "tiny-resnet8-cifar", "--output-dir", str(out_dir)])
+    code = benchmark_command(["--spec", str(spec), "--output-dir", str(out_dir)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "tiny-resnet8-cifar" in printed and "ratio" in printed
+    assert "tiny-cpu" in printed and "ratio" in printed
+    assert "tiny-gpu: skipped, needs cuda; this machine has 0 CUDA GPUs" in printed
     [json_path] = out_dir.glob("tiny-*/results.json")
-    [row] = json.loads(json_path.read_text())["results"]
+    document = json.loads(json_path.read_text())
+    assert document["skipped"] == {"tiny-gpu": "needs cuda; this machine has 0 CUDA GPUs"}
+    [row] = document["results"]
+    assert row["name"] == "tiny-cpu"
     assert row["error"] is None
     assert row["cnns_images_per_sec"] > 0 and row["plain_images_per_sec"] > 0
     assert row["plain_ratio"] == pytest.approx(row["cnns_images_per_sec"] / row["plain_images_per_sec"])
@@ -155,10 +153,9 @@ def test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end(tmp_path, capsys):
     assert (out_dir / "data" / "cifar10-256" / "data_batch_1.bin").is_file()
     runs = json_path.parent / "runs"
     assert sorted(p.name for p in runs.iterdir()) == [
-        "tiny-resnet8-cifar-cnns-1", "tiny-resnet8-cifar-cnns-1.log", "tiny-resnet8-cifar-plain-1",
-        "tiny-resnet8-cifar-plain-1.log"]
+        "tiny-cpu-cnns-1", "tiny-cpu-cnns-1.log", "tiny-cpu-plain-1", "tiny-cpu-plain-1.log"]
     for side in ("cnns", "plain"):
-        rates = recorded_rates(runs / f"tiny-resnet8-cifar-{side}-1" / "training.csv")
+        rates = recorded_rates(runs / f"tiny-cpu-{side}-1" / "training.csv")
         assert len(rates) == 4 and row[f"{side}_images_per_sec"] == pytest.approx(sum(rates[1:]) / 3)
     assert not list(runs.rglob("*.pt"))  # the checkpoints go unless --keep-runs
 
@@ -258,18 +255,10 @@ def test_cpu_entries_stay_on_the_cpu_and_gpu_entries_compute_in_the_gpus_half_ty
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU entry")
-def test_a_gpu_entry_is_skipped_with_one_line_where_there_is_no_gpu(tmp_path, capsys):
+def test_naming_only_gpu_entries_where_there_is_none_is_one_line(tmp_path):
+    # (A GPU entry skipped beside a CPU entry that runs: test_a_tiny_cifar_benchmark_runs_both_loops_end_to_end_...)
     spec = _write_spec(tmp_path / "spec.yml", GPU_AND_CPU)
     out_dir = tmp_path / "results"
-    assert benchmark_command(["--spec", str(spec), "--output-dir", str(out_dir), "--no-baseline"]) == 0
-    printed = capsys.readouterr().out
-    assert "tiny-gpu: skipped, needs cuda; this machine has 0 CUDA GPUs" in printed
-    [json_path] = out_dir.glob("spec-*/results.json")
-    document = json.loads(json_path.read_text())
-    assert [row["name"] for row in document["results"]] == ["tiny-cpu"]
-    assert document["results"][0]["cnns_images_per_sec"] > 0
-    assert document["skipped"] == {"tiny-gpu": "needs cuda; this machine has 0 CUDA GPUs"}
-    # Naming only entries that cannot run here is an error, one line.
     with pytest.raises(ConfigError, match="nothing to run here: benchmark tiny-gpu needs cuda"):
         benchmark_command(["--spec", str(spec), "--benchmark", "tiny-gpu", "--output-dir", str(out_dir)])
     # A GPU that is not there is the same.

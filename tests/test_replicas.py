@@ -123,13 +123,11 @@ ONE_THREAD = {"CNNS_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def replicas_run(data_dir, tmp_path_factory) -> Path:
-    """Two self-spawned replicas of 16 images, 12 updates: what accumulation, a restore, sharded optimiser state
-    and two torchrun launchers are compared with."""
-    tmp = tmp_path_factory.mktemp("replicas")
-    folder = tmp / "replicas"
-    train(tmp, *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2",
-          "--micro-batch-size", "16", env=ONE_THREAD)
-    return folder
+    """Two self-spawned replicas of 16 images, 12 updates, each checkpoint validated by both processes after
+    training: what accumulation, a restore, sharded optimiser state, two torchrun launchers and validation are
+    compared with."""
+    return trained(tmp_path_factory.mktemp("replicas"), "replicas", data_dir, "--replicas", "2",
+                   "--micro-batch-size", "16", validate=True, env=ONE_THREAD)
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +263,10 @@ def test_replicas_auto_picks_the_process_count_for_this_cpu(data_dir, tmp_path):
     assert not (folder / "instance_2").exists()
 
 
-def test_distributed_validation_counts_every_image_once(data_dir, tmp_path, capfd):
-    folder = trained(tmp_path, "val", data_dir, "--replicas", "2", "--micro-batch-size", "16", validate=True)
+@SHARED_RUNS
+def test_distributed_validation_counts_every_image_once(replicas_run, tmp_path, capfd):
+    folder = tmp_path / "val"
+    shutil.copytree(replicas_run, folder)  # validation.py below adds its rows to the run's validation.csv
     with open(folder / "validation.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(row["val_size"]) for row in rows] == [TEST_IMAGES] * len(rows) and rows
