@@ -219,16 +219,28 @@ def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, replicas
         assert torch.equal(a["state"][key]["momentum_buffer"], b["state"][key]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("identical", [True, False], ids=["identical", "per-replica"])
-def test_identical_replica_seeding_gives_every_replica_the_same_random_streams(data_dir, tmp_path, identical):
-    # Mixup draws from the global stream and its own generator on every update: the streams move.
-    folder = trained(tmp_path, "seeding", data_dir, "--replicas", "2", "--micro-batch-size", "16",
-                     "--mixup-alpha", "0.5", "--iterations", "4",
-                     *(["--identical-replica-seeding"] if identical else []))
-    rank0, rank1 = torch.load(folder / "ckpt-4.pt", weights_only=True)["rng_by_rank"]
+# Mixup draws from the global stream and its own generator on every update: the streams move.
+MIXUP = ("--mixup-alpha", "0.5")
+# The tests that read the instances' run share one test worker, so it is made once.
+ON_THE_INSTANCES_RUN = pytest.mark.xdist_group("test_replicas-instances")
+
+
+def assert_replica_streams(checkpoint: Path, identical: bool) -> None:
+    rank0, rank1 = torch.load(checkpoint, weights_only=True)["rng_by_rank"]
     for stream in ("torch", "gen:mix"):
         assert torch.equal(rank0[stream], rank1[stream]) == identical, stream
     assert (rank0["python"] == rank1["python"]) == identical
+
+
+def test_identical_replica_seeding_gives_every_replica_the_same_random_streams(data_dir, tmp_path):
+    folder = trained(tmp_path, "seeding", data_dir, "--replicas", "2", "--micro-batch-size", "16", *MIXUP,
+                     "--iterations", "4", "--identical-replica-seeding")
+    assert_replica_streams(folder / "ckpt-4.pt", identical=True)
+
+
+@ON_THE_INSTANCES_RUN
+def test_replicas_are_seeded_apart_by_default(instances_run):
+    assert_replica_streams(instances_run / "ckpt-12.pt", identical=False)
 
 
 def test_replicas_auto_on_a_cpu_is_one_process_where_it_has_matrix_units_else_one_per_core(monkeypatch):
@@ -304,14 +316,24 @@ def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, replicas_run,
     assert not list(folder.glob("instance_*")) and not list(tmp_path.glob("logs*"))
 
 
-def test_torchrun_instances_log_and_checkpoint_with_equal_weights(data_dir, tmp_path):
-    # Graphcore's popdist test: every instance's checkpoint holds the same model. With batch norm, each
-    # replica tracks running statistics of its own shard; they are averaged before every checkpoint.
-    folder = tmp_path / "instances"
+@pytest.fixture(scope="module")
+def instances_run(data_dir, tmp_path_factory) -> Path:
+    """Graphcore's popdist run: two torchrun instances that both log and checkpoint, with batch norm, and
+    with mixup, whose streams the replicas' own seeds set apart."""
+    tmp = tmp_path_factory.mktemp("instances")
+    folder = tmp / "instances"
     batch_norm = ["--batch-norm" if a == "--group-norm" else a for a in COMMON]
     finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *batch_norm,
                   "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "2", "--micro-batch-size", "16",
-                  "--log-all-instances", "true", "--ckpt-all-instances", "true"], tmp_path))
+                  *MIXUP, "--log-all-instances", "true", "--ckpt-all-instances", "true"], tmp))
+    return folder
+
+
+@ON_THE_INSTANCES_RUN
+def test_torchrun_instances_log_and_checkpoint_with_equal_weights(instances_run):
+    # Graphcore's popdist test: every instance's checkpoint holds the same model. With batch norm, each
+    # replica tracks running statistics of its own shard; they are averaged before every checkpoint.
+    folder = instances_run
     instance = folder / "instance_1"
     for place in (folder, instance):
         assert json.loads((place / "arguments.json").read_text())["replicas"] == 2
@@ -353,7 +375,7 @@ def test_a_worker_killed_under_torchrun_max_restarts_is_recovered(data_dir, tmp_
 
 # Long enough to be stopped mid-run (its updates take seconds after the first step line, which the tests wait
 # for), short enough for restore.py to finish it quickly.
-LONG_RUN = 120
+LONG_RUN = 60
 
 
 def started_long_run(folder: Path, data_dir: Path, cwd: Path) -> subprocess.Popen:
