@@ -7,8 +7,8 @@ this test's process: what is checked is this process's threads, so no peer is ne
 from __future__ import annotations
 
 import gc
-import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,9 @@ from cnns.parallel.world import init_world
 def gloo_threads() -> int:
     """This process's threads that gloo started: its transport loops and the process groups' workers."""
     names = []
-    for task in os.listdir("/proc/self/task"):
+    for task in Path("/proc/self/task").iterdir():
         try:
-            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+            names.append((task / "comm").read_text().strip())
         except OSError:  # ended meanwhile
             continue
     return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
