@@ -25,6 +25,8 @@ from cnns.errors import CnnsError
 ROOT = Path(__file__).resolve().parents[1]
 RN8 = ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10", "--micro-batch-size", "2", "--iterations",
        "5", "--generated-data", "--precision", "32.32"]
+# The same model for another dataset: 100 classes, so not the package a CIFAR-10 run leaves.
+RN8_CIFAR100 = [a if a != "cifar-10" else "cifar-100" for a in RN8]
 PROBED = f"torch {torch.__version__} loaded and ran the compiled model in a child process first"
 
 
@@ -76,28 +78,41 @@ def test_first_run_compiles_and_saves_later_runs_load(first_run, tmp_path, capfd
     assert "--force-recompile" in broken.stderr
 
 
-def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(first_run, tmp_path, capfd):
+@pytest.fixture(scope="module")
+def recompiled(first_run, tmp_path_factory) -> tuple[Path, str]:
+    """One more compilation, in this process, on the CPU with the probe CUDA gets: a CIFAR-100 run asked for the
+    package the first (CIFAR-10) run left under the same name compiles it again, then a child process loads the
+    new package and runs one batch before this process loads it. (The package, what the run printed.)"""
+    folder = copy_of(first_run[0], tmp_path_factory.mktemp("recompiled"))
+    (package,) = folder.glob("*.pt2")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
+        assert run_script("infer", [*RN8_CIFAR100, "--artefact-path", str(package)]) == 0
+    return package, printed.getvalue()
+
+
+def test_a_package_compiled_for_other_options_is_compiled_again_not_loaded(first_run, recompiled, tmp_path, capfd):
     """The file name of Graphcore's application says model, batch, precision and weights; a CIFAR-100 run of
     the same model must not time (and answer with) the 10-class package a CIFAR-10 run left under that name."""
-    folder = copy_of(first_run[0], tmp_path)
+    package, again = recompiled
+    assert f"The compiled model at {package} was built for another model: compiling it again" in again
+    assert "Compilation time:" in again
+    assert package.read_bytes() != (first_run[0] / package.name).read_bytes()  # the CIFAR-10 run's
+    compiled = torch._inductor.aoti_load_package(str(package))
+    assert compiled(torch.zeros(2, 32, 32, 3, dtype=torch.uint8)).shape == (2, 100)
+    folder = copy_of(package.parent, tmp_path)
+    package = folder / package.name
 
-    def run(dataset: str):
-        out = embedded_here(capfd, folder, *RN8[:RN8.index("--dataset")], "--dataset", dataset,
-                            *RN8[RN8.index("--dataset") + 2:])
+    def run(*argv: str):
+        out = embedded_here(capfd, folder, *argv)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout
 
-    (package,) = folder.glob("*.pt2")  # the CIFAR-10 run's
-    ten_classes = package.read_bytes()
-    again = run("cifar-100")
-    assert f"The compiled model at {package.name} was built for another model: compiling it again" in again
-    assert "Compilation time:" in again and package.read_bytes() != ten_classes
-    compiled = torch._inductor.aoti_load_package(str(package))
-    assert compiled(torch.zeros(2, 32, 32, 3, dtype=torch.uint8)).shape == (2, 100)
-    assert "Loading the compiled model" in run("cifar-100")
+    assert "Loading the compiled model" in run(*RN8_CIFAR100)
     # A package with no description (copied here by hand) is trusted, whatever was asked.
     package.with_name(package.name + ".json").unlink()
-    assert "Loading the compiled model" in run("cifar-10")
+    assert "Loading the compiled model" in run(*RN8)
 
 
 def test_compiled_artefact_computes_the_eager_logits(tmp_path):
@@ -117,41 +132,29 @@ def test_compiled_artefact_computes_the_eager_logits(tmp_path):
     assert torch.allclose(compiled(images), eager, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def probed(tmp_path_factory) -> tuple[Path, str]:
-    """One compilation: inference_embedded.py's command, run in this process on the CPU with the probe CUDA
-    gets (a child process loads the package and runs one batch before this process loads it)."""
-    path = tmp_path_factory.mktemp("probed") / "rn8.pt2"
-    printed = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
-        assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 0
-    return path, printed.getvalue()
-
-
-def test_cuda_packages_load_first_in_a_child_process_then_are_measured(probed, monkeypatch, capsys):
+def test_cuda_packages_load_first_in_a_child_process_then_are_measured(recompiled, monkeypatch, capsys):
     assert infer_command.PROBED_DEVICE_TYPES == ("cuda",)  # the decision the tests below turn on for the CPU
-    path, first = probed
+    path, first = recompiled
     # compiled, then probed, then timed: the probe's seconds are in none of the measured numbers
     assert first.index("Compilation time:") < first.index(PROBED) < first.index("Inference: 5 batches of 2")
     assert "latency 99p9:" in first
     monkeypatch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
-    assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 0
+    assert run_script("infer", [*RN8_CIFAR100, "--artefact-path", str(path)]) == 0
     again = capsys.readouterr().out
     assert again.index("Loading the compiled model") < again.index(PROBED) < again.index("Inference: 5 batches")
     assert "Compilation time:" not in again
 
 
-def test_a_probe_child_that_crashes_stops_the_command_with_one_line(probed, monkeypatch, capsys):
+def test_a_probe_child_that_crashes_stops_the_command_with_one_line(recompiled, monkeypatch, capsys):
     """The child loads the real package as the probe does, then dies of SIGSEGV, as torch 2.11.0+cu130 did
     loading CUDA packages on an H100: the command ends with exit code 2 and one line, nothing timed."""
-    path, _ = probed
+    path, _ = recompiled
     crashing = infer_command.PROBE_CODE.replace(
         "logits = runner(", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\nlogits = runner(")
     assert crashing != infer_command.PROBE_CODE
     monkeypatch.setattr(infer_command, "PROBED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(infer_command, "PROBE_CODE", crashing)
-    assert run_script("infer", [*RN8, "--artefact-path", str(path)]) == 2
+    assert run_script("infer", [*RN8_CIFAR100, "--artefact-path", str(path)]) == 2
     captured = capsys.readouterr()
     [line] = captured.err.splitlines()
     assert line.startswith(f"error: torch {torch.__version__} crashed (SIGSEGV) loading the AOTInductor package "
