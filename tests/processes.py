@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -23,6 +24,13 @@ import pytest
 TAG = "CNNS_TEST_PROCESS"
 TIMEOUT_S = 600  # the default limit of one child process; tests that expect less give less
 _started: dict[int, tuple[subprocess.Popen, str]] = {}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a rendezvous or a process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _tagged(kwargs: dict) -> str:

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import processes
+from processes import free_port
 from scripts import run_here, train_here
 
 
@@ -44,12 +44,6 @@ COMMON = ("--dataset", "cifar-10", "--model-size", "8", "--precision", "32.32", 
 @pytest.fixture(scope="module")
 def data_dir(shapes_cifar10) -> Path:
     return shapes_cifar10("replicas", train=TRAIN_IMAGES, test=TEST_IMAGES, seed=12)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -7,11 +7,12 @@ this test's process: what is checked is this process's threads, so no peer is ne
 from __future__ import annotations
 
 import gc
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from processes import free_port
 
 from cnns.parallel.world import init_world
 
@@ -25,12 +26,6 @@ def gloo_threads() -> int:
         except OSError:  # ended meanwhile
             continue
     return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Holder:
@@ -59,4 +54,5 @@ def test_closing_the_world_ends_its_process_groups_threads_while_the_interpreter
         world.close()
         assert gloo_threads() == before
     finally:
+        world.close()  # (again: a no-op once closed) no group left to this worker's later tests
         gc.enable()

@@ -179,8 +179,8 @@ class World:
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """A device tensor summed in place over every process: the default group on a GPU (NCCL), the
-        control group on the CPU (both gloo there), so that on the CPU the default group, which torch's
-        functional collectives keep alive past `close`, never holds a tensor of ours."""
+        control group on the CPU (both gloo there), so that on the CPU the default group, which torch may
+        keep alive past `close` (see there), never holds a tensor of ours."""
         if self.distributed:
             group = self.control if tensor.device.type == "cpu" else None
             self._collective("sum metrics", dist.all_reduce, tensor, group=group)
@@ -266,8 +266,8 @@ class World:
         interpreter and the process aborts ("terminate called without an active exception": a stage
         process of a pipelined run with replicas, now and then under load). So the references go here,
         and the cycles are collected now. (The default group is the exception: once torch's functional
-        collectives have run, as --BN-span's do, torch itself holds it; on the CPU it runs no collective
-        of ours, see `sum_`.)
+        collectives (--BN-span's) or its ZeroRedundancyOptimizer (--rts) have used it, torch itself holds
+        it; on the CPU it runs no collective of ours, see `sum_`.)
         """
         if self.control is None:  # this process joined no process group (a single process)
             return
