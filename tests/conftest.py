@@ -89,3 +89,27 @@ def shapes_cifar10(tmp_path_factory):
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def plateau_data(shapes_cifar10) -> Path:
+    """2,000 training and 1,000 test drawings in CIFAR-10 format, with the class names as the CIFAR-10 binary
+    archive ships them (batches.meta.txt: one a line, then a blank line)."""
+    from cnns.data.builtin import BUILTIN_CLASSES
+
+    folder = shapes_cifar10("plateau", train=2000, test=1000, seed=4)
+    (folder / "batches.meta.txt").write_text("\n".join(BUILTIN_CLASSES) + "\n\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def plateau_run_32(plateau_data, tmp_path_factory) -> Path:
+    """The 32.32 plateau run (tests/scripts.py), in this process, with a moving average of its weights
+    (--ema-decay 0.9, which cnns predict offers) and its folder named by train.py (--log-dir). About 89 % on its
+    1,000 test images. Tests that read it carry `scripts.ON_THE_PLATEAU_RUN`."""
+    from scripts import plateau_options, train_here
+
+    logs = tmp_path_factory.mktemp("plateau-32") / "logs"
+    train_here(*plateau_options("32.32", plateau_data), "--ema-decay", "0.9", "--log-dir", str(logs))
+    (folder,) = logs.iterdir()
+    return folder

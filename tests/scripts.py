@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy
+import pytest
 import torch
 
 import processes
@@ -29,6 +30,22 @@ import processes
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"train.py": "train", "validation.py": "validate", "restore.py": "restore", "weight_avg.py": "weight-avg",
             "inference_embedded.py": "infer"}
+
+
+# A ResNet-8 trained to its plateau on 2,000 drawn shapes (conftest's `plateau_data`): 15 epochs, seeded. The
+# 16.16-vs-32.32 comparison and `cnns predict` read the same 32.32 run (conftest's `plateau_run_32`), trained once:
+# the tests that read it share this xdist group, so one test worker makes it.
+ON_THE_PLATEAU_RUN = pytest.mark.xdist_group("plateau-run")
+PLATEAU_EPOCHS = 15  # to the plateau (on a CPU that only emulates bfloat16 too: its convolutions run float32 kernels)
+
+
+def plateau_options(precision: str, data: Path) -> tuple[str, ...]:
+    """train.py's options of a plateau run in real `precision` (--half-dtype bfloat16: bfloat16 even on a CPU that
+    only emulates it), validated once, at the end, on all 1,000 test images."""
+    return ("--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--precision", precision,
+            "--half-dtype", "bfloat16", "--epochs", str(PLATEAU_EPOCHS), "--warmup-epochs", "1", "--lr-schedule",
+            "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-9", "--ckpts-per-epoch", "0",
+            "--logs-per-epoch", "1", "--seed", "11")
 
 
 def run_child(script: str, *args: str, cwd: Path, expect: int | None = 0, env: dict[str, str] | None = None,

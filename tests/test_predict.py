@@ -15,7 +15,6 @@ from torchvision.io import encode_jpeg, encode_png
 
 from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
-from cnns.data.cifar import write_cifar10
 from cnns.errors import CnnsError
 from cnns.cli.inference import predict_main, restored_run
 
@@ -23,27 +22,17 @@ HELD_OUT = 100
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
               # every test here reads the trained run: one test worker trains it once (`--dist loadgroup`)
-              pytest.mark.xdist_group("test_predict-run")]
+              scripts.ON_THE_PLATEAU_RUN]
 LINE = re.compile(r"^(?P<path>.+?): (?P<entries>.+)$")
 ENTRY = re.compile(r"^(?P<label>.+) \((?P<p>[0-9.]+)\)$")
 
 
 @pytest.fixture(scope="session")
-def run_folder(tmp_path_factory) -> Path:
-    """A ResNet-8 trained for 10 epochs on 2000 drawn-shape images in CIFAR-10 format, with a
-    moving average of its weights (--ema-decay 0.9). About 89% on its 200 test images."""
-    root = tmp_path_factory.mktemp("predict")
-    data = root / "cifar-10"
-    images, labels = draw_shapes(2200, seed=4)
-    write_cifar10(data, (images[:2000], labels[:2000]), (images[2000:], labels[2000:]))
-    # The class names as the CIFAR-10 binary archive ships them: one a line, then a blank line.
-    (data / "batches.meta.txt").write_text("\n".join(BUILTIN_CLASSES) + "\n\n")
-    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--precision", "32.32",
-                       "--epochs", "10", "--warmup-epochs", "1", "--lr-schedule", "cosine", "--optimiser", "momentum",
-                       "--base-learning-rate-exponent", "-8", "--ckpts-per-epoch", "0", "--logs-per-epoch", "1",
-                       "--seed", "1", "--ema-decay", "0.9", "--no-validation", "--log-dir", str(root / "logs"))
-    (folder,) = (root / "logs").iterdir()  # the run's folder, named by train.py
-    return folder
+def run_folder(plateau_run_32) -> Path:
+    """A ResNet-8 trained to its plateau on 2,000 drawn-shape images in CIFAR-10 format, with a moving average of
+    its weights and the class names of CIFAR-10's archive (conftest's `plateau_run_32`). About 89 % on its
+    1,000 test images."""
+    return plateau_run_32
 
 
 @pytest.fixture(scope="session")
