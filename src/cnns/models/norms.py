@@ -6,10 +6,12 @@ Both keep the parameter count: GroupNorm, like BatchNorm, has one scale and one 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
-from timm.layers import GroupNormAct
+
+if TYPE_CHECKING:
+    from timm.layers import GroupNormAct
 
 
 def fitted_groups(groups: int, channels: int) -> int:
@@ -38,6 +40,8 @@ def norm_layer(norm: str, groups: int) -> Callable[..., nn.Module]:
 
 
 def _group_norm_act(num_channels: int, *, groups: int, **kwargs) -> GroupNormAct:
+    from timm.layers import GroupNormAct  # only EfficientNet's blocks use it: see registry.py on timm's imports
+
     return GroupNormAct(num_channels, num_groups=fitted_groups(groups, num_channels), **kwargs)
 
 

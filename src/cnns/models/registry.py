@@ -1,13 +1,16 @@
-"""ModelSpec -> nn.Module."""
+"""ModelSpec -> nn.Module.
+
+The timm-built families (ImageNet ResNets, ResNeXts, EfficientNets) are imported when one is built: timm brings
+torchvision and torch._dynamo, seconds of start-up that the launcher of a CIFAR ResNet run, which builds the model
+only to check its --pipeline-splits, does not need (its workers import them anyway, to train).
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
 from .cifar_resnet import CifarResNet
-from .efficientnet import efficientnet
 from .norms import norm_layer
-from .resnet import cifar_resnext, imagenet_resnet, imagenet_resnext
 from .spec import CIFAR_RESNET_BOTTLENECK_SIZES, ModelSpec
 
 
@@ -25,11 +28,17 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
     ``ModelSpec`` has already checked the size against the architecture and the input size.
     """
+    if spec.arch == "resnet" and spec.cifar:
+        return cifar_resnet(spec)
+    if spec.arch == "efficientnet":
+        from .efficientnet import efficientnet
+
+        return efficientnet(spec)
+    from .resnet import cifar_resnext, imagenet_resnet, imagenet_resnext
+
     if spec.arch == "resnet":
-        return cifar_resnet(spec) if spec.cifar else imagenet_resnet(spec)
-    if spec.arch == "resnext":
-        return cifar_resnext(spec) if spec.cifar else imagenet_resnext(spec)
-    return efficientnet(spec)
+        return imagenet_resnet(spec)
+    return cifar_resnext(spec) if spec.cifar else imagenet_resnext(spec)
 
 
 def count_parameters(model: nn.Module) -> int:
