@@ -105,7 +105,9 @@ def test_lines_reach_a_pipe_while_the_run_goes_on_and_no_progress_bar_does(tmp_p
     finally:
         processes.kill_tree(process)
     # Training had started, so a bar would have been drawn by now: none in either pipe (tqdm draws on stderr).
-    piped = process.stdout.read().decode(errors="replace") + process.stderr.read().decode(errors="replace")
+    # What the pipes still hold, read to their end under the deadline like every read from a child here.
+    piped = "".join(line for stream in (process.stdout, process.stderr)
+                    for line in iter(lambda: processes.read_line(stream, deadline), ""))
     assert "update/s" not in piped and "s/update" not in piped and "\r" not in piped, piped[-2000:]
 
 
