@@ -52,15 +52,15 @@ def smooth_image(width: int = 60, height: int = 40) -> Image.Image:
 # ---------------------------------------------------------------------------------------------
 
 
-def no_problem(device: torch.device) -> None:
-    return None
+def no_problem(device: torch.device) -> decoding.DeviceJpegDecoder:
+    return decoding.DeviceJpegDecoder("TorchCodec", lambda encoded, device: [])
 
 
 def test_a_cpu_run_decodes_in_the_workers_and_cannot_be_told_otherwise():
-    assert choose_decode_device("auto", torch.device("cpu"), problem=no_problem).device == "cpu"
+    assert choose_decode_device("auto", torch.device("cpu"), find=no_problem).device == "cpu"
     assert choose_decode_device("cpu", torch.device("cpu")).device == "cpu"
     with pytest.raises(ConfigError, match="^--decode-device cuda needs a run on a CUDA GPU; this run is on cpu$"):
-        choose_decode_device("cuda", torch.device("cpu"), problem=no_problem)
+        choose_decode_device("cuda", torch.device("cpu"), find=no_problem)
     with pytest.raises(ConfigError, match="must be one of auto, cpu, cuda"):
         choose_decode_device("gpu", torch.device("cpu"))
 
@@ -73,7 +73,7 @@ def test_a_cpu_run_decodes_in_the_workers_and_cannot_be_told_otherwise():
     (48, 8, "cuda"),  # 6 per GPU (torchrun's LOCAL_WORLD_SIZE processes share the node's cores)
 ])
 def test_auto_decodes_on_the_gpu_when_the_cores_per_gpu_are_too_few(cores, gpus, expected):
-    choice = choose_decode_device("auto", CUDA, cores=cores, gpus=gpus, problem=no_problem)
+    choice = choose_decode_device("auto", CUDA, cores=cores, gpus=gpus, find=no_problem)
     assert choice.device == expected
     assert f"{cores / gpus:g} CPU cores per GPU" in choice.reason
 
@@ -81,9 +81,9 @@ def test_auto_decodes_on_the_gpu_when_the_cores_per_gpu_are_too_few(cores, gpus,
 def test_cores_per_gpu_come_from_the_affinity_and_torchruns_local_world(monkeypatch):
     monkeypatch.setattr(decoding.os, "sched_getaffinity", lambda pid: set(range(12)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert choose_decode_device("auto", CUDA, problem=no_problem).reason.endswith("3 CPU cores per GPU, fewer than 8")
+    assert choose_decode_device("auto", CUDA, find=no_problem).reason.endswith("3 CPU cores per GPU, fewer than 8")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert choose_decode_device("auto", CUDA, problem=no_problem).device == "cpu"  # 12 for the one GPU
+    assert choose_decode_device("auto", CUDA, find=no_problem).device == "cpu"  # 12 for the one GPU
 
 
 def test_forcing_either_way_and_falling_back_when_torchcodec_cannot_decode_there():
@@ -94,19 +94,47 @@ def test_forcing_either_way_and_falling_back_when_torchcodec_cannot_decode_there
         return "no CUDA build of TorchCodec"
 
     # Forced: cpu whatever the cores; cuda whatever the cores, unless TorchCodec cannot decode there.
-    assert choose_decode_device("cpu", CUDA, cores=1, gpus=1, problem=broken).device == "cpu" and not called
-    assert choose_decode_device("cuda", CUDA, cores=128, gpus=1, problem=no_problem).device == "cuda"
-    with pytest.raises(ConfigError, match=re.escape("--decode-device cuda: TorchCodec cannot decode JPEGs on cuda:0 "
+    assert choose_decode_device("cpu", CUDA, cores=1, gpus=1, find=broken).device == "cpu" and not called
+    assert choose_decode_device("cuda", CUDA, cores=128, gpus=1, find=no_problem).device == "cuda"
+    with pytest.raises(ConfigError, match=re.escape("--decode-device cuda: cannot decode JPEGs on cuda:0 "
                                                     "here (no CUDA build of TorchCodec)")):
-        choose_decode_device("cuda", CUDA, cores=128, gpus=1, problem=broken)
-    auto = choose_decode_device("auto", CUDA, cores=2, gpus=1, problem=broken)
-    assert auto.device == "cpu" and "cannot decode on cuda:0 here (no CUDA build of TorchCodec)" in auto.reason
+        choose_decode_device("cuda", CUDA, cores=128, gpus=1, find=broken)
+    auto = choose_decode_device("auto", CUDA, cores=2, gpus=1, find=broken)
+    assert auto.device == "cpu" and "cannot decode JPEGs on cuda:0 here (no CUDA build of TorchCodec)" in auto.reason
 
 
-def test_the_probe_names_what_stops_torchcodec_on_a_device():
-    assert decoding.cuda_decoding_problem(torch.device("cpu")) is None  # TorchCodec decodes on the CPU
+def test_the_probe_names_what_stops_each_library_on_a_device():
+    assert decoding.device_jpeg_decoder(torch.device("cpu")).name == "TorchCodec"  # TorchCodec decodes on the CPU
     if not torch.cuda.is_available():
-        assert decoding.cuda_decoding_problem(CUDA)  # a reason, in one line
+        reason = decoding.device_jpeg_decoder(CUDA)  # a reason per library, in one line
+        assert isinstance(reason, str) and "TorchCodec: " in reason and "; torchvision: " in reason
+        assert "\n" not in reason
+
+
+def test_torchvision_decodes_on_the_device_where_torchcodec_cannot(monkeypatch):
+    """A machine whose CUDA torch is older than any TorchCodec build that loads: torchvision's nvJPEG, which
+    has the same batched call, decodes instead, and the choice names it (run here on the CPU device)."""
+    def no_torchcodec(encoded, device):
+        raise RuntimeError("libtorchcodec_image.so: undefined symbol")
+
+    monkeypatch.setattr(decoding, "DEVICE_JPEG_DECODERS",
+                        (decoding.DeviceJpegDecoder("TorchCodec", no_torchcodec), decoding.DEVICE_JPEG_DECODERS[1]))
+    decoding.device_jpeg_decoder.cache_clear()
+    try:
+        assert decoding.device_jpeg_decoder(torch.device("cpu")).name == "torchvision"
+        choice = choose_decode_device("cuda", CUDA, cores=4, gpus=1,
+                                      find=lambda device: decoding.device_jpeg_decoder(torch.device("cpu")))
+        assert choice.library == "torchvision"
+        image = smooth_image(60, 40)
+        jpeg = torch.frombuffer(bytearray(encoded(image, quality=95)), dtype=torch.uint8)
+        out = torch.zeros(20, 30, 3, dtype=torch.uint8)
+        assert decode_crops_on_device([jpeg], [Crop((0, 0, 40, 60))], [(40, 60)], [out], torch.device("cpu")) == []
+        expected = torch.zeros_like(out)
+        resize_crop_into(decode_whole(encoded(image, quality=95), "x"), Crop((0, 0, 40, 60)), expected)
+        # Both libraries are libjpeg-turbo on the CPU: the same pixels, up to its IDCT's rounding.
+        assert (out.int() - expected.int()).abs().max() <= 2
+    finally:
+        decoding.device_jpeg_decoder.cache_clear()
 
 
 def test_the_header_line_names_the_decoder(tmp_path):
@@ -117,8 +145,10 @@ def test_the_header_line_names_the_decoder(tmp_path):
     assert line == ("Images decoded by TorchCodec (whole image); the native region decoder is not built "
                     "(--decode-device auto: the run is on cpu)")
     assert "libjpeg-turbo (region + DCT scaling, cnns native)" in ImageDecoder(use_native=True).name
-    line = decoding_header(DecodeChoice("cuda", "--decode-device cuda"), whole, CUDA)
+    line = decoding_header(DecodeChoice("cuda", "--decode-device cuda", "TorchCodec"), whole, CUDA)
     assert line.startswith("Images decoded on cuda:0 by nvJPEG (TorchCodec, whole images in batches)")
+    line = decoding_header(DecodeChoice("cuda", "--decode-device cuda", "torchvision"), whole, CUDA)
+    assert line.startswith("Images decoded on cuda:0 by nvJPEG (torchvision, whole images in batches)")
 
 
 def test_build_sources_chooses_once_and_says_so(tmp_path):

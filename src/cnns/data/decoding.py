@@ -11,9 +11,14 @@ One decoder serves a run, chosen once and named in the run's header:
   refuses, and every image where the native decoder is not built. PIL reads the formats TorchCodec does
   not (`cnns.data.imagefolder.decode_rgb`).
 - On a CUDA run (--decode-device), the workers only read the files and draw the crops; the main process
-  decodes each batch's JPEGs at once with nvJPEG (TorchCodec's ``decode_jpeg(list, device=...)``) and
-  crops and resizes them on the GPU (`DeviceBatch.finish`). Files nvJPEG does not take are decoded by
-  the workers as above and travel as pixels.
+  decodes each batch's JPEGs at once with nvJPEG (TorchCodec's ``decode_jpeg(list, device=...)``, or
+  torchvision's, which has the same call, where TorchCodec cannot decode on the GPU) and crops and
+  resizes them on the GPU (`DeviceBatch.finish`). Files nvJPEG does not take are decoded by the workers
+  as above and travel as pixels.
+
+TorchCodec's builds follow torch's releases, so a machine that keeps an older CUDA torch may have no
+TorchCodec that loads: torchvision, which ships with every torch, then decodes (`whole_image_decoder`,
+`device_jpeg_decoder`), and the run's header names the library.
 
 Orientation: the pixels are the file's stored ones, as libjpeg-turbo gives them; TorchCodec would apply
 a JPEG's EXIF orientation, so `cnns.data.imagefolder.decode_rgb` hides that segment from it (see
@@ -31,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame
+from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame, whole_image_decoder
 from cnns.errors import ConfigError, DataError
 
 CropBox = tuple[float, float, float, float]  # top, left, height, width, in source pixels
@@ -126,7 +131,6 @@ def native_jpeg() -> ModuleType | None:
     return jpeg if jpeg.available() else None
 
 
-WHOLE_IMAGE_NAME = "TorchCodec (whole image)"
 NATIVE_NAME = "libjpeg-turbo (region + DCT scaling, cnns native)"
 
 
@@ -142,9 +146,10 @@ class ImageDecoder:
 
     @property
     def name(self) -> str:
+        whole = f"{whole_image_decoder().name} (whole image)"
         if self.use_native:
-            return f"{NATIVE_NAME}; {WHOLE_IMAGE_NAME} for other files"
-        return f"{WHOLE_IMAGE_NAME}; the native region decoder is not built"
+            return f"{NATIVE_NAME}; {whole} for other files"
+        return f"{whole}; the native region decoder is not built"
 
     def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor) -> None:
         """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3]).
@@ -212,7 +217,7 @@ class DeviceBatch:
     def finish(self, device: torch.device, skip_corrupt: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """(uint8 [B', H, W, 3] images on `device`, int64 labels on `device`, names of the images dropped):
-        the JPEGs decoded at once by nvJPEG (TorchCodec), each crop resized on the device into its row. A
+        the JPEGs decoded at once by nvJPEG, each crop resized on the device into its row. A
         JPEG the batched call cannot decode is retried alone, then decoded on the host; one that nothing
         decodes is a DataError, or with `skip_corrupt` dropped (the batch shrinks) and named."""
         rows = len(self.labels)
@@ -244,21 +249,23 @@ class DeviceBatch:
 
 def decode_crops_on_device(encoded: Sequence[torch.Tensor], crops: Sequence[Crop], sizes: Sequence[tuple[int, int]],
                            outs: Sequence[torch.Tensor], device: torch.device) -> list[int]:
-    """Decode the JPEGs (1-D uint8 host tensors) on `device` in one TorchCodec call, and write each crop,
-    resized, into its `outs` row there. Returns the positions of the JPEGs it could not decode (the
-    batched call fails as a whole on one bad file, so then each is tried alone). Written for CUDA (nvJPEG);
-    TorchCodec decodes on the CPU through the same call, which is how it is tested without a GPU."""
-    from torchcodec.decoders import decode_jpeg
-
+    """Decode the JPEGs (1-D uint8 host tensors) on `device` in one call of its decoder
+    (`device_jpeg_decoder`), and write each crop, resized, into its `outs` row there. Returns the positions
+    of the JPEGs it could not decode (the batched call fails as a whole on one bad file, so then each is
+    tried alone). Written for CUDA (nvJPEG); both libraries decode on the CPU through the same call, which
+    is how it is tested without a GPU."""
     if not encoded:
         return []
+    decoder = device_jpeg_decoder(device)
+    if isinstance(decoder, str):
+        raise ConfigError(f"cannot decode JPEGs on {device} here ({decoder})")
     try:
-        decoded: list[torch.Tensor | None] = list(decode_jpeg(list(encoded), mode="RGB", device=device))
+        decoded: list[torch.Tensor | None] = list(decoder.decode(list(encoded), device))
     except (RuntimeError, ValueError):
         decoded = []
         for data in encoded:
             try:
-                decoded.append(decode_jpeg(data, mode="RGB", device=device))
+                decoded.append(decoder.decode([data], device)[0])
             except (RuntimeError, ValueError):
                 decoded.append(None)
     failed = []
@@ -287,6 +294,7 @@ CPU_CORES_TO_FEED_A_GPU = 8
 class DecodeChoice:
     device: str  # "cpu" (the workers decode) or "cuda" (the main process decodes on the run's GPU)
     reason: str  # why, for the header line
+    library: str = ""  # which library's nvJPEG decodes on the GPU (DeviceJpegDecoder.name), when device is cuda
 
 
 def usable_cpu_cores() -> int:
@@ -305,30 +313,68 @@ def local_gpu_processes() -> int:
         return 1
 
 
-def cuda_decoding_problem(device: torch.device) -> str | None:
-    """Why TorchCodec cannot decode JPEGs on `device` here (no CUDA build, no nvJPEG, ...), or None: a tiny
-    JPEG is decoded there."""
+@dataclass(frozen=True)
+class DeviceJpegDecoder:
+    name: str  # the library, for the run's header
+    decode: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]  # JPEG bytes -> uint8 [3, H, W]
+
+
+def _torchcodec_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchcodec.decoders import decode_jpeg
+
+    return list(decode_jpeg(encoded, mode="RGB", device=device))
+
+
+def _torchvision_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return list(decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device))
+
+
+# In the order tried: TorchCodec, the maintained decoders; torchvision's nvJPEG where TorchCodec cannot
+# decode on the device (no TorchCodec build for this torch, or one without CUDA).
+DEVICE_JPEG_DECODERS = (DeviceJpegDecoder("TorchCodec", _torchcodec_jpegs),
+                        DeviceJpegDecoder("torchvision", _torchvision_jpegs))
+
+
+def _tiny_jpeg() -> torch.Tensor:
     import io
 
     from PIL import Image
-    from torchcodec.decoders import decode_jpeg
 
     buffer = io.BytesIO()
     Image.new("RGB", (16, 16), (90, 160, 30)).save(buffer, "JPEG")
-    try:
-        decode_jpeg(buffer.getvalue(), device=device)
-    except Exception as error:  # noqa: BLE001 - any failure means "not here", said in one line
-        return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-    return None
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+@functools.lru_cache(maxsize=None)
+def device_jpeg_decoder(device: torch.device) -> DeviceJpegDecoder | str:
+    """The first of DEVICE_JPEG_DECODERS that decodes a tiny JPEG on `device`, or why none does (one line).
+    Cached: what is installed does not change while the process runs."""
+    reasons = []
+    for decoder in DEVICE_JPEG_DECODERS:
+        try:
+            decoder.decode([_tiny_jpeg()], device)
+        except Exception as error:  # noqa: BLE001 - any failure means "not here", said in one line
+            reasons.append(f"{decoder.name}: {_first_line(error)}")
+            continue
+        return decoder
+    return "; ".join(reasons)
 
 
 def choose_decode_device(requested: str, device: torch.device, *, cores: int | None = None,
                          gpus: int | None = None,
-                         problem: Callable[[torch.device], str | None] = cuda_decoding_problem) -> DecodeChoice:
+                         find: Callable[[torch.device], DeviceJpegDecoder | str] = device_jpeg_decoder
+                         ) -> DecodeChoice:
     """Where the run's images are decoded, for --decode-device `requested` on a run on `device`.
 
     "cpu": the workers decode. "cuda": the main process decodes on the run's GPU (ConfigError when the run
-    is not on one, or TorchCodec cannot decode there). "auto": the GPU when the run is on CUDA, TorchCodec
+    is not on one, or no library decodes there: `find`). "auto": the GPU when the run is on CUDA, a library
     decodes there, and the node has fewer than CPU_CORES_TO_FEED_A_GPU cores per GPU (`cores` usable by
     this process / `gpus` training processes on the node); the CPU otherwise."""
     if requested not in DECODE_DEVICES:
@@ -345,20 +391,20 @@ def choose_decode_device(requested: str, device: torch.device, *, cores: int | N
     if requested == "auto" and per_gpu >= CPU_CORES_TO_FEED_A_GPU:
         return DecodeChoice("cpu", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, at least "
                                    f"{CPU_CORES_TO_FEED_A_GPU}")
-    reason = problem(device)
-    if reason is not None:
+    decoder = find(device)
+    if isinstance(decoder, str):
         if requested == "cuda":
-            raise ConfigError(f"--decode-device cuda: TorchCodec cannot decode JPEGs on {device} here ({reason})")
-        return DecodeChoice("cpu", f"--decode-device auto: TorchCodec cannot decode on {device} here ({reason})")
+            raise ConfigError(f"--decode-device cuda: cannot decode JPEGs on {device} here ({decoder})")
+        return DecodeChoice("cpu", f"--decode-device auto: cannot decode JPEGs on {device} here ({decoder})")
     if requested == "cuda":
-        return DecodeChoice("cuda", "--decode-device cuda")
+        return DecodeChoice("cuda", "--decode-device cuda", decoder.name)
     return DecodeChoice("cuda", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, fewer than "
-                                f"{CPU_CORES_TO_FEED_A_GPU}")
+                                f"{CPU_CORES_TO_FEED_A_GPU}", decoder.name)
 
 
 def decoding_header(choice: DecodeChoice, decoder: ImageDecoder, device: torch.device) -> str:
     """The run's header line saying how its images are decoded."""
     if choice.device == "cuda":
-        return (f"Images decoded on {device} by nvJPEG (TorchCodec, whole images in batches), cropped and resized "
+        return (f"Images decoded on {device} by nvJPEG ({choice.library}, whole images in batches), cropped and resized "
                 f"there; files nvJPEG does not take by {decoder.name} in the workers ({choice.reason})")
     return f"Images decoded by {decoder.name} ({choice.reason})"

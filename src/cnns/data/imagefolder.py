@@ -4,17 +4,18 @@ torchvision's ImageFolder and the usual synset order (n01440764 = 0, ...)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchcodec.decoders import decode_image
 
 from cnns.errors import DataError
 
@@ -41,12 +42,41 @@ def decode_rgb(data: bytes, source: str) -> torch.Tensor:
     the bytes, or when the header declares more than MAX_IMAGE_PIXELS pixels."""
     check_declared_size(data, source)
     try:
-        image = decode_image(stored_orientation(data), mode="RGB")
+        image = whole_image_decoder().decode(stored_orientation(data))
     except (RuntimeError, ValueError) as first_error:
         return _decode_rgb_with_pil(data, source, first_error)
     if image.dim() == 4:  # an animated GIF or WebP: its first frame
         image = image[0]
     return image
+
+
+@dataclass(frozen=True)
+class WholeImageDecoder:
+    name: str
+    decode: Callable[[bytes], torch.Tensor]  # encoded bytes -> uint8 [3, H, W] (or [N, 3, H, W] for animations)
+
+
+def _torchcodec_image(data: bytes) -> torch.Tensor:
+    from torchcodec.decoders import decode_image
+
+    return decode_image(data, mode="RGB")
+
+
+def _torchvision_image(data: bytes) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_image
+
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+@functools.lru_cache(maxsize=1)
+def whole_image_decoder() -> WholeImageDecoder:
+    """TorchCodec's decoder, the maintained one; torchvision's where TorchCodec does not load (its builds
+    follow torch's releases, so a machine that keeps an older CUDA torch may have none that loads)."""
+    try:
+        from torchcodec.decoders import decode_image  # noqa: F401 - loads TorchCodec's libraries
+    except (ImportError, OSError, RuntimeError):
+        return WholeImageDecoder("torchvision", _torchvision_image)
+    return WholeImageDecoder("TorchCodec", _torchcodec_image)
 
 
 _APP15 = 0xEF  # an application segment no decoder reads
