@@ -25,7 +25,6 @@ torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402
-from _pytest.nodeid import NodeId  # noqa: E402
 
 import processes  # noqa: E402
 
@@ -48,8 +47,13 @@ def keep_xdist_groups_together(config, items):
     """`--dist loadgroup` sends the tests of one `xdist_group` to one worker, so a trained run they share is made
     once. pytest-xdist 3.8 marks the group by appending it to `item._nodeid`, which pytest 9 no longer reads (a
     node's id is the structured `item._id`): every group was silently spread over the workers. This sets the id
-    pytest 9 reads, in the worker, with the same `name@group` form the scheduler splits."""
+    pytest 9 reads, in the worker, with the same `name@group` form the scheduler splits. Imported here, not at the
+    top: `_pytest.nodeid` is private and pytest 8 has none, and `make test-gpu` runs under a GPU machine's own pytest."""
     if not getattr(config, "workerinput", None) or not config.getvalue("loadgroup"):
+        return
+    try:
+        from _pytest.nodeid import NodeId  # pytest 9's structured ids
+    except ImportError:  # an older pytest (a GPU machine's own) reads the `_nodeid` xdist sets: nothing to do
         return
     for item in items:
         groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))

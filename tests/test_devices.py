@@ -240,3 +240,17 @@ def test_validation_compiles_as_its_run_trained_or_as_the_device_decides(two_gpu
     assert options["compile"] is True and options["half_dtype_given"] is True
     _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path), "--no-compile"])
     assert options["compile"] is False
+
+
+def test_a_run_on_cuda_without_an_index_is_on_an_indexed_gpu(two_gpus, monkeypatch):
+    """A tensor's device always has an index; the run's must too, or a batch decoded on the run's GPU
+    (--decode-device cuda) compares unequal to "cuda" and is copied and pinned again (on an H200:
+    "cannot pin 'torch.cuda.ByteTensor'")."""
+    from cnns.parallel.world import World
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert World().device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert World().device(torch.device("cuda:0")) == torch.device("cuda", 0)
+    assert World().device(torch.device("cpu")) == torch.device("cpu")
+    launched = World(rank=1, size=2, local_rank=1, local_size=2)
+    assert launched.distributed and launched.device(torch.device("cuda")) == torch.device("cuda", 1)

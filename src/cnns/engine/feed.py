@@ -42,7 +42,7 @@ class DeviceFeed:
         if self.host_normalisation and images.device.type == "cpu":
             images = normalise(images, self.mean, self.std, self.dtype)
         if images.device != self.device:
-            if self.pin:
+            if self.pin and images.device.type == "cpu":  # only host memory is pinned
                 images, labels = images.pin_memory(), labels.pin_memory()
             images = images.to(self.device, non_blocking=self.pin)
             labels = labels.to(self.device, non_blocking=self.pin)

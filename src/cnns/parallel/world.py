@@ -130,9 +130,11 @@ class World:
         return self.replica_rank, self.replicas
 
     def device(self, requested: torch.device) -> torch.device:
-        """A CUDA device without an index means this process's own GPU (cuda:LOCAL_RANK)."""
-        if requested.type == "cuda" and requested.index is None and self.distributed:
-            return torch.device("cuda", self.local_rank)
+        """A CUDA device without an index means this process's own GPU: cuda:LOCAL_RANK under a launcher, the
+        current one otherwise. Always indexed, because a tensor's device is: a batch already on the run's
+        GPU (decoded there) must compare equal to the run's device, or it would be copied and pinned again."""
+        if requested.type == "cuda" and requested.index is None:
+            return torch.device("cuda", self.local_rank if self.distributed else torch.cuda.current_device())
         return requested
 
     # -- host-side agreement (the control group) ---------------------------------------------
