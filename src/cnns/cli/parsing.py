@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from cnns.config import NUM_CLASSES, RunConfig, load_named_config, resolve
 from cnns.config import defaults
-from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
+from cnns.config.table import IPU_ONLY_OPTIONS, USED_ONLY_WITH, build_parser, flag_of, has_effect
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -141,14 +141,35 @@ def _training_options(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_config(options: dict[str, Any]) -> int:
-    print(json.dumps(options, sort_keys=True, indent=4, default=str))
+    """The resolved options as JSON; one that changes nothing with the choices made (--momentum with --optimiser
+    SGD) is shown as null, so what is printed is what the run uses."""
+    shown = {dest: value if has_effect(dest, options) else None for dest, value in options.items()}
+    print(json.dumps(shown, sort_keys=True, indent=4, default=str))
     return 0
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
+def options_without_effect(values: dict[str, Any], options: dict[str, Any]) -> list[str]:
+    """A notice for each option the command line (or its configs.yml entry) gave that the choices made leave
+    unused, naming the choices that would use it."""
+    notices = []
+    for dest, (chooser, choices) in USED_ONLY_WITH.items():
+        if values.get(dest) is not None and not has_effect(dest, options):
+            notices.append(f"{flag_of(dest)} has no effect with {flag_of(chooser)} {options[chooser]}; it is used "
+                           f"by {flag_of(chooser)} {_one_of(choices)}")
+    return notices
 
 
 def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     """inference_embedded.py's options from its command line's values: one process, no pipeline, no
-    validation, and generated data unless synthetic data was asked for."""
-    device_defaults(values)
+    validation, and generated data unless synthetic data was asked for; a run's checkpoint in its run's model."""
+    from cnns.runs import inference_run_options
+
+    values, run = inference_run_options(values)
+    device_defaults(values, decided=set(run))
     values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     if values.get("seed") is None:
         values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runs`)
@@ -175,6 +196,7 @@ def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
     if script == "train":
         values, notices = parse_options(script, argv)
         options = _training_options(values)
+        notices += options_without_effect(values, options)
     elif script == "restore":
         from cnns.runs import RunFolder, restore_options
 

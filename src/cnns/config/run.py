@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from cnns.config.defaults import CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES, draw_seed
+from cnns.config.table import has_effect
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 
@@ -38,6 +39,7 @@ class DataConfig:
     cutmix_version: int
     skip_corrupt: bool = False  # --skip-corrupt-images: drop and count undecodable images
     decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" (cnns.data.decoding.choose_decode_device)
+    max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.data.bounded's default)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,19 @@ class OptimConfig:
     poly_lr_decay_power: float
     poly_lr_end_ratio: float  # --abs-end-learning-rate is given as this ratio (`cnns.config.defaults`)
 
+    @property
+    def summary(self) -> str:
+        """The optimiser as it really updates: its momentum (none for SGD) and the weight decay it applies."""
+        values = dataclasses.asdict(self)
+        if not has_effect("momentum", values):
+            name = f"{self.optimiser} without momentum"
+        elif self.optimiser == "momentum":
+            name = f"momentum {self.momentum:g}"
+        else:
+            name = f"{self.optimiser} with momentum {self.momentum:g}"
+        decay = self.weight_decay if has_effect("weight_decay", values) else self.lars_weight_decay
+        return f"{name}, weight decay {decay:g}"
+
 
 @dataclass(frozen=True)
 class LogConfig:
@@ -174,6 +189,7 @@ class RunConfig:
             percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],
             mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
             skip_corrupt=bool(o.get("skip_corrupt_images")), decode_device=o.get("decode_device") or "auto",
+            max_file_size=o.get("max_file_size"),
         )
         precision = PrecisionConfig(
             precision=o["precision"], half_dtype=o["half_dtype"],

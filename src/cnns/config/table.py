@@ -60,6 +60,42 @@ DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 OPTIMISERS = ("SGD", "momentum", "RMSprop", "LARS")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+
+# Options that only some choices of another option use: dest -> (the choosing option's dest, the choices that
+# use it). With any other choice such an option changes nothing: --print-config shows it as null and a
+# command line that gives it gets one notice naming what would use it (`cnns.cli.parsing`).
+# tests/test_option_effects.py holds the optimiser rows to the optimisers `cnns.optim` builds.
+USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
+    "momentum": ("optimiser", ("momentum", "RMSprop", "LARS")),  # SGD is the seed's plain SGD
+    "weight_decay": ("optimiser", ("SGD", "momentum", "RMSprop")),  # LARS decays by --lars-weight-decay
+    "rmsprop_decay": ("optimiser", ("RMSprop",)),
+    "rmsprop_base_decay_exp": ("optimiser", ("RMSprop",)),
+    "rmsprop_epsilon": ("optimiser", ("RMSprop",)),
+    "lars_eeta": ("optimiser", ("LARS",)),
+    "lars_epsilon": ("optimiser", ("LARS",)),
+    "lars_weight_decay": ("optimiser", ("LARS",)),
+    "learning_rate_decay": ("lr_schedule", ("stepped",)),
+    "learning_rate_schedule": ("lr_schedule", ("stepped",)),
+    "lr_decay_rate": ("lr_schedule", ("exponential",)),
+    "lr_drops": ("lr_schedule", ("exponential",)),
+    "poly_lr_decay_power": ("lr_schedule", ("polynomial",)),
+    "poly_lr_end_ratio": ("lr_schedule", ("polynomial",)),
+    "abs_end_learning_rate": ("lr_schedule", ("polynomial",)),
+}
+
+
+def has_effect(dest: str, options) -> bool:
+    """Whether option `dest` changes anything with the choices in `options`, resolved options (polynomial_decay_lr
+    is polynomial there) in any mapping of dests to values."""
+    if dest not in USED_ONLY_WITH:
+        return True
+    chooser, choices = USED_ONLY_WITH[dest]
+    return options.get(chooser) in choices
+
+
+def flag_of(dest: str) -> str:
+    """The spelled flag of an option's dest (the table's options are spelled as their dests)."""
+    return "--" + dest.replace("_", "-")
 PRECISIONS = ("16.16", "16.32", "32.32")
 
 
@@ -80,6 +116,22 @@ def _replicas(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of replicas or auto, got {value!r}") from None
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(value: str) -> int:
+    """A size in bytes: a number, or with K, M, G or T (1024-based; KiB, KB and the like read the same): 512M, 2G."""
+    text = str(value).strip().upper().removesuffix("IB").removesuffix("B")  # str(): a number from configs.yml
+    number, unit = (text[:-1], text[-1]) if text[-1:].isalpha() else (text, "")
+    try:
+        size = int(float(number) * _BYTE_UNITS[unit])
+    except (KeyError, ValueError, OverflowError):  # an unknown unit, not a number, inf or nan
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least one byte, got {value!r}")
+    return size
 
 
 def _model_size(value: str) -> str:
@@ -119,6 +171,9 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Dataset")
     group.add_argument("--skip-corrupt-images", action="store_true", default=None,
                        help="ImageNet: drop images that cannot be decoded and count them, instead of stopping.")
+    group.add_argument("--max-file-size", type=byte_size, metavar="SIZE",
+                       help="The largest image, TFRecord record or CIFAR file read, e.g. 512M or 2G (default 1G); a "
+                            "larger one, or anything but a regular file, is named in one line and not read.")
     group.add_argument("--dataset", choices=DATASETS, type=str.lower,
                        help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")

@@ -6,6 +6,7 @@ generator; a sharded optimiser's state consolidated first), the loss scaler, eve
 with replicas), the moving average of the weights, the iteration (which fixes the data position and the
 learning rate) and the random seed. Every process calls `save`: the replicas average their batch-norm statistics, the
 stages send their parts to rank 0, and rank 0 (with --ckpt-all-instances every unpipelined rank) writes.
+A checkpoint of weights that are NaN or Inf is never written: the run has diverged (`cnns.engine.loop.Diverged`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
 from cnns.engine.build import unwrap
 from cnns.engine.components import Components
+from cnns.engine.loop import Diverged
 from cnns.engine.parts import TrainingParts
 from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
-from cnns.errors import CheckpointError
+from cnns.errors import CheckpointError, CnnsError
 from cnns.parallel.replicas import average_running_statistics
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
@@ -38,11 +42,14 @@ class Checkpointer:
         self.global_batch_size = global_batch_size
         self.every_instance = every_instance  # --ckpt-all-instances
         self.sharded_optimiser = sharded_optimiser  # --rts: the whole optimiser state is on rank 0 only
+        self.last_saved: Path | None = None  # the newest checkpoint of the run (written or restored)
 
     def save(self, iteration: int) -> None:
-        """Called by every process: a sharded optimiser's state and every rank's random streams are
-        gathered first; rank 0 (and with --ckpt-all-instances every rank) writes."""
+        """Called by every process: the weights checked finite (everywhere, or nothing is written), a sharded
+        optimiser's state and every rank's random streams gathered; rank 0 (and with --ckpt-all-instances every
+        rank) writes."""
         world, c, parts = self.world, self.c, self.parts
+        self._refuse_non_finite_weights(iteration)
         average_running_statistics(c.plain_model, world)  # every replica saves the same model
         parts.optimiser.consolidate()
         rng = capture_rng_state(parts.generators)
@@ -57,6 +64,7 @@ class Checkpointer:
                 state["rng_by_rank"] = every_rng
             path = checkpoint_path(self.folder, iteration)
             save_checkpoint(path, state)
+            self.last_saved = path
             if iteration == 0:
                 self.log.print(f"Saved initial checkpoint to {path}")
             else:
@@ -65,6 +73,19 @@ class Checkpointer:
             # A sharded optimiser's whole state exists on rank 0 only.
             state = self._state(iteration, rng, with_optimiser=not self.sharded_optimiser)
             save_checkpoint(checkpoint_path(self.instance_folder, iteration), state)
+        if not world.is_writer:
+            self.last_saved = checkpoint_path(self.folder, iteration)  # what the writer wrote
+
+    def _refuse_non_finite_weights(self, iteration: int) -> None:
+        """Every process checks what it holds of the model (a stage its part) in one read-back, which the
+        checkpoint's own copy to the host would make anyway, and all agree before anything is written."""
+        floats = [t for t in self.c.plain_model.state_dict().values() if t.is_floating_point()]
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in floats]).all()) if floats else True
+        if not self.world.any(not finite):
+            return
+        if iteration == 0:
+            raise CnnsError("the initial weights hold NaN or Inf values: no checkpoint written")
+        raise Diverged(iteration, "the weights after it are NaN or Inf")
 
     def _gather_stages(self) -> list | None:
         """Replica 0's stages send their parts of the model, optimiser and average to the writer."""
@@ -98,6 +119,7 @@ class Checkpointer:
         """The checkpoint's state in place: (its iteration, the notices of what could not be carried)."""
         state, path = restore.state, restore.path
         c, parts = self.c, self.parts
+        self.last_saved = path
         if "seed" in state and int(state["seed"]) != c.seed:
             raise CheckpointError(f"{path} was written with seed {int(state['seed'])}, but this run's "
                                   f"arguments.json says {c.seed}: it belongs to another run")

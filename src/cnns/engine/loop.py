@@ -1,11 +1,14 @@
-"""The training loop: updates, the metrics outfeed, step lines, checkpoints, interrupts.
+"""The training loop: updates, the metrics outfeed, step lines, checkpoints, interrupts, divergence.
 
 Per-update metrics stay on the device in the outfeed and are read back once every `sync_every`
-updates (Graphcore's application's device iterations), so the loop never blocks on the step's results in between.
+updates (Graphcore's application's device iterations) and at every checkpoint, so the loop never blocks on the
+step's results in between. Divergence is found in those read-back metrics: a non-finite loss costs no
+read-back of its own.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from contextlib import contextmanager
@@ -20,6 +23,7 @@ from cnns.engine.build import RunLength
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
 from cnns.engine.wrappers import compilation_failures_named
+from cnns.errors import CnnsError
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
 from cnns.schedules import ScheduleSpec, lr_at
@@ -41,7 +45,7 @@ class Outfeed:
         self.pending.append((iteration, lr, metrics))
 
     def drain(self) -> list[dict]:
-        """One transfer for all pending updates: [{iteration, lr, loss, correct, samples}]."""
+        """One transfer for all pending updates: [{iteration, lr, loss, correct, samples, backed_off}]."""
         if not self.pending:
             return []
         values = torch.stack([torch.stack([m.loss_sum.float(), m.correct.float(),
@@ -53,7 +57,7 @@ class Outfeed:
         replicas = self.world.replicas
         rows = [
             {"iteration": it, "lr": lr, "loss": loss / max(1, len_micro(m) * replicas), "correct": correct,
-             "samples": int(samples)}
+             "samples": int(samples), "backed_off": m.backed_off}
             for (it, lr, m), (loss, correct, samples) in zip(self.pending, host)
         ]
         self.pending.clear()
@@ -106,6 +110,36 @@ class StopRequest:
                 signal.signal(sig, old)
 
 
+class Diverged(CnnsError):
+    """Training met a non-finite loss or non-finite weights; `update` is the first update found so.
+    The session completes the line with the last finite checkpoint and what to try."""
+
+    def __init__(self, update: int, what: str):
+        super().__init__(f"training diverged at update {update}: {what}")
+        self.update, self.what = update, what
+
+
+def first_divergence(rows: list[dict]) -> Diverged | None:
+    """The first read-back update whose loss is NaN or Inf. An update that dynamic loss scaling skipped
+    and backed off from is an overflow the lower scale retries (float16's usual start), not divergence."""
+    for row in rows:
+        if not math.isfinite(row["loss"]) and not row["backed_off"]:
+            return Diverged(row["iteration"] + 1, f"its loss is {row['loss']}")
+    return None
+
+
+def checkpoint_cadence_notice(length: RunLength, ckpts_per_epoch: float) -> str | None:
+    """One line when --ckpts-per-epoch N cannot be honoured as asked, saying what is saved instead:
+    checkpoints fall on whole updates, every int(updates per epoch / N) of them (Graphcore's rule)."""
+    every, per_epoch = length.ckpt_every, length.iterations_per_epoch
+    if every is None or ckpts_per_epoch < 1 or every * ckpts_per_epoch == per_epoch:
+        return None  # none asked, one every few epochs, or exactly N an epoch
+    reason = (f"asks for more checkpoints than an epoch's {per_epoch} updates" if ckpts_per_epoch > per_epoch
+              else f"does not divide an epoch's {per_epoch} updates")
+    saved = "one after every update" if every == 1 else f"one every {every} updates"
+    return f"--ckpts-per-epoch {ckpts_per_epoch:g} {reason}: {saved} is saved instead"
+
+
 @dataclass
 class LoopResult:
     final_iteration: int
@@ -119,9 +153,10 @@ class LoopResult:
 class TrainingLoop:
     """Runs updates from `start_iteration` to the end of the run.
 
-    Host synchronisations (and so step lines and checkpoints) fall on multiples of `sync_every`
-    counted from iteration 0, whatever the start, so a restored run keeps the uninterrupted run's
-    cadence; an interrupt or the last update adds one.
+    Host synchronisations fall on multiples of `sync_every` (step lines) and of the checkpoint cadence,
+    counted from iteration 0 whatever the start, so a restored run keeps the uninterrupted run's
+    cadence; an interrupt or the last update adds one. Each synchronisation checks the read-back losses,
+    and a non-finite one stops the run (`Diverged`) before anything of it is logged or saved.
     """
 
     def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
@@ -153,8 +188,10 @@ class TrainingLoop:
         # `Compilation time:` line is the run's sign of life before the first step line.
         return self._crossed(self.length.log_every, last_log, done)
 
-    def _checkpoint_due(self, last_sync: int, done: int) -> bool:
-        return self._crossed(self.length.ckpt_every, last_sync, done) and done >= self.length.ckpt_offset
+    def _checkpoint_due(self, done: int) -> bool:
+        """Every `ckpt_every` updates counted from 0, from `ckpt_offset` on: the loop meets the host there."""
+        every = self.length.ckpt_every
+        return every is not None and done % every == 0 and done >= self.length.ckpt_offset
 
     def run(self, stop: StopRequest) -> LoopResult:
         with self.log.progress(self.length.total_iterations, self.start_iteration, "training", "update") as bar:
@@ -171,7 +208,7 @@ class TrainingLoop:
         stopping = (lambda: self.world.any(bool(stop))) if self.world.distributed else (lambda: bool(stop))
         start_all = interval_start = time.perf_counter()
         window: list[dict] = []
-        last_log = last_sync = self.start_iteration
+        last_log = self.start_iteration
         warmup: tuple[float, int] | None = None  # (seconds, images) of the first update
         for iteration in range(self.start_iteration, length.total_iterations):
             with profiling.marked(profiling.UPDATE):
@@ -196,9 +233,14 @@ class TrainingLoop:
             done = iteration + 1
             final = done == length.total_iterations
             stop_now = stopping()
-            if not (done % length.sync_every == 0 or final or stop_now):
+            checkpoint_now = self._checkpoint_due(done) or final or stop_now
+            if not (done % length.sync_every == 0 or checkpoint_now):
                 continue
-            window.extend(outfeed.drain())  # the host synchronisation
+            rows = outfeed.drain()  # the host synchronisation
+            diverged = first_divergence(rows)
+            if diverged is not None:
+                raise diverged
+            window.extend(rows)
             if self._log_due(last_log, done) or final or stop_now:
                 elapsed = time.perf_counter() - interval_start
                 images, timed = sum(r["samples"] for r in window), len(window)
@@ -215,10 +257,9 @@ class TrainingLoop:
                 window = []
                 last_log = done
                 interval_start = time.perf_counter()
-            if self._checkpoint_due(last_sync, done) or final or stop_now:
+            if checkpoint_now:
                 self.save_checkpoint(done)
                 result.checkpoints.append(done)
-            last_sync = done
             result.final_iteration = done
             if stop_now:
                 result.interrupted_by = stop.signal_name or "a signal to another process"

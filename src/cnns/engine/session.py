@@ -17,9 +17,10 @@ from cnns.config import RunConfig
 from cnns.engine.averaging import training_time_averages
 from cnns.engine.checkpointer import Checkpointer
 from cnns.engine.components import Components, build_components
-from cnns.engine.loop import LoopResult, StopRequest, TrainingLoop
+from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop, checkpoint_cadence_notice
 from cnns.engine.parts import TrainingParts, build_training_parts
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
+from cnns.errors import CnnsError
 from cnns.models import count_parameters
 from cnns.parallel.world import World
 from cnns.runlog import RunLog
@@ -36,7 +37,7 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
         log.print(c.policy.note)
     log.print(f" Batch Size: {t.global_batch_size} (micro-batch {t.micro_batch_size}"
               f" x accumulation {t.grad_accum} x replicas {cfg.parallel.replicas})")
-    log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.optimiser})")
+    log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.summary})")
     log.print(f"Total Parameters:{c.total_parameters or count_parameters(model)}")
     if c.sources.decoding:
         log.print(c.sources.decoding)
@@ -44,6 +45,23 @@ def print_startup(log: RunLog, cfg: RunConfig, model: nn.Module, c: Components) 
         names = c.stage.stage_parameter_names
         log.print(f" Pipeline stage {c.world.stage + 1} of {c.world.shards}: {count_parameters(c.stage.module.model)} "
                   f"parameters, {len(names)} tensors ({names[0]} ... {names[-1]})")
+
+
+# Ctrl-C (SIGINT) ends with 130 wherever it lands, as a shell expects of an interrupted command (so that
+# `train.py ... && next` stops); SIGTERM is a scheduler's request to save and stop, which ends cleanly (0).
+INTERRUPTED_EXIT_CODES = {"SIGINT": 130}
+
+
+def divergence_line(diverged: Diverged, checkpointer: Checkpointer, cfg: RunConfig) -> str:
+    """The one line a diverged run ends with: where, the last finite checkpoint, and what to try."""
+    last = checkpointer.last_saved
+    kept = f"the last finite checkpoint is {last}" if last is not None else "no checkpoint was written before it"
+    tries = [f"a smaller learning rate (this run's is {cfg.optim.learning_rate:g}: --abs-learning-rate or "
+             f"--base-learning-rate-exponent)", f"a longer warm-up (--warmup-epochs, this run's is {cfg.optim.warmup_epochs:g})"]
+    p = cfg.precision
+    if p.precision != "32.32" and p.half_dtype == "float16" and not p.auto_loss_scaling:
+        tries.append("dynamic loss scaling (--auto-loss-scaling)")
+    return f"{diverged}; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}"
 
 
 class TrainingSession:
@@ -101,14 +119,20 @@ class TrainingSession:
             return 0
         if start_iteration >= parts.length.total_iterations:
             log.print(f"Training already complete at iteration {start_iteration}.")
-        result = self._train(c, parts, checkpointer, start_iteration)
+        cadence = checkpoint_cadence_notice(parts.length, cfg.train.ckpts_per_epoch)
+        if cadence is not None:
+            log.notice(cadence)
+        try:
+            result = self._train(c, parts, checkpointer, start_iteration)
+        except Diverged as diverged:
+            raise CnnsError(divergence_line(diverged, checkpointer, cfg)) from None
         log.print(f"Training loop completed in {result.seconds:.3f}s.")
         if c.stage is not None:
             self._report_stage_times(parts)
         if result.interrupted_by:
             log.print(f"Training interrupted by {result.interrupted_by} at iteration {result.final_iteration}; "
                       f"checkpoint saved. Continue with: python restore.py --restore-path {self.folder}")
-            return 0
+            return INTERRUPTED_EXIT_CODES.get(result.interrupted_by, 0)
         start = time.perf_counter()
         self._after_training(c, checkpointer, (result.final_iteration - start_iteration) * cfg.train.global_batch_size)
         self._report_skipped_images(c)
@@ -135,7 +159,12 @@ class TrainingSession:
         with StopRequest().installed() as stop, self._profiler(cfg, c.device):
             if start_iteration == 0 and cfg.train.ckpts_per_epoch:
                 checkpointer.save(0)  # the initial weights; a restored run has it already
-            return loop.run(stop)
+            result = loop.run(stop)
+        if result.interrupted_by is None and self.world.any(bool(stop)):
+            # The signal came after the loop's last look (during the final checkpoint): the run is
+            # complete and saved, but it was asked to stop, so it stops before validation (every process).
+            result.interrupted_by = stop.signal_name or "a signal to another process"
+        return result
 
     def _report_stage_times(self, parts: TrainingParts) -> None:
         """Where a pipelined run's time went, stage by stage (replica 0's stages)."""

@@ -28,6 +28,9 @@ class StepMetrics:
     loss_sum: torch.Tensor  # sum over micro-batches of the mean micro-batch loss
     correct: torch.Tensor  # top-1 hits over the whole update
     samples: int
+    # Dynamic loss scaling found an overflow, skipped the update and halved the scale (a host value its
+    # check read back anyway): the training loop does not take this update's non-finite loss for divergence.
+    backed_off: bool = False
 
 
 class FloatGradientAccumulator:
@@ -124,15 +127,20 @@ class _OptimiserStep:
     `scaler`, `fp_exceptions` and `param_names` (the parameters' names in the optimiser's order)."""
 
     def _update(self, grads: list[torch.Tensor | None], loss_sum: torch.Tensor,
-                all_finite: Callable[[bool], bool] | None = None) -> None:
+                all_finite: Callable[[bool], bool] | None = None) -> bool:
         """The optimiser step on the update's gradients: checked (--fp-exceptions), unscaled, and
-        skipped when dynamic loss scaling found an overflow (everywhere, with `all_finite`)."""
+        skipped when dynamic loss scaling found an overflow (everywhere, with `all_finite`). True when
+        it was skipped and the scale backed off; at a scale of 1 there is nothing left to back off, and
+        the same overflow is the run's divergence."""
         with profiling.marked(profiling.OPTIMISER):
             if self.fp_exceptions:
                 self._raise_on_non_finite(loss_sum, grads, self.param_names)
             present = [g for g in grads if g is not None]
+            scale = self.scaler.scale
             if self.scaler.unscale_(present, all_finite=all_finite):
                 self.optimiser.step(grads)
+                return False
+            return scale > 1.0
 
     @staticmethod
     def _raise_on_non_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
@@ -206,8 +214,8 @@ class TrainStep(_OptimiserStep):
             correct += (logits.detach().argmax(dim=1) == labels).sum()
             samples += labels.shape[0]
         grads = self.accumulator.gradients(to_float32=self.scaler.active)
-        self._update(grads, loss_sum)
-        return StepMetrics(loss_sum, correct, samples)
+        backed_off = self._update(grads, loss_sum)
+        return StepMetrics(loss_sum, correct, samples, backed_off)
 
 
 class PipelinedTrainStep(_OptimiserStep):
@@ -279,8 +287,8 @@ class PipelinedTrainStep(_OptimiserStep):
         if world.replicas > 1:
             average_gradients(grads, world.replica_group, world.replicas)
         # With dynamic loss scaling every stage skips the update when any stage overflowed.
-        self._update(grads, loss_sum, all_finite=lambda finite: not world.any(not finite))
-        return StepMetrics(loss_sum, correct, sum(y.shape[0] for _, y in micro_batches))
+        backed_off = self._update(grads, loss_sum, all_finite=lambda finite: not world.any(not finite))
+        return StepMetrics(loss_sum, correct, sum(y.shape[0] for _, y in micro_batches), backed_off)
 
 
 class NonFiniteError(CnnsError):
