@@ -60,6 +60,7 @@ DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 OPTIMISERS = ("SGD", "momentum", "RMSprop", "LARS")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+PRECISIONS = ("16.16", "16.32", "32.32")
 
 # Options that only some choices of another option use: dest -> (the choosing option's dest, the choices that
 # use it). With any other choice such an option changes nothing: --print-config shows it as null and a
@@ -96,7 +97,6 @@ def has_effect(dest: str, options) -> bool:
 def flag_of(dest: str) -> str:
     """The spelled flag of an option's dest (the table's options are spelled as their dests)."""
     return "--" + dest.replace("_", "-")
-PRECISIONS = ("16.16", "16.32", "32.32")
 
 
 def _on_off(value: str) -> bool:
