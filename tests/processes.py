@@ -40,17 +40,33 @@ def _tagged(kwargs: dict) -> str:
 
 
 def family(tag: str) -> list[int]:
-    """Every live process whose environment holds the tag."""
+    """Every live process whose environment holds the tag, and every descendant of one. The tag finds a
+    family whose launcher died (its workers re-parented); the parent links find a process whose environment
+    could not be read at that moment (one still starting, between fork and exec), so no member is missed."""
     marker = f"{TAG}={tag}".encode()
-    found = []
+    tagged, parents = set(), {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:  # gone, or not ours
-                continue
-    return found
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            parents[pid] = _parent(entry)
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                tagged.add(pid)
+        except (OSError, ValueError, IndexError):  # gone, or its environment unreadable: its parent link stays
+            continue
+    found, frontier = set(tagged), list(tagged)
+    while frontier:
+        pid = frontier.pop()
+        for child in (c for c, parent in parents.items() if parent == pid and c not in found):
+            found.add(child)
+            frontier.append(child)
+    return sorted(found)
+
+
+def _parent(entry: Path) -> int:
+    """The parent pid from /proc/PID/stat (the field after the command name, which may hold spaces)."""
+    return int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def kill_tree(process: subprocess.Popen) -> None:

@@ -53,3 +53,23 @@ def test_run_returns_what_the_child_printed_and_its_exit_code():
                         text=True, timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (3, "out\n", "err\n")
     assert os.environ.get(processes.TAG) is None  # the tag is the child's, not this process's
+
+
+def test_the_family_follows_parent_links_where_the_environment_cannot_be_read(monkeypatch):
+    """A process whose /proc environment reads empty (as one between fork and exec can) is still found, as
+    the child of a tagged one: the guard against hanging must not miss a grandchild."""
+    process = processes.start([sys.executable, "-c", SPAWNER], stdout=subprocess.PIPE, text=True)
+    grandchild = int(processes.read_line(process.stdout, time.monotonic() + 60))
+    real_read_bytes = processes.Path.read_bytes
+
+    def unreadable_grandchild(path):
+        return b"" if path == processes.Path(f"/proc/{grandchild}/environ") else real_read_bytes(path)
+
+    monkeypatch.setattr(processes.Path, "read_bytes", unreadable_grandchild)
+    assert set(processes.family(process.cnns_tag)) == {process.pid, grandchild}
+    monkeypatch.undo()
+    processes.kill_tree(process)
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild)
