@@ -1,7 +1,8 @@
 """Whole-batch augmentation and normalisation for uint8 NHWC image batches, on CPU or CUDA.
 
-Every function works on the whole batch with tensor ops: on a 2-core CPU a Python loop per image
-(or a worker process per core) costs more than the model's forward pass at CIFAR sizes.
+Every function works on the whole batch with tensor ops, one call per batch instead of one per image: at
+CIFAR sizes a Python loop per image costs more than the model's forward pass, and on a GPU the batch is
+augmented where it is trained (docs/performance.md has the measurements).
 """
 
 from __future__ import annotations

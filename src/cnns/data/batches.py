@@ -1,8 +1,8 @@
 """Resumable batch iterators over datasets held whole in memory, and over generated random data.
 
 No DataLoader and no worker processes: the dataset is one uint8 NHWC tensor, a batch is one
-index_select, and augmentation runs on the whole batch (see augment.py). On a 2-core CPU this
-beats worker processes, which would compete with the model for the same two cores.
+index_select, and augmentation runs on the whole batch (see augment.py). Worker processes would only
+add copies and compete with the model for the same cores: a batch here is one gather, not a decode.
 
 Every order and every random draw is a pure function of (seed, epoch, sample), never of the batch
 size, the batch or the shard, so a run resumed from a checkpoint mid-epoch sees exactly the batches

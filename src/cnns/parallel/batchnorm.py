@@ -98,13 +98,14 @@ def cross_replica_batch_norm(model: nn.Module, group: "dist.ProcessGroup | None"
     CUDA (and other accelerators torch's SyncBatchNorm supports): the layers are REPLACED by
     ``nn.SyncBatchNorm`` (timm's ``SyncBatchNormAct`` for ``BatchNormAct2d``), sharing the original
     parameters and buffers, so the state-dict keys are the same but the module objects are new; when
-    `model` is itself a batch norm the returned model is a new object. Use the returned model. This path
-    has not been run here (no GPU on the development machine).
+    `model` is itself a batch norm the returned model is a new object. Use the returned model. No test covers
+    this path yet (the CUDA tier's two-GPU test trains with group norm); the README's GPUs section says what
+    has run on GPUs.
     """
     if group is None or dist.get_world_size(group) <= 1:
         return model, 0
     if device.type != "cpu":
-        # Not executed on the development machine (CPU only): SyncBatchNorm on accelerators.
+        # torch's SyncBatchNorm on accelerators; the CPU path below spans with the functional collectives.
         from timm.layers import convert_sync_batchnorm
 
         converted = sum(isinstance(module, _BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
