@@ -8,16 +8,15 @@ states, iteration, and the options of the run. Nothing in a checkpoint is ever e
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cnns.errors import CheckpointError
+from cnns.errors import CheckpointError, WriteError, reason
+from cnns.files import write_atomically
 
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 WEIGHT_AVERAGE_GLOB = "weight_avg*.pt"
@@ -28,43 +27,14 @@ def checkpoint_path(folder: Path, iteration: int) -> Path:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over the final name.
-
-    A crash mid-write leaves at worst a stray temporary file, never a truncated ``ckpt-*``.
-    """
+    """Written atomically (`cnns.files.write_atomically`): a full disk, a quota or a crash mid-write leaves the
+    previous checkpoints as they were and no partial ``ckpt-*``; the failure is a CheckpointError of one line."""
     path = Path(path)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except OSError as exc:  # a full disk, a quota, a vanished folder: the previous checkpoints stay
-        Path(tmp_name).unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}; "
+        write_atomically(path, lambda file: torch.save(state, file))
+    except WriteError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {reason(exc.cause)}; "
                               "the previous checkpoints are intact") from None
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict[str, Any]:

@@ -19,3 +19,20 @@ class CheckpointError(CnnsError):
 
 class ConfigError(CnnsError):
     """Unknown or contradictory options and configurations."""
+
+
+class WriteError(CnnsError):
+    """A file that could not be written whole (a full disk, a quota, an I/O error, a vanished folder); what
+    the file held before is unchanged (`cnns.files`)."""
+
+    def __init__(self, path, cause: OSError):
+        self.path, self.cause = path, cause
+        super().__init__(f"cannot write {path}: {reason(cause)}")
+
+    def __reduce__(self):  # rebuilt from its own arguments when a worker process sends it back
+        return type(self), (self.path, self.cause)
+
+
+def reason(cause: OSError) -> str:
+    """An OSError in the words the system uses ("No space left on device"), without its errno prefix."""
+    return cause.strerror or str(cause) or type(cause).__name__

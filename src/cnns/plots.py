@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
-import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cnns.errors import CnnsError
+from cnns.errors import CnnsError, WriteError
+from cnns.files import write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -168,32 +167,16 @@ def build_figure(runs: list[RunCurves], title: str | None = None) -> Figure:
     return fig
 
 
-def _write_atomically(fig: Figure, out: Path) -> None:
-    """Write to a temporary file next to `out`, then rename: a reader never sees half a PNG."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        # os.open with 0o666 honours the umask, like an ordinary file (a NamedTemporaryFile would be 0600).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            fig.canvas.print_png(f)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-
-
 def plot_runs(runs: list[RunCurves], out: Path, title: str | None = None) -> Path:
-    """Draw `runs` into one PNG at `out` (written atomically) and return its path."""
+    """Draw `runs` into one PNG at `out` (written atomically: a reader never sees half a PNG) and return its
+    path; a failed write is a WriteError naming `out`."""
     out = Path(out)
     fig = build_figure(runs, title)
     try:
-        _write_atomically(fig, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CnnsError(f"{out}: cannot be written ({exc.strerror or exc})") from None
+        raise WriteError(out, exc) from None
+    write_atomically(out, fig.canvas.print_png)
     return out
 
 

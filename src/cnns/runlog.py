@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import random
 import string
 import sys
@@ -24,7 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping
 
-TRAINING_FILE, VALIDATION_FILE = "training.csv", "validation.csv"
+from cnns.errors import WriteError
+from cnns.files import append, restore_size, size_before, write_atomically
+
+TRAINING_FILE, VALIDATION_FILE, LOG_FILE = "training.csv", "validation.csv", "log.txt"
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
                     "train_acc_avg", "it_time", "img_per_sec", "total_time")
 # Graphcore's application's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
@@ -103,8 +105,7 @@ class RunLog:
         else:
             print(line, flush=True)
         if self.folder is not None:
-            with open(self.folder / "log.txt", "a") as f:
-                f.write(line + "\n")
+            append(self.folder / LOG_FILE, line + "\n")
 
     @contextmanager
     def progress(self, total: int, initial: int = 0, description: str = "", unit: str = "it"):
@@ -132,12 +133,12 @@ class RunLog:
         if self.folder is None:
             return
         path = self.folder / filename
-        new = not path.exists() or path.stat().st_size == 0
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        text = io.StringIO()  # the header (for a new file) and the row, appended whole or not at all
+        writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+        if not path.exists() or path.stat().st_size == 0:
+            writer.writeheader()
+        writer.writerow(row)
+        append(path, text.getvalue())
 
     def continue_after(self, iteration: int) -> list[str]:
         """A run continued from its checkpoint at `iteration`: the rows its CSV files hold past it are set apart
@@ -176,7 +177,7 @@ class RunLog:
 def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "arguments.json") -> None:
     """Every resolved option, as JSON: what restore.py and validation.py read back."""
     text = json.dumps(dict(options), sort_keys=True, indent=4, separators=(",", ": "), default=str)
-    (Path(folder) / filename).write_text(text + "\n")
+    write_atomically(Path(folder) / filename, text + "\n")
 
 
 def validated_names(folder: Path) -> set[str]:
@@ -199,7 +200,7 @@ def set_apart_rows_after(path: Path, iteration: int) -> str | None:
     notice, or None when there is nothing to move (the file is then left as it is).
 
     The set-apart rows are written first and the file is then replaced whole, so a crash in between can
-    leave a row in both files, never in neither."""
+    leave a row in both files, never in neither; a failed write leaves both files as they were."""
     if not path.is_file():
         return None
     with open(path, newline="") as f:  # lines with their own endings (the csv module ends rows with \r\n)
@@ -214,12 +215,14 @@ def set_apart_rows_after(path: Path, iteration: int) -> str | None:
     if not moved:
         return None
     aside = abandoned_file(path)
-    header = [] if aside.is_file() and aside.stat().st_size > 0 else [lines[0]]
-    with open(aside, "a", newline="") as f:
-        f.write("".join(header + moved))
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text("".join(kept), newline="")
-    os.replace(temporary, path)
+    aside_size = size_before(aside)
+    header = [] if aside_size else [lines[0]]
+    append(aside, "".join(header + moved))
+    try:
+        write_atomically(path, "".join(kept))
+    except WriteError:
+        restore_size(aside, aside_size)  # the rows stay where they were, not in both files
+        raise
     rows = f"{len(moved)} row{'' if len(moved) == 1 else 's'}"
     return (f"{path.name} held {rows} past iteration {iteration}, the checkpoint this run continues from: "
             f"moved to {aside.name}, so that {path.name} logs each iteration once")

@@ -39,25 +39,27 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
   overlay's class count tells timm the file's classifier fits; without it timm drops the classifier
   of a class count other than its own default). Only models timm defines by name qualify
   (`cnns.weights.timm_model`); the others are one line saying so.
-* The file is written under a temporary name in the destination folder and renamed, so `--out`
-  never holds a partial file; an existing file of that name is replaced.
+* The file is written under a temporary name in the destination folder and renamed (`cnns.files`), so `--out`
+  never holds a partial file, and a full disk is one line naming the file. An existing file (a checkpoint
+  above all) is replaced only with `--overwrite`, and never the checkpoint or arguments.json the export reads.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.errors import ConfigError
+from cnns.errors import ConfigError, WriteError
+from cnns.files import check_output, write_atomically
 from cnns.deploy.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
                                 max_batch)
 from cnns.deploy.restored import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
 
 FORMATS = ("onnx", "pt2", "safetensors")
+TIMM_FILES = ("model.safetensors", "config.json")  # what --format safetensors writes into its --out folder
 
 
 def exportable_module(restored: RestoredModel, eight_bit_io: bool) -> nn.Module:
@@ -131,20 +133,22 @@ def _batch_size(value: str) -> int | None:
 
 
 def export(checkpoint: Path, cfg: RunConfig, fmt: str, out: str | Path, batch_size: str = "dynamic",
-           eight_bit_io: bool = False, weights: str = "raw", device: str = "cpu", keep_dtype: bool = False) -> int:
+           eight_bit_io: bool = False, weights: str = "raw", device: str = "cpu", keep_dtype: bool = False,
+           overwrite: bool = False) -> int:
     """Write a run's model as `fmt` (onnx or pt2) to `out` and print how to run it (module docstring)."""
     from cnns.devices import resolve_device
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "safetensors":
-        return export_for_timm(checkpoint, cfg, Path(out), weights, keep_dtype)
+        return export_for_timm(checkpoint, cfg, Path(out), weights, keep_dtype, overwrite)
     batch = _batch_size(batch_size)
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
+    check_output(out, inputs(checkpoint), overwrite)
     device = resolve_device(device) if fmt == "pt2" else torch.device("cpu")
     restored = restore_model(checkpoint, cfg, weights, device)
     module = exportable_module(restored, eight_bit_io)
@@ -167,11 +171,12 @@ def export(checkpoint: Path, cfg: RunConfig, fmt: str, out: str | Path, batch_si
     return 0
 
 
-def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, keep_dtype: bool) -> int:
+def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, keep_dtype: bool,
+                    overwrite: bool = False) -> int:
     """--format safetensors: FOLDER/model.safetensors and FOLDER/config.json (module docstring)."""
     import json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from cnns.runs import checkpoint_weights
     from cnns.weights import timm_model
@@ -179,6 +184,8 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder "
                           "(model.safetensors, config.json)")
+    for name in TIMM_FILES:
+        check_output(out / name, inputs(checkpoint), overwrite)
     restored = restore_model(checkpoint, cfg, weights)  # checks the weights against the run's model
     architecture, model_args = timm_model(restored.cfg.model)
     if keep_dtype:
@@ -187,9 +194,12 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
         tensors = restored.model.state_dict()
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     config = timm_config(restored, architecture, model_args)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "model.safetensors", lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
-    _atomic_write(out / "config.json", lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(out, exc) from None
+    write_atomically(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    write_atomically(out / "config.json", json.dumps(config, indent=2) + "\n")
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
     print(f"Exported {restored.checkpoint} ({restored.weights} weights, {restored.description}) to "
           f"{out}/model.safetensors ({', '.join(dtypes)}) and {out}/config.json: timm's {architecture}")
@@ -228,13 +238,9 @@ def timm_config(restored: RestoredModel, architecture: str, model_args: dict) ->
     return config
 
 
-def _atomic_write(path: Path, write) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        write(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+def inputs(checkpoint: Path) -> tuple[Path, Path]:
+    """The files an export reads, which its output must never replace: the checkpoint and its run's options."""
+    return checkpoint, Path(checkpoint).parent / "arguments.json"
 
 
 __all__ = ["export", "FORMATS", "exportable_module"]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cnns.errors import DataError
+from cnns.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
 
 IMAGE_SIZE = 32
 CHANNELS = 3
@@ -141,18 +142,6 @@ def write_cifar100(
     for name, (images, labels) in (("train.bin", train), ("test.bin", test)):
         records = _make_records(images, labels, num_classes=100, coarse_labels=True)
         write_atomically(folder / name, records.tobytes())
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same folder, then rename: readers, and processes writing
-    the same file at the same time, never see a partial file."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _check_dataset_name(dataset: str) -> None:

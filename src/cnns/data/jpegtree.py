@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from cnns.files import write_atomically
+
 # (width, height) and how often each occurs: roughly ImageNet's shapes (mean about 460 x 425 px).
 IMAGENET_LIKE_SIZES = ((500, 375), (375, 500), (500, 333), (333, 500), (400, 400), (500, 500), (640, 480),
                        (480, 640), (800, 600), (300, 225), (250, 250))
@@ -83,9 +85,7 @@ def photo_like_jpeg(seed: int, index: int) -> bytes:
 def _write_one(job: tuple[str, int, int]) -> int:
     path, seed, index = job
     data = photo_like_jpeg(seed, index)
-    partial = Path(f"{path}.partial")  # renamed when complete: an interrupted run leaves no short JPEG
-    partial.write_bytes(data)
-    partial.replace(path)
+    write_atomically(path, data)  # an interrupted run or a full disk leaves no short JPEG
     return len(data)
 
 

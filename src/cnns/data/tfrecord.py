@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from cnns.errors import DataError
+from cnns.files import write_atomically
 
 SPLITS = ("train", "validation")
 IMAGENET_CLASSES = 1000
@@ -305,11 +306,11 @@ def frame_record(data: bytes) -> bytes:
 
 def write_records(path: str | os.PathLike, records: Iterable[bytes]) -> None:
     """A TFRecord file of `records`, written under a temporary name and renamed when complete."""
-    partial = Path(f"{path}.partial")
-    with open(partial, "wb") as file:
+    def write(file) -> None:
         for record in records:
             file.write(frame_record(record))
-    partial.replace(path)
+
+    write_atomically(path, write)
 
 
 # ----------------------------------------------------------------------------------------------

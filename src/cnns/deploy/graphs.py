@@ -10,13 +10,13 @@ accepts (`batch_range`), and the export functions return it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from cnns.errors import CnnsError
+from cnns.files import write_atomically_by_name
 
 ONNX_OPSET = 18
 INPUT_NAME = "images"
@@ -62,10 +62,6 @@ def batch_range(program: torch.export.ExportedProgram) -> tuple[int, int | None]
     return int(limits.lower), None if limits.upper == int_oo else int(limits.upper)
 
 
-def _temporary_path(out: Path, suffix: str) -> Path:
-    return out.with_name(f".{out.name}.{os.getpid()}.tmp{suffix}")
-
-
 def export_onnx(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Path,
                 largest: int | None = None) -> tuple[int, tuple[int, int | None] | None]:
     """Write the ONNX graph to `out` (atomically), a dynamic batch up to `largest` (None: no limit); returns its
@@ -78,12 +74,7 @@ def export_onnx(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Pa
         program = torch.onnx.export(module, (example,), dynamo=True, opset_version=ONNX_OPSET,
                                     input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                                     dynamic_shapes=_dynamic_shapes(dynamic, largest), verbose=False)
-    temporary = _temporary_path(out, ".onnx")
-    try:
-        program.save(str(temporary), external_data=False)
-        os.replace(temporary, out)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_atomically_by_name(out, lambda temporary: program.save(str(temporary), external_data=False), ".onnx")
     opset = next(entry.version for entry in program.model_proto.opset_import if entry.domain in ("", "ai.onnx"))
     traced = program.exported_program
     return opset, (batch_range(traced) if traced is not None else (1, largest) if dynamic else None)
@@ -114,12 +105,11 @@ def export_pt2(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Pat
     """torch.export + AOTInductor into a .pt2 package at `out` (atomically), a dynamic batch up to `largest`
     (None: no limit; `max_batch(device)` is what the device allows); returns the batch range the exported
     program recorded (None for a fixed batch)."""
-    temporary = _temporary_path(out, ".pt2")  # aoti_compile_and_package wants the .pt2 suffix
-    try:
-        exported = export_program(module, example, dynamic, largest)
+    exported = export_program(module, example, dynamic, largest)
+
+    def compile_into(temporary: Path) -> None:
         with torch.no_grad():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary))
-        os.replace(temporary, out)
-    finally:
-        temporary.unlink(missing_ok=True)
+
+    write_atomically_by_name(out, compile_into, ".pt2")  # aoti_compile_and_package wants the .pt2 suffix
     return batch_range(exported)

@@ -1,0 +1,228 @@
+"""Every write into a run folder or an output file, in one place: it completes, or the folder is as it was.
+
+A run folder holds days of training, so no write may leave half a file behind when the disk fills (ENOSPC),
+the quota runs out (EDQUOT), the device fails (EIO) or the folder vanishes. Three primitives, used by every
+write site of cnns:
+
+* `write_atomically(path, content)`: bytes, text, or a callable that writes to a file object, go to a
+  temporary file in the same folder, which is fsynced and renamed over `path` (then the folder is fsynced, so
+  the rename is durable too). A reader sees the old file or the new one, never a part.
+* `write_atomically_by_name(path, produce)`: the same for libraries that write only to a file name they are
+  given (ONNX, AOTInductor packages).
+* `append(path, data)`: one row or line added at the end; a failed append truncates the file back to its size
+  before (or removes it if the append created it), so no row is ever cut short.
+
+A failure is a `WriteError`: one line, ``cannot write <file>: <cause>``, which the command line turns into
+``error: ...`` and exit 2. A library that turns the OSError into an exception of its own (torch.save raises
+``RuntimeError: [enforce fail at inline_container.cc:...]`` when a write inside it fails) is seen through: the
+OSError it was handling names the cause.
+
+All bytes go through `os.write`, and the tests inject their faults there (and at `os.fsync`, `os.replace`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable, Union
+
+from cnns.errors import ConfigError, WriteError
+
+Content = Union[bytes, str, Callable[[BinaryIO], None]]
+
+
+def write_atomically(path: str | Path, content: Content) -> None:
+    """`content` (bytes, text as UTF-8, or a callable writing to the file object it is given) as the whole
+    of `path`, replacing it only once every byte is on the disk."""
+    path = Path(path)
+
+    def produce(temporary: Path) -> None:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+        with _Destination(fd) as destination:
+            if callable(content):
+                content(destination)
+            else:
+                destination.write(content.encode() if isinstance(content, str) else content)
+
+    write_atomically_by_name(path, produce)
+
+
+def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], suffix: str = ".tmp") -> None:
+    """`produce(temporary)` writes the file under a temporary name in `path`'s folder (ending in `suffix`, for
+    libraries that choose the format by it), which then replaces `path`."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+    try:
+        produce(temporary)
+        _fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException as exc:
+        _remove(temporary)
+        cause = disk_failure(exc)
+        if cause is None:
+            raise
+        raise WriteError(path, cause) from None
+    _fsync_folder(path.parent)
+
+
+def append(path: str | Path, data: bytes | str) -> None:
+    """`data` added at the end of `path` (created if missing); on failure the file is as it was."""
+    path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    try:
+        fd, created = _open_for_append(path)
+    except OSError as exc:
+        raise WriteError(path, exc) from None
+    try:
+        size = os.fstat(fd).st_size
+        _write_all(fd, data)
+    except OSError as exc:
+        # A row cut short would be read as a row: take the part that was written back out.
+        _undo_append(path, fd, created, size)
+        raise WriteError(path, exc) from None
+    finally:
+        os.close(fd)
+
+
+def size_before(path: str | Path) -> int | None:
+    """The size of `path` now, None when it does not exist: what `restore_size` puts back."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def restore_size(path: str | Path, size: int | None) -> None:
+    """Undo appends to `path` since `size_before` gave `size` (None: remove the file). Truncation needs no
+    space, so it works on a full disk; a failure here leaves the file as it is (a row at worst kept twice)."""
+    try:
+        if size is None:
+            os.unlink(path)
+        else:
+            os.truncate(path, size)
+    except OSError:
+        pass
+
+
+def disk_failure(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, or the one it was raised while handling (torch.save wraps the
+    OSError of a failed write into a RuntimeError of its own). None for anything else (a bug, an interrupt)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class _Destination(io.RawIOBase):
+    """A temporary file's descriptor as a binary file object whose every write goes through `_write_all`.
+
+    It offers no fileno(), so libraries (PIL) write through write() rather than to the descriptor itself."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        _write_all(self._fd, view)
+        return len(view)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                os.close(self._fd)
+            finally:
+                super().close()
+
+
+def _write_all(fd: int, data) -> None:
+    """os.write until every byte is written: a short write (a disk filling up) is followed by the write
+    that reports why."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _open_for_append(path: Path) -> tuple[int, bool]:
+    """(descriptor, whether this call created the file)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND), False
+    except FileNotFoundError:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
+
+
+def _undo_append(path: Path, fd: int, created: bool, size: int) -> None:
+    try:
+        if created:
+            os.unlink(path)
+        else:
+            os.ftruncate(fd, size)
+    except OSError:
+        pass
+
+
+def _fsync_file(path: Path) -> None:
+    """The file's bytes on the disk before it takes the final name (a crash then leaves the old file, never
+    an empty new one). A folder (a library may write one) needs no flushing of its own here."""
+    if path.is_dir():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened or synced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(temporary: Path) -> None:
+    try:
+        temporary.unlink()
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        import shutil
+
+        shutil.rmtree(temporary, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def check_output(path: str | Path, reads: Iterable[str | Path], overwrite: bool, option: str = "--out") -> None:
+    """An output never replaces a file the command reads, and replaces any other existing file only when the
+    user asked for it (`--overwrite`): a ConfigError of one line, before anything is written."""
+    path = Path(path)
+    for source in reads:
+        if _same_file(path, Path(source)):
+            raise ConfigError(f"{option} {path} is {source}, which this command reads: choose another file")
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise ConfigError(f"{option} {path} exists: give --overwrite to replace it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (or cannot be looked at): not the same file
+        return False
