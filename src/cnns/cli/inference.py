@@ -85,7 +85,10 @@ def export_parser() -> argparse.ArgumentParser:
                         help="onnx: torch's dynamo ONNX exporter (opset 18); pt2: torch.export + AOTInductor package; "
                              "safetensors: weights and config.json for timm.")
     parser.add_argument("--out", required=True,
-                        help="The file to write (replaced if it exists); with safetensors, the folder.")
+                        help="The file to write; with safetensors, the folder (its model.safetensors and config.json). "
+                             "An existing file is replaced only with --overwrite, and never the checkpoint read.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace an existing --out file (never the checkpoint or arguments.json exported).")
     parser.add_argument("--keep-dtype", action="store_true",
                         help="safetensors: the weights in the training half type (default: float32).")
     parser.add_argument("--batch-size", default="dynamic",
@@ -105,4 +108,5 @@ def export_main(argv: list[str]) -> int:
 
     args = export_parser().parse_args(argv)
     return export(*restored_run(args.restore_path), args.format, args.out, batch_size=args.batch_size,
-                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype)
+                  eight_bit_io=args.eight_bit_io, weights=args.weights, device=args.device, keep_dtype=args.keep_dtype,
+                  overwrite=args.overwrite)
