@@ -44,6 +44,7 @@ def restored_run(restore_path: str) -> tuple[Path, RunConfig]:
 
 
 def predict_parser() -> argparse.ArgumentParser:
+    from cnns.config.table import byte_size
     from cnns.deploy.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
@@ -57,6 +58,9 @@ def predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
     parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+    parser.add_argument("--max-file-size", type=byte_size, metavar="SIZE",
+                        help="The largest image file read, e.g. 512M or 2G (default 1G); a larger one, or anything "
+                             "but a regular file (a FIFO, a device), is named in one line and not read.")
     return parser
 
 
@@ -65,7 +69,8 @@ def predict_main(argv: list[str]) -> int:
 
     args = predict_parser().parse_args(argv)
     return predict(*restored_run(args.restore_path), args.images, top_k=args.top_k, as_json=args.json,
-                   weights=args.weights, batch_size=args.batch_size, device=args.device)
+                   weights=args.weights, batch_size=args.batch_size, device=args.device,
+                   max_file_size=args.max_file_size)
 
 
 # ----------------------------------------------------------------------------------------------

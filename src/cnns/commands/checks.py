@@ -84,9 +84,10 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
     splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
     batch = TrainingBatch.of(cfg)
     if dataset == "imagenet":
-        check_imagenet_files(folder, splits, batch, decode=not cfg.data.skip_corrupt)
+        check_imagenet_files(folder, splits, batch, decode=not cfg.data.skip_corrupt, size_limit=cfg.data.max_file_size)
     else:
-        check_cifar_files(folder, "cifar-10" if dataset == "builtin" else dataset, splits, batch)
+        check_cifar_files(folder, "cifar-10" if dataset == "builtin" else dataset, splits, batch,
+                          size_limit=cfg.data.max_file_size)
 
 
 @dataclass(frozen=True)
@@ -122,63 +123,67 @@ class TrainingBatch:
                         "give a smaller --micro-batch-size")
 
 
-def check_cifar_files(folder: Path, file_format: str, splits: list[str], batch: TrainingBatch) -> None:
-    """Every file of the splits is there, a whole number of records, with class labels in range, in the CIFAR
-    reader's words; and the training set holds one batch. The labels are read through a memory map, one byte a
-    record, rather than loading the images the run loads anyway."""
+def check_cifar_files(folder: Path, file_format: str, splits: list[str], batch: TrainingBatch,
+                      size_limit: int | None = None) -> None:
+    """Every file of the splits is there, a regular file within --max-file-size of a whole number of records, with
+    class labels in range, in the CIFAR reader's words; and the training set holds one batch. The labels are read
+    through a memory map, one byte a record, rather than loading the images the run loads anyway."""
     import numpy as np
 
-    from cnns.data.cifar import NUM_CLASSES, PIXELS_PER_IMAGE, cifar_files, record_size
+    from cnns.data.cifar import NUM_CLASSES, PIXELS_PER_IMAGE, cifar_files, record_count, record_size
 
     record = record_size(file_format)
     class_byte = record - PIXELS_PER_IMAGE - 1  # the last label byte: CIFAR-100's fine label
     for split in splits:
         images = 0
         for path in cifar_files(folder, file_format, train=split == "train"):
-            size = path.stat().st_size
-            if size == 0:
-                raise DataError(f"CIFAR file is empty: {path}")
-            if size % record:
-                raise DataError(f"CIFAR file truncated or not in the binary format: {path} has {size} bytes, "
-                                f"not a multiple of the {record}-byte record")
-            largest = int(np.memmap(path, dtype=np.uint8, mode="r").reshape(-1, record)[:, class_byte].max())
+            count = record_count(path, record, size_limit)
+            largest = int(np.memmap(path, dtype=np.uint8, mode="r", shape=(count, record))[:, class_byte].max())
             if largest >= NUM_CLASSES[file_format]:
                 raise DataError(f"CIFAR file has class label {largest}, outside 0..{NUM_CLASSES[file_format] - 1}: "
                                 f"{path}")
-            images += size // record
+            images += count
         if split == "train":
             batch.check_fits(batch.kept(images), images, folder)
 
 
-def check_imagenet_files(folder: Path, splits: list[str], batch: TrainingBatch, decode: bool) -> None:
-    """TFRecord shards or a folder tree of images, whichever the folder holds."""
+def check_imagenet_files(folder: Path, splits: list[str], batch: TrainingBatch, decode: bool,
+                         size_limit: int | None = None) -> None:
+    """TFRecord shards or a folder tree of images, whichever the folder holds; with `decode`, the first image of
+    each split is read (within `size_limit`, --max-file-size) and decoded. Without it (--skip-corrupt-images) a
+    folder tree's first image is not read: training leaves it out if it cannot be read."""
+    from cnns.data.bounded import read_bounded
+    from cnns.data.imagefolder import decode_rgb
     from cnns.data.imagenet import detect_imagenet
 
     tfrecords = detect_imagenet(folder) == "tfrecord"
     for split in splits:
         needed = batch if split == "train" else None
-        first = (check_tfrecord_split(folder, split, needed) if tfrecords else
-                 check_image_folder_split(folder, split, needed))
+        if tfrecords:
+            data, source = check_tfrecord_split(folder, split, needed, size_limit)
+        else:
+            first = check_image_folder_split(folder, split, needed)
+            data, source = (read_bounded(first, size_limit) if decode else b""), str(first)
         if decode:
-            from cnns.data.imagefolder import decode_rgb
-
-            decode_rgb(*first)
+            decode_rgb(data, source)
 
 
 _RECORD_HEADER = struct.Struct("<QI")  # a TFRecord's length and the masked CRC32C of those 8 bytes
 _RECORD_FOOTER_BYTES = 4  # the masked CRC32C of the record's data
 
 
-def check_tfrecord_split(folder: Path, split: str, batch: TrainingBatch | None) -> tuple[bytes, str]:
-    """Every shard of the split begins with a whole TFRecord holding an ImageNet tf.train.Example, and the
-    training split holds one batch (shards are indexed, headers only, until it does). Returns the first
-    image's bytes and where they come from."""
+def check_tfrecord_split(folder: Path, split: str, batch: TrainingBatch | None,
+                         size_limit: int | None = None) -> tuple[bytes, str]:
+    """Every shard of the split is a regular file that begins with a whole TFRecord, no longer than `size_limit`
+    (--max-file-size), holding an ImageNet tf.train.Example, and the training split holds one batch (shards are
+    indexed, headers only, until it does). Returns the first image's bytes and where they come from."""
     from cnns.data.tfrecord import find_shards, index_records
 
     shards = find_shards(folder, split)
     first = None
     with ThreadPoolExecutor(max_workers=min(16, len(shards))) as pool:  # I/O-bound: one read per shard
-        for example in pool.map(first_example, shards):  # each image let go once seen: only the first is kept
+        # each image let go once seen: only the first is kept
+        for example in pool.map(lambda shard: first_example(shard, size_limit), shards):
             first = first or example
     if first is None:
         raise DataError(f"{folder}: every {split} TFRecord shard is empty ({len(shards)} of them: "
@@ -194,12 +199,12 @@ def check_tfrecord_split(folder: Path, split: str, batch: TrainingBatch | None) 
     return first
 
 
-def first_example(path: Path) -> tuple[bytes, str] | None:
+def first_example(path: Path, size_limit: int | None = None) -> tuple[bytes, str] | None:
     """(image bytes, where they come from) of a shard's first record, parsed as an ImageNet tf.train.Example;
     None for an empty shard."""
     from cnns.data.tfrecord import parse_imagenet_example
 
-    record = first_record(path)
+    record = first_record(path, size_limit)
     if record is None:
         return None
     source = f"{path} (record at byte offset 0)"
@@ -213,17 +218,19 @@ def _images_needed(batch: TrainingBatch) -> int:
     return -(-(batch.size * 100) // batch.percentage)
 
 
-def first_record(path: Path) -> bytes | None:
+def first_record(path: Path, size_limit: int | None = None) -> bytes | None:
     """The data of a TFRecord shard's first record, its framing and both CRCs checked; None for an empty file
-    (a shard with no records, which the reader accepts)."""
-    from cnns.data.tfrecord import masked_crc32c, read_record
+    (a shard with no records, which the reader accepts). Only a regular file is opened, and a record longer than
+    `size_limit` (--max-file-size) is not read."""
+    from cnns.data.bounded import UnreadableFile, open_regular_file
+    from cnns.data.tfrecord import SHARD_SIZE_UNLIMITED, masked_crc32c, read_record
 
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as file:
+    with open_regular_file(path, SHARD_SIZE_UNLIMITED) as file:
+        size = os.fstat(file.fileno()).st_size
+        try:
             header = file.read(_RECORD_HEADER.size)
-    except OSError as error:
-        raise DataError(f"{path}: cannot read: {error.strerror or error}") from None
+        except OSError as error:
+            raise UnreadableFile(path, error.strerror or str(error)) from None
     if size == 0:
         return None
     if len(header) < _RECORD_HEADER.size:
@@ -236,12 +243,12 @@ def first_record(path: Path) -> bytes | None:
     if _RECORD_HEADER.size + length + _RECORD_FOOTER_BYTES > size:
         raise DataError(f"{path}: truncated TFRecord at byte offset 0 (record of {length} bytes runs past the "
                         f"end of the {size}-byte file)")
-    return read_record(path, 0, length)
+    return read_record(path, 0, length, size_limit)
 
 
-def check_image_folder_split(folder: Path, split: str, batch: TrainingBatch | None) -> tuple[bytes, str]:
+def check_image_folder_split(folder: Path, split: str, batch: TrainingBatch | None) -> Path:
     """The split's class folders hold images, and the training split one batch of them (class folders are
-    listed until it does). Returns the first image's bytes and its path."""
+    listed until it does). Returns the first image's path."""
     from cnns.data.imagefolder import SPLIT_FOLDERS, find_split_folder, list_classes, list_images
 
     split_folder = find_split_folder(folder, split)
@@ -265,10 +272,7 @@ def check_image_folder_split(folder: Path, split: str, batch: TrainingBatch | No
                         "one folder per class)")
     if batch is not None:
         batch.check_fits(kept, images, split_folder)
-    try:
-        return first.read_bytes(), str(first)
-    except OSError as error:
-        raise DataError(f"{first}: cannot read: {error.strerror or error}") from None
+    return first
 
 
 def check_run_folder_place(cfg: RunConfig) -> None:

@@ -19,10 +19,14 @@ What it does, step by step:
 * **Images.** Each argument is an image file (JPEG, PNG, WebP, GIF, BMP; decoded by
   ``torchvision.io.decode_image`` to RGB, PIL for the rest, via `cnns.data.imagefolder.decode_rgb`)
   or a folder, which means every image file under it (by extension, recursively, hidden entries
-  skipped), sorted by path. A missing path, or a folder without images, stops the command before
-  anything runs (`CnnsError`). A file that cannot be read or decoded is named on stderr in one line
-  (``error: cannot decode <path>: <reason>``), the other images are still predicted, and the exit
-  code is 1 (0 when every image was predicted).
+  skipped), sorted by path. A file is read only if it is a regular file no larger than ``--max-file-size``
+  (1 GiB by default), and read no further (`cnns.data.bounded`): a FIFO, a device (a symlink to
+  /dev/zero), a sparse 20 GB ``.jpg`` are never read. What the file system shows before anything runs
+  stops the command in one line (`CnnsError`, exit 2): a missing path, an image argument that is not a
+  regular file or is larger than the limit, a folder without images (a directory named ``x.jpg`` is a
+  folder). A file found in a folder that cannot be read (``error: cannot read <path>: <reason>``) or
+  decoded (``error: cannot decode <path>: <reason>``) is named on stderr in one line, the other images
+  are still predicted, and the exit code is 1 (0 when every image was predicted).
 * **Preprocessing.** As the run's evaluation data is prepared:
   ImageNet-sized models get `cnns.data.imagenet.evaluation_transform` (short side resized to
   image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
@@ -63,17 +67,20 @@ from cnns.errors import ConfigError, DataError
 # Images
 
 
-def image_files(arguments: Sequence[str]) -> list[Path]:
-    """The files to predict: files as given, folders as their image files (recursive, sorted)."""
+def image_files(arguments: Sequence[str], size_limit: int | None = None) -> list[Path]:
+    """The files to predict: files as given, each a regular file within `size_limit` (--max-file-size), and
+    folders as their image files (recursive, sorted; checked as they are read)."""
+    from cnns.data.bounded import check_regular_file
     from cnns.data.imagefolder import IMAGE_EXTENSIONS
 
     files: list[Path] = []
     for argument in arguments:
         path = Path(argument)
         if path.is_dir():
+            # Every entry named as an image but a folder: a FIFO or a device among them is named when it is read.
             found = sorted(
                 entry for entry in path.rglob("*")
-                if entry.suffix.lower() in IMAGE_EXTENSIONS and entry.is_file()
+                if entry.suffix.lower() in IMAGE_EXTENSIONS and not entry.is_dir()
                 and not any(part.startswith(".") for part in entry.relative_to(path).parts)
             )
             if not found:
@@ -81,6 +88,7 @@ def image_files(arguments: Sequence[str]) -> list[Path]:
                                 "or its sub-folders")
             files.extend(found)
         elif path.exists():
+            check_regular_file(path, size_limit)
             files.append(path)
         else:
             raise DataError(f"image not found: {path}")
@@ -122,15 +130,17 @@ def _failure_reason(error: Exception, path: Path) -> str:
     return text
 
 
-def decoded_images(files: Sequence[Path], transform) -> Iterator[tuple[Path, torch.Tensor | None]]:
+def decoded_images(files: Sequence[Path], transform,
+                   size_limit: int | None = None) -> Iterator[tuple[Path, torch.Tensor | None]]:
     """(path, uint8 HWC image) per file, or (path, None) after naming the failure on stderr."""
+    from cnns.data.bounded import UnreadableFile, read_bounded
     from cnns.data.imagefolder import decode_rgb
 
     for path in files:
         try:
-            data = path.read_bytes()
-        except OSError as error:
-            print(f"error: cannot read {path}: {error.strerror or error}", file=sys.stderr)
+            data = read_bounded(path, size_limit)
+        except UnreadableFile as error:
+            print(f"error: cannot read {path}: {error.reason}", file=sys.stderr)
             yield path, None
             continue
         try:
@@ -160,7 +170,8 @@ def _batches(items: Iterator[tuple[Path, torch.Tensor | None]], size: int):
 
 
 def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int = 5, as_json: bool = False,
-            weights: str = "raw", batch_size: int = 64, device: str | None = None) -> int:
+            weights: str = "raw", batch_size: int = 64, device: str | None = None,
+            max_file_size: int | None = None) -> int:
     """Print the top-k classes of every image (module docstring); 1 when an image could not be read."""
     from cnns.data.augment import normalise
     from cnns.devices import resolve_device
@@ -170,7 +181,7 @@ def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int 
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
-    files = image_files(images)
+    files = image_files(images, max_file_size)
     restored = restore_model(checkpoint, cfg, weights, resolve_device(device))
     device = restored.device
     names, names_source = class_names(restored.cfg, restored.checkpoint.parent)
@@ -179,7 +190,7 @@ def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int 
           f"{restored.num_classes} classes, names from {names_source}", file=sys.stderr)
     transform = evaluation_transform(restored.cfg)
     failures = len(files)
-    for batch in _batches(decoded_images(files, transform), batch_size):
+    for batch in _batches(decoded_images(files, transform, max_file_size), batch_size):
         images = torch.stack([image for _, image in batch]).to(device)
         with torch.inference_mode():
             logits = restored.model(normalise(images, restored.mean, restored.std, torch.float32)).float()

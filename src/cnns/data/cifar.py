@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cnns.data.bounded import check_regular_file, open_regular_file
 from cnns.errors import DataError
 from cnns.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
 
@@ -74,7 +75,8 @@ def cifar_files(folder: str | Path, dataset: str, train: bool) -> list[Path]:
         raise DataError(f"{_DISPLAY[dataset]} folder missing: {folder}")
     place = _dataset_place(folder, dataset)
     paths = [place / name for name in _FILES[dataset]["train" if train else "test"]]
-    missing = [path for path in paths if not path.is_file()]
+    # Only what is not there at all: a FIFO, a device or a folder under a file's name is named by the reader.
+    missing = [path for path in paths if not os.path.lexists(path)]
     if missing:
         also = "" if place != folder else f" (also looked in {folder / _SUBFOLDERS[dataset]})"
         names = ", ".join(str(path) for path in missing)
@@ -82,21 +84,22 @@ def cifar_files(folder: str | Path, dataset: str, train: bool) -> list[Path]:
     return paths
 
 
-def load_cifar(folder: str | Path, dataset: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cifar(folder: str | Path, dataset: str, train: bool,
+               size_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Load one split whole: images uint8 [N, 32, 32, 3] contiguous (NHWC), labels int64 [N].
 
-    Every file is validated before use: non-empty, a whole number of records, class labels in
-    range. Errors are DataError naming the file.
+    Every file is validated before use: a regular file no larger than `size_limit` (--max-file-size),
+    non-empty, a whole number of records, class labels in range. Errors are DataError naming the file.
     """
     paths = cifar_files(folder, dataset, train)
     record = record_size(dataset)
-    counts = [_record_count(path, record) for path in paths]
+    counts = [record_count(path, record, size_limit) for path in paths]
     # Read every file straight into one preallocated buffer: no per-file arrays to concatenate,
     # so the peak memory is the records plus the final NHWC copy.
     records = np.empty((sum(counts), record), dtype=np.uint8)
     start = 0
     for path, count in zip(paths, counts):
-        _read_records(path, records[start : start + count])
+        _read_records(path, records[start : start + count], size_limit)
         _check_labels(path, records[start : start + count, _CLASS_BYTE[dataset]], NUM_CLASSES[dataset])
         start += count
     return _split_records(records, dataset)
@@ -163,8 +166,10 @@ def _dataset_place(folder: Path, dataset: str) -> Path:
     return folder
 
 
-def _record_count(path: Path, record: int) -> int:
-    size = path.stat().st_size
+def record_count(path: Path, record: int, size_limit: int | None = None) -> int:
+    """The records of a CIFAR file, from its size (stat only); DataError unless it is a regular file of a whole
+    number of records, no larger than `size_limit`."""
+    size = check_regular_file(path, size_limit)
     if size == 0:
         raise DataError(f"CIFAR file is empty: {path}")
     if size % record:
@@ -175,8 +180,8 @@ def _record_count(path: Path, record: int) -> int:
     return size // record
 
 
-def _read_records(path: Path, destination: np.ndarray) -> None:
-    with open(path, "rb") as file:
+def _read_records(path: Path, destination: np.ndarray, size_limit: int) -> None:
+    with open_regular_file(path, size_limit) as file:
         read = file.readinto(memoryview(destination).cast("B"))
     if read != destination.nbytes:  # the file changed size between stat and read
         raise DataError(f"CIFAR file could not be read whole: {path} ({read} of {destination.nbytes} bytes)")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from cnns.data.bounded import read_bounded
 from cnns.errors import DataError
 
 # Real ImageNet has only .JPEG files (a few of them are really PNG or CMYK JPEG); the rest are for
@@ -207,12 +208,13 @@ def list_classes(split_folder: Path) -> list[str]:
 
 
 def list_images(class_folder: Path) -> list[Path]:
-    """Image files of one class folder, sorted by name so the order is the same on every machine."""
+    """Image files of one class folder, sorted by name so the order is the same on every machine. Every entry
+    named as an image is listed, whatever it is: one that is not a regular file (a FIFO, a device, a directory
+    named x.jpg) is then named when it is read (`cnns.data.bounded`), as a corrupt image is, never silently left
+    out."""
     with os.scandir(class_folder) as entries:
-        names = [
-            e.name for e in entries
-            if e.is_file() and not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
-        ]
+        names = [e.name for e in entries
+                 if not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS]
     return [class_folder / name for name in sorted(names)]
 
 
@@ -235,7 +237,9 @@ class ImageFolderDataset(Dataset):
     Python objects' reference counts.
     """
 
-    def __init__(self, root: str | os.PathLike, split: str, transform: ImageTransform | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, split: str, transform: ImageTransform | None = None,
+                 size_limit: int | None = None) -> None:
+        self.size_limit = size_limit  # the largest image file read (--max-file-size)
         folder = find_split_folder(root, split)
         if folder is None:
             names = " or ".join(f"{name}/" for name in SPLIT_FOLDERS[split])
@@ -277,14 +281,15 @@ class ImageFolderDataset(Dataset):
     def path(self, index: int) -> Path:
         return self.root / os.fsdecode(self._relative_paths[index])
 
+    def source(self, index: int) -> str:
+        """Where image `index` is, for messages."""
+        return str(self.path(index))
+
     def read(self, index: int) -> tuple[bytes, int, str]:
-        """(the file's encoded bytes, its class, its path for messages): what the batch loader decodes."""
+        """(the file's encoded bytes, its class, its path for messages): what the batch loader decodes.
+        UnreadableFile (a DataError) for a file that is not a regular one or is larger than the limit."""
         path = self.path(index)
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise DataError(f"{path}: cannot read image file ({error.strerror or error})") from None
-        return data, int(self.targets[index]), str(path)
+        return read_bounded(path, self.size_limit), int(self.targets[index]), str(path)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         data, label, source = self.read(index)

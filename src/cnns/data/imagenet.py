@@ -225,14 +225,16 @@ def _first_few(names: set[str], shown: int = 3) -> str:
     return ", ".join(ordered[:shown]) + (f" and {len(ordered) - shown} more" if len(ordered) > shown else "")
 
 
-def imagenet_dataset(folder: str | os.PathLike, train: bool, transform=None) -> tuple[Dataset, int]:
-    """(dataset, number of classes) for the split, whichever layout `folder` holds."""
+def imagenet_dataset(folder: str | os.PathLike, train: bool, transform=None,
+                     size_limit: int | None = None) -> tuple[Dataset, int]:
+    """(dataset, number of classes) for the split, whichever layout `folder` holds; no image file or record
+    larger than `size_limit` bytes is read (--max-file-size)."""
     layout = detect_imagenet(folder)
     split = "train" if train else "validation"
     if layout == "tfrecord":
-        return TFRecordDataset(folder, split, transform), IMAGENET_CLASSES
+        return TFRecordDataset(folder, split, transform, size_limit), IMAGENET_CLASSES
     if layout == "folder":
-        dataset = ImageFolderDataset(folder, split, transform)
+        dataset = ImageFolderDataset(folder, split, transform, size_limit)
         return dataset, len(dataset.classes)
     raise DataError(
         f"{folder}: no ImageNet found: expected TFRecord shards (train-00000-of-01024, "
@@ -407,18 +409,34 @@ class ImageBatchDataset(Dataset):
         size = self.transform.image_size
         shape = (len(keys), size, size, 3)
         images, number = self.pool.batch(shape) if self.pool is not None else (new_batch_tensor(shape), -1)
-        samples = ((key, *self.records.read(_index(key))) for key in keys)  # read as each is decoded
+        samples = (self._read(key) for key in keys)  # read as each is decoded
         _, labels, skipped = self._decode_into_rows(samples, images)
         return images[:len(labels)], torch.tensor(labels, dtype=torch.int64), skipped, number
 
-    def _decode_into_rows(self, samples: Iterable[tuple[SampleKey, bytes, int, str]],
+    def _read(self, key: SampleKey) -> tuple[SampleKey, bytes | None, int, str]:
+        """(key, encoded bytes, label, source) of one sample. A file that cannot be read (not a regular file,
+        larger than --max-file-size, a bad record) is a DataError, or with --skip-corrupt-images comes back
+        without bytes, to be left out and named as an image that does not decode is."""
+        index = _index(key)
+        try:
+            return (key, *self.records.read(index))
+        except DataError:
+            if not self.skip_corrupt:
+                raise
+            return key, None, -1, self.records.source(index)
+
+    def _decode_into_rows(self, samples: Iterable[tuple[SampleKey, bytes | None, int, str]],
                           images: torch.Tensor) -> tuple[list[int], list[int], list[str]]:
         """Decode each sample (key, data, label, source) into the next free row of `images`. Returns (the
-        positions in `samples` that were decoded, their labels, the sources --skip-corrupt-images left out)."""
+        positions in `samples` that were decoded, their labels, the sources --skip-corrupt-images left out:
+        those that do not decode and those that could not be read, which come without data)."""
         decoded: list[int] = []
         labels: list[int] = []
         skipped: list[str] = []
         for position, (key, data, label, source) in enumerate(samples):
+            if data is None:
+                skipped.append(source)
+                continue
             try:
                 self.transform.into(data, source, key, images[len(labels)])
             except DataError:
@@ -435,9 +453,9 @@ class ImageBatchDataset(Dataset):
         size = self.transform.image_size
         device_samples, host_samples, labels = [], [], []
         for key in keys:
-            data, label, source = self.records.read(_index(key))
+            _, data, label, source = self._read(key)
             try:
-                shape = device_jpeg_size(data, source)
+                shape = device_jpeg_size(data, source) if data is not None else None
             except DataError:  # a header declaring too many pixels: decode_into names it again
                 shape = None
             row = len(labels)
@@ -498,6 +516,7 @@ def build_imagenet_loader(
     skip_corrupt: bool = False,
     decoder: ImageDecoder | None = None,
     device_decoding: torch.device | None = None,
+    size_limit: int | None = None,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
@@ -508,14 +527,15 @@ def build_imagenet_loader(
     ranks, after `percentage` (which applies to training only). With drop_last False, evaluation
     yields every image exactly once across the ranks. Training batches follow TrainingSampler:
     whole groups of shard-count x batch_size samples, and with global_batch_size (training only)
-    whole global batches per epoch.
+    whole global batches per epoch. No image file or record larger than `size_limit` bytes is read
+    (--max-file-size): it is a DataError, or with skip_corrupt left out and named.
 
     Each worker makes whole batches (ImageBatchDataset): the DataLoader's own batching is off
     (batch_size=None) and its sampler gives the keys of one batch at a time.
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
-    records, num_classes = imagenet_dataset(folder, train)
+    records, num_classes = imagenet_dataset(folder, train, size_limit=size_limit)
     if train:
         indices = training_subset(records, percentage)
         samples: TrainingSampler | EvaluationSampler = TrainingSampler(
@@ -601,12 +621,12 @@ class ImageNetBatches:
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
                  pin_memory: bool = False, cache: bool = False, global_batch_size: int | None = None,
                  skip_corrupt: bool = False, decoder: ImageDecoder | None = None,
-                 device_decoding: torch.device | None = None) -> None:
+                 device_decoding: torch.device | None = None, size_limit: int | None = None) -> None:
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
             global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt,
-            decoder=decoder, device_decoding=device_decoding)
+            decoder=decoder, device_decoding=device_decoding, size_limit=size_limit)
         self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)

@@ -157,7 +157,7 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
     file_format = "cifar-10" if dataset == "builtin" else dataset
     train = evaluation = None
     if need_train:
-        images, labels = load_cifar(folder, file_format, train=True)
+        images, labels = load_cifar(folder, file_format, train=True, size_limit=cfg.max_file_size)
         if cfg.percentage < 100:
             keep = max(1, len(labels) * cfg.percentage // 100)
             images, labels = images[:keep], labels[:keep]
@@ -168,7 +168,7 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
         train = TensorBatches(images, labels, micro_batch_size, shuffle=True, drop_last=True, seed=seed,
                               augment=cifar_augment(4), shard=shard, global_batch_size=global_batch_size)
     if need_eval:
-        images, labels = load_cifar(folder, file_format, train=False)
+        images, labels = load_cifar(folder, file_format, train=False, size_limit=cfg.max_file_size)
         evaluation = TensorBatches(images, labels, eval_batch_size, shuffle=False, drop_last=False, seed=seed,
                                    shard=shard)
     return DataSources(dataset, cfg.num_classes, train, evaluation)
@@ -184,8 +184,8 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
     choice = choose_decode_device(cfg.decode_device, device)
     decoder = ImageDecoder()
     common = dict(image_size=cfg.image_size or 224, workers=cfg.workers, seed=seed, shard=shard,
-                  skip_corrupt=cfg.skip_corrupt, pin_memory=device.type == "cuda", decoder=decoder,
-                  device_decoding=device if choice.device == "cuda" else None)
+                  skip_corrupt=cfg.skip_corrupt, size_limit=cfg.max_file_size, pin_memory=device.type == "cuda",
+                  decoder=decoder, device_decoding=device if choice.device == "cuda" else None)
     train = evaluation = None
     if need_train:
         train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, percentage=cfg.percentage,

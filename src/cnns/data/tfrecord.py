@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from cnns.data.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
 from cnns.errors import DataError
 from cnns.files import write_atomically
 
@@ -35,6 +36,7 @@ IMAGENET_CLASSES = 1000
 _HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length
 _FOOTER = struct.Struct("<I")  # masked CRC32C of the data
 _FRAMING_BYTES = _HEADER.size + _FOOTER.size
+SHARD_SIZE_UNLIMITED = 1 << 62  # a shard is opened as a regular file whatever its size: only records are read
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,7 +54,8 @@ def find_shards(folder: str | os.PathLike, split: str) -> list[Path]:
     for candidate in (root, root / "imagenet-data"):
         if not candidate.is_dir():
             continue
-        shards = [p for p in candidate.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
+        # Whatever each is: one that is not a regular file is named when it is indexed (cnns.data.bounded).
+        shards = [p for p in candidate.iterdir() if pattern.fullmatch(p.name)]
         if shards:
             return sorted(shards, key=lambda p: int(pattern.fullmatch(p.name).group(1)))
     raise DataError(
@@ -95,10 +98,11 @@ def masked_crc32c(data: bytes | memoryview) -> int:
 def index_records(path: str | os.PathLike) -> list[tuple[int, int]]:
     """(offset, length) of every record in a TFRecord file: offset is where the record's header
     starts, length the size of its data. Reads only the 12-byte headers (verifying each length's
-    CRC), so indexing a shard costs one small read per record, not a read of the whole file."""
+    CRC), so indexing a shard costs one small read per record, not a read of the whole file. A shard
+    is never read whole, so its size has no limit; each record's has (`read_record`)."""
     path = Path(path)
     records = []
-    with open(path, "rb") as file:
+    with open_regular_file(path, SHARD_SIZE_UNLIMITED) as file:
         file_size = os.fstat(file.fileno()).st_size
         if hasattr(os, "posix_fadvise"):
             # Headers are ~110 KB apart: read-ahead would pull in every JPEG for nothing.
@@ -123,10 +127,16 @@ def index_records(path: str | os.PathLike) -> list[tuple[int, int]]:
     return records
 
 
-def read_record(path: str | os.PathLike, offset: int, length: int) -> bytes:
+def read_record(path: str | os.PathLike, offset: int, length: int, limit: int | None = None) -> bytes:
     """The data of the record whose header starts at `offset` (as index_records gives it),
-    after checking its data CRC."""
-    with open(path, "rb") as file:
+    after checking its data CRC. A record longer than `limit` bytes (--max-file-size: a record holds one
+    image) is refused before it is read."""
+    limit = file_size_limit(limit)
+    if length > limit:
+        raise UnreadableFile(f"{path} (record at byte offset {offset})",
+                             f"a record of {describe_size(length)}, more than the {describe_size(limit)} "
+                             f"{FILE_SIZE_OPTION} allows (corrupt, or give a larger {FILE_SIZE_OPTION})")
+    with open_regular_file(path, SHARD_SIZE_UNLIMITED) as file:
         file.seek(offset)
         framed = file.read(_FRAMING_BYTES + length)
     if len(framed) < _FRAMING_BYTES + length:
@@ -352,7 +362,9 @@ class TFRecordDataset(Dataset):
     index is cached per file, so a second dataset over the same files costs nothing.
     """
 
-    def __init__(self, folder: str | os.PathLike, split: str, transform: ImageTransform | None = None) -> None:
+    def __init__(self, folder: str | os.PathLike, split: str, transform: ImageTransform | None = None,
+                 size_limit: int | None = None) -> None:
+        self.size_limit = size_limit  # the longest record read (--max-file-size)
         self.shards = find_shards(folder, split)
         self.transform = transform or _default_decode
         with ThreadPoolExecutor(max_workers=min(16, len(self.shards))) as pool:
@@ -366,13 +378,17 @@ class TFRecordDataset(Dataset):
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def source(self, index: int) -> str:
+        """Where record `index` is, for messages."""
+        return f"{self.shards[self.shard_ids[index]]} (record at byte offset {int(self.offsets[index])})"
+
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(the record's encoded image, its 0-based class, where it is for messages): what the batch
         loader decodes."""
         path = self.shards[self.shard_ids[index]]
         offset = int(self.offsets[index])
-        source = f"{path} (record at byte offset {offset})"
-        record = read_record(path, offset, int(self.lengths[index]))
+        source = self.source(index)
+        record = read_record(path, offset, int(self.lengths[index]), self.size_limit)
         encoded, label = parse_imagenet_example(record, source)
         return encoded, label, source
 
