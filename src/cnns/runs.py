@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig, check_option_types, resolve
 from cnns.errors import CheckpointError, ConfigError
+from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog, new_run_folder, write_arguments
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
@@ -62,11 +64,12 @@ class RunFolder:
 
     @classmethod
     def open(cls, path: str | Path) -> "RunFolder":
-        """CheckpointError (one line, naming the file) unless `path` is a cnns run folder."""
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(f"--restore-path {path} is not a run folder")
-        return cls(path, read_run_options(path))
+        """restore.py's and weight_avg.py's --restore-path, which take the whole run: `open_restore_path`, and a
+        CheckpointError (one line) for a checkpoint file."""
+        target = open_restore_path(path)
+        if target.file is not None:
+            raise CheckpointError(f"--restore-path {path} is a checkpoint file: give its run folder {target.run.path}")
+        return target.run
 
     @property
     def config(self) -> RunConfig:
@@ -81,6 +84,13 @@ class RunFolder:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def require_checkpoints(self) -> list[Path]:
+        """`checkpoints`, or the one line every command says for a run that has none."""
+        found = self.checkpoints()
+        if not found:
+            raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {self.path}")
+        return found
+
     def weight_averages(self) -> list[Path]:
         """weight_avg_*.pt files written by weight_avg.py (or by training with --weight-avg-*)."""
         return list_weight_averages(self.path)
@@ -88,10 +98,7 @@ class RunFolder:
     def weights(self, checkpoint: Path | None = None, which: str = "raw") -> dict[str, Any]:
         """A checkpoint's model state dict (the newest by default): its raw weights, or with "ema" the
         float32 moving average that --ema-decay runs keep beside them."""
-        checkpoint = checkpoint or self.newest_checkpoint()
-        if checkpoint is None:
-            raise CheckpointError(f"{self.path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
-        return checkpoint_weights(checkpoint, which)
+        return checkpoint_weights(checkpoint or self.require_checkpoints()[-1], which)
 
     def class_names(self) -> tuple[list[str] | None, str]:
         """(class names in class-index order or None, where they come from); see `class_names`."""
@@ -132,17 +139,43 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
-def locate_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
-    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
+@dataclass(frozen=True)
+class RestoreTarget:
+    """What --restore-path names: a run, and one checkpoint file of it or (None) the whole folder."""
+
+    run: RunFolder
+    file: Path | None
+
+    def checkpoints(self) -> list[Path]:
+        """The file named, or the run's checkpoints oldest first (CheckpointError, one line, when it has none)."""
+        return [self.file] if self.file is not None else self.run.require_checkpoints()
+
+    def checkpoint(self) -> Path:
+        """The file named, or the run's newest checkpoint: what a command that loads one checkpoint loads."""
+        return self.checkpoints()[-1]
+
+
+def open_restore_path(restore_path: str | Path) -> RestoreTarget:
+    """--restore-path as every command that starts from a trained run reads it (restore.py, validation.py,
+    weight_avg.py, inference_embedded.py, cnns predict and export): a run folder, or a checkpoint file inside
+    one; the run's arguments.json (read and checked) gives the model and the dataset. One line
+    (CheckpointError) for a path with nothing there, a folder that is not a cnns run (`read_run_options`), a
+    file whose folder is not one, and anything else (a FIFO, a device); a run without checkpoints is said by
+    `RestoreTarget.checkpoints`, since reading a run's options needs none."""
     path = Path(restore_path)
     if path.is_dir():
-        checkpoints = list_checkpoints(path)
-        if not checkpoints:
-            raise CheckpointError(f"--restore-path {path}: no checkpoints (ckpt-<iteration>.pt) in the folder")
-        return path, checkpoints[-1][1]
+        return RestoreTarget(RunFolder(path, read_run_options(path)), None)
     if path.is_file():
-        return path.parent, path
+        return RestoreTarget(RunFolder(path.parent, read_run_options(path.parent)), path)
+    if not path.exists():
+        raise CheckpointError(f"--restore-path {path} is not a run folder: nothing is there")
     raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
+
+
+def locate_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
+    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
+    target = open_restore_path(restore_path)
+    return target.run.path, target.checkpoint()
 
 
 def checkpoint_weights(checkpoint: Path, which: str = "raw") -> dict[str, Any]:
@@ -197,14 +230,8 @@ def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     run's arguments.json or {}). As in Graphcore's application, the training run's global batch size is kept (it
     places a checkpoint in epochs) unless --global-batch-size says otherwise.
     """
-    restore_path = Path(values["restore_path"]) if values.get("restore_path") else None
-    base: dict[str, Any] = {}
-    if restore_path is not None:
-        folder = restore_path if restore_path.is_dir() else restore_path.parent
-        if (folder / "arguments.json").is_file():
-            base = read_run_options(folder)
-            base.pop("name", None)
-    explicit = {k: v for k, v in values.items() if v is not None and not (v is False and k in _FALSE_BY_DEFAULT)}
+    base = _options_of_the_run(values)
+    explicit = _given(values)
     merged = {**base, **explicit}
     if "half_dtype" in explicit and "half_dtype_given" not in explicit:  # not the device's default
         merged["half_dtype_given"] = True
@@ -222,6 +249,38 @@ def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     elif "global_batch_size" in base:
         options["global_batch_size"] = base["global_batch_size"]
     return options, base
+
+
+# What inference_embedded.py keeps of a run: what its checkpoint holds and how the model's inputs are scaled.
+# The rest (data files, run length, parallelism) is the command line's: it times generated images in one process.
+_MODEL_OPTIONS = ("model", "model_size", "num_classes", "dataset", "image_size", "group_norm", "groups", "group_dim",
+                  "expand_ratio", "convolution_groups", "normalise_input", "precision", "half_dtype",
+                  "half_dtype_given", "micro_batch_size")
+
+
+def inference_run_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """inference_embedded.py: (the command line's values over the model options of the run --restore-path
+    names, those of the run's options it kept), so that a run's checkpoint is loaded into the run's model."""
+    run = {key: value for key, value in _options_of_the_run(values).items() if key in _MODEL_OPTIONS}
+    given = _given(values)
+    merged = {**values, **run, **given}
+    if "half_dtype" in given and run:  # the command line's half type, not the device's default
+        merged["half_dtype_given"] = True
+    return merged, run
+
+
+def _options_of_the_run(values: dict[str, Any]) -> dict[str, Any]:
+    """The arguments.json of the run --restore-path names ({} without one; one line for a path that is not a run)."""
+    if not values.get("restore_path"):
+        return {}
+    options = dict(open_restore_path(values["restore_path"]).run.options)
+    options.pop("name", None)
+    return options
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    """The values a command line gave (argparse's None is "not given", and so is a flag's default False)."""
+    return {k: v for k, v in values.items() if v is not None and not (v is False and k in _FALSE_BY_DEFAULT)}
 
 
 def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
@@ -272,14 +331,17 @@ def agree_on_run_folder(cfg: RunConfig, world) -> Path | None:
     return Path(world.agree_on("run_folder", make))
 
 
-def open_new_run(cfg: RunConfig, world) -> tuple[Path | None, RestorePoint | None, RunLog, Path | None]:
-    """train.py's run folder for this process: (the folder every process agreed on, None for --compile-only;
-    after the launcher restarted the workers, the first attempt's newest checkpoint to continue from; this
-    process's log; the folder another rank writes its own files to, if any)."""
+@contextmanager
+def open_new_run(cfg: RunConfig, world) -> Iterator[tuple[Path | None, RestorePoint | None, RunLog, Path | None]]:
+    """train.py's run folder for this process, locked by the writer for as long as the body runs
+    (`cnns.runlock`: an existing --logs-path folder may be another command's): (the folder every process agreed
+    on, None for --compile-only; after the launcher restarted the workers, the first attempt's newest checkpoint
+    to continue from; this process's log; the folder another rank writes its own files to, if any)."""
     folder = agree_on_run_folder(cfg, world)
-    restore = newest_restore_point(folder, world) if world.restart > 0 and folder is not None else None
-    log, instance_folder = run_log_for(cfg, world, folder)
-    return folder, restore, log, instance_folder
+    with run_folder_lock(folder if world.is_writer else None):
+        restore = newest_restore_point(folder, world) if world.restart > 0 and folder is not None else None
+        log, instance_folder = run_log_for(cfg, world, folder)
+        yield folder, restore, log, instance_folder
 
 
 def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path | None]:

@@ -26,16 +26,22 @@ def infer_main(argv: list[str]) -> int:
     values = resolved.values
     if values.get("print_config"):
         return print_config(resolved.options)
-    return infer(resolved.config, resolved.notices, restore_path=values.get("restore_path"),
-                 artefact_path=values.get("artefact_path"), force_recompile=bool(values.get("force_recompile")))
+    checkpoint = _checkpoint_named(values.get("restore_path"))
+    return infer(resolved.config, resolved.notices, checkpoint=checkpoint, artefact_path=values.get("artefact_path"),
+                 force_recompile=bool(values.get("force_recompile")))
+
+
+def _checkpoint_named(restore_path: str | None) -> Path | None:
+    """The checkpoint --restore-path names (a run folder's newest), as every command reads it; None without."""
+    from cnns.runs import open_restore_path
+
+    return open_restore_path(restore_path).checkpoint() if restore_path else None
 
 
 def restored_run(restore_path: str) -> tuple[Path, RunConfig]:
     """predict / export: (the checkpoint --restore-path names, its run's configuration resolved as validation.py
     resolves it for that checkpoint)."""
-    from cnns.deploy.restored import locate_run_checkpoint
-
-    checkpoint = locate_run_checkpoint(restore_path)
+    checkpoint = _checkpoint_named(restore_path)
     return checkpoint, resolve_command_line("validate", ["--restore-path", str(checkpoint)]).config
 
 

@@ -281,6 +281,8 @@ def check_run_folder_place(cfg: RunConfig) -> None:
     folder in /proc say, is one line too: `cnns.runs.agree_on_run_folder`.)"""
     if cfg.train.compile_only:  # writes nothing
         return
+    if not cfg.log.logs_path:
+        check_run_name(cfg.log.name, cfg.log.log_dir, cfg.arguments.get("name_suffix"))
     option, target = ("--logs-path", cfg.log.logs_path) if cfg.log.logs_path else ("--log-dir", cfg.log.log_dir)
     path = Path(target)
     existing = path
@@ -290,6 +292,18 @@ def check_run_folder_place(cfg: RunConfig) -> None:
         where = "is a file" if existing == path else f"cannot be made: {existing} is a file"
         raise ConfigError(f"{option} {target} {where}, not a folder")
     check_writable(existing, f"{option} {target}")
+
+
+def check_run_name(name: str, log_dir: str, suffix: str | None) -> None:
+    """The run name (the model options and --name-suffix) is one folder name: the run folder stays a folder of
+    --log-dir. A '/' would make sub-folders, and '..' among them a run folder anywhere; a NUL byte no path holds."""
+    separators = {"/", "\0"} | ({os.altsep} if os.altsep else set())
+    found = sorted(separator for separator in separators if separator in name)
+    if not found:
+        return
+    what = f"--name-suffix {suffix!r}" if suffix and any(s in suffix for s in found) else f"the run name {name!r}"
+    shown = " or ".join(repr(s) for s in found)
+    raise ConfigError(f"{what} holds {shown}: a run name is one folder name inside --log-dir {log_dir}, not a path")
 
 
 def check_writable(folder: Path, what: str) -> None:

@@ -43,12 +43,15 @@ def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
 
 
 def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
-    from cnns.checkpoint import load_checkpoint
+    from cnns.checkpoint import check_matches_model
     from cnns.models import build_model
+    from cnns.runs import checkpoint_weights
 
     model = build_model(cfg.model)
-    if checkpoint is not None:
-        unwrap(model).load_state_dict(load_checkpoint(checkpoint)["model"])
+    if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback
+        weights = checkpoint_weights(checkpoint)
+        check_matches_model(checkpoint, weights, unwrap(model).state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
+        unwrap(model).load_state_dict(weights)
     dtype, std = input_dtype_and_std(cfg, device)
     model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
     return NormalisedClassifier(model, std, dtype).eval()
@@ -176,13 +179,13 @@ def probe_package(path: Path, shape: tuple[int, ...], device: torch.device) -> f
     return time.perf_counter() - start
 
 
-def infer(cfg: RunConfig, notices: list[str], restore_path: str | None = None, artefact_path: str | None = None,
+def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, artefact_path: str | None = None,
           force_recompile: bool = False) -> int:
-    """inference_embedded.py: compile the model once (or load the compiled artefact) and time it."""
+    """inference_embedded.py: compile the model once (or load the compiled artefact) and time it; `checkpoint`:
+    the weights (`cnns.runs.open_restore_path` found them, and `cfg` holds their run's model), None for random."""
     for notice in notices:
         print(f"notice: {notice}")
     device = resolve_device(cfg.device)
-    checkpoint = Path(restore_path) if restore_path else None
     path = Path(artefact_path or artefact_name(cfg, checkpoint))
     batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
     images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,

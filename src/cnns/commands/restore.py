@@ -1,7 +1,8 @@
 """restore.py: a run continued from its newest readable checkpoint, in its own folder.
 
 The configuration is the run's own arguments.json with the stage layout the command line gives
-(`cnns.runs.restore_options`), resolved once by `cnns.cli`.
+(`cnns.runs.restore_options`), resolved once by `cnns.cli`. The run folder is locked (`cnns.runlock`) from before
+its newest checkpoint is read until the run has ended: a second command on it ends in one line.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from cnns.config import RunConfig
 from cnns.errors import CheckpointError
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
+from cnns.runlock import run_folder_lock
 from cnns.runs import RunFolder, newest_restore_point, run_log_for
 
 
 def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
+    run.require_checkpoints()
+    check_writable(run.path, f"--restore-path {run.path}")
+    with run_folder_lock(run.path):  # this process, or the workers it starts, write the folder from here
+        return _continue(run, cfg, relaunch)
+
+
+def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
     # Read the checkpoint before anything is written: a corrupt one leaves the run folder as it was.
     point = newest_restore_point(run.path, World())
     if point is None:
@@ -25,7 +34,6 @@ def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
     check_supported(cfg)
     check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
-    check_writable(run.path, f"--restore-path {run.path}")
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
     from cnns.engine.session import TrainingSession  # as train.py: not in a process that only starts workers

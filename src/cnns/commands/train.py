@@ -27,8 +27,8 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
         return print_split_points(cfg)
     check_supported(cfg)
     notices = notices + parallel_notices(cfg)
+    check_run_folder_place(cfg)  # first: the built-in dataset writes its files as its data is checked
     check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
-    check_run_folder_place(cfg)
     initial = _checked_initial_weights(cfg)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
@@ -38,15 +38,15 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
 
     world, cfg, agreed = join_run(cfg)
     try:
-        folder, restore, log, instance_folder = open_new_run(cfg, world)
-        if folder is not None:
-            log.print(f" Saving to {folder}")
-        for notice in notices + agreed:
-            log.notice(notice)
-        log.write_arguments(cfg.arguments)
-        if cfg.log.wandb and world.is_writer:
-            log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
-        return TrainingSession(cfg, log, folder, world, instance_folder, initial).run_to_the_end(restore)
+        with open_new_run(cfg, world) as (folder, restore, log, instance_folder):
+            if folder is not None:
+                log.print(f" Saving to {folder}")
+            for notice in notices + agreed:
+                log.notice(notice)
+            log.write_arguments(cfg.arguments)
+            if cfg.log.wandb and world.is_writer:
+                log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
+            return TrainingSession(cfg, log, folder, world, instance_folder, initial).run_to_the_end(restore)
     finally:
         world.close()
 

@@ -1,10 +1,11 @@
 """validation.py: a run's checkpoints (or one checkpoint) validated, or a random model timed on generated data.
 
 The configuration is the run's arguments.json overridden by the command line (`cnns.runs.evaluation_options`),
-resolved once by `cnns.cli`. With replicas every process validates its share of the images and rank 0 writes;
-each process reads the checkpoints itself (the run folder is on a shared file system). Everything that can
-fail (unreadable or foreign checkpoints, a model that does not match, missing data) is checked before the
-first line is written to the run folder.
+resolved once by `cnns.cli`; --restore-path is read as every command reads it (`cnns.runs.open_restore_path`),
+and the run folder is locked while validation.csv is written (`cnns.runlock`). With replicas every process
+validates its share of the images and rank 0 writes; each process reads the checkpoints itself (the run folder
+is on a shared file system). Everything that can fail (unreadable or foreign checkpoints, a model that does not
+match, missing data) is checked before the first line is written to the run folder.
 """
 
 from __future__ import annotations
@@ -23,25 +24,30 @@ from cnns.errors import CheckpointError
 from cnns.models import count_parameters
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
+from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog, validated_names
+from cnns.runs import open_restore_path
 
 
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
     check_supported(cfg)
+    folder = None  # the run folder validation.csv is added to (none for a random model)
     if restore_path:
+        target = open_restore_path(restore_path)
+        target.checkpoints()  # a run without any is one line before the data is looked at
         check_data_before_writing(cfg, train=False, evaluation=True)
-        folder = Path(restore_path)
-        if folder.exists():  # else a missing folder or file is named where the checkpoints are read
-            check_writable(folder if folder.is_dir() else folder.parent, f"--restore-path {restore_path}")
-    if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
-        return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
-    world, cfg, _ = join_run(cfg)
-    try:
-        if not restore_path:
-            return validate_random_model(cfg, repeat, notices, world)
-        return validate_checkpoints(cfg, Path(restore_path), repeat, notices, world)
-    finally:
-        world.close()
+        folder = target.run.path
+        check_writable(folder, f"--restore-path {restore_path}")
+    with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
+        if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
+            return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+        world, cfg, _ = join_run(cfg)
+        try:
+            if not restore_path:
+                return validate_random_model(cfg, repeat, notices, world)
+            return validate_checkpoints(cfg, Path(restore_path), repeat, notices, world)
+        finally:
+            world.close()
 
 
 def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notices: list[str], world: World) -> int:

@@ -1,19 +1,22 @@
 """weight_avg.py: a run's last checkpoints averaged (the mean or exponential average of Graphcore's
 application), written beside them as weight_avg_*.pt, and validated unless the command line says
---no-validation (the training run's does not carry over). Everything is read and checked before the run
-folder is written."""
+--no-validation (the training run's does not carry over). --restore-path is a run folder, read as every
+command reads it (`cnns.runs.open_restore_path`); everything is read and checked before the run folder is
+written, under its lock (`cnns.runlock`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cnns.commands.checks import check_data_before_writing, check_supported
+from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
 from cnns.engine.averaging import average_name, last_checkpoints, trained_checkpoints, write_average
 from cnns.engine.components import build_components
 from cnns.engine.validation import Target, check_targets_match, targets_of, validate_targets
 from cnns.errors import CheckpointError, ConfigError
+from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog
+from cnns.runs import RunFolder
 
 DEFAULT_DECAY = 0.97  # Graphcore's application's exponential averaging decay (--decay)
 
@@ -24,14 +27,20 @@ def weight_average(cfg: RunConfig, restore_path: str | None, mode: str, count: i
     configuration with one replica)."""
     if not restore_path:
         raise ConfigError("weight_avg.py needs --restore-path <run folder>")
+    run = RunFolder.open(restore_path)
+    run.require_checkpoints()
+    decay = DEFAULT_DECAY if decay is None else decay
+    _check_averaging_options(mode, count, decay, discard_last)
     check_supported(cfg)
     if validate:  # the averages are validated, never trained: only the validation data must be there
         check_data_before_writing(cfg, train=False, evaluation=True)
-    folder = Path(restore_path)
-    decay = DEFAULT_DECAY if decay is None else decay
-    _check_averaging_options(mode, count, decay, discard_last)
-    if not folder.is_dir():
-        raise CheckpointError(f"--restore-path {folder} is not a run folder")
+    check_writable(run.path, f"--restore-path {restore_path}")
+    with run_folder_lock(run.path):
+        return _average(cfg, run.path, mode, count, decay, discard_last, validate, notices)
+
+
+def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: float, discard_last: int,
+             validate: bool, notices: list[str]) -> int:
     checkpoints = trained_checkpoints(folder)
     if not checkpoints:
         raise CheckpointError(f"no trained checkpoints (ckpt-<iteration>.pt, iteration > 0) in {folder}")

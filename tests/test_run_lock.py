@@ -1,0 +1,183 @@
+"""One writer per run folder (`cnns.runlock`): a second command on a folder another one writes ends in one line
+naming the holder, exit 2, nothing written; the kernel drops the lock of a holder that dies, SIGKILL too."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import processes
+import scripts
+
+from cnns.runlock import LOCK_NAME
+
+# A ResNet-8 on the built-in shapes (no data files), 625 updates an epoch: a row every update, and checkpoints
+# at 0, 6 and 12.
+BUILTIN_RUN = ("--dataset", "builtin", "--model-size", "8", "--micro-batch-size", "8", "--ckpts-per-epoch", "100",
+               "--log-freq", "1", "--no-validation", "--seed", "3")
+ITERATIONS = 12
+CHILD_TIMEOUT_S = 240
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A finished run of ITERATIONS updates, trained in this process."""
+    folder = tmp_path_factory.mktemp("locked-runs") / "run"
+    scripts.train_here(*BUILTIN_RUN, "--iterations", str(ITERATIONS), "--logs-path", str(folder))
+    assert (folder / f"ckpt-{ITERATIONS}.pt").is_file() and not (folder / LOCK_NAME).exists()
+    return folder
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> Path:
+    return Path(shutil.copytree(trained_run, tmp_path / trained_run.name))
+
+
+def cut_back_to(folder: Path, iteration: int) -> None:
+    """The run as a crash after `iteration`'s checkpoint leaves it: the later checkpoints gone, their rows kept
+    (restore.py sets those apart and trains the updates again)."""
+    for path in folder.glob("ckpt-*.pt"):
+        if int(path.stem.split("-")[1]) > iteration:
+            path.unlink()
+
+
+def iterations_in(path: Path) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(row["iteration"]) for row in csv.DictReader(f)]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def root_script(name: str, *args: str) -> list[str]:
+    return [sys.executable, str(scripts.ROOT / name), *args]
+
+
+def wait_until_it_holds(process: subprocess.Popen, folder: Path) -> None:
+    """Until the process has taken the folder's lock (the lock file names its pid), or the test fails."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if (folder / LOCK_NAME).read_text().split("\n")[0] == str(process.pid):
+                return
+        except (OSError, UnicodeDecodeError):
+            pass
+        time.sleep(0.005)
+    out, err = processes.communicate(process, timeout=30) if process.poll() is not None else ("", "")
+    pytest.fail(f"{process.args[1]} never held the lock of {folder} (exit {process.poll()}): {err[-2000:]}")
+
+
+def hold(folder: Path) -> subprocess.Popen:
+    """A process that holds the folder's lock until its stdin closes or it is killed (no torch: it starts at once)."""
+    code = ("import sys; from pathlib import Path; from cnns.runlock import run_folder_lock\n"
+            "with run_folder_lock(Path(sys.argv[1])):\n"
+            "    print('holding', flush=True)\n"
+            "    sys.stdin.read()\n")
+    holder = processes.start([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(scripts.ROOT / "src")})
+    assert processes.read_line(holder.stdout, time.monotonic() + 60) == "holding\n"
+    return holder
+
+
+def test_two_restores_of_one_run_write_each_row_once(run_copy, tmp_path):
+    """Two restore.py on one run at once: the second ends in one line naming the first, exit 2, and writes
+    nothing; the first continues the run alone, so training.csv holds every iteration once, in order."""
+    cut_back_to(run_copy, 6)
+    first = processes.start(root_script("restore.py", "--restore-path", str(run_copy)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ONE_THREAD)
+    wait_until_it_holds(first, run_copy)
+    first.send_signal(signal.SIGSTOP)  # it holds the lock, and goes no further while the second one tries
+    try:
+        before = digest(run_copy)
+        second = processes.run(root_script("restore.py", "--restore-path", str(run_copy)), text=True, cwd=tmp_path,
+                               env=ONE_THREAD, timeout=CHILD_TIMEOUT_S)
+        assert digest(run_copy) == before  # not a row, not a line of log.txt
+    finally:
+        first.send_signal(signal.SIGCONT)
+    command = f"restore.py --restore-path {run_copy}"
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.splitlines() == [f"error: {run_copy} is in use by pid {first.pid} ({command}): one command "
+                                          "at a time writes a run folder; run this one when that one has ended"]
+    assert second.stdout == ""
+    out, err = processes.communicate(first, timeout=CHILD_TIMEOUT_S)
+    assert first.returncode == 0, err[-3000:]
+    assert iterations_in(run_copy / "training.csv") == list(range(1, ITERATIONS + 1))
+    assert f"Saved checkpoint to {run_copy / f'ckpt-{ITERATIONS}.pt'}" in out
+    assert not (run_copy / LOCK_NAME).exists()  # given back, the folder as the run left it
+
+
+def test_two_validations_of_one_run_validate_each_checkpoint_once(run_copy, tmp_path):
+    first = processes.start(root_script("validation.py", "--restore-path", str(run_copy)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ONE_THREAD)
+    wait_until_it_holds(first, run_copy)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = processes.run(root_script("validation.py", "--restore-path", str(run_copy)), text=True,
+                               cwd=tmp_path, env=ONE_THREAD, timeout=CHILD_TIMEOUT_S)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr[-3000:]
+    assert f"is in use by pid {first.pid} (validation.py --restore-path {run_copy})" in second.stderr
+    _, err = processes.communicate(first, timeout=CHILD_TIMEOUT_S)
+    assert first.returncode == 0, err[-3000:]
+    assert iterations_in(run_copy / "validation.csv") == checkpointed(run_copy)
+
+
+def checkpointed(folder: Path) -> list[int]:
+    return sorted(int(path.stem.split("-")[1]) for path in folder.glob("ckpt-*.pt"))
+
+
+@pytest.mark.parametrize("script", ["restore.py", "validation.py", "weight_avg.py", "train.py"])
+def test_every_command_that_writes_a_run_folder_refuses_one_in_use(run_copy, tmp_path, capfd, script):
+    """train.py writes into an existing folder with --logs-path; the others continue, validate or average a run."""
+    args = ([*BUILTIN_RUN, "--iterations", "2", "--logs-path", str(run_copy)] if script == "train.py" else
+            ["--restore-path", str(run_copy)])
+    before = digest(run_copy)
+    holder = hold(run_copy)
+    try:
+        out = scripts.run_here(capfd, script, *args, cwd=tmp_path, expect=2)
+    finally:
+        processes.communicate(holder, timeout=60)  # closes its stdin: it gives the lock back and ends
+    assert out.stderr.splitlines() == [f"error: {run_copy} is in use by pid {holder.pid} (-c {run_copy}): one "
+                                       "command at a time writes a run folder; run this one when that one has ended"]
+    assert out.stdout == ""
+    assert digest(run_copy) == before
+
+
+def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(run_copy, tmp_path, capfd):
+    holder = hold(run_copy)
+    processes.kill_tree(holder)  # SIGKILL: no clean-up runs, the lock file stays behind
+    assert (run_copy / LOCK_NAME).read_text().split("\n")[0] == str(holder.pid)
+    out = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy), cwd=tmp_path)
+    assert out.stdout.count("Validation top-1 accuracy") == len(checkpointed(run_copy)) == 3
+    assert not (run_copy / LOCK_NAME).exists()
+
+
+def test_commands_that_only_read_a_run_take_no_lock(run_copy, tmp_path, capsys):
+    """cnns predict (and export, plot) read a run folder: they run beside a command that writes it."""
+    from cnns.cli import run_script
+
+    holder = hold(run_copy)
+    try:
+        image = tmp_path / "one.png"
+        from cnns.data.builtin import draw_shapes
+        from torchvision.io import encode_png
+
+        images, _ = draw_shapes(1, seed=1)
+        image.write_bytes(encode_png(images[0].permute(2, 0, 1).contiguous()).numpy().tobytes())
+        assert run_script("predict", ["--restore-path", str(run_copy), str(image), "--top-k", "1"]) == 0
+    finally:
+        processes.communicate(holder, timeout=60)  # closes its stdin: it gives the lock back and ends
+    assert str(image) in capsys.readouterr().out
