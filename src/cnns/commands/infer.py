@@ -32,6 +32,7 @@ from cnns.engine.build import unwrap
 from cnns.deploy.restored import NormalisedClassifier
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
+from cnns.files import write_atomically, write_atomically_by_name
 from cnns.precision import PrecisionPolicy
 
 
@@ -70,7 +71,12 @@ def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dty
 def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+    def compile_into(temporary: Path) -> None:
+        with torch.no_grad():
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary))
+
+    write_atomically_by_name(path, compile_into, ".pt2")  # whole or not at all (cnns.files)
 
 
 def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
@@ -202,7 +208,7 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
         start = time.perf_counter()
         _description_path(path).unlink(missing_ok=True)  # never beside a package it does not describe
         compile_artefact(model, images.to(device), path)
-        _description_path(path).write_text(json.dumps(description, indent=1) + "\n")
+        write_atomically(_description_path(path), json.dumps(description, indent=1) + "\n")
         print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
     if device.type in PROBED_DEVICE_TYPES:  # before this process loads it, and before anything is timed
         seconds = probe_package(path, tuple(images.shape), device)
