@@ -165,11 +165,12 @@ def test_replicas_with_accumulation_train_as_one_process_with_more_accumulation(
 def test_a_restored_replicated_run_continues_the_same_samples(replicas_run, tmp_path):
     cut = tmp_path / "cut"
     shutil.copytree(replicas_run, cut)
-    # Checkpoints fall on the host synchronisations (every 6 updates here): continue from ckpt-6.
+    # A checkpoint every 3 updates (16 an epoch, 5 checkpoints asked), between the step lines (every 6): continue
+    # from ckpt-9, in the middle of a step line's window.
     for later in ("ckpt-12.pt", "training.csv"):
         (cut / later).unlink()
     out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py", env=ONE_THREAD)
-    assert "Restoring training from latest checkpoint:" in out and "ckpt-6.pt" in out
+    assert "Restoring training from latest checkpoint:" in out and "ckpt-9.pt" in out
     # Bitwise: the restored run computes the same shapes on the same threads and kernels from the same
     # weights, optimiser state, random states and samples as the uninterrupted one.
     assert relative_difference(cut / "ckpt-12.pt", replicas_run / "ckpt-12.pt") == 0.0
