@@ -14,8 +14,11 @@ from cnns.devices import default_device_name
 from cnns.errors import ConfigError, DataError
 
 
-def check_supported(cfg: RunConfig) -> None:
-    """Combinations that cannot run, found before any worker starts: one clear line each."""
+def check_supported(cfg: RunConfig, trains: bool = True) -> None:
+    """Combinations that cannot run, found before any worker starts: one clear line each. Worker processes this one
+    would start must fit in the machine's memory (estimated for a command that `trains` or only evaluates)."""
+    from cnns.parallel.launch import check_machine_holds_workers
+
     p = cfg.parallel
     if p.shards > 1 or (p.pipeline and p.splits and p.recomputation):  # stages, or recomputation points
         check_pipeline_splits(cfg)
@@ -24,6 +27,7 @@ def check_supported(cfg: RunConfig) -> None:
                           "leave out --compile (it measured no faster on a CPU)")
     if p.bn_span > 1 and p.replicas == 1:
         raise ConfigError(f"--BN-span {p.bn_span} spans replicas: give --replicas (a multiple of it)")
+    check_machine_holds_workers(cfg, trains)
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:

@@ -16,12 +16,23 @@ import os
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from cnns.parallel.world import join_world, launched, timeout_seconds
+from cnns.errors import ConfigError
+from cnns.parallel.world import join_world, launched, timeout_seconds, usable_cores
 
 # Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
 SHUTDOWN_TIMEOUT_S = 300
+
+# The memory a worker process holds before its model: an interpreter with torch, torchvision, timm and cnns
+# imported. Measured (torch 2.x, Linux x86-64): a quick-start worker's own (anonymous) memory is 442-456 MB, of
+# which its ResNet-8, data and activations take under 40 MB; the imports alone 412 MB. A little under that, so
+# that the estimate stays a lower bound and refuses only what cannot fit.
+WORKER_FIXED_BYTES = 380 << 20
+# Optimiser state kept per parameter (cnns.optim): plain SGD (the seed's) none, momentum and LARS a momentum
+# buffer, RMSprop (TensorFlow's form) its mean square and momentum.
+OPTIMISER_STATE_PER_PARAMETER = {"SGD": 0, "momentum": 1, "LARS": 1, "RMSprop": 2}
 
 
 def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
@@ -58,6 +69,144 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
 def needs_local_workers(replicas: int, shards: int) -> bool:
     """Several processes asked for and none started by a launcher: this process starts them."""
     return replicas * shards > 1 and not launched()
+
+
+# ----------------------------------------------------------------------------------------------
+# Whether the machine holds the workers this process would start
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """What one worker process holds, in bytes: the interpreter, the model's weights with their gradients and
+    optimiser state, and the activations a micro-batch keeps for the backward pass."""
+
+    fixed: int
+    model: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.model + self.activations
+
+    def describe(self) -> str:
+        return (f"interpreter {_gib(self.fixed)}, weights, gradients and optimiser state {_gib(self.model)}, "
+                f"activations {_gib(self.activations)}")
+
+
+def _gib(size: float) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+def check_machine_holds_workers(cfg, trains: bool = True) -> None:
+    """The worker processes this process would start itself (`needs_local_workers`), checked before any starts:
+    ConfigError in one line when the machine's available memory cannot hold them (`worker_memory`, a lower
+    bound), a one-line notice on stderr when they outnumber the usable cores. Under a launcher (torchrun) the
+    launcher decided how many processes a machine runs: nothing is checked."""
+    p = cfg.parallel
+    if not needs_local_workers(p.replicas, p.shards):
+        return
+    processes = p.replicas * p.shards
+    asked = f"--replicas {p.replicas}" + (f" x --shards {p.shards}" if p.shards > 1 else "")
+    available = available_memory_bytes()
+    if available is not None:
+        each = worker_memory(cfg, trains)
+        if processes * each.total > available:
+            fitting = max(1, available // each.total)
+            raise ConfigError(
+                f"{asked}: {processes} worker processes need at least {_gib(processes * each.total)} of memory "
+                f"({_gib(each.total)} each: {each.describe()}), more than the {_gib(available)} available on this "
+                f"machine; start at most {fitting}, or launch them with torchrun where the memory is")
+    cores = usable_cores()
+    if processes > cores:
+        print(f"notice: {asked} starts {processes} worker processes on {cores} usable CPU cores: they take turns on "
+              "the cores, one thread each", file=sys.stderr, flush=True)
+
+
+def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
+    """A lower bound of one worker's memory on this machine (WorkerMemory). The model is built on torch's meta
+    device (no memory, no arithmetic) and run forward on a meta micro-batch, counting the tensors autograd keeps
+    for the backward pass. On a GPU the model lives in the GPU's memory: only the interpreter counts here.
+    Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack."""
+    from cnns.devices import default_device_name
+
+    if (cfg.device or default_device_name()).startswith("cuda"):
+        return WorkerMemory(WORKER_FIXED_BYTES, 0, 0)
+    parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains)
+    half = cfg.precision.precision == "16.16"  # half weights; 16.32 keeps float32 weights
+    weight_bytes = parameters * (2 if half else 4)
+    copies = 1  # the weights
+    if trains:
+        state = OPTIMISER_STATE_PER_PARAMETER.get(cfg.optim.optimiser, 0)
+        copies += 1 + (state / cfg.parallel.replicas if cfg.parallel.rts else state)  # gradients, the state
+    if trains and cfg.train.ema_decay:
+        copies += 1
+    if cfg.precision.precision.startswith("16"):
+        activation_bytes //= 2  # computed in the half type
+    if cfg.parallel.recomputation:
+        activation_bytes = 0  # only block inputs are kept: not estimated, so not counted
+    shards = cfg.parallel.shards  # a stage holds about its share of the model
+    return WorkerMemory(WORKER_FIXED_BYTES, int(weight_bytes * copies / shards), activation_bytes // shards)
+
+
+def _meta_training_pass(spec, micro_batch_size: int, trains: bool) -> tuple[int, int]:
+    """(parameters, bytes of the distinct tensors a float32 forward pass of `micro_batch_size` images keeps for
+    the backward pass; 0 when it does not train) of the model `spec` describes, on the meta device."""
+    import torch
+
+    from cnns.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    parameters = {id(parameter) for parameter in model.parameters()}
+    count = sum(parameter.numel() for parameter in model.parameters())
+    if not trains:
+        return count, 0
+    kept: dict[int, torch.Tensor] = {}  # by identity: a tensor saved by two operations is held once
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in parameters:
+            kept[id(tensor)] = tensor
+        return tensor
+
+    images = torch.empty(micro_batch_size, 3, spec.image_size, spec.image_size, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model.train()(images)
+    return count, sum(tensor.numel() * tensor.element_size() for tensor in kept.values())
+
+
+def available_memory_bytes() -> int | None:
+    """The memory new processes can take without swapping: the kernel's MemAvailable, or less where this
+    process's cgroup (a container's limit) leaves less; None where neither can be read (not Linux)."""
+    available = _meminfo_available()
+    limit = _cgroup_room()
+    if available is None or limit is None:
+        return available if limit is None else limit
+    return min(available, limit)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2: memory.max - memory.current of this process's cgroup; None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as cgroup:
+            path = next(line.split(":", 2)[2].strip() for line in cgroup if line.startswith("0::"))
+        folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((folder / "memory.current").read_text()))
+    except (OSError, ValueError, StopIteration):
+        return None
 
 
 def join_run(cfg) -> tuple:
