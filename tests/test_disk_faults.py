@@ -53,9 +53,13 @@ def reference(data_dir, tmp_path_factory) -> Path:
     return folder
 
 
+# cnns.files' temporary names: .ckpt-4.pt.<pid>.<token>.tmp (or .onnx, .pt2 where a library wants that suffix).
+TEMPORARY = re.compile(r"\.(.+)\.\d+\.[0-9a-f]{8}\.\w+")
+
+
 def final_name(path: Path) -> str:
     """The name a file written under a temporary name gets: ckpt-4.pt for .ckpt-4.pt.<pid>.<token>.tmp."""
-    temporary = re.fullmatch(r"\.(.+)\.\d+\.[0-9a-f]{8}\.\w+", path.name)
+    temporary = TEMPORARY.fullmatch(path.name)
     return temporary.group(1) if temporary else path.name
 
 
@@ -65,7 +69,7 @@ def final_name(path: Path) -> str:
 
 def assert_run_folder_whole(folder: Path) -> None:
     """No temporary file; every checkpoint readable; every CSV row whole, once, and in order."""
-    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], sorted(os.listdir(folder))
+    assert not [p.name for p in folder.iterdir() if TEMPORARY.fullmatch(p.name)], sorted(os.listdir(folder))
     for _, path in list_checkpoints(folder):
         load_checkpoint(path)  # a CheckpointError fails the test
     training = csv_rows(folder / "training.csv")
