@@ -1,6 +1,6 @@
 """Outputs never replace inputs: `cnns export` refuses to write over the checkpoint or the arguments.json it reads
-(even with --overwrite), and over any other existing file (a checkpoint above all) unless --overwrite is given.
-One line, exit 2, every file as it was."""
+(even with --overwrite), and over any other existing file (a checkpoint above all) unless --overwrite is given;
+`cnns plot --out` likewise with the CSV files it reads. One line, exit 2, every file as it was."""
 
 from __future__ import annotations
 
@@ -95,3 +95,21 @@ def test_overwrite_replaces_an_existing_file_whole_or_not_at_all(run, tmp_path, 
 
     export(capfd, "--restore-path", str(run), "--format", "onnx", "--out", str(target), "--overwrite")
     onnx.checker.check_model(onnx.load(str(target)))
+
+
+@pytest.mark.parametrize("out, overwrite, words", [
+    ("training.csv", True, ("which this command reads",)),
+    ("log.txt", False, ("exists", "--overwrite")),
+])
+def test_plot_never_writes_over_a_csv_it_reads_nor_an_existing_file_unasked(run, capfd, out, overwrite, words):
+    before = contents(run)
+    assert_refused(scripts.run_here(capfd, "plot", str(run), "--out", str(run / out),
+                                    *(["--overwrite"] if overwrite else []), expect=None), *words)
+    assert contents(run) == before
+
+
+def test_plot_replaces_an_existing_out_file_when_asked(run, tmp_path, capfd):
+    out = tmp_path / "curves.png"
+    out.write_bytes(b"an older plot")
+    scripts.run_here(capfd, "plot", str(run), "--out", str(out), "--overwrite")
+    assert out.read_bytes().startswith(b"\x89PNG")
