@@ -49,6 +49,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from cnns.files import write_atomically
+
 BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")
 DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
@@ -146,9 +148,7 @@ def _read_meta(folder: Path) -> dict[str, Any]:
 
 
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    temporary = folder / f".meta.{os.getpid()}.json"
-    temporary.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(temporary, folder / "meta.json")
+    write_atomically(folder / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder: Path,
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {"spec": asdict(spec), "torch": torch.__version__, "results": [asdict(r) for r in results]}
     text = json.dumps(document, indent=2) + "\n"
     if spec.result_path:
-        Path(spec.result_path).write_text(text)
+        write_atomically(spec.result_path, text)
     else:
         print(text)
     return 1 if any(r.error for r in results) else 0

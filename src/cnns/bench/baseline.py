@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from cnns import profiling
+from cnns.files import append
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -83,12 +85,12 @@ class BaselineSpec:
         if self.log_dir is None:
             return
         path = Path(self.log_dir) / ("training.csv" if self.mode == "train" else "validation.csv")
-        new = not path.exists()
-        with open(path, "a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(["img_per_sec", "seconds", "images"])
-            writer.writerow([rate, seconds, images])
+        rows = io.StringIO()  # the header (for a new file) and the row, appended whole or not at all
+        writer = csv.writer(rows)
+        if not path.exists():
+            writer.writerow(["img_per_sec", "seconds", "images"])
+        writer.writerow([rate, seconds, images])
+        append(path, rows.getvalue())
 
 
 def build_plain_model(spec: BaselineSpec) -> torch.nn.Module:

@@ -54,6 +54,7 @@ import torch
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
+from cnns.files import write_atomically
 
 if TYPE_CHECKING:
     from cnns.data.decoding import Crop, DecodeChoice, Placement
@@ -710,7 +711,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
         print(account_summary(account))
         records["account"] = account_record(account)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=2))
+        write_atomically(args.json, json.dumps(records, indent=2))
     return 0
 
 

@@ -4,6 +4,7 @@ from them, and how they are printed and written (a table on the screen, CSV and 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cnns.bench.spec import BACKENDS_KIND, COMMAND_KIND
+from cnns.files import write_atomically
 
 # The loops a command entry measures: cnns, and the plain loop in each of its modes (spec.BASELINE_MODES).
 PLAIN_SIDES = {"eager": "plain", "compiled": "plain_compiled"}
@@ -240,12 +242,13 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json"
     rows = [row for r in results for row in (_backend_rows(r) if r.kind == BACKENDS_KIND else [flat_row(r)])]
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: _csv_cell(v) for k, v in row.items()} for row in rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: _csv_cell(v) for k, v in row.items()} for row in rows)
+    write_atomically(csv_path, table.getvalue())
     records = [{**flat_row(r), "backends": r.backends} if r.kind == BACKENDS_KIND else flat_row(r) for r in results]
-    json_path.write_text(json.dumps({**meta, "results": records}, indent=2) + "\n")
+    write_atomically(json_path, json.dumps({**meta, "results": records}, indent=2) + "\n")
     return csv_path, json_path
 
 

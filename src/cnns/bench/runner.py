@@ -46,6 +46,7 @@ from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables,
                                 set_roofline_fractions, write_results)
 from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
 from cnns.errors import ConfigError
+from cnns.files import write_atomically
 from cnns.models import ModelSpec
 from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
 from cnns.runlog import RunLog
@@ -234,7 +235,7 @@ def run_child(argv: list[str], timeout: float, log_path: Path) -> str:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f}s"
-    log_path.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
+    write_atomically(log_path, out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["(no output)"])[-1]
         return f"exit {out.returncode}: {tail[:300]}"
@@ -376,7 +377,7 @@ def ensure_cifar10(folder: Path, images: int = CIFAR_IMAGES) -> Path:
         return folder
     pictures, labels = draw_shapes(images + images // 5, seed=2024)
     write_cifar10(folder, (pictures[:images], labels[:images]), (pictures[images:], labels[images:]))
-    marker.write_text("ok\n")
+    write_atomically(marker, "ok\n")
     return folder
 
 
