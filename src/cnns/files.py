@@ -12,12 +12,16 @@ write site of cnns:
 * `append(path, data)`: one row or line added at the end; a failed append truncates the file back to its size
   before (or removes it if the append created it), so no row is ever cut short.
 
+And one rule for a file the user names (`check_output`): an output never replaces a file the command reads, and
+replaces any other existing file only with `--overwrite`.
+
 A failure is a `WriteError`: one line, ``cannot write <file>: <cause>``, which the command line turns into
 ``error: ...`` and exit 2. A library that turns the OSError into an exception of its own (torch.save raises
 ``RuntimeError: [enforce fail at inline_container.cc:...]`` when a write inside it fails) is seen through: the
 OSError it was handling names the cause.
 
-All bytes go through `os.write`, and the tests inject their faults there (and at `os.fsync`, `os.replace`).
+Every byte cnns writes itself goes through `os.write` (a library writing to a file name writes its own), and the
+tests inject their faults there and at `os.fsync` and `os.replace` (tests/faults.py).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], 
 
 
 def append(path: str | Path, data: bytes | str) -> None:
-    """`data` added at the end of `path` (created if missing); on failure the file is as it was."""
+    """`data` added at the end of `path` (created if missing); on failure the file is as it was.
+
+    Not fsynced: a full disk or a quota fails the write itself, and an fsync a line (milliseconds on a real
+    disk) would slow every printed step; a crash loses at most rows past the newest checkpoint, which a
+    continued run logs again (`cnns.runlog.set_apart_rows_after`)."""
     path = Path(path)
     data = data.encode() if isinstance(data, str) else data
     try:
