@@ -75,8 +75,8 @@ def append(path: str | Path, data: bytes | str) -> None:
     """`data` added at the end of `path` (created if missing); on failure the file is as it was.
 
     Not fsynced: a full disk or a quota fails the write itself, and an fsync a line (milliseconds on a real
-    disk) would slow every printed step; a crash loses at most rows past the newest checkpoint, which a
-    continued run logs again (`cnns.runlog.set_apart_rows_after`)."""
+    disk) would slow every printed step. A process that dies loses nothing appended (the kernel holds it);
+    only a power cut can lose the last lines not yet on the disk, never a whole file or a checkpoint."""
     path = Path(path)
     data = data.encode() if isinstance(data, str) else data
     try:
