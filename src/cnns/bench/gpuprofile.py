@@ -1,79 +1,44 @@
 """cnns profile on a GPU: an update's GPU time by kernel family, against each family's roofline.
 
-For a CUDA entry of benchmarks.yml both loops record CUDA activity (``ProfilerActivity.CUDA``), and the
-trace holds, besides the CPU's operators, every kernel, copy and memset the GPU ran (Chrome events of
-category ``kernel``, ``gpu_memcpy``, ``gpu_memset``), each with the correlation id of the CPU call that
-launched it (``cudaLaunchKernel``, ``cudaGraphLaunch``, ``cuLaunchKernel``... of category ``cuda_runtime`` or
-``cuda_driver``, and the ``ac2g`` flow events between the two).
+For a CUDA entry both loops record CUDA activity too, and the trace's kernels, copies and memsets are read as
+FunctionEvents of ``device_type`` CUDA (`cnns.bench.opprofile.function_events`). Kernels run asynchronously:
+one belongs to the update whose mark holds (in torch's nesting) the host call that launched it, the one its
+correlation id names (a runtime or driver call, else the ``ac2g`` flow's start); a kernel whose launch the
+trace lacks falls back on its own start, in the update that began last before it. Kernels launched outside
+every update (the loop's host synchronisation, the profiler's own) belong to none; the first ``skip`` updates
+(compilation, CUDA-graph recording) are left out.
 
-**Which update a kernel belongs to.** Kernels run asynchronously: one launched late in an update may run
-after the CPU has left the update, or while it is inside the next one. A kernel belongs to the update whose
-CPU span (its `cnns.profiling.UPDATE` mark) holds the launch that its correlation id names (the runtime or
-driver event, else the ``ac2g`` flow's start); a kernel whose launch the trace does not hold falls back on
-its own start, in the update whose start is the last one before it. Kernels launched outside every update
-(the loop's host synchronisation, the profiler's own) belong to none. The first ``skip`` updates (warm-up,
-compilation, CUDA-graph recording) are left out, as on the CPU.
+**Families.** A kernel launched inside the optimiser's or the data's mark is theirs; otherwise its family is
+its name's (`KERNEL_NAMES`, first match wins; Inductor's ``triton_<kind>_fused_<aten ops>_<n>`` kernels by
+their kind and ops, `_triton_family`): a kernel fusing a norm with its addition and ReLU is *normalisation
+apply* (what fusion saved shows as the *add* and *activation* rows' absence). A family's time is the sum of its
+kernels' durations (``self_device_time_total``; two streams' overlapping kernels both count). An update's
+*wall* time runs from its start to the later of its host end and its last kernel's end (never past the next
+update's start); *GPU busy* is the union of all GPU activity in that window, *launch gaps* the rest.
 
-**Families.** A kernel launched inside the loop's optimiser mark (`cnns.profiling.OPTIMISER`) is the
-optimiser's, inside its data mark the data's (the input's copy to the GPU, augmentation there); otherwise
-its family is its name's (`kernel_family`, the table `KERNEL_NAMES` below, first match wins):
-
-    convolution | normalisation statistics | normalisation apply | activation | add | optimiser | copies |
-    data | other
-
-* cuDNN's and CUTLASS's convolution kernels and cuBLAS's GEMMs (the classifier) are *convolution*; their
-  layout transposes (``nchwToNhwcKernel``) are *copies*, tried first since their names carry ``cudnn``.
-* A normalisation kernel that reduces (forward statistics, the backward's per-channel sums, cuDNN's
-  one-kernel training passes) is *normalisation statistics*; the elementwise passes (normalise and
-  scale, the input gradient) are *normalisation apply*.
-* Inductor's Triton kernels are named ``triton_<kind>_fused_<aten ops>_<n>``: *kind* ``red`` (a reduction)
-  and ``per`` (a persistent reduction) reduce, ``poi`` is pointwise, ``tem`` a GEMM/convolution template. A
-  kernel's family is that of the first of these its ops hold: a normalisation (statistics for ``red``/``per``,
-  apply for ``poi``), the optimiser's foreach ops, an addition, an activation. So a kernel fusing batch norm
-  with the residual addition and the ReLU is *normalisation apply* (the pass the norm needs anyway; what
-  fusion saved shows as the *add* and *activation* rows' absence), and
-  ``triton_red_fused_native_batch_norm_backward_threshold_backward_14`` is *normalisation statistics*. A
-  pointwise kernel that only moves data into a layout (``triton_poi_fused_0``,
-  ``triton_poi_fused_convolution_0``: a convolution's input put in channels_last) is *copies*.
-
-A family's time is the sum of its kernels' durations (kernels that overlap on two streams both count). The
-update's *wall* time runs from its start to the later of its CPU end and the end of its last kernel (never
-past the next update's start); *GPU busy* is the union of all GPU activity within that window (overlapping
-kernels counted once) and *launch gaps* the wall time less the busy time: the time the GPU sat idle.
-
-**Rooflines** (`family_rooflines`), per update, from `cnns.bench.roofline`'s operators of the model
-(recorded on the meta device, in the run's activation dtype) with the GPU's measured matmul rate in that
-dtype and its stream bandwidth (`cnns.bench.rates.DeviceRates`): each operator takes max(FLOPs / rate,
-minimal bytes / bandwidth).
-
-* convolution: the convolutions, forward and both gradients, and the classifier's matmuls;
-* normalisation statistics: the bytes the reductions cannot avoid reading, the norm's input forward, its
-  input and output gradient backward (the activation-sized inputs of the norm's operators);
-* normalisation apply: the norm's operators' minimal bytes (input read, output written; backward: input and
-  gradient read, input gradient written);
-* activation, add, optimiser: their operators' minimal bytes (the optimiser: weight, gradient and momentum
-  read, weight and momentum written, float32);
-* copies, data, other and launch gaps have none: the model's arithmetic needs no copy and no idle GPU, and
-  *other* (pooling, the loss, squeeze-excitation's products) is not one kind of work.
-
-The row *norm + act + add* sums the four memory-bound families, against roofline.py's minimal for their
-operators together: a norm's input read once for both of its passes, which is what fusing a norm with its
-statistics and its neighbours can reach and no sequence of separate kernels can.
+**Rooflines** (`family_rooflines`), per update, from `cnns.bench.roofline`'s operators at the GPU's measured
+matmul rate (in the run's dtype) and stream bandwidth: the convolutions and the classifier's matmuls; the
+norms' statistics (the activation-sized inputs their reductions must read) and apply passes (their minimal
+bytes); activations, additions and the optimiser (their minimal bytes). Copies, data, other and launch gaps
+have none. *norm + act + add* sums the four memory-bound families against roofline.py's minimal for their
+operators together: a norm's input read once for both passes, what only fusion can reach.
 """
 
 from __future__ import annotations
 
 import bisect
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from cnns import profiling
 from cnns.bench import roofline
-from cnns.bench.opprofile import read_trace, run_profiled
+from cnns.bench.opprofile import ancestors, function_events, profile_sides, read_trace, run_profiled, updates_after
 from cnns.errors import CnnsError
 
 CONVOLUTION = "convolution"
@@ -89,8 +54,6 @@ KERNEL_FAMILIES = (CONVOLUTION, NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD, OP
 LAUNCH_GAPS = "launch gaps"
 MEMORY_BOUND = (NORM_STATISTICS, NORM_APPLY, ACTIVATION, ADD)  # the "norm + act + add" row
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 MARKS = {profiling.OPTIMISER: OPTIMISER, profiling.DATA: DATA}
 
 # Substrings (regular expressions) of lower-cased kernel names and their family, tried in order.
@@ -187,63 +150,48 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
     return total
 
 
-def gpu_updates(events: list[dict[str, Any]], skip: int = 1, where: str = "the trace") -> list[GpuUpdate]:
+def _span(event) -> tuple[float, float]:
+    return event.time_range.start, event.time_range.end
+
+
+def gpu_updates(trace: list[dict[str, Any]], skip: int = 1, where: str = "the trace") -> list[GpuUpdate]:
     """Each update after the first ``skip``: its kernels' time by family, its wall and busy time."""
-    spans = [e for e in events if e.get("ph") == "X"]
-    cpu = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation")]
-    updates = sorted((e for e in cpu if e.get("name") == profiling.UPDATE), key=lambda e: e["ts"])
-    if len(updates) <= skip:
-        raise CnnsError(f"{where} holds {len(updates)} update(s); {skip} warm-up update(s) and at least one more "
-                        f"are needed")
-    gpu = [e for e in spans if str(e.get("cat", "")).lower() in GPU_CATEGORIES]
-    if not gpu:
+    events = function_events(trace)
+    updates = updates_after(events, skip, where)
+    kernels = [e for e in events if e.device_type != DeviceType.CPU]
+    if not kernels:
         raise CnnsError(f"{where} holds no GPU kernels: its profiler did not record CUDA activity "
                         f"(ProfilerActivity.CUDA)")
-    launches = {e["args"]["correlation"]: e["ts"] for e in spans
-                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    flows = {e["id"]: e["ts"] for e in events if e.get("ph") == "s" and e.get("cat") == "ac2g" and "id" in e}
-    marks = sorted((e["ts"], e["ts"] + e["dur"], MARKS[e["name"]]) for e in cpu if e.get("name") in MARKS)
-    starts = [u["ts"] for u in updates]
-
-    def launch_of(kernel) -> float | None:
-        correlation = kernel.get("args", {}).get("correlation")
-        if correlation is None:
-            return None
-        return launches.get(correlation, flows.get(correlation))
-
-    attributed: list[list[tuple[dict[str, Any], str]]] = [[] for _ in updates]
-    for kernel in gpu:
-        launch = launch_of(kernel)
-        if launch is not None:
-            index = bisect.bisect_right(starts, launch) - 1
-            if index < 0 or launch > updates[index]["ts"] + updates[index]["dur"]:
-                continue  # launched outside every update
-            mark = next((family for start, end, family in marks if start <= launch <= end), None)
-            attributed[index].append((kernel, mark or kernel_family(kernel["name"])))
-        else:  # no launch in the trace: the kernel's own start
-            index = bisect.bisect_right(starts, kernel["ts"]) - 1
+    launches = {e.linked_correlation_id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id}
+    index_of = {id(update): index for index, update in enumerate(updates)}
+    starts = [update.time_range.start for update in updates]
+    mine: list[list[tuple[Any, str]]] = [[] for _ in updates]
+    for kernel in kernels:
+        launch = launches.get(kernel.linked_correlation_id)
+        if launch is None:  # no launch in the trace: the kernel's own start
+            index = bisect.bisect_right(starts, kernel.time_range.start) - 1
             if index >= 0:
-                attributed[index].append((kernel, kernel_family(kernel["name"])))
-    intervals = [(k["ts"], k["ts"] + k["dur"]) for k in gpu]
+                mine[index].append((kernel, kernel_family(kernel.name)))
+            continue
+        update = next((a for a in ancestors(launch) if a.name == profiling.UPDATE), None)
+        if update is not None:  # else launched outside every update
+            mark = next((MARKS[a.name] for a in ancestors(launch) if a.name in MARKS), None)
+            mine[index_of[id(update)]].append((kernel, mark or kernel_family(kernel.name)))
     out = []
     for index in range(skip, len(updates)):
-        update, mine = updates[index], attributed[index]
-        start = update["ts"]
-        end = max([update["ts"] + update["dur"]] + [k["ts"] + k["dur"] for k, _ in mine])
-        if index + 1 < len(updates):
-            end = min(end, starts[index + 1])
-        families: dict[str, float] = {}
-        for kernel, family in mine:
-            families[family] = families.get(family, 0.0) + kernel["dur"]
-        busy = _union_us([(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start])
-        out.append(GpuUpdate(families, end - start, busy))
+        start = starts[index]
+        end = max([updates[index].time_range.end] + [kernel.time_range.end for kernel, _ in mine[index]])
+        end = min(end, starts[index + 1]) if index + 1 < len(updates) else end
+        families: dict[str, float] = defaultdict(float)
+        for kernel, family in mine[index]:
+            families[family] += kernel.self_device_time_total
+        busy = _union_us([(max(a, start), min(b, end)) for a, b in map(_span, kernels) if a < end and b > start])
+        out.append(GpuUpdate(dict(families), end - start, busy))
     return out
 
 
@@ -263,18 +211,19 @@ class GpuBreakdown:
 
 
 def breakdown_of_updates(updates: list[GpuUpdate]) -> GpuBreakdown:
-    count = len(updates)
-    ms = {family: sum(u.family_us.get(family, 0.0) for u in updates) / count / 1e3 for family in KERNEL_FAMILIES}
-    return GpuBreakdown(ms, sum(u.wall_us for u in updates) / count / 1e3,
-                        sum(u.busy_us for u in updates) / count / 1e3, count)
+    def mean_ms(values) -> float:
+        return sum(values) / len(updates) / 1e3
+
+    return GpuBreakdown({family: mean_ms(u.family_us.get(family, 0.0) for u in updates) for family in KERNEL_FAMILIES},
+                        mean_ms(u.wall_us for u in updates), mean_ms(u.busy_us for u in updates), len(updates))
 
 
 def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
     try:
-        events = read_trace(folder)
+        trace = read_trace(folder)
     except FileNotFoundError as exc:
         raise CnnsError(str(exc)) from None
-    return breakdown_of_updates(gpu_updates(events, skip, where=f"the profiler trace in {folder}"))
+    return breakdown_of_updates(gpu_updates(trace, skip, where=f"the profiler trace in {folder}"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,23 +335,8 @@ def profile_cuda_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: f
                        eager: bool = False, rates=None, warmup: int = CUDA_WARMUP) -> GpuProfileReport:
     """Both sides of one planned CUDA training entry (its command line already carries
     `cnns.bench.opprofile.profile_arguments`), and with ``eager`` cnns again without compilation."""
-    import json
-    import sys
-
-    from cnns.bench.runner import command_argv
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cnns_argv = command_argv(plan.script, plan.argv, spec_dir)
-    runs = [("cnns", cnns_argv, folder / "cnns")]
-    if eager:  # the last --profile-dir, --logs-path and --compile/--no-compile win
-        runs.append(("cnns eager", cnns_argv + ["--no-compile", "--profile-dir", str(folder / "cnns-eager"),
-                                                "--logs-path", str(folder / "cnns-eager-run")], folder / "cnns-eager"))
-    baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
-    runs.append(("plain", [sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], folder / "plain"))
-    sides = {}
-    for side, argv, trace_dir in runs:
-        run(argv, timeout, folder / f"{side.replace(' ', '-')}.log")
-        sides[side] = gpu_breakdown_of_trace(trace_dir, warmup)
+    traces = profile_sides(plan, spec_dir, folder, timeout, run, eager)
+    sides = {side: gpu_breakdown_of_trace(trace, warmup) for side, trace in traces.items()}
     report = GpuProfileReport(name, sides, skipped=warmup)
     if rates is None:
         from cnns.bench.rates import DeviceRates

@@ -1,45 +1,41 @@
 """cnns profile: where a training update's time goes, for cnns and the plain loop side by side.
 
-For a training entry of benchmarks.yml, each side runs its command with a profiler (train.py's ``--profile``;
-the plain loop's ``profile_dir``) for a few updates, and each operator's own time (its duration less its
-children's) in every update after the first is put in one family:
+Each side runs its command with torch.profiler (train.py's ``--profile``; the plain loop's ``profile_dir``) for
+a few updates after ``warmup`` ones, and the Chrome trace it writes is read back into the FunctionEvents that
+torch.profiler's ``events()`` holds (`function_events`): torch nests the operators of each thread and gives
+each its own time (``self_cpu_time_total``), and the GPU's kernels are events of ``device_type`` CUDA.
 
-    convolution forward | convolution input-gradient | convolution weight-gradient | normalisation forward |
-    normalisation backward | activations | additions | optimiser | data | other
-
-Both loops mark their updates, the data they wait for and their optimiser steps (`cnns.profiling`), and
-those marks decide first: an addition inside the optimiser is the optimiser's. Otherwise an operator's
-family is its own name's (batch norm, group norm, ReLU, SiLU, ``add``...), else its nearest named
-ancestor's (an ``empty`` inside a convolution is the convolution's). The fused kernels mark their passes
-as normalisation forward and backward (the activation and residual addition they include are counted there).
-
-ATen computes a convolution's input and weight gradients in one operator; its time is split between
-them in the proportion of the two halves of each of the model's convolutions timed alone
-(`convolution_backward_split`), with the stem's input gradient, which neither loop computes, left out.
-
-A CUDA entry is profiled by its GPU kernels instead (`cnns.bench.gpuprofile`): the same marks, each kernel in
-the update that launched it, its family by its name, and each family against its roofline on the GPU.
+Both loops mark their updates, the data they wait for and their optimiser steps (`cnns.profiling`), and the
+fused kernels mark their passes. On a CPU each operator's own time in an update after the warm-up is put in
+one family (`FAMILIES`): its mark's first (an addition inside the optimiser is the optimiser's), else its own
+name's (`_NAMES`), else its nearest named ancestor's (an ``empty`` inside a convolution is the convolution's);
+the update's time in no operator is *other*. ATen computes a convolution's input and weight gradients in one
+operator: its time is split between them in the proportion of the two halves of each of the model's
+convolutions timed alone (`convolution_backward_split`; the stem's input gradient, which neither loop
+computes, left out). A CUDA entry is profiled by its GPU kernels instead (`cnns.bench.gpuprofile`).
 """
 
 from __future__ import annotations
 
 import json
-import time
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from cnns import profiling
+from cnns.bench.rates import best_seconds
 from cnns.errors import CnnsError
 
 FAMILIES = ("convolution forward", "convolution input-gradient", "convolution weight-gradient",
             "normalisation forward", "normalisation backward", "activations", "additions", "optimiser", "data",
             "other")
 CONV_BACKWARD = "convolution backward"  # split into input- and weight-gradient at the end
-
 MARKS = {profiling.DATA: "data", profiling.OPTIMISER: "optimiser", profiling.NORM_FORWARD: "normalisation forward",
          profiling.NORM_BACKWARD: "normalisation backward"}
 
@@ -58,22 +54,94 @@ _NAMES = (
     ("aten::add", "additions"),
 )
 
+# Chrome-trace categories: what runs on the host (operators, marks, kernel launches), what on the GPU.
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
 
 def read_trace(folder: Path) -> list[dict[str, Any]]:
-    """The events of the newest Chrome-format trace a torch.profiler wrote into `folder` (both loops' traces,
-    on a CPU and on a GPU)."""
+    """The events of the newest Chrome-format trace a torch.profiler wrote into `folder`."""
     traces = sorted(Path(folder).glob("*.pt.trace.json"))
     if not traces:
         raise FileNotFoundError(f"no profiler trace in {folder}")
     return json.loads(traces[-1].read_text())["traceEvents"]
 
 
+def function_events(trace: list[dict[str, Any]]) -> EventList:
+    """A trace's events as torch.profiler's FunctionEvents, nested by torch (``cpu_parent``, ``cpu_children``).
+
+    A GPU event and the host call that launched it (a runtime or driver call, else the start of the ``ac2g``
+    flow between them, an instant) share ``linked_correlation_id``."""
+    events, launched = EventList(), set()
+    for index, e in enumerate(trace):
+        category = str(e.get("cat", "")).lower()
+        launch = category in ("cuda_runtime", "cuda_driver")
+        correlation = (e.get("args") or {}).get("correlation", 0) if launch or category in DEVICE_CATEGORIES else 0
+        if e.get("ph") == "X" and category in HOST_CATEGORIES + DEVICE_CATEGORIES:
+            on_device = category in DEVICE_CATEGORIES
+            launched |= {correlation} if launch else set()
+            events.append(FunctionEvent(index, e["name"], f"{e.get('pid')}/{e.get('tid')}", e["ts"],
+                                        e["ts"] + e["dur"], linked_correlation_id=correlation,
+                                        device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
+                                        use_device="cuda" if on_device else None,
+                                        is_user_annotation=category == "user_annotation"))
+    flows = [e for e in trace if e.get("ph") == "s" and e.get("cat") == "ac2g" and e.get("id") not in launched]
+    for e in flows:
+        events.append(FunctionEvent(-1, "ac2g", f"{e.get('pid')}/{e.get('tid')}", e["ts"], e["ts"],
+                                    linked_correlation_id=e["id"]))
+    events._build_tree()  # what torch.profiler does for prof.events()
+    return events
+
+
+def updates_after(events: EventList, skip: int, where: str = "the trace") -> list[FunctionEvent]:
+    """Every update mark in time order (the first ``skip`` of them too: the caller leaves them out)."""
+    updates = sorted((e for e in events if e.name == profiling.UPDATE), key=lambda e: e.time_range.start)
+    if len(updates) <= skip:
+        raise CnnsError(f"{where} holds {len(updates)} update(s); {skip} warm-up update(s) and at least one more "
+                        f"are needed")
+    return updates
+
+
+def ancestors(event: FunctionEvent | None) -> Iterator[FunctionEvent]:
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
 def family_of_name(name: str) -> str | None:
     lowered = name.lower()
-    for part, family in _NAMES:
-        if part in lowered:
-            return family
-    return None
+    return next((family for part, family in _NAMES if part in lowered), None)
+
+
+def _families(event: FunctionEvent, mark: str | None, inherited: str) -> Iterator[tuple[FunctionEvent, str]]:
+    """(operator, family) of everything below `event`: mark, else own name, else the parent's family."""
+    for child in event.cpu_children:
+        child_mark = MARKS.get(child.name) or mark
+        family = child_mark or family_of_name(child.name) or inherited
+        yield child, family
+        yield from _families(child, child_mark, family)
+
+
+def family_times(trace: list[dict[str, Any]], skip: int = 1) -> tuple[dict[str, float], float, int]:
+    """Microseconds by family summed over the updates after the first ``skip``, their wall time and count."""
+    updates = updates_after(function_events(trace), skip)[skip:]
+    totals: dict[str, float] = defaultdict(float)
+    for update in updates:
+        totals["other"] += update.self_cpu_time_total  # time in no operator: Python, the loop
+        for event, family in _families(update, None, "other"):
+            totals[family] += event.self_cpu_time_total
+    return dict(totals), sum(u.cpu_time_total for u in updates), len(updates)
+
+
+def split_convolution_backward(totals_us: dict[str, float], input_share: float) -> dict[str, float]:
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for family, us in totals_us.items():
+        if family == CONV_BACKWARD:
+            out["convolution input-gradient"] += us * input_share
+            out["convolution weight-gradient"] += us * (1 - input_share)
+        else:
+            out[family] += us
+    return out
 
 
 @dataclass
@@ -83,59 +151,6 @@ class Breakdown:
     ms: dict[str, float] = field(default_factory=dict)
     update_ms: float = 0.0  # the wall time of an update, mean
     updates: int = 0
-
-
-def family_times(events: list[dict[str, Any]], skip: int = 1) -> tuple[dict[str, float], float, int]:
-    """Microseconds by family summed over the updates after the first ``skip``, their wall time and count."""
-    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
-    updates = sorted((e for e in spans if e["name"] == profiling.UPDATE), key=lambda e: e["ts"])[skip:]
-    if not updates:
-        raise ValueError(f"the trace holds no more than {skip} update(s)")
-    totals: dict[str, float] = defaultdict(float)
-    for update in updates:
-        start, end, tid = update["ts"], update["ts"] + update["dur"], update["tid"]
-        inside = [e for e in spans if e["tid"] == tid and start <= e["ts"] and e["ts"] + e["dur"] <= end
-                  and e is not update]
-        for family, us in _self_times(inside):
-            totals[family] += us
-    wall = sum(u["dur"] for u in updates)
-    totals["other"] += max(0.0, wall - sum(totals.values()))  # time in no operator: Python, the loop
-    return dict(totals), wall, len(updates)
-
-
-def _self_times(events: list[dict[str, Any]]) -> Iterable[tuple[str, float]]:
-    """(family, own time) of each event of one thread, nesting read from the time intervals."""
-    events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
-    stack: list[dict[str, Any]] = []  # open events, each with "family", "mark" and "children_us"
-    finished: list[tuple[str, float]] = []
-
-    def close(node):
-        finished.append((node["family"], node["dur"] - node["children_us"]))
-
-    for event in events:
-        while stack and stack[-1]["end"] <= event["ts"]:
-            close(stack.pop())
-        parent = stack[-1] if stack else None
-        if parent is not None:
-            parent["children_us"] += event["dur"]
-        mark = MARKS.get(event["name"]) or (parent["mark"] if parent else None)
-        family = mark or family_of_name(event["name"]) or (parent["family"] if parent else "other")
-        stack.append({"end": event["ts"] + event["dur"], "dur": event["dur"], "children_us": 0.0,
-                      "family": family, "mark": mark})
-    while stack:
-        close(stack.pop())
-    return finished
-
-
-def split_convolution_backward(totals_us: dict[str, float], input_share: float) -> dict[str, float]:
-    out = {f: 0.0 for f in FAMILIES}
-    for family, us in totals_us.items():
-        if family == CONV_BACKWARD:
-            out["convolution input-gradient"] += us * input_share
-            out["convolution weight-gradient"] += us * (1 - input_share)
-        else:
-            out[family] += us
-    return out
 
 
 def breakdown_of_trace(folder: Path, input_share: float, skip: int = 1) -> Breakdown:
@@ -148,77 +163,52 @@ def breakdown_of_trace(folder: Path, input_share: float, skip: int = 1) -> Break
 # the two halves of the convolutions' backward
 
 
-@dataclass(frozen=True)
-class _Conv:
-    input_shape: tuple[int, ...]
-    weight_shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-    needs_input_grad: bool
-
-
-def model_convolutions(model_spec, batch_size: int) -> list[_Conv]:
-    """The model's convolutions as one training forward meets them (shapes read on the meta device)."""
+def model_convolutions(model_spec, batch_size: int) -> list[tuple]:
+    """The model's convolutions as one training forward meets them (shapes read on the meta device): (input
+    shape, weight shape, stride, padding, dilation, groups, whether the input needs its gradient)."""
     from cnns.models import build_model
 
     with torch.device("meta"):
         model = build_model(model_spec)
-    found: list[_Conv] = []
+    found: list[tuple] = []
 
     def hook(module, inputs, _output):
-        x = inputs[0]
-        found.append(_Conv(tuple(x.shape), tuple(module.weight.shape), tuple(module.stride), tuple(module.padding),
-                           tuple(module.dilation), module.groups, x.requires_grad))
+        found.append((tuple(inputs[0].shape), tuple(module.weight.shape), tuple(module.stride),
+                      tuple(module.padding), tuple(module.dilation), module.groups, inputs[0].requires_grad))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    size = model_spec.image_size
-    model.train()(torch.empty(batch_size, 3, size, size, device="meta"))
+    model.train()(torch.empty(batch_size, 3, model_spec.image_size, model_spec.image_size, device="meta"))
     for handle in handles:
         handle.remove()
     return found
 
 
-def _backward_half_seconds(conv: _Conv, dtype: torch.dtype, mask: tuple[bool, bool, bool], repeats: int = 3) -> float:
-    x = torch.randn(conv.input_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    weight = torch.randn(conv.weight_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    out = torch.nn.functional.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-    grad = torch.randn_like(out)
-
-    def run():
-        torch.ops.aten.convolution_backward(grad, x, weight, None, conv.stride, conv.padding, conv.dilation, False,
-                                            [0, 0], conv.groups, list(mask))
-
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _backward_half_seconds(conv: tuple, dtype: torch.dtype, mask: list[bool]) -> float:
+    input_shape, weight_shape, stride, padding, dilation, groups, _ = conv
+    x = torch.randn(input_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(weight_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn_like(torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation, groups))
+    return best_seconds(lambda: torch.ops.aten.convolution_backward(
+        grad, x, weight, None, stride, padding, dilation, False, [0, 0], groups, mask))
 
 
 def convolution_backward_split(model_spec, batch_size: int, dtype: torch.dtype) -> float:
     """The input gradients' share of the time of the model's convolution backward passes."""
-    times = {}
-    input_s = weight_s = 0.0
-    for conv in model_convolutions(model_spec, batch_size):
-        if conv not in times:
-            times[conv] = (_backward_half_seconds(conv, dtype, (True, False, False)) if conv.needs_input_grad else 0.0,
-                           _backward_half_seconds(conv, dtype, (False, True, False)))
-        input_s += times[conv][0]
-        weight_s += times[conv][1]
+    convs, times = model_convolutions(model_spec, batch_size), {}
+    for conv in dict.fromkeys(convs):  # each shape timed once
+        times[conv] = (_backward_half_seconds(conv, dtype, [True, False, False]) if conv[-1] else 0.0,
+                       _backward_half_seconds(conv, dtype, [False, True, False]))
+    input_s, weight_s = sum(times[c][0] for c in convs), sum(times[c][1] for c in convs)
     return input_s / (input_s + weight_s)
 
 
 # ------------------------------------------------------------------------------------------------
-# running both sides
+# running the sides (on a CPU and on a GPU)
 
 
 def profile_arguments(updates: int, folder: Path, warmup: int = 1) -> list[str]:
     """What train.py's command line gets appended (its last values win): ``warmup`` updates, then ``updates``,
-    traced into the entry's ``folder`` where `profile_entry` reads it, its run folder beside the trace."""
+    traced into the entry's ``folder`` where `profile_sides` reads it, its run folder beside the trace."""
     return ["--iterations", str(updates + warmup), "--log-freq", "1", "--profile", "--profile-dir",
             str(folder / "cnns"), "--logs-path", str(folder / "cnns-run")]
 
@@ -232,6 +222,26 @@ def run_profiled(argv: list[str], timeout: float, log_path: Path) -> None:
         raise CnnsError(f"{argv[1]}: {error} (log: {log_path})")
 
 
+def profile_sides(plan, spec_dir: Path, folder: Path, timeout: float, run: Callable = run_profiled,
+                  eager: bool = False) -> dict[str, Path]:
+    """Run each side of a planned training entry (`cnns.bench.runner.Plan`, whose command line carries
+    `profile_arguments`): cnns, with ``eager`` cnns again without compilation, and the plain loop. Each side's
+    trace folder by name."""
+    from cnns.bench.runner import command_argv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cnns = command_argv(plan.script, plan.argv, spec_dir)
+    sides = {"cnns": cnns}
+    if eager:  # the last --profile-dir, --logs-path and --compile/--no-compile win
+        sides["cnns eager"] = cnns + ["--no-compile", "--profile-dir", str(folder / "cnns-eager"),
+                                      "--logs-path", str(folder / "cnns-eager-run")]
+    plain = dict(plan.baseline, profile_dir=str(folder / "plain"))
+    sides["plain"] = [sys.executable, "-m", "cnns.bench.baseline", json.dumps(plain)]
+    for side, argv in sides.items():
+        run(argv, timeout, folder / f"{side.replace(' ', '-')}.log")
+    return {side: folder / side.replace(" ", "-") for side in sides}
+
+
 @dataclass
 class ProfileReport:
     name: str
@@ -241,20 +251,12 @@ class ProfileReport:
 
 
 def profile_entry(name: str, plan, spec_dir: Path, folder: Path, timeout: float,
-                  run: Callable[[list[str], float, Path], None] = run_profiled, warmup: int = 1) -> ProfileReport:
-    """Both sides of one planned CPU training entry (`cnns.bench.runner.Plan`, whose command line already carries
-    `profile_arguments` with ``warmup``), profiled into ``folder``: their operators by family."""
-    import sys
-
-    from cnns.bench.runner import command_argv
-
-    folder.mkdir(parents=True, exist_ok=True)
-    run(command_argv(plan.script, plan.argv, spec_dir), timeout, folder / "cnns.log")
-    baseline = dict(plan.baseline, profile_dir=str(folder / "plain"))
-    run([sys.executable, "-m", "cnns.bench.baseline", json.dumps(baseline)], timeout, folder / "plain.log")
+                  run: Callable = run_profiled, warmup: int = 1) -> ProfileReport:
+    """Both sides of one planned CPU training entry, profiled into ``folder``: their operators by family."""
+    traces = profile_sides(plan, spec_dir, folder, timeout, run)
     share = convolution_backward_split(plan.model_spec, plan.batch_size, plan.activation_dtype)
-    return ProfileReport(name, breakdown_of_trace(folder / "cnns", share, warmup),
-                         breakdown_of_trace(folder / "plain", share, warmup), share)
+    return ProfileReport(name, breakdown_of_trace(traces["cnns"], share, warmup),
+                         breakdown_of_trace(traces["plain"], share, warmup), share)
 
 
 def format_report(report: ProfileReport) -> str:

@@ -2,7 +2,7 @@
 
 The fused normalisation kernels (`cnns.kernels.norm_act`) make three passes over memory forward and two
 backward. This times each on bfloat16 channels_last activations (best of `--calls` calls, malloc tuned as
-training tunes it) and prints its effective bandwidth (bytes it must read and write over its time) beside a
+training tunes it; torch.utils.benchmark.Timer) and prints its effective bandwidth (bytes it must read and write over its time) beside a
 plain copy of the same tensor, then batch norm + ReLU forward and backward through ATen and through the fused
 passes, so a change to a pass is measured where it matters before a whole-model benchmark (docs/performance.md,
 "The roofline, and `cnns profile`").
@@ -11,22 +11,17 @@ passes, so a change to a pass is measured where it matters before a whole-model 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+
+from cnns.bench.rates import best_seconds
 
 SHAPES = [(32, 256, 56, 56), (32, 2048, 7, 7), (128, 16, 32, 32)]
 
 
 def best_ms(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return 1e3 * best_seconds(fn, calls)
 
 
 def pass_times(shape: tuple[int, int, int, int], calls: int) -> dict[str, float]:

@@ -16,9 +16,8 @@ roofline time is the sum over those operators of
   So a batch norm's forward counts its input once and its output once, though any real kernel needs a
   second read for the statistics: the roofline is what no implementation of the same operators can beat,
   and fusing operators (a norm with its activation) is the only way to go below it.
-* The compute peak is the measured best 2048x2048 matmul (`cnns.bench.rates.peak_rate`); the bandwidth
-  a STREAM-style triad, ``a = b + s * c`` on float32 arrays far larger than the caches, on all threads
-  (`stream_bandwidth`).
+* The compute peak is the measured best 2048x2048 matmul, the bandwidth a STREAM-style triad
+  (`cnns.bench.rates`).
 
 `update_seconds` gives the roofline time of one weight update (or inference batch); a loop's fraction of
 its roofline is that time over the time it measured (images/s x roofline seconds / images per update).
@@ -26,7 +25,6 @@ its roofline is that time over the time it measured (images/s x roofline seconds
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -138,29 +136,3 @@ def update_seconds(model_spec, micro_batch: int, accumulation: int, train: bool,
     update = [op for op in ops if op.name == "optimiser"]
     return (accumulation * roofline_seconds(passes, peak_gflops, bandwidth_gbs)
             + roofline_seconds(update, peak_gflops, bandwidth_gbs))
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a GPU's kernels run asynchronously; a CPU's have finished)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def stream_bandwidth(megabytes: int = 128, repeats: int = 10, device: torch.device = torch.device("cpu")) -> float:
-    """GB/s of a triad ``a = b + s * c`` on float32 arrays of ``megabytes`` each on ``device``, best of
-    ``repeats``, all threads.
-
-    Counts the two arrays read and the one written (as STREAM does; the write-allocate read is not counted).
-    """
-    n = megabytes * 2**20 // 4
-    a = torch.empty(n, device=device)
-    b, c = torch.rand(n, device=device), torch.rand(n, device=device)
-    torch.add(b, c, alpha=0.5, out=a)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        torch.add(b, c, alpha=0.5, out=a)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 3 * n * 4 / best / 1e9
