@@ -53,7 +53,8 @@ def test_options_of_another_schedule_or_optimiser_get_a_notice_each(data_dir, tm
     _, notices = header_and_notices(capfd, data_dir, tmp_path, "--optimiser", "LARS", "--weight-decay", "1e-4",
                                     "--rmsprop-epsilon", "0.01", "--lr-schedule", "cosine", "--lr-drops", "3")
     assert notices == [
-        "notice: --weight-decay has no effect with --optimiser LARS; it is used by --optimiser SGD, momentum or RMSprop",
+        "notice: --weight-decay has no effect with --optimiser LARS; it is used by --optimiser SGD, momentum or "
+        "RMSprop",
         "notice: --rmsprop-epsilon has no effect with --optimiser LARS; it is used by --optimiser RMSprop",
         "notice: --lr-drops has no effect with --lr-schedule cosine; it is used by --lr-schedule exponential",
     ]

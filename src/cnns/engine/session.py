@@ -56,11 +56,12 @@ def divergence_line(diverged: Diverged, checkpointer: Checkpointer, cfg: RunConf
     """The one line a diverged run ends with: where, the last finite checkpoint, and what to try."""
     last = checkpointer.last_saved
     kept = f"the last finite checkpoint is {last}" if last is not None else "no checkpoint was written before it"
-    tries = [f"a smaller learning rate (this run's is {cfg.optim.learning_rate:g}: --abs-learning-rate or "
-             f"--base-learning-rate-exponent)", f"a longer warm-up (--warmup-epochs, this run's is {cfg.optim.warmup_epochs:g})"]
-    p = cfg.precision
+    o, p = cfg.optim, cfg.precision
+    tries = [f"a smaller learning rate (this run's is {o.learning_rate:g}: --abs-learning-rate or "
+             f"--base-learning-rate-exponent)",
+             f"a longer warm-up (--warmup-epochs, this run's is {o.warmup_epochs:g})"]
     if p.precision != "32.32" and p.half_dtype == "float16" and not p.auto_loss_scaling:
-        tries.append("dynamic loss scaling (--auto-loss-scaling)")
+        tries.append("dynamic loss scaling (--auto-loss-scaling)")  # float16's overflows; bfloat16 has none
     return f"{diverged}; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}"
 
 
