@@ -270,8 +270,12 @@ def inference_run_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[
 
 
 def _options_of_the_run(values: dict[str, Any]) -> dict[str, Any]:
-    """The arguments.json of the run --restore-path names ({} without one; one line for a path that is not a run)."""
+    """The arguments.json of the run --restore-path names ({} without one; one line for a path that is not a run).
+    --print-config with a path that names nothing shows the command line's own options: Graphcore's documented
+    command lines name placeholder folders (`--restore-path generated_checkpoints_dir_path`)."""
     if not values.get("restore_path"):
+        return {}
+    if values.get("print_config") and not Path(values["restore_path"]).exists():
         return {}
     options = dict(open_restore_path(values["restore_path"]).run.options)
     options.pop("name", None)
