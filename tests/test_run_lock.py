@@ -171,12 +171,13 @@ def test_commands_that_only_read_a_run_take_no_lock(run_copy, tmp_path, capsys):
 
     holder = hold(run_copy)
     try:
-        image = tmp_path / "one.png"
+        from PIL import Image
+
         from cnns.data.builtin import draw_shapes
-        from torchvision.io import encode_png
 
         images, _ = draw_shapes(1, seed=1)
-        image.write_bytes(encode_png(images[0].permute(2, 0, 1).contiguous()).numpy().tobytes())
+        image = tmp_path / "one.png"
+        Image.fromarray(images[0].numpy()).save(image)
         assert run_script("predict", ["--restore-path", str(run_copy), str(image), "--top-k", "1"]) == 0
     finally:
         processes.communicate(holder, timeout=60)  # closes its stdin: it gives the lock back and ends

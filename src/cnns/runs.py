@@ -15,8 +15,13 @@ command line's values override them:
 * **restore** (`restore_options`: restore.py): the run's options exactly, except the pipeline
   layout (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because
   checkpoints hold the whole model and pipelines compute the same updates at any stage count.
-* **inference_embedded.py** and **cnns benchmark** take no run folder options (a checkpoint file,
-  or none); **train.py** makes a new folder (`open_new_run`).
+* **inference_embedded.py** (`inference_run_options`): the run's model, dataset and precision under the
+  command line's values; the rest (generated images, one process) is its own. **cnns benchmark** takes no run
+  folder; **train.py** makes a new folder (`open_new_run`).
+
+Every one of them reads --restore-path one way, `open_restore_path` (a run folder or a checkpoint in one, with
+the same one line for nothing there, a folder that is not a run and a run without checkpoints), and the commands
+that write a run folder hold its lock while they do (`cnns.runlock`).
 
 This module sits below `cli/` (which parses argv into the values these rules take), `commands/`, the engine
 and `bench/`, and above the modules that read the files (`checkpoint`, `config`, `runlog`).
