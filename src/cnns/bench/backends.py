@@ -1,36 +1,24 @@
-"""Inference backends side by side: eager PyTorch, an AOTInductor package and onnxruntime.
+"""Inference backends side by side: eager PyTorch, an AOTInductor package and onnxruntime, in one process.
 
-`measure_backends` runs one model on one batch through each backend, in one process, one after the
-other, and times them the same way:
+* **The same model and input**: `cnns.models.build_model` from a fixed seed behind
+  `cnns.deploy.restored.NormalisedClassifier`, every backend taking the same random uint8 NHWC batch. Each one's
+  logits are compared with eager float32's (``max_rel_diff``: over the largest |logit|, since randomly
+  initialised EfficientNets give logits of about 1e-5); a float32 backend further off than `AGREEMENT_TOLERANCE`
+  is an error, its speed not comparable.
+* **Precision**: ``eager``, ``aoti`` and ``onnxruntime`` run float32 (channels_last; the package and the ONNX
+  graph exported from that module as ``cnns export`` writes them). ``eager-bf16`` is cnns's eager 16.16
+  (`PrecisionPolicy.apply_to_model`), ``aoti-bf16`` what ``inference_embedded.py`` compiles at 16.16 (the
+  whole module in bfloat16); both skipped, with the reason, on a CPU that would emulate bfloat16.
+* **Threads**: ``threads`` (default: this process's cores) for torch, and onnxruntime's intra-op threads
+  (one inter-op thread, sequential execution).
+* **Timing**: ``warmup`` batches, then ``iterations`` batches each timed alone (latency avg and p99 by numpy's
+  percentile; throughput = images / the timed seconds), split into ``rounds`` that visit the backends in
+  alternating order. Per-batch clocks, not torch.utils.benchmark.Timer: its blocks give no per-batch p99.
+* **Compilation** (``torch.export`` + AOTInductor; the dynamo ONNX exporter) is timed apart and never counted;
+  the artefacts are kept in ``cache_dir`` under a key of model, batch, seed and library versions.
 
-* **The same model and input.** `cnns.models.build_model` (random initialisation from a fixed seed)
-  behind `cnns.deploy.restored.NormalisedClassifier`, so every backend takes the same random uint8 NHWC
-  batch and normalises it itself, as ``inference_embedded.py`` and ``cnns export --eight-bit-io`` do.
-  The logits of every backend on that batch are compared with eager float32's (``max_abs_diff``, and
-  ``max_rel_diff``: over the largest |logit|, since randomly initialised EfficientNets give logits of
-  about 1e-5); a float32 backend that disagrees by more than `AGREEMENT_TOLERANCE` relative is reported
-  as an error, since its speed would not be comparable.
-* **Precision.** ``eager``, ``aoti`` and ``onnxruntime`` all run float32 (channels_last weights; the
-  AOTInductor package and the ONNX graph are exported from that same float32 module, as
-  ``cnns export`` writes them). Two optional rows add bfloat16 where the CPU computes it natively
-  (`cnns.precision.cpu_half_is_emulated`): ``eager-bf16`` is cnns's own eager inference at 16.16
-  (bfloat16 weights, normalisation layers kept float32, `PrecisionPolicy.apply_to_model`), and
-  ``aoti-bf16`` is what ``inference_embedded.py`` compiles at its default precision 16.16 (the whole
-  module in bfloat16). On a CPU that would only emulate bfloat16 they are skipped, with the reason.
-* **Threads.** ``torch.set_num_threads(threads)`` for eager and AOTInductor, ``intra_op_num_threads =
-  threads`` (one inter-op thread, sequential execution) for onnxruntime; ``threads`` defaults to the
-  cores this process may run on.
-* **Timing.** Each backend first runs ``warmup`` batches (excluded), then ``iterations`` timed batches,
-  each timed alone with ``time.perf_counter``: latency per batch avg and p99 (numpy's percentile),
-  throughput = images / the timed seconds. With ``rounds`` > 1 the timed batches are split into rounds
-  that visit the backends in alternating order, so that a shared machine's drift reaches all of them.
-* **Compilation** (``torch.export`` + AOTInductor; the dynamo ONNX exporter at opset 18) is timed
-  separately and never counted; the artefacts are kept in ``cache_dir`` under a key of model, image
-  size, batch, seed and library versions, so a repeat (or a later run) loads them instead. The table
-  then shows the time the artefact took when it was made.
-
-Run as ``python -m cnns.bench.backends '<json>'``: `cnns benchmark` does that for a ``kind:
-inference-backends`` entry of benchmarks.yml and reads the JSON written to ``result_path``.
+Run as ``python -m cnns.bench.backends '<json>'`` (`BackendsSpec`): `cnns benchmark` does so for a ``kind:
+inference-backends`` entry and reads the JSON written to ``result_path``.
 """
 
 from __future__ import annotations
@@ -38,7 +26,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -49,10 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from cnns.bench.rates import available_cores, in_turn
+from cnns.bench.spec import DEFAULT_BACKENDS
 from cnns.files import write_atomically
 
 BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")
-DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
 DTYPES = {"eager": "float32", "eager-bf16": "bfloat16", "aoti": "float32", "aoti-bf16": "bfloat16",
@@ -88,13 +76,6 @@ class BackendResult:
 
 # ------------------------------------------------------------------------------------------------
 # the module every backend runs
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def float32_module(model_spec, seed: int) -> nn.Module:
@@ -243,7 +224,7 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
     say = log or (lambda line: None)
     if image_size is not None and image_size != model_spec.image_size:
         model_spec = replace(model_spec, image_size=image_size)
-    threads = threads or default_threads()
+    threads = threads or available_cores()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     temporary = None
@@ -354,7 +335,7 @@ def _time_all(calls: dict[str, Callable[[], torch.Tensor]], results: dict[str, B
     seconds = dict.fromkeys(order, 0.0)
     per_round = [iterations // rounds + (1 if r < iterations % rounds else 0) for r in range(rounds)]
     for r, count in enumerate(per_round):
-        for backend in (order if r % 2 == 0 else order[::-1]):
+        for backend in in_turn(order, r):
             if backend in failed:
                 continue
             call = calls[backend]

@@ -1,24 +1,16 @@
 """The plain PyTorch loop that `cnns benchmark` compares against: what a user writes by hand.
 
-A Dataset + DataLoader (2 worker processes on the CPU) + torchvision v2 transforms
-per image, the model in channels_last, bfloat16 autocast (float32 on a CPU without bfloat16 arithmetic, where
-cnns runs float32 too; float16 with a GradScaler on a GPU without bfloat16, Volta/Turing, where cnns runs
-float16 too), float32 weights and `torch.optim.SGD` with momentum. The model comes from
-`cnns.models.build_model`, so both sides train exactly the same network on the same batch size and the same
-kind of data:
-
-* ``synthetic``: one random batch made once on the device, no input pipeline at all;
-* ``generated``: random uint8 images on the host, through a DataLoader with v2 ToDtype/Normalize;
-* ``cifar``: the CIFAR-10 binary files, per-image RandomCrop(32, padding 4) + RandomHorizontalFlip +
-  ToDtype + Normalize in 2 DataLoader workers.
-
-With ``compile`` the model is ``torch.compile(model)``d as a user writes it (the default mode; the
-optimiser step stays eager); compilation happens in the first interval, which the runner drops.
+A Dataset + DataLoader (2 worker processes on the CPU) + torchvision v2 transforms per image, the model (from
+`cnns.models.build_model`: the same network as cnns's) in channels_last, bfloat16 autocast where the device
+computes it (`autocast_dtype`), float32 weights and `torch.optim.SGD` with momentum. Data: ``synthetic`` (one
+random batch made once on the device), ``generated`` (random uint8 images through a DataLoader with v2
+ToDtype/Normalize) or ``cifar`` (the CIFAR-10 binary files, per-image RandomCrop(32, padding 4) + flip).
+With ``compile`` the model is ``torch.compile(model)``d as a user writes it (the default mode; the optimiser
+step eager), compiling in the first interval, which the runner drops.
 
 Every ``log_freq`` iterations (every inference pass) it prints a line and, given a ``log_dir``, appends the
-interval's ``img_per_sec`` to ``training.csv`` (``validation.csv``) there, the column and file a cnns run
-folder has, so `cnns.bench.runner` reads both loops alike. Run as ``python -m cnns.bench.baseline '<json>'``;
-the runner builds the JSON from the benchmark's own command line.
+interval's ``img_per_sec`` to ``training.csv`` (``validation.csv``) there, as a cnns run folder has it, so the
+runner reads both loops alike. Run as ``python -m cnns.bench.baseline '<json>'`` (`BaselineSpec`).
 """
 
 from __future__ import annotations
@@ -93,20 +85,15 @@ class BaselineSpec:
         append(path, rows.getvalue())
 
 
-def build_plain_model(spec: BaselineSpec) -> torch.nn.Module:
+def prepared_model(spec: BaselineSpec, device: torch.device, training: bool) -> torch.nn.Module:
+    """The plain model on the device in channels_last, in training or eval mode, ``torch.compile``d when the
+    spec says so."""
     from cnns.models import ModelSpec, build_model
 
-    model_spec = ModelSpec(arch=spec.arch, size=spec.size, num_classes=spec.num_classes,
-                           image_size=spec.image_size, norm=spec.norm, groups=spec.groups,
-                           group_dim=spec.group_dim, expand_ratio=spec.expand_ratio,
-                           convolution_groups=spec.convolution_groups)
-    return build_model(model_spec)
-
-
-def prepared_model(spec: BaselineSpec, device: torch.device, training: bool) -> torch.nn.Module:
-    """The plain model on the device in channels_last, in training or eval mode, and ``torch.compile``d
-    when the spec says so."""
-    model = build_plain_model(spec).to(device, memory_format=torch.channels_last).train(training)
+    model_spec = ModelSpec(arch=spec.arch, size=spec.size, num_classes=spec.num_classes, image_size=spec.image_size,
+                           norm=spec.norm, groups=spec.groups, group_dim=spec.group_dim,
+                           expand_ratio=spec.expand_ratio, convolution_groups=spec.convolution_groups)
+    model = build_model(model_spec).to(device, memory_format=torch.channels_last).train(training)
     print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
     if spec.compile:
         print("plain loop: torch.compile(model), default mode", flush=True)
@@ -114,35 +101,28 @@ def prepared_model(spec: BaselineSpec, device: torch.device, training: bool) -> 
     return model
 
 
-class CifarBinary(torch.utils.data.Dataset):
-    """CIFAR-10 binary records (label byte + 3x32x32 planes) -> (uint8 CHW image, label), per item."""
+class Images(torch.utils.data.Dataset):
+    """uint8 CHW images and their labels, each transformed on its own, as torchvision's datasets do."""
 
-    def __init__(self, folder: str, transform):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    @classmethod
+    def cifar_binary(cls, folder: str, transform) -> "Images":
+        """The CIFAR-10 binary records (label byte + 3x32x32 planes)."""
         files = sorted(Path(folder).glob("data_batch_*.bin")) or sorted(Path(folder).glob("*/data_batch_*.bin"))
         if not files:
             raise FileNotFoundError(f"no data_batch_*.bin files in {folder}")
         records = np.concatenate([np.fromfile(f, dtype=np.uint8).reshape(-1, 3073) for f in files])
-        self.labels = torch.from_numpy(records[:, 0].astype(np.int64))
-        self.images = torch.from_numpy(records[:, 1:].reshape(-1, 3, 32, 32).copy())
-        self.transform = transform
+        return cls(torch.from_numpy(records[:, 1:].reshape(-1, 3, 32, 32).copy()),
+                   torch.from_numpy(records[:, 0].astype(np.int64)), transform)
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        from torchvision import tv_tensors
-
-        return self.transform(tv_tensors.Image(self.images[index])), self.labels[index]
-
-
-class RandomImages(torch.utils.data.Dataset):
-    """A pool of random uint8 CHW images (the generated-data case) that the transform normalises."""
-
-    def __init__(self, count: int, image_size: int, num_classes: int, transform, seed: int):
+    @classmethod
+    def random(cls, count: int, image_size: int, num_classes: int, transform, seed: int) -> "Images":
+        """A pool of random images (the generated-data case)."""
         generator = torch.Generator().manual_seed(seed)
-        self.images = torch.randint(0, 256, (count, 3, image_size, image_size), dtype=torch.uint8, generator=generator)
-        self.labels = torch.randint(0, num_classes, (count,), generator=generator)
-        self.transform = transform
+        images = torch.randint(0, 256, (count, 3, image_size, image_size), dtype=torch.uint8, generator=generator)
+        return cls(images, torch.randint(0, num_classes, (count,), generator=generator), transform)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -167,10 +147,10 @@ def make_batches(spec: BaselineSpec, device: torch.device, train: bool):
     if spec.data == "cifar":
         steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if train else []
         transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
-        dataset = CifarBinary(spec.data_dir, transform)
+        dataset = Images.cifar_binary(spec.data_dir, transform)
     else:
         transform = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-        dataset = RandomImages(max(4 * spec.batch_size, 64), spec.image_size, spec.num_classes, transform, spec.seed)
+        dataset = Images.random(max(4 * spec.batch_size, 64), spec.image_size, spec.num_classes, transform, spec.seed)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=spec.batch_size, shuffle=train, drop_last=True, num_workers=spec.workers,
         persistent_workers=spec.workers > 0, pin_memory=device.type == "cuda")

@@ -1,38 +1,20 @@
 """The input pipeline alone: `cnns bench-data` and `train.py --dataset-benchmark`.
 
-Both run the real pipeline (cnns.data.sources.build_sources, the one training uses) with no model
-and report images/s, and images/s per worker core (the rate over the worker processes: the figure
-that says how many cores a GPU's step needs). `cnns bench-data` can also time, in the same
-invocation and alternating with it round by round, torchvision's usual loader on a JPEG tree
-(ImageFolder + PIL RandomResizedCrop/flip, or Resize + CenterCrop, PILToTensor: uint8 out, as cnns
-hands over) in a DataLoader with as many workers, and print the ratio; and it can write a synthetic
-ImageNet-like JPEG tree to measure on (--make-jpeg-tree).
+Both run the pipeline training uses (`cnns.data.sources.build_sources`) with no model and report images/s and
+images/s per worker core (what says how many cores a GPU's step needs). `cnns bench-data` can time
+torchvision's usual loader beside it, alternating round by round, and write a synthetic ImageNet-like JPEG tree
+to measure on (--make-jpeg-tree).
 
-On ImageNet files it then prints the account of one image's time (ImageAccount). The stages a
-worker runs for each image are timed in this process, one thread, over the same files: read (the
-file's bytes, or the TFRecord record's image bytes), header + crop draw, decode, crop + resize and
-flip; with the native decoder the last three are its own clocks inside the one call that writes
-the image into its batch slot, with the fallback decoder the Python steps are timed one by one.
-The stages are timed inside one timed step per image, so what lies between them (the loop, the
-calls' argument handling) is a row of its own and the rows add up to the step. Two costs cannot be
-timed inside one image's step, so they come from the real loader's delivered rate instead:
-
-* into the batch = per-image time of the loader with 0 workers (the batches made in this process:
-  sampling, the batch buffers, labels, the hand-over, but no other process) - the in-process step;
-* across to the main process = per-image time of the loader with 1 worker - with 0 workers (the
-  batch leaving the worker and arriving in the main process).
-
-Each round measures all of them (the stages in this process, the decode-only cap, the loaders), in an
-order reversed every other round, and each row uses the medians over --rounds, so that the machine's
-drift moves both terms of a difference alike; on a shared machine a difference can still come out
-below zero, and is printed as measured.
-
-Run it under `taskset -c N` (one core) so that the main process's share of the one-worker run is
-paid on the worker's core, as it is when every core has a worker; with a free core beside the
-worker, "across" shows only the worker's side. Beside the account: the decode-only cap, the whole
-image decoded and nothing else (TorchCodec's libjpeg-turbo decoder) on the same files, the rate
-above which a loader must decode less than the whole image; and on a folder tree torchvision's
-loader with one worker, measured in the same rounds.
+On ImageNet files it then prints the account of one image's time (`ImageAccount`): the stages a worker runs
+(read, header + crop draw, decode, crop + resize, flip; with the native decoder the last three by its own
+clocks inside its one call) timed in this process and one thread inside one timed step per image, so that
+what lies between them is a row of its own; then two costs from the real loader's delivered rate: *into the
+batch* (0 workers, per image, less the in-process step) and *across to the main process* (1 worker less 0
+workers). Every round measures all of them, in an order reversed every other round, and each row uses the
+medians over --rounds, so the machine's drift moves both terms of a difference alike (a difference can still
+come out below zero on a shared machine, and is printed as measured). Under `taskset -c N` the main process
+shares the worker's core, which makes it one core's account. Beside it: the decode-only cap (the whole image
+decoded by TorchCodec and nothing else) and, on a folder tree, torchvision's loader with one worker.
 """
 
 from __future__ import annotations
@@ -45,12 +27,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from cnns.bench.rates import available_cores, in_turn
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
@@ -89,9 +71,7 @@ class Measurement:
         return self.images_per_second / max(1, self.workers)
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
+# --- Timing
 
 
 def endless(epoch_batches: Callable[[int], Iterable]) -> Iterator:
@@ -131,9 +111,7 @@ def wait_for(batch: tuple) -> None:
         torch.cuda.synchronize(images.device)
 
 
-# ----------------------------------------------------------------------------------------------
-# The two pipelines
-# ----------------------------------------------------------------------------------------------
+# --- The two pipelines
 
 
 def data_config(data_dir: str, dataset: str | None, workers: int, image_size: int, cache: bool = True,
@@ -194,9 +172,7 @@ def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, 
     return endless(lambda epoch: loader)
 
 
-# ----------------------------------------------------------------------------------------------
-# Runs
-# ----------------------------------------------------------------------------------------------
+# --- Runs
 
 
 @dataclass
@@ -244,17 +220,26 @@ class Comparison:
     ratio: float | None
 
 
+def in_rounds(steps: dict[Any, Callable[[], Any]], rounds: int, report: Callable[[str], None]) -> dict[Any, list]:
+    """What each step measured in each of `rounds` rounds: every round runs them all, in an order reversed every
+    other round (`in_turn`), so that the ratios and differences between them are taken close together."""
+    found: dict[Any, list] = {key: [] for key in steps}
+    for round_index in range(rounds):
+        for key in in_turn(list(steps), round_index):
+            found[key].append(steps[key]())
+            report(progress_line(found[key][-1]))
+    return found
+
+
+def loader(plan: BenchPlan, pipeline: str, workers: int) -> Callable[[], Measurement]:
+    return lambda: measure(plan, pipeline, workers)
+
+
 def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Comparison]:
-    """Every worker count and both pipelines, `rounds` times: each round measures them all, in an order
-    reversed every other round, so that the ratios between pipelines and between worker counts are taken
-    from measurements made close together."""
+    """Every worker count and both pipelines, `rounds` times (`in_rounds`)."""
     pipelines = ["cnns"] + (["torchvision"] if plan.baseline else [])
-    runs = [(workers, name) for workers in plan.workers for name in pipelines]
-    found: dict[tuple[int, str], list[Measurement]] = {run: [] for run in runs}
-    for round_index in range(plan.rounds):
-        for workers, name in runs if round_index % 2 == 0 else runs[::-1]:
-            found[workers, name].append(measure(plan, name, workers))
-            report(measurement_line(found[workers, name][-1]))
+    found = in_rounds({(workers, name): loader(plan, name, workers) for workers in plan.workers for name in pipelines},
+                      plan.rounds, report)
     return [compare_rounds(found[workers, "cnns"], found.get((workers, "torchvision"))) for workers in plan.workers]
 
 
@@ -267,14 +252,19 @@ def scaling_lines(comparisons: list[Comparison]) -> list[str]:
             for c in comparisons if c.cnns.workers > 1]
 
 
-def middle(measurements: list[Measurement]) -> Measurement:
-    """The median measurement by images/s (the lower of the middle two)."""
-    return sorted(measurements, key=lambda m: m.images_per_second)[(len(measurements) - 1) // 2]
+def middle(values: list, key: Callable = lambda m: m.images_per_second):
+    """The median (the lower of the middle two; by images/s for measurements)."""
+    return sorted(values, key=key)[(len(values) - 1) // 2]
 
 
-def measurement_line(m: Measurement) -> str:
-    return (f"  {m.pipeline:<11} workers {m.workers}: {m.images_per_second:8.1f} images/s ({m.images} images in "
-            f"{m.seconds:.2f} s, start-up {m.startup_seconds:.2f} s)")
+def progress_line(found) -> str:
+    """One printed line per measurement, as it is made."""
+    if isinstance(found, StageTimes):
+        return f"  in one process, stage by stage: {1e9 * found.images / found.step:8.1f} images/s ({found.images} images)"
+    if isinstance(found, float):  # seconds per image, decoding whole images
+        return f"  decode-only (whole image): {1 / found:8.1f} images/s"
+    return (f"  {found.pipeline:<11} workers {found.workers}: {found.images_per_second:8.1f} images/s ({found.images} "
+            f"images in {found.seconds:.2f} s, start-up {found.startup_seconds:.2f} s)")
 
 
 def compare_rounds(ours: list[Measurement], theirs: list[Measurement] | None) -> Comparison:
@@ -299,9 +289,7 @@ def results_table(comparisons: list[Comparison]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# The account of one image
-# ----------------------------------------------------------------------------------------------
+# --- The account of one image
 
 STAGES = ("read", "header", "decode", "resize", "flip")
 STAGE_LABELS = {"header": "header + crop draw", "decode": "decode", "resize": "crop + resize", "flip": "flip"}
@@ -410,15 +398,10 @@ def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageN
             step(index)
         for index in indices:
             start = time.perf_counter_ns()
-            read, header, decode, resize, flip, whole = step(index)
+            for name, nanoseconds in zip((*STAGES, "whole"), step(index)):
+                setattr(times, name, getattr(times, name) + nanoseconds)
             times.step += time.perf_counter_ns() - start
             times.images += 1
-            times.read += read
-            times.header += header
-            times.decode += decode
-            times.resize += resize
-            times.flip += flip
-            times.whole += whole
     return times
 
 
@@ -483,64 +466,27 @@ class ImageAccount:
         return rows
 
 
-@dataclass
-class AccountRounds:
-    """What the account measures, `rounds` times each: the stages in this process, the whole-image decoding,
-    and the loaders (cnns with 0 and 1 worker, torchvision's with 1 when asked)."""
-
-    stages: list[StageTimes] = field(default_factory=list)
-    decode_only: list[float] = field(default_factory=list)
-    loaders: dict[str, list[Measurement]] = field(default_factory=dict)
-
-
-def measure_account_rounds(plan: BenchPlan, dataset: ImageDataset, indices: Sequence[int],
-                           transform: ImageNetTransform, with_baseline: bool,
-                           report: Callable[[str], None] = print) -> AccountRounds:
-    """Every measurement of the account once per round, in an order reversed every other round: the rows
-    are differences and ratios of these, so each is taken beside the others in time and the medians used
-    (the machine's drift then moves the terms of a difference alike)."""
-    found = AccountRounds()
-
-    def stages() -> None:
-        found.stages.append(time_stages(dataset, indices, transform))
-        report(f"  in one process, stage by stage: {1e9 * found.stages[-1].images / found.stages[-1].step:8.1f} "
-               f"images/s ({found.stages[-1].images} images)")
-
-    def decode_only() -> None:
-        found.decode_only.append(time_whole_decoding(dataset, indices))
-        report(f"  decode-only (whole image): {1 / found.decode_only[-1]:8.1f} images/s")
-
-    def loader(pipeline: str, workers: int) -> Callable[[], None]:
-        def run() -> None:
-            found.loaders.setdefault(f"{pipeline} {workers}", []).append(measure(plan, pipeline, workers))
-            report(measurement_line(found.loaders[f"{pipeline} {workers}"][-1]))
-        return run
-
-    steps = [stages, decode_only, loader("cnns", 0), loader("cnns", 1)]
-    steps += [loader("torchvision", 1)] if with_baseline else []
-    for round_index in range(plan.rounds):
-        for step in steps if round_index % 2 == 0 else steps[::-1]:
-            step()
-    return found
-
-
 def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) -> ImageAccount:
-    """The account on the plan's files. `baseline` is torchvision's loader with 1 worker when the comparison
-    measured it; on a folder tree it is measured in the account's rounds otherwise."""
+    """The account on the plan's files, every measurement of it in each round (`in_rounds`). `baseline` is
+    torchvision's loader with 1 worker when the comparison measured it; on a folder tree it is measured in the
+    account's rounds otherwise."""
     from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
 
     dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
     indices = account_indices(len(dataset), images)
     transform = ImageNetTransform(plan.train, plan.image_size, plan.seed)
-    rounds = measure_account_rounds(plan, dataset, indices, transform, baseline is None and plan.layout == "folder")
-    stages = sorted(rounds.stages, key=lambda times: times.step)[(plan.rounds - 1) // 2]
-    decode_only = sorted(rounds.decode_only)[(plan.rounds - 1) // 2]
-    no_workers, one_worker = middle(rounds.loaders["cnns 0"]), middle(rounds.loaders["cnns 1"])
-    if baseline is None and "torchvision 1" in rounds.loaders:
-        baseline = middle(rounds.loaders["torchvision 1"])
+    steps = {"stages": lambda: time_stages(dataset, indices, transform),
+             "decode-only": lambda: time_whole_decoding(dataset, indices),
+             "cnns 0": loader(plan, "cnns", 0), "cnns 1": loader(plan, "cnns", 1)}
+    if baseline is None and plan.layout == "folder":
+        steps["torchvision 1"] = loader(plan, "torchvision", 1)
+    found = in_rounds(steps, plan.rounds, print)
+    if "torchvision 1" in found:
+        baseline = middle(found["torchvision 1"])
     return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
-                        stages, no_workers, one_worker, decode_only, DECODE_ONLY_DECODER, baseline,
-                        len(os.sched_getaffinity(0)))
+                        middle(found["stages"], key=lambda times: times.step), middle(found["cnns 0"]),
+                        middle(found["cnns 1"]), middle(found["decode-only"], key=float), DECODE_ONLY_DECODER,
+                        baseline, available_cores())
 
 
 def decode_label(stages: StageTimes) -> str:
@@ -589,9 +535,7 @@ def account_summary(account: ImageAccount) -> str:
     return "; ".join(parts) + f" ({where}). Decoder: {account.decoder}"
 
 
-# ----------------------------------------------------------------------------------------------
-# cnns bench-data
-# ----------------------------------------------------------------------------------------------
+# --- cnns bench-data
 
 
 @dataclass
@@ -687,7 +631,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
     plan = plan_from_request(args)
     if plan.layout not in ("tfrecord", "folder"):
         print(f"{plan.layout}: batches are made in the main process from the dataset held in memory (no workers)")
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     print(f"Input pipeline on {plan.data_dir} ({plan.layout}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
           f"{plan.warmup} warm-up, {cores} of {os.cpu_count()} CPUs):")
@@ -715,9 +659,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------------------------
-# train.py --dataset-benchmark
-# ----------------------------------------------------------------------------------------------
+# --- train.py --dataset-benchmark
 
 
 def benchmark_batches_for(cfg: RunConfig, batches_per_epoch: int) -> int:

@@ -1,27 +1,18 @@
 """cnns benchmark: run each benchmarks.yml entry as Graphcore's command line, beside the plain PyTorch loop.
 
-For every command entry the runner
-1. runs the entry's ``train.py`` / ``validation.py`` command line in a subprocess, its run folder placed with
-   ``--logs-path``, and reads the throughput the engine recorded there (``img_per_sec`` of training.csv, or
-   of validation.csv for validation) the way Graphcore's benchmarking instructions read the printed values:
-   their mean, dropping the first (it includes warm-up);
-2. runs the plain hand-written loop (`cnns.bench.baseline`) on the same model, batch size, kind of data and
-   device, in a subprocess too, which writes the same column into the same file name, once per mode the
-   entry's ``baseline_modes`` names (eager, and ``torch.compile(model)``);
-3. alternates the loops ``--repeats`` times (ours, plain, plain, ours, ...) so that both see the same
-   machine, and reports the best run of each (`cnns.bench.results.Side`) and, as the ratio, the median of the
-   repeats' ratios of adjacent runs;
-4. reports each loop's fraction of the measured matmul peak (training FLOPs = 3 x forward FLOPs, counted
-   with torch.utils.flop_counter) and of the model's roofline (`cnns.bench.roofline`).
-
-An ``inference-backends`` entry runs ``python -m cnns.bench.backends '<json>'`` instead, which measures eager
-PyTorch, an AOTInductor package and onnxruntime on the same model and input in one process and writes JSON;
-its compiled artefacts are kept in ``<output-dir>/backend-cache``.
-
-An entry runs on its ``device:`` (cpu by default); the runner adds ``--device``. An entry whose device this
-machine lacks is skipped with one line. A command may say ``{cifar10}``: the runner writes a CIFAR-10-format
-folder of drawn shapes once and substitutes its path; nothing is ever downloaded. Results go to the screen
-and to ``<output-dir>/<spec>-<time>/results.{csv,json}``, beside each run's folder and output.
+A command entry's ``train.py`` / ``validation.py`` command line runs in a subprocess, its run folder placed with
+``--logs-path`` and ``--device`` added from the entry's ``device:`` key; its throughput is what the engine
+recorded there (``img_per_sec`` of training.csv, or validation.csv), averaged as Graphcore's benchmarking
+instructions average the printed values (dropping the first interval: warm-up). The plain loop
+(`cnns.bench.baseline`) runs on the same model, batch, data and device, once per ``baseline_modes`` mode, writing
+the same column into the same file name. The sides alternate ``--repeats`` times (`cnns.bench.rates.in_turn`):
+the best run of each counts, and as the ratio the median of the repeats' ratios of adjacent runs
+(`cnns.bench.results.Side`); each side's fractions of the measured matmul peak (training FLOPs = 3 x forward)
+and of the roofline (`cnns.bench.roofline`) beside them. An ``inference-backends`` entry runs
+``python -m cnns.bench.backends '<json>'`` once per repeat instead (its artefacts kept in
+``<output-dir>/backend-cache``). An entry whose device this machine lacks is skipped with one line; ``{cifar10}``
+in a command is a CIFAR-10-format folder of drawn shapes written once. Results go to the screen and to
+``<output-dir>/<spec>-<time>/results.{csv,json}``, beside each run's folder and output.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from typing import Any
 import torch
 
 from cnns.bench import roofline
-from cnns.bench.rates import DeviceRates, forward_flops
+from cnns.bench.rates import DeviceRates, available_cores, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
 from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
@@ -102,10 +93,7 @@ class Plan:
 def plain_loop_workers(device: str) -> int:
     """The plain loop's DataLoader workers: 2 on a CPU that computes too; on a GPU machine the host only
     feeds, so as many as a user would give it there (up to 8, its cores allowing)."""
-    if torch.device(device).type == "cpu":
-        return 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(2, min(8, cores))
+    return 2 if torch.device(device).type == "cpu" else max(2, min(8, available_cores()))
 
 
 def package_root() -> Path:
@@ -272,7 +260,7 @@ def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_basel
         result.side(name)
     for r in range(repeats):
         this_repeat = {}
-        for name in sides if r % 2 == 0 else reversed(sides):  # alternate which loop goes first
+        for name in in_turn(sides, r):  # alternate which loop goes first
             run_folder = folder / f"{entry.name}-{name}-{r + 1}"
             run_folder.mkdir(parents=True, exist_ok=True)
             if name == "cnns":
@@ -335,7 +323,7 @@ def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, folder: P
                     kind=BACKENDS_KIND)
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(repeats):
-        order = list(plan.spec["backends"])[::-1 if r % 2 else 1]
+        order = in_turn(plan.spec["backends"], r)
         result_path = folder / f"{entry.name}-backends-{r + 1}.json"
         result_path.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "cnns.bench.backends",

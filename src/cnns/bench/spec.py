@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from cnns.errors import ConfigError
+from cnns.models.spec import normalise_size
 
 COMMAND_KIND = "command"
 BACKENDS_KIND = "inference-backends"
 KINDS = (COMMAND_KIND, BACKENDS_KIND)
+DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")  # of cnns.bench.backends.BACKENDS
 BASELINE_MODES = ("eager", "compiled")  # the plain loop as written, and torch.compile(model) of it
 # The keys of a `kind: inference-backends` entry (besides name, kind, description, timeout), and the
 # cnns.bench.backends.BackendsSpec field each one fills.
@@ -65,29 +67,29 @@ def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
         document = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    raw = document.get("benchmarks")
+    raw, defaults = document.get("benchmarks"), document.get("defaults") or {}
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{path} has no 'benchmarks:' list")
-    defaults = document.get("defaults") or {}
-    entries = []
-    for item in raw:
-        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) == BACKENDS_KIND:
-            entries.append(backends_entry(path, item, defaults))
-            continue
-        if isinstance(item, dict) and item.get("kind", COMMAND_KIND) not in KINDS:
-            raise ConfigError(f"{path}: benchmark {item.get('name')!r} has kind {item['kind']!r}; "
-                              f"valid kinds: {', '.join(KINDS)}")
-        if not isinstance(item, dict) or "name" not in item or "command" not in item:
-            raise ConfigError(f"{path}: every benchmark needs a name and a command, got {item!r}")
-        known = {k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__ and k != "settings"}
-        entries.append(Entry(**known))
-        _check_device(path, entries[-1])
-        _check_baseline_modes(path, entries[-1])
+    entries = [backends_entry(path, item, defaults) if isinstance(item, dict) and item.get("kind") == BACKENDS_KIND
+               else command_entry(path, item, defaults) for item in raw]
     names = [e.name for e in entries]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"{path}: duplicate benchmark names {', '.join(duplicates)}")
     return entries, document
+
+
+def command_entry(path: Path, item: Any, defaults: dict[str, Any]) -> Entry:
+    if isinstance(item, dict) and item.get("kind", COMMAND_KIND) not in KINDS:
+        raise ConfigError(f"{path}: benchmark {item.get('name')!r} has kind {item['kind']!r}; "
+                          f"valid kinds: {', '.join(KINDS)}")
+    if not isinstance(item, dict) or "name" not in item or "command" not in item:
+        raise ConfigError(f"{path}: every benchmark needs a name and a command, got {item!r}")
+    entry = Entry(**{k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__
+                     and k != "settings"})
+    _check_device(path, entry)
+    _check_baseline_modes(path, entry)
+    return entry
 
 
 def _check_device(path: Path, entry: Entry) -> None:
@@ -135,20 +137,12 @@ def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -
     if backends is not None and (not isinstance(backends, list) or not backends):
         raise ConfigError(f"{path}: benchmark {name}: backends must be a list, got {backends!r}")
     timeout = item.get("timeout", defaults.get("timeout", Entry.timeout))
-    from cnns.models.spec import normalise_size
-
     size = normalise_size(str(settings["model"]).lower(), settings["model_size"])
     summary = (f"{BACKENDS_KIND} {settings['model']}-{size} "
                f"{settings.get('image_size', 224)}px batch {settings['batch_size']}: "
-               + ", ".join(backends or _default_backends()))
+               + ", ".join(backends or DEFAULT_BACKENDS))
     return Entry(name=str(name), command=summary, baseline=False, description=str(item.get("description", "")),
                  timeout=float(timeout), kind=BACKENDS_KIND, settings=settings)
-
-
-def _default_backends() -> tuple[str, ...]:
-    from cnns.bench.backends import DEFAULT_BACKENDS
-
-    return DEFAULT_BACKENDS
 
 
 def select(entries: list[Entry], names: list[str] | None) -> list[Entry]:
