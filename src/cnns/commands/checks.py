@@ -24,7 +24,7 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
         check_pipeline_splits(cfg)
     if p.shards > 1 and cfg.train.compile:
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
-                          "leave out --compile (it measured no faster on a CPU)")
+                          "leave out --compile: pipeline stages run eagerly")
     if p.bn_span > 1 and p.replicas == 1:
         raise ConfigError(f"--BN-span {p.bn_span} spans replicas: give --replicas (a multiple of it)")
     check_machine_holds_workers(cfg, trains)

@@ -30,7 +30,7 @@ from cnns.runs import open_restore_path
 
 
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
-    check_supported(cfg)
+    check_supported(cfg, trains=False)
     folder = None  # the run folder validation.csv is added to (none for a random model)
     if restore_path:
         target = open_restore_path(restore_path)

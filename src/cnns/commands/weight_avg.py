@@ -31,7 +31,7 @@ def weight_average(cfg: RunConfig, restore_path: str | None, mode: str, count: i
     run.require_checkpoints()
     decay = DEFAULT_DECAY if decay is None else decay
     _check_averaging_options(mode, count, decay, discard_last)
-    check_supported(cfg)
+    check_supported(cfg, trains=False)
     if validate:  # the averages are validated, never trained: only the validation data must be there
         check_data_before_writing(cfg, train=False, evaluation=True)
     check_writable(run.path, f"--restore-path {restore_path}")
