@@ -24,13 +24,14 @@ import json
 import os
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.utils.benchmark import Timer
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import available_cores, in_turn
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
@@ -39,7 +40,7 @@ from cnns.errors import ConfigError, DataError
 from cnns.files import write_atomically
 
 if TYPE_CHECKING:
-    from cnns.data.decoding import Crop, DecodeChoice, Placement
+    from cnns.data.decoding import Crop, Placement
     from cnns.data.imagenet import ImageNetTransform
     from cnns.data.imagefolder import ImageFolderDataset
     from cnns.data.tfrecord import TFRecordDataset
@@ -175,36 +176,17 @@ def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, 
 # --- Runs
 
 
-@dataclass
-class BenchPlan:
-    data_dir: str
-    dataset: str | None
-    layout: str
-    workers: list[int]
-    image_size: int
-    batch_size: int
-    batches: int
-    warmup: int
-    train: bool
-    baseline: bool
-    rounds: int
-    cache: bool
-    seed: int
-    device: str = "cpu"  # the run's device the batches are made for
-    decode_device: str = "auto"  # --decode-device
-
-
-def measure(plan: BenchPlan, pipeline: str, workers: int) -> Measurement:
+def measure(plan: BenchDataRequest, pipeline: str, workers: int) -> Measurement:
     if pipeline == "cnns":
         cfg = data_config(plan.data_dir, plan.dataset, workers, plan.image_size, plan.cache, plan.decode_device)
         batches = cnns_batches(cfg, plan.batch_size, plan.train, plan.seed, torch.device(plan.device))
     else:
         batches = baseline_batches(plan.data_dir, plan.batch_size, plan.train, workers, plan.image_size, plan.seed)
     try:
-        images, seconds, startup = time_batches(batches, plan.batches, plan.warmup)
+        images, seconds, startup = time_batches(batches, plan.batches, plan.warmup_batches)
     finally:
         stop(batches)
-    return Measurement(pipeline, plan.layout, "train" if plan.train else "eval", workers, plan.batch_size,
+    return Measurement(pipeline, plan.found, "train" if plan.train else "eval", workers, plan.batch_size,
                        plan.image_size, images, seconds, startup)
 
 
@@ -231,13 +213,13 @@ def in_rounds(steps: dict[Any, Callable[[], Any]], rounds: int, report: Callable
     return found
 
 
-def loader(plan: BenchPlan, pipeline: str, workers: int) -> Callable[[], Measurement]:
+def loader(plan: BenchDataRequest, pipeline: str, workers: int) -> Callable[[], Measurement]:
     return lambda: measure(plan, pipeline, workers)
 
 
-def run_plan(plan: BenchPlan, report: Callable[[str], None] = print) -> list[Comparison]:
+def run_plan(plan: BenchDataRequest, report: Callable[[str], None] = print) -> list[Comparison]:
     """Every worker count and both pipelines, `rounds` times (`in_rounds`)."""
-    pipelines = ["cnns"] + (["torchvision"] if plan.baseline else [])
+    pipelines = ["cnns"] + (["torchvision"] if plan.compare_baseline else [])
     found = in_rounds({(workers, name): loader(plan, name, workers) for workers in plan.workers for name in pipelines},
                       plan.rounds, report)
     return [compare_rounds(found[workers, "cnns"], found.get((workers, "torchvision"))) for workers in plan.workers]
@@ -323,17 +305,6 @@ class StageTimes:
         return nanoseconds / max(1, self.images) / 1e9
 
 
-@contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """As in a DataLoader worker, which runs torch on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def account_indices(size: int, count: int) -> list[int]:
     """`count` indices spread evenly over the split (a folder tree is sorted by class: every class is seen)."""
     count = max(1, min(size, count))
@@ -393,7 +364,7 @@ def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageN
         return (read, *time_fallback_step(data, source, place, slot), 1)
 
     times = StageTimes()
-    with torch_threads(1):
+    with set_torch_threads(1):  # as in a DataLoader worker
         for index in indices[:WARMUP_IMAGES]:
             step(index)
         for index in indices:
@@ -409,19 +380,14 @@ DECODE_ONLY_DECODER = "TorchCodec, libjpeg-turbo"
 
 
 def time_whole_decoding(dataset: ImageDataset, indices: Sequence[int]) -> float:
-    """Seconds per image: the whole image decoded to RGB and nothing else, from bytes already in memory,
-    one thread, by TorchCodec's decoder (libjpeg-turbo for JPEG)."""
+    """Seconds per image: the whole image decoded to RGB and nothing else, from bytes already in memory, on one
+    thread (as in a worker), by TorchCodec's decoder (libjpeg-turbo for JPEG); torch.utils.benchmark.Timer."""
     from torchcodec.decoders import decode_image
 
     encoded = [torch.frombuffer(bytearray(dataset.read(index)[0]), dtype=torch.uint8) for index in indices]
-    with torch_threads(1):
-        for data in encoded[:WARMUP_IMAGES]:
-            decode_image(data, mode="RGB")
-        start = time.perf_counter_ns()
-        for data in encoded:
-            decode_image(data, mode="RGB")
-        elapsed = time.perf_counter_ns() - start
-    return elapsed / len(encoded) / 1e9
+    timer = Timer("for data in encoded: decode_image(data, mode='RGB')", num_threads=1,
+                  globals={"encoded": encoded, "decode_image": decode_image})
+    return timer.timeit(1).mean / len(encoded)
 
 
 @dataclass
@@ -466,7 +432,7 @@ class ImageAccount:
         return rows
 
 
-def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) -> ImageAccount:
+def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement | None) -> ImageAccount:
     """The account on the plan's files, every measurement of it in each round (`in_rounds`). `baseline` is
     torchvision's loader with 1 worker when the comparison measured it; on a folder tree it is measured in the
     account's rounds otherwise."""
@@ -478,12 +444,12 @@ def measure_account(plan: BenchPlan, images: int, baseline: Measurement | None) 
     steps = {"stages": lambda: time_stages(dataset, indices, transform),
              "decode-only": lambda: time_whole_decoding(dataset, indices),
              "cnns 0": loader(plan, "cnns", 0), "cnns 1": loader(plan, "cnns", 1)}
-    if baseline is None and plan.layout == "folder":
+    if baseline is None and plan.found == "folder":
         steps["torchvision 1"] = loader(plan, "torchvision", 1)
     found = in_rounds(steps, plan.rounds, print)
     if "torchvision 1" in found:
         baseline = middle(found["torchvision 1"])
-    return ImageAccount(plan.layout, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
+    return ImageAccount(plan.found, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
                         middle(found["stages"], key=lambda times: times.step), middle(found["cnns 0"]),
                         middle(found["cnns 1"]), middle(found["decode-only"], key=float), DECODE_ONLY_DECODER,
                         baseline, available_cores())
@@ -563,9 +529,15 @@ class BenchDataRequest:
     decode_device: str = "auto"
     account: bool = True
     account_images: int = 400
+    found: str = ""  # the data's layout, once found (tfrecord, folder, cifar-10, ...)
+
+    @property
+    def train(self) -> bool:
+        return self.transforms == "train"
 
 
-def plan_from_request(args: BenchDataRequest) -> BenchPlan:
+def plan_from_request(args: BenchDataRequest) -> BenchDataRequest:
+    """The request with its data found and checked."""
     if args.make_jpeg_tree:
         from cnns.data.jpegtree import make_jpeg_tree
 
@@ -589,11 +561,8 @@ def plan_from_request(args: BenchDataRequest) -> BenchPlan:
     imagenet = layout in ("tfrecord", "folder")
     # CIFAR images are 32x32, and their batches are made in the main process (0 workers).
     image_size, workers = (args.image_size, list(args.workers)) if imagenet else (32, [0])
-    return BenchPlan(data_dir=str(data_dir), dataset=args.dataset, layout=layout, workers=workers,
-                     image_size=image_size, batch_size=args.batch_size, batches=args.batches,
-                     warmup=args.warmup_batches, train=args.transforms == "train", baseline=args.compare_baseline,
-                     rounds=args.rounds, cache=args.cache, seed=args.seed, device=str(device),
-                     decode_device=args.decode_device)
+    return replace(args, data_dir=str(data_dir), found=layout, workers=workers, image_size=image_size,
+                   device=str(device))
 
 
 def comparison_record(comparison: Comparison) -> dict[str, Any]:
@@ -619,25 +588,19 @@ def one_worker_baseline(comparisons: list[Comparison]) -> Measurement | None:
     return next((c.baseline for c in comparisons if c.cnns.workers == 1), None)
 
 
-def decode_choice(plan: BenchPlan) -> DecodeChoice:
-    from cnns.data.decoding import choose_decode_device
-
-    return choose_decode_device(plan.decode_device, torch.device(plan.device))
-
-
 def bench_data_command(args: BenchDataRequest) -> int:
-    from cnns.data.decoding import ImageDecoder, decoding_header
+    from cnns.data.decoding import ImageDecoder, choose_decode_device, decoding_header
 
     plan = plan_from_request(args)
-    if plan.layout not in ("tfrecord", "folder"):
-        print(f"{plan.layout}: batches are made in the main process from the dataset held in memory (no workers)")
+    if plan.found not in ("tfrecord", "folder"):
+        print(f"{plan.found}: batches are made in the main process from the dataset held in memory (no workers)")
     cores = available_cores()
-    print(f"Input pipeline on {plan.data_dir} ({plan.layout}, {'train' if plan.train else 'eval'} transforms, "
+    print(f"Input pipeline on {plan.data_dir} ({plan.found}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
-          f"{plan.warmup} warm-up, {cores} of {os.cpu_count()} CPUs):")
+          f"{plan.warmup_batches} warm-up, {cores} of {os.cpu_count()} CPUs):")
     on_the_device = False
-    if plan.layout in ("tfrecord", "folder"):
-        choice = decode_choice(plan)
+    if plan.found in ("tfrecord", "folder"):
+        choice = choose_decode_device(plan.decode_device, torch.device(plan.device))
         on_the_device = choice.device != "cpu"
         print(decoding_header(choice, ImageDecoder(), torch.device(plan.device)))
     comparisons = run_plan(plan)
@@ -647,7 +610,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
     if on_the_device and args.account:
         print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
-    elif args.account and plan.layout in ("tfrecord", "folder"):
+    elif args.account and plan.found in ("tfrecord", "folder"):
         print(f"The account of one image ({args.account_images} images timed stage by stage in this "
               f"process, the loader with 0 and 1 worker, {plan.rounds} rounds):")
         account = measure_account(plan, args.account_images, one_worker_baseline(comparisons))
@@ -669,9 +632,9 @@ def benchmark_batches_for(cfg: RunConfig, batches_per_epoch: int) -> int:
     return max(1, round(float(cfg.train.epochs or 1) * batches_per_epoch))
 
 
-def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> dict[str, Any]:
+def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> None:
     """Graphcore's --dataset-benchmark: the training input pipeline alone, as the run would build it
-    (generated data included), for the run's length; returns the numbers it prints."""
+    (generated data included), for the run's length."""
     from cnns.data.sources import build_sources
 
     sources = build_sources(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
@@ -694,6 +657,3 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
         report(sources.decoding)
     report(f"Dataset benchmark: {rate:.2f} images/sec ({images} images in {seconds:.3f} s after {warmup} warm-up "
            f"batches taking {startup:.3f} s; {where}, micro-batch {cfg.train.micro_batch_size})")
-    return {"images_per_second": rate, "images_per_second_per_worker_core": per_core, "images": images,
-            "seconds": seconds, "startup_seconds": startup, "workers": cfg.data.workers,
-            "decoding": sources.decoding}

@@ -189,6 +189,7 @@ class BackendsPlan:
     model_spec: ModelSpec
     model_label: str
     batch_size: int
+    device: str = "cpu"
 
 
 def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
@@ -244,49 +245,95 @@ def run_and_read(argv: list[str], timeout: float, log_path: Path, measurements: 
     return (value, "") if value is not None else (None, f"{measurements} holds no rows")
 
 
-def run_entry(entry: Entry, plan: Plan, spec_dir: Path, repeats: int, with_baseline: bool, folder: Path,
-              log: RunLog | None = None, bar=None) -> Result:
-    """Both loops of one entry, `repeats` times, alternating; each run's folder and output under `folder`;
-    `bar` (a terminal's progress bar) advances by one per run."""
-    log = log or RunLog(None)
+PLAIN_LOOP = [sys.executable, "-m", "cnns.bench.baseline"]
+BACKENDS_PROCESS = [sys.executable, "-m", "cnns.bench.backends"]
+
+
+def run_side(plan: Plan | BackendsPlan, side: str, r: int, stem: Path, timeout: float,
+             spec_dir: Path) -> tuple[Any, str]:
+    """One run of one side into `stem` (its run folder, or its JSON file), its output in `stem`.log: (images/s,
+    or a backends run's rows by backend, or None; why not, or ''). A backends process exits 1 when a backend
+    failed but still writes the others' rows, so its JSON is read whatever its exit status."""
+    log_path = stem.with_name(stem.name + ".log")
+    if isinstance(plan, BackendsPlan):
+        result_path = stem.with_name(stem.name + ".json")
+        result_path.unlink(missing_ok=True)
+        order = in_turn(plan.spec["backends"], r)
+        error = run_child([*BACKENDS_PROCESS, json.dumps({**plan.spec, "backends": order,
+                                                          "result_path": str(result_path)})], timeout, log_path)
+        try:
+            return {row["backend"]: row for row in json.loads(result_path.read_text())["results"]}, ""
+        except (OSError, ValueError, KeyError):
+            return None, error or "no results written"
+    stem.mkdir(parents=True, exist_ok=True)
+    if side == "cnns":
+        argv = command_argv(plan.script, [*plan.argv, "--logs-path", str(stem)], spec_dir)
+    else:
+        mode = next(m for m, name in PLAIN_SIDES.items() if name == side)
+        argv = [*PLAIN_LOOP, json.dumps(plan.baseline_for(mode, stem))]
+    return run_and_read(argv, timeout, log_path, stem / MEASUREMENTS[plan.mode])
+
+
+def new_result(entry: Entry, plan: Plan | BackendsPlan, with_baseline: bool) -> tuple[Result, list[str]]:
+    """The entry's empty Result and its sides: cnns and the plain loop's modes, or the one backends process."""
+    if isinstance(plan, BackendsPlan):
+        shown = {k: v for k, v in plan.spec.items() if k != "result_path"}
+        return Result(entry.name, shlex.join(["python", *BACKENDS_PROCESS[1:], json.dumps(shown)]),
+                      model=plan.model_label, mode="infer", data="synthetic uint8", batch_size=plan.batch_size,
+                      kind=BACKENDS_KIND), ["backends"]
     modes = list(plan.baseline_modes) if with_baseline and entry.baseline else []
-    plain = [sys.executable, "-m", "cnns.bench.baseline"]
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
                     data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum, device=plan.device,
-                    baseline_command=" ; ".join(shlex.join([*plain[1:], json.dumps(plan.baseline_for(mode))])
+                    baseline_command=" ; ".join(shlex.join([*PLAIN_LOOP[1:], json.dumps(plan.baseline_for(mode))])
                                                 for mode in modes))
     sides = ["cnns", *(PLAIN_SIDES[mode] for mode in modes)]
     for name in sides:
         result.side(name)
+    return result, sides
+
+
+def run_entry(entry: Entry, plan: Plan | BackendsPlan, spec_dir: Path, repeats: int, with_baseline: bool,
+              folder: Path, log: RunLog | None = None, bar=None) -> Result:
+    """Every side of one entry, `repeats` times in turns (`in_turn`), each run's folder and output under `folder`;
+    `bar` (a terminal's progress bar) advances by one per run. The one runner of both kinds of entry."""
+    log = log or RunLog(None)
+    result, sides = new_result(entry, plan, with_baseline)
+    backends = isinstance(plan, BackendsPlan)
+    runs: list[dict[str, Any]] = []
     for r in range(repeats):
-        this_repeat = {}
-        for name in in_turn(sides, r):  # alternate which loop goes first
-            run_folder = folder / f"{entry.name}-{name}-{r + 1}"
-            run_folder.mkdir(parents=True, exist_ok=True)
-            if name == "cnns":
-                argv = command_argv(plan.script, [*plan.argv, "--logs-path", str(run_folder)], spec_dir)
-            else:
-                mode = next(m for m, side in PLAIN_SIDES.items() if side == name)
-                argv = [*plain, json.dumps(plan.baseline_for(mode, run_folder))]
-            log.print(f"  [{entry.name}] {name} run {r + 1}/{repeats} ...")
-            value, error = run_and_read(argv, entry.timeout, folder / f"{entry.name}-{name}-{r + 1}.log",
-                                        run_folder / MEASUREMENTS[plan.mode])
+        runs.append({})
+        for side in in_turn(sides, r):  # alternate which side goes first
+            order = f" ({', '.join(in_turn(plan.spec['backends'], r))})" if backends else ""
+            log.print(f"  [{entry.name}] {side} run {r + 1}/{repeats}{order} ...")
+            value, error = run_side(plan, side, r, folder / f"{entry.name}-{side}-{r + 1}", entry.timeout, spec_dir)
             if bar is not None:
                 bar.update(1)
             if value is None:
-                result.add_error(f"{name}: {error}")
+                result.add_error(f"{f'run {r + 1}' if backends else side}: {error}")
                 continue
-            result.sides[name].runs.append(value)
-            this_repeat[name] = value
-            log.print(f"  [{entry.name}] {name}: {value:.2f} images/s")
-        for name in sides[1:]:
-            if this_repeat.get(name) and "cnns" in this_repeat:
-                result.sides[name].pair_ratios.append(this_repeat["cnns"] / this_repeat[name])
+            runs[-1][side] = value
+            rates = [(row["label"], row.get("images_per_sec")) for row in value.values()] if backends else [(side, value)]
+            for label, rate in rates:
+                if rate:
+                    log.print(f"  [{entry.name}] {label}: {rate:.2f} images/s")
+    if backends:
+        result.backends = combine_backend_runs(list(plan.spec["backends"]), [run["backends"] for run in runs if run])
+    else:
+        record_runs(result, plan, runs)
+    return result
+
+
+def record_runs(result: Result, plan: Plan, runs: list[dict[str, float]]) -> None:
+    """Each side's runs, and cnns over each plain loop in every repeat in which both ran (adjacent in time)."""
+    for run in runs:
+        for side, value in run.items():
+            result.sides[side].runs.append(value)
+            if side != "cnns" and "cnns" in run and value:
+                result.sides[side].pair_ratios.append(run["cnns"] / value)
     try:
         result.flops_per_image = forward_flops(plan.model_spec) * (3.0 if plan.mode == "train" else 1.0)
     except Exception as exc:  # FLOP counting is a report, never a reason to lose the measurement
         result.add_error(f"flop count failed: {exc}")
-    return result
 
 
 def combine_backend_runs(backends: list[str], runs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -309,40 +356,6 @@ def combine_backend_runs(backends: list[str], runs: list[dict[str, dict[str, Any
         row["error"] = "; ".join(errors) or None
         rows.append(row)
     return rows
-
-
-def run_backends_entry(entry: Entry, plan: BackendsPlan, repeats: int, folder: Path, log: RunLog | None = None,
-                       bar=None) -> Result:
-    """An inference-backends entry, `repeats` processes, each measuring every backend (the order reversed
-    on every other repeat) and writing its rows as JSON. The process exits 1 when a backend failed but still
-    writes the others' rows, so the JSON is read whatever its exit status."""
-    log = log or RunLog(None)
-    shown = {k: v for k, v in plan.spec.items() if k != "result_path"}
-    result = Result(entry.name, shlex.join(["python", "-m", "cnns.bench.backends", json.dumps(shown)]),
-                    model=plan.model_label, mode="infer", data="synthetic uint8", batch_size=plan.batch_size,
-                    kind=BACKENDS_KIND)
-    runs: list[dict[str, dict[str, Any]]] = []
-    for r in range(repeats):
-        order = in_turn(plan.spec["backends"], r)
-        result_path = folder / f"{entry.name}-backends-{r + 1}.json"
-        result_path.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "cnns.bench.backends",
-                json.dumps({**plan.spec, "backends": order, "result_path": str(result_path)})]
-        log.print(f"  [{entry.name}] backends run {r + 1}/{repeats} ({', '.join(order)}) ...")
-        error = run_child(argv, entry.timeout, folder / f"{entry.name}-backends-{r + 1}.log")
-        if bar is not None:
-            bar.update(1)
-        try:
-            rows = json.loads(result_path.read_text())["results"]
-        except (OSError, ValueError, KeyError):
-            result.add_error(f"run {r + 1}: {error or 'no results written'}")
-            continue
-        runs.append({row["backend"]: row for row in rows})
-        for row in rows:
-            if row.get("images_per_sec"):
-                log.print(f"  [{entry.name}] {row['label']}: {row['images_per_sec']:.2f} images/s")
-    result.backends = combine_backend_runs(list(plan.spec["backends"]), runs)
-    return result
 
 
 def roofline_images_per_sec(plan: Plan, peak_gflops: float, bandwidth_gbs: float) -> float:
@@ -422,26 +435,21 @@ class BenchmarkSuite:
                  for e in self.entries]  # option errors before any run
         for name, why in self.skipped.items():
             print(f"{name}: skipped, {why}", flush=True)
-        devices = {"cpu"} | {plan.device for _, plan in plans if isinstance(plan, Plan)}
-        machine = {name: DeviceRates(torch.device(name)).measure() for name in sorted(devices)}
+        machine = {name: DeviceRates(torch.device(name)).measure()
+                   for name in sorted({"cpu"} | {plan.device for _, plan in plans})}
         for rates in machine.values():
             print(rates.describe(), flush=True)
-        results = []
-        log = RunLog(None)
-        count = sum(repeats * (1 + len(plan.baseline_modes) if isinstance(plan, Plan) and baseline and entry.baseline
-                               else 1) for entry, plan in plans)
+        results, log = [], RunLog(None)
+        count = sum(repeats * len(new_result(entry, plan, baseline)[1]) for entry, plan in plans)
         with log.progress(count, description="benchmark", unit="run") as bar:
             for entry, plan in plans:
                 log.print(f"{entry.name}: {entry.command}")
-                if isinstance(plan, BackendsPlan):
-                    results.append(run_backends_entry(entry, plan, repeats, runs, log, bar))
-                else:
-                    results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, runs,
-                                             log, bar))
+                results.append(run_entry(entry, plan, self.spec_path.resolve().parent, repeats, baseline, runs, log,
+                                         bar))
         for rates in machine.values():  # again at the end, the best of both kept
             rates.measure()
         for result, (_, plan) in zip(results, plans):
-            rates = machine[plan.device if isinstance(plan, Plan) else "cpu"]
+            rates = machine[plan.device]
             set_peak_fractions(result, rates.peak)
             if isinstance(plan, Plan):
                 try:
