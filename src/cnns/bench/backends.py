@@ -43,8 +43,6 @@ from cnns.files import write_atomically
 BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
-DTYPES = {"eager": "float32", "eager-bf16": "bfloat16", "aoti": "float32", "aoti-bf16": "bfloat16",
-          "onnxruntime": "float32"}
 # A float32 backend may differ from eager float32 by this much, relative to the largest |logit|: different
 # kernels sum in different orders (1e-7..1e-6 relative measured), a wrong graph differs by O(1).
 AGREEMENT_TOLERANCE = 1e-3
@@ -74,9 +72,7 @@ class BackendResult:
     error: str | None = None
 
 
-# ------------------------------------------------------------------------------------------------
-# the module every backend runs
-
+# --- the module every backend runs
 
 def float32_module(model_spec, seed: int) -> nn.Module:
     """uint8 NHWC -> float32 logits, float32 channels_last weights, the same for every seed."""
@@ -88,23 +84,18 @@ def float32_module(model_spec, seed: int) -> nn.Module:
     return NormalisedClassifier(model, IMAGENET_STD, torch.float32).eval()
 
 
-def bf16_eager_module(reference: nn.Module) -> nn.Module:
-    """cnns's eager 16.16 inference: bfloat16 weights, normalisation layers in float32 (mixed-type kernels)."""
+def bf16_module(reference: nn.Module, whole: bool) -> nn.Module:
+    """cnns's eager 16.16 inference (bfloat16 weights, normalisation layers in float32: mixed-type kernels), or
+    with `whole` what inference_embedded.py compiles at 16.16 (the whole model in bfloat16)."""
     from cnns.deploy.restored import NormalisedClassifier
     from cnns.precision import PrecisionPolicy
 
     model = copy.deepcopy(reference.model)
-    PrecisionPolicy.resolve("16.16", "bfloat16", torch.device("cpu")).apply_to_model(model)
-    model.to(memory_format=torch.channels_last)
-    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
-
-
-def bf16_embedded_module(reference: nn.Module) -> nn.Module:
-    """What inference_embedded.py compiles at 16.16: the whole model in bfloat16 (its build_inference_model)."""
-    from cnns.deploy.restored import NormalisedClassifier
-
-    model = copy.deepcopy(reference.model).to(dtype=torch.bfloat16, memory_format=torch.channels_last).eval()
-    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
+    if whole:
+        model.to(dtype=torch.bfloat16)
+    else:
+        PrecisionPolicy.resolve("16.16", "bfloat16", torch.device("cpu")).apply_to_model(model)
+    return NormalisedClassifier(model.to(memory_format=torch.channels_last).eval(), reference.std, torch.bfloat16).eval()
 
 
 def cache_key(model_spec, batch_size: int, seed: int) -> str:
@@ -117,19 +108,13 @@ def cache_key(model_spec, batch_size: int, seed: int) -> str:
     return f"{model_spec.arch}{model_spec.size}-{model_spec.image_size}px-bs{batch_size}-{digest}"
 
 
-# ------------------------------------------------------------------------------------------------
-# artefacts
-
+# --- artefacts
 
 def _read_meta(folder: Path) -> dict[str, Any]:
     try:
         return json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    write_atomically(folder / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder: Path,
@@ -148,7 +133,7 @@ def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder
     else:
         export_pt2(module, example, False, path)
     seconds = time.perf_counter() - start
-    _write_meta(folder, {**_read_meta(folder), backend: seconds})
+    write_atomically(folder / "meta.json", json.dumps({**_read_meta(folder), backend: seconds}, indent=2) + "\n")
     return path, seconds, False
 
 
@@ -173,8 +158,12 @@ def load_artefact(backend: str, path: Path, threads: int) -> Callable[[torch.Ten
     return lambda images: runner(images)
 
 
-# ------------------------------------------------------------------------------------------------
-# measurement
+# --- measurement
+
+def _fail(result: BackendResult, exc: Exception, say: Callable[[str], None]) -> None:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    result.error = f"{type(exc).__name__}: {first}"
+    say(f"{result.label}: {result.error}")
 
 
 def _finish(result: BackendResult, latencies_ms: list[float], seconds: float) -> None:
@@ -227,15 +216,13 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
     threads = threads or available_cores()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    temporary = None
-    if cache_dir is None:
-        temporary = tempfile.TemporaryDirectory(prefix="cnns-backends-")
-        cache_dir = temporary.name
-    folder = Path(cache_dir) / cache_key(model_spec, batch_size, seed)
+    temporary = tempfile.TemporaryDirectory(prefix="cnns-backends-") if cache_dir is None else None
+    folder = Path(cache_dir or temporary.name) / cache_key(model_spec, batch_size, seed)
     size = model_spec.image_size
     images = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(seed))
-    results = {b: BackendResult(b, LABELS[b], DTYPES[b], batch_size, threads=threads) for b in backends}
+    results = {b: BackendResult(b, LABELS[b], "bfloat16" if b.endswith("bf16") else "float32", batch_size,
+                                 threads=threads) for b in backends}
     emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
     try:
         # Built and first called outside inference mode: torch.export refuses inference tensors. The eager
@@ -251,13 +238,9 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
                 say(f"{result.label}: skipped, {result.skipped}")
                 continue
             try:
-                call = _prepare(backend, result, reference_module, images, folder, threads, reference, say)
+                calls[backend] = _prepare(backend, result, reference_module, images, folder, threads, reference, say)
             except Exception as exc:  # one backend failing must not lose the others' measurements
-                first = (str(exc).strip().splitlines() or [""])[0][:300]
-                result.error = f"{type(exc).__name__}: {first}"
-                say(f"{result.label}: {result.error}")
-                continue
-            calls[backend] = call
+                _fail(result, exc, say)
         _time_all(calls, results, batch_size, warmup, iterations, rounds, say)
     finally:
         torch.set_num_threads(previous_threads)
@@ -276,7 +259,7 @@ def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, i
     if backend == "eager":
         module = reference_module
     elif backend == "eager-bf16":
-        module = bf16_eager_module(reference_module)
+        module = bf16_module(reference_module, whole=False)
     else:
         module = None
     if module is not None:
@@ -287,7 +270,7 @@ def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, i
         _compare(result, eager_call(), reference)
         return eager_call
 
-    source = bf16_embedded_module(reference_module) if backend == "aoti-bf16" else reference_module
+    source = bf16_module(reference_module, whole=True) if backend == "aoti-bf16" else reference_module
     for attempt in range(2):  # a cached artefact that disagrees (made by other code) is made again, once
         path, seconds, cached = make_artefact(backend, source, images, folder, force=attempt > 0)
         result.compile_s, result.cached = seconds, cached
@@ -315,50 +298,37 @@ def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, i
 
 def _time_all(calls: dict[str, Callable[[], torch.Tensor]], results: dict[str, BackendResult], batch_size: int,
               warmup: int, iterations: int, rounds: int, say) -> None:
-    """Warm up each backend, then time them in `rounds` rounds of alternating order."""
-    order = list(calls)
-    failed: set[str] = set()
+    """Warm up each backend, then time them batch by batch in `rounds` rounds of alternating order."""
+    latencies: dict[str, list[float]] = {backend: [] for backend in calls}
+    seconds = dict.fromkeys(calls, 0.0)
 
-    def fail(backend: str, exc: Exception) -> None:  # e.g. out of memory at a large batch: the others still count
-        failed.add(backend)
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        results[backend].error = f"{type(exc).__name__}: {first}"
-        say(f"{results[backend].label}: {results[backend].error}")
-
-    for backend in order:
+    def run(backend: str, count: int) -> None:
+        if results[backend].error:
+            return
+        start = time.perf_counter()
         try:
-            for _ in range(warmup):
+            for _ in range(count):
+                t0 = time.perf_counter()
                 calls[backend]()
-        except Exception as exc:
-            fail(backend, exc)
-    latencies: dict[str, list[float]] = {b: [] for b in order}
-    seconds = dict.fromkeys(order, 0.0)
-    per_round = [iterations // rounds + (1 if r < iterations % rounds else 0) for r in range(rounds)]
-    for r, count in enumerate(per_round):
-        for backend in in_turn(order, r):
-            if backend in failed:
-                continue
-            call = calls[backend]
-            start = time.perf_counter()
-            try:
-                for _ in range(count):
-                    t0 = time.perf_counter()
-                    call()
-                    latencies[backend].append(1000.0 * (time.perf_counter() - t0))
-            except Exception as exc:
-                fail(backend, exc)
-            seconds[backend] += time.perf_counter() - start
-    for backend in order:
-        result = results[backend]
-        if latencies[backend] and backend not in failed:
+                latencies[backend].append(1000.0 * (time.perf_counter() - t0))
+        except Exception as exc:  # e.g. out of memory at a large batch: the others still count
+            _fail(results[backend], exc, say)
+        seconds[backend] += time.perf_counter() - start
+
+    for backend in calls:
+        run(backend, warmup)
+        latencies[backend], seconds[backend] = [], 0.0  # the warm-up is not counted
+    for r in range(rounds):
+        for backend in in_turn(list(calls), r):
+            run(backend, iterations // rounds + (1 if r < iterations % rounds else 0))
+    for backend, result in results.items():
+        if latencies.get(backend) and not result.error:
             _finish(result, latencies[backend], seconds[backend])
             say(f"{result.label}: {result.images_per_sec:.2f} images/s, latency avg {result.latency_avg_ms:.2f} ms, "
                 f"p99 {result.latency_p99_ms:.2f} ms over {result.iterations} batches of {batch_size}")
 
 
-# ------------------------------------------------------------------------------------------------
-# the subprocess that `cnns benchmark` runs
-
+# --- the subprocess that `cnns benchmark` runs
 
 @dataclass
 class BackendsSpec:

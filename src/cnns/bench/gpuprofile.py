@@ -129,9 +129,7 @@ def _triton_family(kind: str, ops: str) -> str:
     return OTHER
 
 
-# ------------------------------------------------------------------------------------------------
-# the trace read: kernels in updates
-
+# --- the trace read: kernels in updates
 
 @dataclass
 class GpuUpdate:
@@ -226,9 +224,7 @@ def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
     return breakdown_of_updates(gpu_updates(trace, skip, where=f"the profiler trace in {folder}"))
 
 
-# ------------------------------------------------------------------------------------------------
-# rooflines
-
+# --- rooflines
 
 def _roofline_family(op_name: str) -> str | None:
     """The kernel family that does an ATen operator's work (`cnns.bench.roofline` names), or None."""
@@ -269,9 +265,7 @@ def family_rooflines(model_spec, batch_size: int, accumulation: int, dtype: torc
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# the report
-
+# --- the report
 
 @dataclass
 class GpuProfileReport:
@@ -324,9 +318,7 @@ def format_gpu_report(report: GpuProfileReport) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------------
-# running the sides
-
+# --- running the sides
 
 CUDA_WARMUP = 3  # updates left out on a GPU: compilation, CUDA-graph warm-up and recording
 

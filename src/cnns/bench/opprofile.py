@@ -159,9 +159,7 @@ def breakdown_of_trace(folder: Path, input_share: float, skip: int = 1) -> Break
     return Breakdown({f: us / count / 1e3 for f, us in split.items()}, wall / count / 1e3, count)
 
 
-# ------------------------------------------------------------------------------------------------
-# the two halves of the convolutions' backward
-
+# --- the two halves of the convolutions' backward
 
 def model_convolutions(model_spec, batch_size: int) -> list[tuple]:
     """The model's convolutions as one training forward meets them (shapes read on the meta device): (input
@@ -202,9 +200,7 @@ def convolution_backward_split(model_spec, batch_size: int, dtype: torch.dtype) 
     return input_s / (input_s + weight_s)
 
 
-# ------------------------------------------------------------------------------------------------
-# running the sides (on a CPU and on a GPU)
-
+# --- running the sides (on a CPU and on a GPU)
 
 def profile_arguments(updates: int, folder: Path, warmup: int = 1) -> list[str]:
     """What train.py's command line gets appended (its last values win): ``warmup`` updates, then ``updates``,

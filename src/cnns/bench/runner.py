@@ -64,9 +64,7 @@ def recorded_rates(path: Path) -> list[float]:
         return [float(row["img_per_sec"]) for row in csv.DictReader(f)]
 
 
-# ------------------------------------------------------------------------------------------------
-# planning one entry
-
+# --- planning one entry
 
 @dataclass
 class Plan:
@@ -214,9 +212,7 @@ def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
     return BackendsPlan(asdict(spec), model_spec, label, spec.batch_size)
 
 
-# ------------------------------------------------------------------------------------------------
-# running one entry
-
+# --- running one entry
 
 def run_child(argv: list[str], timeout: float, log_path: Path) -> str:
     """Run one benchmark process, its output kept in `log_path`; '' or why it failed, in one line."""
@@ -364,9 +360,7 @@ def roofline_images_per_sec(plan: Plan, peak_gflops: float, bandwidth_gbs: float
     return plan.batch_size * plan.grad_accum / seconds
 
 
-# ------------------------------------------------------------------------------------------------
-# the command
-
+# --- the command
 
 def ensure_cifar10(folder: Path, images: int = CIFAR_IMAGES) -> Path:
     """A CIFAR-10-format folder of drawn shapes (made once; reused while its files are complete)."""
