@@ -252,8 +252,7 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
     if o.get("num_classes") is not None and o["num_classes"] < 1:
         raise ConfigError(f"--num-classes must be at least 1, got {o['num_classes']}")
-    if o["BN_span"] > 1 and isinstance(o["replicas"], int) and o["replicas"] > 1 and o["replicas"] % o["BN_span"]:
-        raise ConfigError(f"--BN-span {o['BN_span']} must divide --replicas {o['replicas']}")
+    check_bn_span(o["BN_span"], o["replicas"])
     if o["shards"] > 1 and not o["pipeline"]:
         raise ConfigError("--shards should be used in combination with --pipeline")
     if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
@@ -264,6 +263,14 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
     if o["label_smoothing"] < 0 or o["label_smoothing"] >= 1:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
+
+
+def check_bn_span(span: int, replicas: int | str) -> None:
+    """--BN-span's rule: a span is that many replicas of one stage, so it divides --replicas. The only place it
+    is checked: every command resolves its options here before a process joins the world (`cnns.cli` makes
+    `--replicas auto` a number first; a replica count still "auto" is not one to check yet)."""
+    if span > 1 and isinstance(replicas, int) and replicas > 1 and replicas % span:
+        raise ConfigError(f"--BN-span {span} must divide --replicas {replicas}")
 
 
 def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype: str,

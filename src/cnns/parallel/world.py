@@ -319,8 +319,6 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         raise ConfigError(f"rank {rank}: the launcher started {size} processes, but --replicas {replicas} x --shards "
                           f"{shards} = {replicas * shards}; give --replicas {max(1, size // shards)} "
                           "(or launch replicas x shards processes)")
-    if bn_span > 1 and replicas % bn_span:
-        raise ConfigError(f"--BN-span {bn_span} must divide --replicas {replicas}")
     local_size = int(env.get("LOCAL_WORLD_SIZE", size))
     if device.type == "cuda":
         check_a_gpu_per_worker(device, rank, local_size)
@@ -359,7 +357,8 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         if replicas > 1:
             world.replica_group = subgroups([[r * shards + s for r in range(replicas)] for s in range(shards)])
     if bn_span > 1:
-        # A span is bn_span replicas of the same stage.
+        # A span is bn_span replicas of the same stage; it divides the replicas (the option's rule, checked as
+        # the options are resolved: cnns.config.defaults.check_bn_span).
         world.bn_group = subgroups([[r * shards + s for r in range(start, start + bn_span)]
                                     for s in range(shards) for start in range(0, replicas, bn_span)])
     return world
@@ -402,8 +401,9 @@ def auto_replicas(shards: int, device: torch.device, cpu_has_matrix_units: bool 
     """--replicas auto: under a launcher, its process count over the shards; otherwise one replica
     per GPU on CUDA. On a CPU with bfloat16 matrix units (AVX512-BF16, AMX) one process on all cores: its
     convolutions use the cores as well at the full batch as one-thread replicas do at a fraction of it, so
-    replicas only add the all-reduce (measured in docs/performance.md, "Replicas on this 2-core CPU"); on
-    other CPUs one replica per usable core."""
+    replicas only add the all-reduce (docs/performance.md's replicas section: two one-thread replicas against one
+    two-thread process, measured on 2 cores of an AMD EPYC with AVX512-BF16); on other CPUs one replica per
+    usable core."""
     if launched():
         return max(1, int(os.environ["WORLD_SIZE"]) // shards)
     if device.type == "cuda":

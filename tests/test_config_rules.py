@@ -1,0 +1,35 @@
+"""The option rules and defaults that cnns.config states once, each tested where it is stated (issue 46: a rule
+checked in two layers, or a default written in three, drifts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cnns.config.defaults import check_bn_span, resolve
+from cnns.config.table import option_defaults
+from cnns.errors import ConfigError
+
+
+def resolved(**values) -> dict:
+    """train.py's options resolved as a command line giving `values` (a CIFAR folder's) resolves them."""
+    return resolve({**option_defaults("train"), "dataset": "cifar-10", "data_dir": "/nonexistent/cifar10", **values})
+
+
+# --BN-span: a span is that many replicas of one stage, so it divides --replicas (cnns.config.defaults)
+
+
+@pytest.mark.parametrize("span, replicas", [(1, 3), (2, 1), (2, 4), (4, 4), (3, 6), (2, "auto")])
+def test_a_bn_span_that_divides_the_replicas_is_accepted(span, replicas):
+    check_bn_span(span, replicas)  # (2, 1): the span needs replicas, which check_supported says before a run
+
+
+@pytest.mark.parametrize("span, replicas", [(3, 4), (4, 6), (5, 2)])
+def test_a_bn_span_that_does_not_divide_the_replicas_is_one_line(span, replicas):
+    with pytest.raises(ConfigError, match=rf"^--BN-span {span} must divide --replicas {replicas}$"):
+        check_bn_span(span, replicas)
+
+
+def test_resolving_the_options_applies_the_bn_span_rule():
+    with pytest.raises(ConfigError, match="--BN-span 3 must divide --replicas 4"):
+        resolved(replicas=4, BN_span=3)
+    assert resolved(replicas=4, BN_span=2)["BN_span"] == 2
