@@ -341,8 +341,9 @@ def test_a_gpu_entry_runs_the_plain_loop_eager_and_compiled_beside_cnns(tmp_path
 
 
 def _tiny_baseline(**fields) -> str:
-    spec = {"mode": "train", "arch": "resnet", "size": "8", "num_classes": 10, "image_size": 32, "norm": "batch",
-            "groups": 1, "group_dim": 1, "expand_ratio": 1, "convolution_groups": 1, "batch_size": 4,
+    model = {"arch": "resnet", "size": "8", "num_classes": 10, "image_size": 32, "norm": "batch", "groups": 1,
+             "group_dim": 1, "expand_ratio": 1, "convolution_groups": 1}
+    spec = {"mode": "train", "model": model, "batch_size": 4,
             "data": "synthetic", "iterations": 2, "log_freq": 1, "workers": 0, **fields}
     return json.dumps(spec)
 

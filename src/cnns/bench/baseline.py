@@ -40,15 +40,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 @dataclass
 class BaselineSpec:
     mode: str  # "train" | "infer"
-    arch: str
-    size: str
-    num_classes: int
-    image_size: int
-    norm: str
-    groups: int
-    group_dim: int
-    expand_ratio: int
-    convolution_groups: int
+    model: dict  # cnns.models.ModelSpec's fields: the network cnns builds
     batch_size: int  # the micro-batch
     data: str  # "synthetic" | "generated" | "cifar"
     iterations: int  # training iterations (weight updates), or batches per inference pass
@@ -90,10 +82,7 @@ def prepared_model(spec: BaselineSpec, device: torch.device, training: bool) -> 
     spec says so."""
     from cnns.models import ModelSpec, build_model
 
-    model_spec = ModelSpec(arch=spec.arch, size=spec.size, num_classes=spec.num_classes, image_size=spec.image_size,
-                           norm=spec.norm, groups=spec.groups, group_dim=spec.group_dim,
-                           expand_ratio=spec.expand_ratio, convolution_groups=spec.convolution_groups)
-    model = build_model(model_spec).to(device, memory_format=torch.channels_last).train(training)
+    model = build_model(ModelSpec(**spec.model)).to(device, memory_format=torch.channels_last).train(training)
     print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}", flush=True)
     if spec.compile:
         print("plain loop: torch.compile(model), default mode", flush=True)
@@ -137,10 +126,11 @@ def make_batches(spec: BaselineSpec, device: torch.device, train: bool):
     """An endless iterator of (float images, labels) on the device."""
     from torchvision.transforms import v2
 
+    size, classes = spec.model["image_size"], spec.model["num_classes"]
     if spec.data == "synthetic":
         generator = torch.Generator().manual_seed(spec.seed)
-        images = torch.randn(spec.batch_size, 3, spec.image_size, spec.image_size, generator=generator)
-        labels = torch.randint(0, spec.num_classes, (spec.batch_size,), generator=generator)
+        images = torch.randn(spec.batch_size, 3, size, size, generator=generator)
+        labels = torch.randint(0, classes, (spec.batch_size,), generator=generator)
         batch = images.to(device).contiguous(memory_format=torch.channels_last), labels.to(device)
         while True:
             yield batch
@@ -150,7 +140,7 @@ def make_batches(spec: BaselineSpec, device: torch.device, train: bool):
         dataset = Images.cifar_binary(spec.data_dir, transform)
     else:
         transform = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-        dataset = Images.random(max(4 * spec.batch_size, 64), spec.image_size, spec.num_classes, transform, spec.seed)
+        dataset = Images.random(max(4 * spec.batch_size, 64), size, classes, transform, spec.seed)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=spec.batch_size, shuffle=train, drop_last=True, num_workers=spec.workers,
         persistent_workers=spec.workers > 0, pin_memory=device.type == "cuda")

@@ -156,9 +156,7 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         iterations = min(INFERENCE_BATCHES_PER_PASS, max(1, 50_000 // batch))
         repeat = int(options.get("repeat") or 1)
     baseline = {
-        "mode": mode, "arch": m.arch, "size": m.size, "num_classes": m.num_classes, "image_size": m.image_size,
-        "norm": m.norm, "groups": m.groups, "group_dim": m.group_dim, "expand_ratio": m.expand_ratio,
-        "convolution_groups": m.convolution_groups, "batch_size": batch, "data": data,
+        "mode": mode, "model": asdict(m), "batch_size": batch, "data": data,
         "grad_accum": cfg.train.grad_accum if mode == "train" else 1,
         "iterations": iterations, "log_freq": max(1, min(cfg.train.log_freq, iterations)), "repeat": repeat,
         "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": plain_loop_workers(entry.device),
