@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cnns.config.defaults import check_bn_span, resolve
-from cnns.config.table import option_defaults
+from cnns.config.table import build_parser, option_defaults
 from cnns.errors import ConfigError
 
 
@@ -33,3 +33,28 @@ def test_resolving_the_options_applies_the_bn_span_rule():
     with pytest.raises(ConfigError, match="--BN-span 3 must divide --replicas 4"):
         resolved(replicas=4, BN_span=3)
     assert resolved(replicas=4, BN_span=2)["BN_span"] == 2
+
+
+# The pipeline's layout (--shards, --pipeline-splits, --pipeline-schedule): one declaration (cnns.config.table) for
+# train.py and for restore.py's new layout
+
+
+def _layout(script: str, argv: list[str]) -> tuple:
+    args = build_parser(script).parse_args(argv)
+    return args.shards, args.pipeline_splits, args.pipeline_schedule
+
+
+@pytest.mark.parametrize("script", ["train", "restore"])
+def test_train_and_restore_read_the_pipeline_layout_alike(script):
+    restore_path = ["--restore-path", "run"] if script == "restore" else []
+    argv = [*restore_path, "--shards", "3", "--pipeline-split", "layer1", "layer2", "--pipeline-schedule", "Sequential"]
+    assert _layout(script, argv) == (3, ["layer1", "layer2"], "Sequential")
+    assert _layout(script, restore_path) == (None, None, None)
+
+
+def test_train_takes_pipeline_splits_without_names_and_restore_does_not():
+    """train.py --pipeline-splits alone prints the names it takes; restore.py's names the new layout's cuts."""
+    assert _layout("train", ["--pipeline-splits"])[1] == []
+    with pytest.raises(SystemExit) as stopped:
+        _layout("restore", ["--restore-path", "run", "--pipeline-splits"])
+    assert stopped.value.code == 2

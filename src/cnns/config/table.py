@@ -303,11 +303,8 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
                        help="Every process (instance) logs, in <run folder>/instance_<rank>.")
     group.add_argument("--ckpt-all-instances", type=_on_off, metavar="true|false",
                        help="Every process (instance) saves checkpoints, in <run folder>/instance_<rank>.")
-    group.add_argument("--shards", type=int, help="Pipeline stages (processes) the model is split over.")
     group.add_argument("--pipeline", action="store_true", default=None, help="Pipeline the model over --shards stages.")
-    group.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="*",
-                       help="Split points, one fewer than the shards; without values the valid names are printed.")
-    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="Grouped, Interleaved or Sequential.")
+    _add_pipeline_layout_options(group)
     group.add_argument("--enable-recomputation", "--enable-recompute", dest="enable_recomputation",
                        action="store_true", default=None, help="Activation checkpointing at stage/block boundaries.")
     group.add_argument("--device-iterations", type=int,
@@ -325,6 +322,18 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
     group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
+
+
+def _add_pipeline_layout_options(group: argparse._ArgumentGroup, new_layout: bool = False) -> None:
+    """--shards, --pipeline-splits and --pipeline-schedule, declared once: for train.py (and the scripts sharing its
+    options), and for restore.py, which may continue a run with a `new_layout`. train.py's --pipeline-splits may
+    come without names, to print the names it takes; restore.py's names the cuts of the new layout."""
+    group.add_argument("--shards", type=int, help="Pipeline stages from now on (1: the whole model per process)."
+                       if new_layout else "Pipeline stages (processes) the model is split over.")
+    group.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="+" if new_layout else "*",
+                       help="Split points for the new --shards (one fewer than the shards)." if new_layout else
+                       "Split points, one fewer than the shards; without values the valid names are printed.")
+    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="Grouped, Interleaved or Sequential.")
 
 
 def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
@@ -379,11 +388,8 @@ def build_parser(script: str) -> OneLineErrorParser:
         parser.add_argument("--restore-path", required=True, help="The run folder to continue.")
         parser.add_argument("--print-config", action="store_true", help="Print the resolved options and exit.")
         # The pipeline's layout may change (the same updates on another device count); nothing else.
-        layout = parser.add_argument_group("Continue with another pipeline layout")
-        layout.add_argument("--shards", type=int, help="Pipeline stages from now on (1: the whole model per process).")
-        layout.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="+",
-                            help="Split points for the new --shards (one fewer than the shards).")
-        layout.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="Grouped, Interleaved or Sequential.")
+        _add_pipeline_layout_options(parser.add_argument_group("Continue with another pipeline layout"),
+                                     new_layout=True)
         return parser
     _add_config_options(parser)
     _add_model_options(parser)
