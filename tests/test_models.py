@@ -17,7 +17,7 @@ from cnns.models import (
     split_points,
     valid_sizes,
 )
-from cnns.models.splits import model_pieces, stage_pieces
+from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
 from cnns.models.cifar_resnet import ZeroPadShortcut
 from cnns.models.norms import fitted_groups
 
@@ -274,6 +274,22 @@ def test_splits_out_of_order_are_rejected():
         resolve_splits(spec, build_model(spec), ["stage2/unit1/relu", "stage1/unit3/relu"])
     with pytest.raises(ModelError, match="model's order"):
         resolve_splits(spec, build_model(spec), ["stage1/unit3/relu", "b1/2/relu"])
+
+
+def test_a_pipeline_of_n_stages_takes_n_minus_one_cuts():
+    """The split count's one place (cnns.models.splits.stage_cuts): the checks before a run and the stages ask it."""
+    spec = ModelSpec("resnet", "20", 10, CIFAR)
+    model = build_model(spec)
+    assert stage_cuts(spec, model, ["stage1/unit3/relu", "stage2/unit3/relu"], 3) == ["layer1.2", "layer2.2"]
+    assert stage_cuts(spec, model, ["layer1", "layer2"], 1) == ["layer1.2", "layer2.2"]  # one stage: recomputation
+    with pytest.raises(ModelError) as raised:
+        stage_cuts(spec, model, ["stage2/unit1/relu"], 3)
+    assert str(raised.value).startswith("--shards 3 needs 2 --pipeline-splits, got 1 (stage2/unit1/relu); "
+                                        "valid splits: stage1/unit1/relu (b1/0/relu, layer1.0), ")
+    with pytest.raises(ModelError, match="--shards 2 needs 1 --pipeline-splits, got 0 \\(\\)"):
+        stage_cuts(spec, model, [], 2)
+    with pytest.raises(ModelError, match="unknown pipeline split stage9/unit1/relu"):  # names before their count
+        stage_cuts(spec, model, ["stage9/unit1/relu"], 3)
 
 
 @pytest.mark.parametrize(

@@ -31,23 +31,20 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:
-    """--pipeline-splits name shards - 1 known cuts in the model's order (the stages check again), or
-    `auto` for more than one stage."""
-    from cnns.models import ModelError, build_model, describe_split_points, resolve_splits, split_points
+    """--pipeline-splits name the cuts of --shards stages (`cnns.models.splits.stage_cuts`, the rule the stages
+    apply), or `auto` for more than one stage."""
+    from cnns.models import ModelError, build_model
+    from cnns.models.splits import stage_cuts
 
     splits, shards = list(cfg.parallel.splits or ()), cfg.parallel.shards
     if splits == ["auto"]:
         if shards < 2:
             raise ConfigError("--pipeline-splits auto chooses where to cut stages: it needs --shards 2 or more")
         return
-    model = build_model(cfg.model)
     try:
-        resolve_splits(cfg.model, model, splits)
+        stage_cuts(cfg.model, build_model(cfg.model), splits, shards)
     except ModelError as error:
         raise ConfigError(str(error)) from None
-    if shards > 1 and len(splits) != shards - 1:
-        raise ConfigError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(splits)} "
-                          f"({' '.join(splits)}); valid splits: {describe_split_points(split_points(cfg.model, model))}")
 
 
 def wants_split_names(cfg: RunConfig) -> bool:

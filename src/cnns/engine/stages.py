@@ -18,8 +18,8 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.engine.wrappers import recomputed
 from cnns.errors import ConfigError
-from cnns.models import ModelError, resolve_splits
-from cnns.models.splits import model_pieces, stage_pieces
+from cnns.models import ModelError
+from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
 from cnns.optim import parameter_names
 from cnns.parallel.pipeline import (StageModule, merge_optimiser_states, optimiser_state_by_index,
                                     optimiser_state_by_name, stage_of)
@@ -43,12 +43,9 @@ def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.de
     """Cut the whole, wrapped `model` at the run's --pipeline-splits and keep this process's stage."""
     splits = list(cfg.parallel.splits or [])
     try:
-        cuts = resolve_splits(cfg.model, model, splits)
+        cuts = stage_cuts(cfg.model, model, splits, world.shards)
     except ModelError as error:
         raise ConfigError(str(error)) from None
-    if len(cuts) != world.shards - 1:
-        raise ConfigError(f"--shards {world.shards} needs {world.shards - 1} --pipeline-splits, got {len(cuts)}: "
-                          f"{' '.join(splits) or 'none'}")
     whole_names = parameter_names(model)
     pieces = model_pieces(cfg.model, model, cuts)
     if cfg.parallel.recomputation:

@@ -68,6 +68,17 @@ def resolve_splits(spec: ModelSpec, model: nn.Module, names: Sequence[str]) -> l
     return cuts
 
 
+def stage_cuts(spec: ModelSpec, model: nn.Module, names: Sequence[str], shards: int) -> list[str]:
+    """The cuts of a pipeline of `shards` stages: the split names resolved (`resolve_splits`), one fewer than the
+    stages. With one stage the names are recomputation points, any number of them. The one place the count is
+    checked: the checks before a run and the stages both ask here."""
+    cuts = resolve_splits(spec, model, names)
+    if shards > 1 and len(cuts) != shards - 1:
+        raise ModelError(f"--shards {shards} needs {shards - 1} --pipeline-splits, got {len(names)} "
+                         f"({' '.join(names)}); valid splits: {describe_split_points(split_points(spec, model))}")
+    return cuts
+
+
 def describe_split_points(points: dict[str, str]) -> str:
     """One line: each cut's first name with its aliases, e.g. 'stage1/unit1/relu (b1/0/relu, layer1.0)'."""
     names_by_cut: dict[str, list[str]] = {}
