@@ -1,11 +1,9 @@
 """`python -m cnns.bench.passes [--shape N C H W ...]`: each fused pass alone, against a copy and ATen's layer.
 
 The fused normalisation kernels (`cnns.kernels.norm_act`) make three passes over memory forward and two
-backward. This times each on bfloat16 channels_last activations (best of `--calls` calls, malloc tuned as
-training tunes it; torch.utils.benchmark.Timer) and prints its effective bandwidth (bytes it must read and write over its time) beside a
-plain copy of the same tensor, then batch norm + ReLU forward and backward through ATen and through the fused
-passes, so a change to a pass is measured where it matters before a whole-model benchmark (docs/performance.md,
-"The roofline, and `cnns profile`").
+backward. This times each on bfloat16 channels_last activations (best of `--calls` calls, by
+`cnns.bench.rates.best_seconds`) with its effective bandwidth (the bytes it must move over its time), beside a
+copy of the same tensor and batch norm + ReLU forward and backward through ATen and through the fused passes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The roofline of a benchmark: the shortest time the machine could take for the model's work.
 
-For one training step (forward, backward and the optimiser's update) or one inference forward pass, every
-ATen operator the model runs is recorded once on the meta device (shapes only, no arithmetic), and the
-roofline time is the sum over those operators of
-
-    max(FLOPs / compute peak, minimal bytes moved / memory bandwidth)
-
-* FLOPs are torch.utils.flop_counter's formulas (convolutions, matmuls), but for a convolution's backward,
-  whose weight gradient torch counts dense even when grouped: there each gradient asked for costs what the
-  forward costs. Other operators count none.
-* Minimal bytes of an operator: every tensor it reads read once and every tensor it writes written once,
-  in the activations' dtype (bfloat16 where the CPU has bfloat16 arithmetic, float32 where it is emulated:
-  what both loops run). Views, reshapes and other aliases move nothing. The optimiser's update reads the
-  weight, its gradient and the momentum and writes the weight and the momentum (float32).
-  So a batch norm's forward counts its input once and its output once, though any real kernel needs a
-  second read for the statistics: the roofline is what no implementation of the same operators can beat,
-  and fusing operators (a norm with its activation) is the only way to go below it.
-* The compute peak is the measured best 2048x2048 matmul, the bandwidth a STREAM-style triad
-  (`cnns.bench.rates`).
-
-`update_seconds` gives the roofline time of one weight update (or inference batch); a loop's fraction of
-its roofline is that time over the time it measured (images/s x roofline seconds / images per update).
+Every ATen operator of one training step (forward, backward, the optimiser's update) or inference forward is
+recorded once on the meta device (shapes only), and the roofline is the sum over them of
+max(FLOPs / compute peak, minimal bytes / memory bandwidth), peak and bandwidth measured (`cnns.bench.rates`).
+FLOPs are torch.utils.flop_counter's, but a convolution's backward costs what its forward costs per gradient
+asked for (torch counts a grouped weight gradient dense). Minimal bytes: each tensor read once and written once
+in the activations' dtype (what both loops run); aliases move nothing; the optimiser reads weight, gradient and
+momentum and writes weight and momentum (float32). So a norm's forward counts its input once, though a real
+kernel reads it twice: the roofline is what no implementation of the same operators can beat, and only fusing
+operators goes below it. A loop's fraction of its roofline is roofline seconds over measured seconds.
 """
 
 from __future__ import annotations

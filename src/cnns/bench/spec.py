@@ -1,13 +1,9 @@
 """A benchmark spec (`benchmarks.yml`) read: its entries, checked, and the ones chosen by name.
 
-An entry is either one of Graphcore's command lines (``kind: command``, the default) run beside the plain loop, or
-``kind: inference-backends``: a model, batch and image size measured on several inference backends
-(`cnns.bench.backends`). `cnns.bench.runner` runs them.
-
-A command entry's ``baseline_modes`` says how the plain loop runs beside it: ``eager``, ``compiled``
-(``torch.compile(model)``, default mode), or both, each one a run of its own. It defaults to ``[eager]`` on
-the CPU (where compilation measured no faster and costs about a minute) and ``[eager, compiled]`` on a GPU,
-where cnns compiles by default and a user's plain loop would be compiled too.
+An entry is one of Graphcore's command lines (``kind: command``, the default), run beside the plain loop in each
+of its ``baseline_modes`` (``eager``; ``compiled``: ``torch.compile(model)``; by default eager on a CPU, where
+compiling measured no faster and costs about a minute, and both on a GPU, where cnns compiles), or ``kind:
+inference-backends``: a model and batch measured on several inference backends (`cnns.bench.backends`).
 """
 
 from __future__ import annotations
