@@ -213,7 +213,7 @@ def test_the_imagenet_folder_reader_names_such_files_or_drops_them_as_corrupt_im
 
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_the_checks_before_a_run_name_an_unreadable_first_image(tmp_path):
-    from cnns.commands.checks import check_imagenet_files
+    from cnns.data.checks import check_imagenet_files
 
     image_tree(tmp_path)
     first = tmp_path / "validation" / "a" / "good.JPEG"
@@ -226,7 +226,7 @@ def test_the_checks_before_a_run_name_an_unreadable_first_image(tmp_path):
 
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one_line(tmp_path):
-    from cnns.commands.checks import check_tfrecord_split
+    from cnns.data.checks import check_tfrecord_split
     from cnns.data.tfrecord import TFRecordDataset
     from test_tfrecord import write_imagenet_shards
 
@@ -250,7 +250,7 @@ def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one
     (lambda path: sparse(path, 3073 * 400_000), "1.14 GiB, more than the 1 GiB --max-file-size allows"),
 ])
 def test_a_cifar_file_that_is_not_a_file_or_is_too_large_is_one_line(tmp_path, make, reason):
-    from cnns.commands.checks import TrainingBatch, check_cifar_files
+    from cnns.data.checks import TrainingBatch, check_cifar_files
     from cnns.data.builtin import draw_shapes
     from cnns.data.cifar import load_cifar, write_cifar10
 

@@ -250,6 +250,37 @@ def test_corrupt_length_and_truncation_are_data_errors(tmp_path):
         tfrecord.index_records(path)
 
 
+def test_first_record_reads_a_shard_s_first_record_with_both_crcs_checked(tmp_path):
+    """What the checks before a run read of each shard (cnns.data.checks), framed and checked here, in the
+    TFRecord reader: the first record's data, and None for an empty shard."""
+    path = tmp_path / "train-00000-of-00001"
+    write_tfrecord(path, [b"first" * 10, b"second"])
+    assert tfrecord.first_record(path) == b"first" * 10
+    path.write_bytes(b"")
+    assert tfrecord.first_record(path) is None
+
+    jpeg = colour_jpeg((10, 20, 30))
+    write_tfrecord(path, [imagenet_example(jpeg, 7)])
+    assert tfrecord.first_example(path) == (jpeg, f"{path} (record at byte offset 0)")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda blob: blob[:5], "not a TFRecord file (5 bytes, less than a record's 12-byte header)"),
+    (lambda blob: b"GIF89a" + blob[6:], "not a TFRecord file (the first record's length CRC does not match: "
+                                        "another format, or corrupt from its first byte)"),
+    (lambda blob: blob[:-1], "truncated TFRecord at byte offset 0 (record of 50 bytes runs past the end of the "
+                             "65-byte file)"),
+    (lambda blob: blob[:12] + blob[12:-1] + bytes([blob[-1] ^ 1]), "corrupt TFRecord at byte offset 0 (data CRC"),
+])
+def test_a_first_record_that_does_not_frame_is_one_line_naming_the_file(tmp_path, damage, message):
+    path = tmp_path / "train-00000-of-00001"
+    write_tfrecord(path, [b"a" * 50])
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError) as raised:
+        tfrecord.first_record(path)
+    assert str(raised.value).startswith(f"{path}: {message}")
+
+
 def test_missing_label_is_a_data_error(tmp_path):
     path = tmp_path / "train-00000-of-00001"
     write_tfrecord(path, [example({"image/encoded": bytes_feature(colour_jpeg((1, 2, 3)))})])

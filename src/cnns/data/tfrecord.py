@@ -113,8 +113,8 @@ def index_records(path: str | os.PathLike) -> list[tuple[int, int]]:
             header = file.read(_HEADER.size)
             if len(header) < _HEADER.size:
                 raise DataError(f"{path}: truncated TFRecord at byte offset {offset} (incomplete header)")
-            length, length_crc = _HEADER.unpack(header)
-            if masked_crc32c(header[:8]) != length_crc:
+            length = _record_length(header)
+            if length is None:
                 raise DataError(f"{path}: corrupt TFRecord at byte offset {offset} (length CRC mismatch)")
             end = offset + _FRAMING_BYTES + length
             if end > file_size:
@@ -146,6 +146,38 @@ def read_record(path: str | os.PathLike, offset: int, length: int, limit: int | 
     if masked_crc32c(data) != data_crc:
         raise DataError(f"{path}: corrupt TFRecord at byte offset {offset} (data CRC mismatch)")
     return data
+
+
+def _record_length(header: bytes) -> int | None:
+    """The data length a record's header gives, or None where the header's CRC does not match it."""
+    length, length_crc = _HEADER.unpack(header)
+    return length if masked_crc32c(header[:8]) == length_crc else None
+
+
+def first_record(path: str | os.PathLike, size_limit: int | None = None) -> bytes | None:
+    """The data of a shard's first record, its framing and both CRCs checked; None for an empty file (a shard
+    with no records, which the reader accepts). Only a regular file is opened, and a record longer than
+    `size_limit` (--max-file-size) is not read. What the checks before a run read of each shard: a first record
+    that does not frame is said as "not a TFRecord file", where `index_records` names the byte offset."""
+    with open_regular_file(path, SHARD_SIZE_UNLIMITED) as file:
+        size = os.fstat(file.fileno()).st_size
+        try:
+            header = file.read(_HEADER.size)
+        except OSError as error:
+            raise UnreadableFile(path, error.strerror or str(error)) from None
+    if size == 0:
+        return None
+    if len(header) < _HEADER.size:
+        raise DataError(f"{path}: not a TFRecord file ({size} bytes, less than a record's "
+                        f"{_HEADER.size}-byte header)")
+    length = _record_length(header)
+    if length is None:
+        raise DataError(f"{path}: not a TFRecord file (the first record's length CRC does not match: "
+                        "another format, or corrupt from its first byte)")
+    if _FRAMING_BYTES + length > size:
+        raise DataError(f"{path}: truncated TFRecord at byte offset 0 (record of {length} bytes runs past the "
+                        f"end of the {size}-byte file)")
+    return read_record(path, 0, length, size_limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +307,16 @@ def parse_imagenet_example(record: bytes, source: str) -> tuple[bytes, int]:
         raise DataError(f"{source}: {_LABEL_KEY} is {labels[0]}, expected a 1-based class label "
                         f"in 1..{IMAGENET_CLASSES}")
     return images[0], labels[0] - 1
+
+
+def first_example(path: str | os.PathLike, size_limit: int | None = None) -> tuple[bytes, str] | None:
+    """(image bytes, where they come from) of a shard's first record (`first_record`), parsed as an ImageNet
+    tf.train.Example; None for an empty shard."""
+    record = first_record(path, size_limit)
+    if record is None:
+        return None
+    source = f"{path} (record at byte offset 0)"
+    return parse_imagenet_example(record, source)[0], source
 
 
 # ----------------------------------------------------------------------------------------------
