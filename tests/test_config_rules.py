@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cnns.config.defaults import check_bn_span, resolve
+from cnns.config import RunConfig
+from cnns.config.defaults import EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, check_bn_span, resolve
 from cnns.config.table import build_parser, option_defaults
 from cnns.errors import ConfigError
 
@@ -58,3 +59,24 @@ def test_train_takes_pipeline_splits_without_names_and_restore_does_not():
     with pytest.raises(SystemExit) as stopped:
         _layout("restore", ["--restore-path", "run", "--pipeline-splits"])
     assert stopped.value.code == 2
+
+
+# The exponential schedule's defaults (--lr-decay-rate 0.97, --lr-drops 146): stated once, in cnns.config.defaults
+
+
+def test_the_exponential_schedule_s_defaults_are_filled_once_as_the_options_resolve():
+    exponential = resolved(lr_schedule="exponential")
+    assert (exponential["lr_decay_rate"], exponential["lr_drops"]) == (EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS)
+    assert (EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS) == (0.97, 146)  # Graphcore's application's
+    given = resolved(lr_schedule="exponential", lr_drops=7)
+    assert (given["lr_decay_rate"], given["lr_drops"]) == (0.97, 7)
+    optim = RunConfig.from_options({**exponential, "seed": 1}).optim
+    assert (optim.lr_decay_rate, optim.lr_drops) == (0.97, 146)
+
+
+def test_another_schedule_leaves_the_exponential_parameters_unset():
+    """RunConfig does not default them a second time: a stepped run has no drops to count."""
+    stepped = resolved(lr_schedule="stepped")
+    assert stepped["lr_decay_rate"] is None and stepped["lr_drops"] is None
+    optim = RunConfig.from_options({**stepped, "seed": 1}).optim
+    assert optim.lr_decay_rate is None and optim.lr_drops is None

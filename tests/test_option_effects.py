@@ -96,6 +96,9 @@ def test_the_table_says_which_options_each_optimiser_really_reads(optimiser, des
     assert reads == has_effect(dest, {"optimiser": optimiser})
 
 
+# Every schedule's parameters as a run's resolved options give them; SCHEDULE_FIELDS changes one of them.
+SCHEDULE_DEFAULTS = {"learning_rate_decay": 0.1, "learning_rate_schedule": (0.5, 0.75), "lr_decay_rate": 0.97,
+                     "lr_drops": 146, "poly_lr_decay_power": 2.0, "poly_lr_end_ratio": 1e-5}
 SCHEDULE_FIELDS = {"learning_rate_decay": 0.5, "learning_rate_schedule": (0.3,), "lr_decay_rate": 0.5,
                    "lr_drops": 3, "poly_lr_decay_power": 1.0, "poly_lr_end_ratio": 0.5}
 
@@ -104,7 +107,7 @@ SCHEDULE_FIELDS = {"learning_rate_decay": 0.5, "learning_rate_schedule": (0.3,),
 @pytest.mark.parametrize("dest", sorted(SCHEDULE_FIELDS))
 def test_the_table_says_which_options_each_schedule_really_reads(schedule, dest):
     def rates(**changed) -> list[float]:
-        spec = ScheduleSpec(schedule, 1.0, 20, warmup_steps=2, **changed)
+        spec = ScheduleSpec(schedule, 1.0, 20, warmup_steps=2, **(SCHEDULE_DEFAULTS | changed))
         return [lr_at(spec, step) for step in range(20)]
 
     reads = rates() != rates(**{dest: SCHEDULE_FIELDS[dest]})

@@ -81,8 +81,9 @@ def test_exponential_matches_closed_form():
 
 def test_polynomial_matches_closed_form_with_warmup():
     total, warmup, power, base = 1000, 100, 2.0, 4.0
-    end = base * 1e-5  # default end ratio
-    spec = ScheduleSpec("polynomial", learning_rate=base, total_steps=total, warmup_steps=warmup, poly_lr_decay_power=power)
+    end = base * 1e-5  # Graphcore's default end ratio
+    spec = ScheduleSpec("polynomial", learning_rate=base, total_steps=total, warmup_steps=warmup, poly_lr_decay_power=power,
+                        poly_lr_end_ratio=1e-5)
     for t in STEPS_TO_CHECK:
         if t <= warmup:
             expected = base * t / warmup
@@ -107,7 +108,8 @@ def test_polynomial_absolute_end_lr_is_given_as_the_end_ratio():
 
 
 def test_linear_warmup_starts_at_zero():
-    spec = ScheduleSpec("stepped", learning_rate=1.0, total_steps=1000, warmup_steps=50, learning_rate_schedule=(0.5,))
+    spec = ScheduleSpec("stepped", learning_rate=1.0, total_steps=1000, warmup_steps=50, learning_rate_decay=0.1,
+                        learning_rate_schedule=(0.5,))
     assert lr_at(spec, 0) == 0.0
     assert lr_at(spec, 10) == pytest.approx(10 / 50)
     assert lr_at(spec, 49) == pytest.approx(49 / 50)
@@ -127,6 +129,23 @@ def test_warmup_steps_from_epochs_truncates_like_the_original():
     assert warmup_steps_from_epochs(1000, 0, 10) == 0
 
 
+# Each kind's parameters, given as a run's resolved options give them (ScheduleSpec has no defaults of its own).
+EVERY_KIND_S_PARAMETERS = dict(learning_rate_decay=0.1, learning_rate_schedule=(0.5, 0.75), lr_decay_rate=0.97,
+                               lr_drops=146, poly_lr_decay_power=2.0, poly_lr_end_ratio=1e-5)
+
+
+@pytest.mark.parametrize("kind, missing", [("stepped", "learning_rate_decay"), ("stepped", "learning_rate_schedule"),
+                                           ("exponential", "lr_decay_rate"), ("exponential", "lr_drops"),
+                                           ("polynomial", "poly_lr_decay_power"), ("polynomial", "poly_lr_end_ratio")])
+def test_a_schedule_without_its_parameters_is_refused_not_defaulted(kind, missing):
+    """The options' defaults are stated once, in cnns.config.defaults: a ScheduleSpec without its kind's
+    parameter is a ConfigError, never Graphcore's default a second time; another kind's parameters are not needed."""
+    given = {name: value for name, value in EVERY_KIND_S_PARAMETERS.items() if name != missing}
+    with pytest.raises(ConfigError, match=f"^the {kind} schedule needs {missing}$"):
+        ScheduleSpec(kind, learning_rate=1.0, total_steps=100, **given)
+    assert lr_at(ScheduleSpec("cosine", learning_rate=1.0, total_steps=100), 0) == 1.0
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(lr_schedule="linear"),
     dict(learning_rate=-1.0),
@@ -140,6 +159,6 @@ def test_warmup_steps_from_epochs_truncates_like_the_original():
     dict(lr_schedule="polynomial", poly_lr_end_ratio=-0.1),
 ])
 def test_invalid_specs_raise_config_error(kwargs):
-    arguments = dict(lr_schedule="stepped", learning_rate=1.0, total_steps=1000) | kwargs
+    arguments = dict(lr_schedule="stepped", learning_rate=1.0, total_steps=1000, **EVERY_KIND_S_PARAMETERS) | kwargs
     with pytest.raises(ConfigError):
         ScheduleSpec(**arguments)

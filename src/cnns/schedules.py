@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from cnns.errors import ConfigError
 
 SCHEDULE_KINDS = ("stepped", "cosine", "exponential", "polynomial")
+# The parameters each kind reads, beyond the learning rate and the run's length.
+_PARAMETERS = {"stepped": ("learning_rate_decay", "learning_rate_schedule"), "exponential": ("lr_decay_rate", "lr_drops"),
+               "polynomial": ("poly_lr_decay_power", "poly_lr_end_ratio")}
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,9 @@ class ScheduleSpec:
 
     Fields are named as the options that set them (`cnns.config.run.OptimConfig` has the same names). Used
     by every kind: ``lr_schedule``, ``learning_rate``, ``total_steps``, ``warmup_steps`` (the run's length,
-    so not options). The others belong to one kind each and are ignored by the rest; their defaults are
-    Graphcore's application's (`cnns.config.defaults` fills them for a run).
+    so not options). The others belong to one kind each, are given for that kind and ignored by the rest
+    (None where not given). They have no defaults here: the options' defaults, Graphcore's application's, are
+    stated once, in `cnns.config.defaults`, which fills them for a run.
     """
 
     lr_schedule: str
@@ -43,14 +47,14 @@ class ScheduleSpec:
     total_steps: int
     warmup_steps: int = 0
     # stepped (--learning-rate-decay, --learning-rate-schedule)
-    learning_rate_decay: float = 0.1
-    learning_rate_schedule: tuple[float, ...] = (0.5, 0.75)
+    learning_rate_decay: float | None = None
+    learning_rate_schedule: tuple[float, ...] | None = None
     # exponential (--lr-decay-rate, --lr-drops)
-    lr_decay_rate: float = 0.97
-    lr_drops: int = 146
+    lr_decay_rate: float | None = None
+    lr_drops: int | None = None
     # polynomial (--poly-lr-decay-power, --poly-lr-end-ratio; --abs-end-learning-rate becomes the ratio)
-    poly_lr_decay_power: float = 2.0
-    poly_lr_end_ratio: float = 1e-5
+    poly_lr_decay_power: float | None = None
+    poly_lr_end_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in SCHEDULE_KINDS:
@@ -64,6 +68,8 @@ class ScheduleSpec:
             f"warmup steps must be between 0 and the total number of steps ({self.total_steps}), "
             f"got {self.warmup_steps}",
         )
+        missing = [name for name in _PARAMETERS.get(self.lr_schedule, ()) if getattr(self, name) is None]
+        _require(not missing, f"the {self.lr_schedule} schedule needs {' and '.join(missing)}")
         if self.lr_schedule == "stepped":
             _require(_is_finite(self.learning_rate_decay) and self.learning_rate_decay > 0,
                      f"learning-rate decay must be > 0, got {self.learning_rate_decay}")

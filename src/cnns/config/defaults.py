@@ -23,7 +23,8 @@ NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10
 # EfficientNet's own input sizes (Tan and Le), Graphcore's application's ImageNet default for each size.
 EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
 BUILTIN_DATA_DIR = "data/builtin"
-# Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run.
+# Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run (these
+# defaults are stated only here: RunConfig and cnns.schedules take them from the resolved options).
 EXPONENTIAL_DECAY_RATE = 0.97
 EXPONENTIAL_DROPS = 146
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from cnns.config.defaults import CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES, draw_seed
+from cnns.config.defaults import CIFAR_LIKE, NUM_CLASSES, draw_seed
 from cnns.config.table import has_effect
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
@@ -114,8 +114,9 @@ class OptimConfig:
     warmup_epochs: float
     learning_rate_decay: float
     learning_rate_schedule: tuple[float, ...]
-    lr_decay_rate: float  # the exponential schedule's (Graphcore's application's defaults unless given)
-    lr_drops: int
+    # The exponential schedule's; None with another schedule (`cnns.config.defaults` fills them for this one).
+    lr_decay_rate: float | None
+    lr_drops: int | None
     poly_lr_decay_power: float
     poly_lr_end_ratio: float  # --abs-end-learning-rate is given as this ratio (`cnns.config.defaults`)
 
@@ -227,8 +228,7 @@ class RunConfig:
             lr_schedule=o["lr_schedule"], warmup_epochs=o["warmup_epochs"] or 0.0,
             learning_rate_decay=o["learning_rate_decay"],
             learning_rate_schedule=parse_fractions(o["learning_rate_schedule"]),
-            lr_decay_rate=_unless_none(o.get("lr_decay_rate"), EXPONENTIAL_DECAY_RATE),
-            lr_drops=_unless_none(o.get("lr_drops"), EXPONENTIAL_DROPS),
+            lr_decay_rate=o.get("lr_decay_rate"), lr_drops=o.get("lr_drops"),
             poly_lr_decay_power=o["poly_lr_decay_power"], poly_lr_end_ratio=o["poly_lr_end_ratio"],
         )
         log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
@@ -257,7 +257,3 @@ def parse_fractions(value: Any) -> tuple[float, ...]:
         return tuple(float(v) for v in str(value).split(",") if v.strip())
     except ValueError:
         raise ConfigError(f"--learning-rate-schedule must be comma-separated fractions, got {value!r}") from None
-
-
-def _unless_none(value: Any, default: Any) -> Any:
-    return default if value is None else value
