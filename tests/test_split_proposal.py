@@ -10,13 +10,21 @@ import processes
 import scripts
 import torch
 
-from cnns.parallel.planning import (balanced_cuts, format_report, prepare_model, profile_cuts, propose,
-                               propose_from_profile)
+from cnns.cli.parsing import resolve_command_line
+from cnns.commands.splits import model_to_plan
+from cnns.parallel.planning import balanced_cuts, format_report, profile_cuts, propose, propose_from_profile
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec, count_parameters, split_points
 from cnns.models.splits import main_split_names
 
 CPU = torch.device("cpu")
+
+
+def planned(*options: str):
+    """The model the planner times for a train.py command line (`model_to_plan`: as one process trains it)."""
+    cfg = resolve_command_line("train", ["--generated-data", *options]).config
+    model, autocast = model_to_plan(cfg, CPU)
+    return cfg.model, model, autocast
 
 
 def stage_times(seconds, cuts):
@@ -58,8 +66,7 @@ def test_balanced_cuts_errors():
 
 @pytest.fixture(scope="module")
 def resnet20():
-    spec = ModelSpec("resnet", "20", 10, 32)
-    model, _ = prepare_model(spec, CPU)
+    spec, model, _ = planned("--dataset", "cifar-10", "--model-size", "20", "--precision", "32.32")
     return spec, model, profile_cuts(spec, model, 8, CPU, contextlib.nullcontext, repeats=2)
 
 
@@ -112,9 +119,9 @@ def test_resnet20_proposal_is_consistent_and_balanced(resnet20):
 
 
 def test_efficientnet_sub_block_cuts_and_proposal():
-    spec = ModelSpec("efficientnet", "B0", 10, 64)
-    model, policy = prepare_model(spec, CPU)
-    proposal = propose(spec, model, 2, 2, CPU, policy.autocast, repeats=1)
+    spec, model, autocast = planned("--dataset", "imagenet", "--num-classes", "10", "--model", "efficientnet",
+                                    "--model-size", "B0", "--image-size", "64", "--precision", "32.32")
+    proposal = propose(spec, model, 2, 2, CPU, autocast, repeats=1)
     names = [row.name for row in proposal.profile.rows]
     assert names == main_split_names(spec, model)
     assert {"block0", "block1a/b", "block2a", "block2a/b", "block2a/c"} <= set(names)

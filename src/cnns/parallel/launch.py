@@ -62,7 +62,7 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
         return failure.exitcode  # the worker printed its own one-line error
     except SignalException as exc:
         # The agent forwarded the signal; the workers checkpointed and said how to continue. Ctrl-C ends with
-        # 130 as one process does (`cnns.engine.session.INTERRUPTED_EXIT_CODES`), SIGTERM cleanly.
+        # 130 as one process does (`cnns.engine.setup.INTERRUPTED_EXIT_CODES`), SIGTERM cleanly.
         return 0 if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
 
 
@@ -209,9 +209,10 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def join_run(cfg) -> tuple:
+def join_run(cfg, model_to_plan) -> tuple:
     """(this process's World, the RunConfig every process agreed on, the notices rank 0 prints): the world on
-    the run's device, rank 0's random seed, and rank 0's cuts for --pipeline-splits auto."""
+    the run's device, rank 0's random seed, and rank 0's cuts for --pipeline-splits auto, timed on the model
+    `model_to_plan` assembles (`cnns.parallel.planning.ModelToPlan`; the command's, as this floor cannot assemble)."""
     from cnns.devices import resolve_device
     from cnns.parallel.planning import settle_auto_splits
 
@@ -219,7 +220,7 @@ def join_run(cfg) -> tuple:
     notices: list[str] = []
 
     def agree(world, cfg):
-        cfg, notice = settle_auto_splits(cfg, world, device)
+        cfg, notice = settle_auto_splits(cfg, world, device, model_to_plan)
         notices.extend([notice] if notice else [])
         return cfg
 

@@ -1,7 +1,8 @@
 """Planning a pipeline: where to cut a model into stages (`cnns splits`, and --pipeline-splits auto).
 
 A pipeline runs as fast as its slowest stage, and Graphcore's split names say nothing about how much
-work lies between them. This profiles the model as the pieces a pipeline stage is made of
+work lies between them. This profiles the model as one process trains it (assembled by the command that plans:
+`ModelToPlan`), as the pieces a pipeline stage is made of
 (`cnns.models.splits.model_pieces`, cut at every possible split), one micro-batch forward and backward
 per piece, and proposes the ``--pipeline-splits`` that minimise the slowest stage's time (an exact
 linear partition). Per cut it reports what lies before it (parameters, activations saved for backward,
@@ -26,12 +27,16 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.errors import ConfigError
-from cnns.models import ModelSpec, build_model, split_points
+from cnns.models import ModelSpec, split_points
 from cnns.models.spec import display_name
 from cnns.models.splits import main_split_names, model_pieces
-from cnns.precision import PrecisionPolicy
 
 Autocast = Callable[[], ContextManager]
+# The model a run trains, for the planner to time: (configuration, device) -> (the model as one process trains it,
+# in train mode, and the autocast its step runs under). The command passes it (`cnns.commands.splits.model_to_plan`:
+# `cnns.engine.assembly.assemble`, which this floor does not import), so what is timed is what trains, fused
+# passes included.
+ModelToPlan = Callable[[RunConfig, torch.device], tuple[nn.Module, Autocast]]
 
 
 @dataclass(frozen=True)
@@ -80,20 +85,9 @@ class Proposal:
     profile: Profile
 
 
-def prepare_model(spec: ModelSpec, device: torch.device, precision: str = "32.32",
-                  half_dtype: str = "bfloat16") -> tuple[nn.Module, PrecisionPolicy]:
-    """The model as training holds it (weights' type, channels_last, on the device, train mode), without
-    the training wrappers: what the pieces cost depends on that layout and type, not on the wrappers."""
-    policy = PrecisionPolicy.resolve(precision, half_dtype, device, half_dtype_given=False)
-    model = build_model(spec)
-    policy.apply_to_model(model)
-    model.to(device=device, memory_format=torch.channels_last)
-    return model.train(), policy
-
-
 def profile_cuts(spec: ModelSpec, model: nn.Module, micro_batch: int, device: torch.device,
                  autocast: Autocast = contextlib.nullcontext, repeats: int = 3) -> Profile:
-    """Measure every piece of ``model`` (prepared by `prepare_model`) on one micro-batch of random images.
+    """Measure every piece of ``model`` (as a run trains it: `ModelToPlan`) on one micro-batch of random images.
 
     Each piece runs forward then backward on the previous piece's output (detached, so each is timed
     alone); its time is the median of ``repeats`` after a warm-up. The warm-up forward also measures the
@@ -288,13 +282,14 @@ def format_report(proposal: Proposal) -> str:
     return "\n".join(lines)
 
 
-def split_proposal(cfg: RunConfig, stages: int, device: torch.device) -> Proposal:
+def split_proposal(cfg: RunConfig, stages: int, device: torch.device, model_to_plan: ModelToPlan) -> Proposal:
     """The profiled, balanced proposal for a run's model, micro-batch and precision on `device`."""
-    model, policy = prepare_model(cfg.model, device, cfg.precision.precision, cfg.precision.half_dtype)
-    return propose(cfg.model, model, stages, cfg.train.micro_batch_size, device, policy.autocast)
+    model, autocast = model_to_plan(cfg, device)
+    return propose(cfg.model, model, stages, cfg.train.micro_batch_size, device, autocast)
 
 
-def settle_auto_splits(cfg: RunConfig, world, device: torch.device) -> tuple[RunConfig, str | None]:
+def settle_auto_splits(cfg: RunConfig, world, device: torch.device,
+                       model_to_plan: ModelToPlan) -> tuple[RunConfig, str | None]:
     """--pipeline-splits auto: rank 0 profiles the model and every process takes its proposal
     (`world` is the run's `cnns.parallel.world.World`). Returns the configuration with the splits, and on
     rank 0 the notice that names them."""
@@ -302,7 +297,7 @@ def settle_auto_splits(cfg: RunConfig, world, device: torch.device) -> tuple[Run
         return cfg, None
     names, notice = None, None
     if world.is_writer:
-        proposal = split_proposal(cfg, cfg.parallel.shards, device)
+        proposal = split_proposal(cfg, cfg.parallel.shards, device, model_to_plan)
         names = proposal.names
         times = ", ".join(f"{1000 * t:.1f}" for t in proposal.stage_seconds)
         notice = (f"--pipeline-splits auto: {' '.join(names)} (measured forward + backward per stage and "
