@@ -88,7 +88,7 @@ def test_the_fixed_cost_is_below_what_an_interpreter_with_the_imports_really_hol
     import timm  # noqa: F401
     import torchvision  # noqa: F401
 
-    import cnns.engine.session  # noqa: F401
+    import cnns.engine.setup  # noqa: F401
 
     rollup = Path("/proc/self/smaps_rollup")
     if not rollup.exists():

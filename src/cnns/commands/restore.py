@@ -36,9 +36,10 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
     check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
-    from cnns.engine.session import TrainingSession  # as train.py: not in a process that only starts workers
+    from cnns.commands.splits import model_to_plan
+    from cnns.engine import setup  # as train.py: not in a process that only starts workers
 
-    world, cfg, _ = join_run(cfg)
+    world, cfg, _ = join_run(cfg, model_to_plan)
     try:
         if world.distributed:  # every process continues from the checkpoint rank 0 chose
             point = newest_restore_point(run.path, world)
@@ -46,7 +47,7 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         if world.is_writer:
             for path, reason in point.skipped:
                 log.notice(f"skipped the unreadable checkpoint {path}, kept as {set_aside(path).name}: {reason}")
-        return TrainingSession(cfg, log, run.path, world, instance_folder).run_to_the_end(point)
+        return setup.train(cfg, world, log, run.path, instance_folder, restore=point)
     finally:
         world.close()
 

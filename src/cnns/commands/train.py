@@ -34,9 +34,10 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
     # The engine and the models (timm, torchvision, torch._dynamo: seconds of imports) are loaded by the
     # processes that train, not by one that only starts them.
-    from cnns.engine.session import TrainingSession
+    from cnns.commands.splits import model_to_plan
+    from cnns.engine import setup
 
-    world, cfg, agreed = join_run(cfg)
+    world, cfg, agreed = join_run(cfg, model_to_plan)
     try:
         with open_new_run(cfg, world) as (folder, restore, log, instance_folder):
             if folder is not None:
@@ -46,7 +47,7 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
             log.write_arguments(cfg.arguments)
             if cfg.log.wandb and world.is_writer:
                 log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
-            return TrainingSession(cfg, log, folder, world, instance_folder, initial).run_to_the_end(restore)
+            return setup.train(cfg, world, log, folder, instance_folder, initial, restore)
     finally:
         world.close()
 

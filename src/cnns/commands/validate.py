@@ -14,9 +14,10 @@ import itertools
 from pathlib import Path
 
 from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
+from cnns.commands.splits import model_to_plan
 from cnns.config import RunConfig
-from cnns.engine.components import build_components
 from cnns.engine.evaluate import EvalResult, evaluate
+from cnns.engine.setup import set_up
 from cnns.engine.validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
                                     log_validation, readable_targets, summed_over_processes, targets_of,
                                     validate_targets)
@@ -41,7 +42,7 @@ def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: lis
     with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
         if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
             return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
-        world, cfg, _ = join_run(cfg)
+        world, cfg, _ = join_run(cfg, model_to_plan)
         try:
             if not restore_path:
                 return validate_random_model(cfg, repeat, notices, world)
@@ -63,7 +64,7 @@ def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notice
     else:
         targets, unreadable = targets_of(files), []
     todo = [t for t in targets if t.name not in done]
-    c = build_components(cfg, world, need_train=False)
+    c = set_up(cfg, world, train=False)
     check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
     # Nothing was written so far; from here on the checks have passed.
     log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
@@ -101,7 +102,7 @@ def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world
     log = RunLog(folder, quiet=not world.is_writer)
     for notice in notices:
         log.notice(notice)
-    c = build_components(cfg, world, need_train=False)
+    c = set_up(cfg, world, train=False)
     if c.policy.note:
         log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")

@@ -11,9 +11,10 @@ from pathlib import Path
 from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
 from cnns.engine.averaging import average_name, last_checkpoints, trained_checkpoints, write_average
-from cnns.engine.components import build_components
+from cnns.engine.setup import set_up
 from cnns.engine.validation import Target, check_targets_match, targets_of, validate_targets
 from cnns.errors import CheckpointError, ConfigError
+from cnns.parallel.world import World
 from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog
 from cnns.runs import RunFolder
@@ -50,15 +51,15 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     # Read and check everything before writing to the run folder.
     probes = [target for target in targets_of([path for _, path in chosen]) if not target.use_ema]
     _check_same_model(probes)
-    components = build_components(cfg, need_train=False) if validate else None
-    if components is not None:
-        check_targets_match(probes[:1], components.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
+    evaluation = set_up(cfg, World(), train=False) if validate else None
+    if evaluation is not None:
+        check_targets_match(probes[:1], evaluation.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
     log = RunLog(folder)
     for notice in notices:
         log.notice(notice)
     path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log)
-    if components is not None:
-        validate_targets(targets_of([path]), components, log, cfg.train.global_batch_size, 1)
+    if evaluation is not None:
+        validate_targets(targets_of([path]), evaluation, log, cfg.train.global_batch_size, 1)
     log.close()
     return 0
 

@@ -32,14 +32,6 @@ class AssembledModel:
     plain: nn.Module  # what is saved and loaded: the model, or the part of it this stage holds
     replicated: DistributedDataParallel | None = None  # the DDP wrapper, with replicas
     stage: Stage | None = None  # with pipelining: this process's stage
-    replicas: int = 1
-
-    def reduce_in_float32(self, accumulator) -> None:
-        """Once the step that sums half gradients in float32 over the micro-batches exists
-        (`cnns.engine.step.FloatGradientAccumulator`): DDP all-reduces that float32 sum, as its communication
-        hook, instead of the last micro-batch's half gradients."""
-        if self.replicated is not None and accumulator.enabled:
-            self.replicated.register_comm_hook(None, accumulator.reduce_hook(None, self.replicas))
 
 
 def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.device,
@@ -71,10 +63,10 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     if world.shards > 1:
         stage = build_stage(cfg, model, world, device, policy)
         world.broadcast_state(stage.module.model, among_replicas=True)
-        return AssembledModel(stage.module, stage.module.model, stage=stage, replicas=world.replicas)
+        return AssembledModel(stage.module, stage.module.model, stage=stage)
     replicated = data_parallel(model, world, device)
     running = maybe_compile(replicated, cfg.train.compile)
-    return AssembledModel(running, model, replicated if replicated is not model else None, replicas=world.replicas)
+    return AssembledModel(running, model, replicated if replicated is not model else None)
 
 
 def set_norm_momentum(model: nn.Module, momentum: float) -> None:

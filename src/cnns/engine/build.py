@@ -1,4 +1,5 @@
-"""What a run builds besides the model: its random state, its optimiser, schedule and loss scaler, its length.
+"""What a run builds besides the model, each from the RunConfig: its random state, its length, schedule,
+optimiser, loss scaler, mixing and step (`cnns.engine.setup.set_up` calls them in its order).
 
 How the model itself is made the run's is `cnns.engine.assembly.assemble`; `unwrap` gives back the plain
 model under its wrappers, which is what checkpoints hold.
@@ -17,9 +18,13 @@ import torch
 from torch import nn
 
 from cnns.config import RunConfig
+from cnns.engine.assembly import AssembledModel
+from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
+from cnns.engine.wrappers import replays_cuda_graphs
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
+from cnns.parallel.world import World
 from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
 
 
@@ -114,6 +119,29 @@ def build_loss_scaler(cfg: RunConfig, policy: PrecisionPolicy) -> LossScaler:
     if policy.compute_dtype == torch.float32:
         return LossScaler(1.0, dynamic=False)  # nothing to protect in float32
     return LossScaler(cfg.precision.loss_scaling, dynamic=cfg.precision.auto_loss_scaling)
+
+
+def build_mixer(cfg: RunConfig, num_classes: int, seed: int):
+    """Mixup/cutmix on the device batches (NCHW), or None when both are off."""
+    from cnns.data.mixing import batch_mixer
+
+    d = cfg.data
+    return batch_mixer(num_classes, seed, mixup_alpha=d.mixup_alpha, cutmix_lambda=d.cutmix_lambda,
+                       cutmix_version=d.cutmix_version, label_smoothing=cfg.train.label_smoothing, layout="NCHW")
+
+
+def build_step(cfg: RunConfig, assembled: AssembledModel, optimiser: HalfPrecisionOptimiser, policy: PrecisionPolicy,
+               scaler: LossScaler, mixer, world: World, device: torch.device) -> TrainStep | PipelinedTrainStep:
+    """One weight update of the assembled model: of this process's pipeline stage, or of the whole model."""
+    loss = cross_entropy_loss(cfg.train.label_smoothing)
+    in_float32 = cfg.precision.grad_accum_dtype == "float32"
+    if assembled.stage is not None:
+        return PipelinedTrainStep(assembled.stage, optimiser, policy, scaler, loss, cfg.train.grad_accum, in_float32,
+                                  world, fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
+    return TrainStep(assembled.model, optimiser, policy, scaler, loss, cfg.train.grad_accum,
+                     accumulate_in_float32=in_float32, fp_exceptions=cfg.train.fp_exceptions, mix=mixer,
+                     replicated=assembled.replicated, replicas=world.replicas,
+                     keep_gradient_buffers=replays_cuda_graphs(cfg.train.compile, device))
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from cnns import profiling
 from cnns.errors import CnnsError
@@ -157,7 +158,7 @@ class TrainStep(_OptimiserStep):
                  scaler: LossScaler, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  grad_accum: int, accumulate_in_float32: bool, fp_exceptions: bool = False,
                  mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 no_sync: Callable[[], ContextManager] = contextlib.nullcontext, replicated: bool = False,
+                 replicated: DistributedDataParallel | None = None, replicas: int = 1,
                  keep_gradient_buffers: bool = False):
         self.model = model
         self.optimiser = optimiser
@@ -167,7 +168,14 @@ class TrainStep(_OptimiserStep):
         self.grad_accum = grad_accum
         self.params = optimiser.params
         self.accumulator = FloatGradientAccumulator(
-            self.params, enabled=accumulate_in_float32 and policy.half_weights and (grad_accum > 1 or replicated))
+            self.params,
+            enabled=accumulate_in_float32 and policy.half_weights and (grad_accum > 1 or replicated is not None))
+        # Replicas (`replicated`, the DDP wrapper of `model`): no gradient all-reduce but for the update's last
+        # micro-batch, and with the float32 sum that reduction is of the sum, in float32 (DDP's communication
+        # hook), instead of the last micro-batch's half gradients.
+        self.no_sync = replicated.no_sync if replicated is not None else contextlib.nullcontext
+        if replicated is not None and self.accumulator.enabled:
+            replicated.register_comm_hook(None, self.accumulator.reduce_hook(None, replicas))
         # A model that replays CUDA graphs (--compile on a GPU) returns its gradients in the graph's own
         # memory, which the next micro-batch's replay writes again; autograd would take such a gradient
         # as `.grad` when none is there, and a second micro-batch would then add into overwritten memory.
@@ -178,7 +186,6 @@ class TrainStep(_OptimiserStep):
                                  else functools.partial(optimiser.zero_grad, set_to_none=True))
         self.fp_exceptions = fp_exceptions
         self.mix = mix
-        self.no_sync = no_sync  # replicas: no gradient all-reduce but for the update's last micro-batch
         # Parameter names in the optimiser's order, for --fp-exceptions messages.
         names = {id(p): name for name, p in model.named_parameters()}
         self.param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]

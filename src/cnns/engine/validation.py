@@ -3,7 +3,8 @@
 
 Everything that can fail (unreadable or foreign checkpoints, a model that does not match, missing
 data) is checked before the first line is written to the run folder: a failed command leaves the
-folder as it was.
+folder as it was. `setup` is the run as `cnns.engine.setup.set_up` made it to evaluate (its world, data,
+feed, precision and assembled model), which imports this module: hence no annotation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.build import unwrap
-from cnns.engine.components import Components
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
 from cnns.runlog import RunLog, validated_names
@@ -102,13 +102,13 @@ def check_targets_match(targets: list[Target], model: torch.nn.Module, descripti
 DEFAULT_GENERATED_BATCHES = 20
 
 
-def generated_validation_limit(cfg: RunConfig, c: Components, log: RunLog, trained_images: int | None) -> int | None:
+def generated_validation_limit(cfg: RunConfig, setup, log: RunLog, trained_images: int | None) -> int | None:
     """How many batches each process validates per checkpoint: all of real data; of generated or
     synthetic data (random pixels: the accuracy is chance whatever the count) --validation-images,
     else as many images as the run trained on, else DEFAULT_GENERATED_BATCHES batches. Says so."""
     if cfg.data.source == "files":
         return None
-    source, replicas = c.sources.eval, c.world.replicas
+    source, replicas = setup.sources.eval, setup.world.replicas
     batch = len(next(iter(source.epoch(0)))[1])
     asked = cfg.train.validation_images
     images = asked or trained_images or DEFAULT_GENERATED_BATCHES * batch * replicas
@@ -120,29 +120,31 @@ def generated_validation_limit(cfg: RunConfig, c: Components, log: RunLog, train
     return batches
 
 
-def validate_targets(targets: list[Target], c: Components, log: RunLog, global_batch_size: int,
+def validate_targets(targets: list[Target], setup, log: RunLog, global_batch_size: int,
                      num_train_samples: int, repeat: int = 1, batches: int | None = None) -> list[EvalResult]:
     rows = [(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets]
-    return _validate(rows, [t.weights for t in targets], c, log, repeat, batches)
+    return _validate(rows, [t.weights for t in targets], setup, log, repeat, batches)
 
 
-def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.Tensor] | None], c: Components,
+def _validate(rows: list[tuple[str, int, float]], weights: list[dict[str, torch.Tensor] | None], setup,
               log: RunLog, repeat: int = 1, batches: int | None = None) -> list[EvalResult]:
     """Validate each row's weights over the first `batches` batches of each process (None: all).
     With replicas, rank 0 holds the weights (the others None) and sends them; each process evaluates
     its share of the images and the counts are summed, so every image is counted exactly once."""
     results = []
-    model = unwrap(c.model)
+    model = unwrap(setup.model)
     for (name, iteration, epoch), state in zip(rows, weights):
         if state is not None:
             model.load_state_dict(state)
-        c.world.broadcast_state(model)
+        setup.world.broadcast_state(model)
         for _ in range(repeat):
-            data = c.sources.eval.epoch(0)
+            data = setup.sources.eval.epoch(0)
             if batches is not None:
                 data = itertools.islice(data, batches)
-            with log.progress(batches or len(c.sources.eval), description=f"validating {name}", unit="batch") as bar:
-                result = summed_over_processes(evaluate(c.model, _advancing(data, bar), c.feed, c.policy), c)
+            with log.progress(batches or len(setup.sources.eval), description=f"validating {name}",
+                              unit="batch") as bar:
+                result = evaluate(setup.model, _advancing(data, bar), setup.feed, setup.policy)
+                result = summed_over_processes(result, setup)
             log_validation(log, name, iteration, epoch, result)
             results.append(result)
     return results
@@ -156,11 +158,11 @@ def _advancing(batches, bar):
             bar.update(1)
 
 
-def summed_over_processes(result: EvalResult, c: Components) -> EvalResult:
-    if not c.world.distributed:
+def summed_over_processes(result: EvalResult, setup) -> EvalResult:
+    if not setup.world.distributed:
         return result
-    top1, top5, count = c.world.sum([result.correct_top1, result.correct_top5, result.count])
-    seconds = max(c.world.gather(result.seconds))  # the pass lasts as long as its slowest process
+    top1, top5, count = setup.world.sum([result.correct_top1, result.correct_top5, result.count])
+    seconds = max(setup.world.gather(result.seconds))  # the pass lasts as long as its slowest process
     return EvalResult(int(top1), int(top5), int(count), seconds, result.latencies_ms)
 
 
@@ -172,16 +174,17 @@ def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result:
     })
 
 
-def validate_run_folder(folder: Path, c: Components, log: RunLog, global_batch_size: int,
+def validate_run_folder(folder: Path, setup, log: RunLog, global_batch_size: int,
                         num_train_samples: int, batches: int | None = None) -> list[EvalResult]:
     """After training: every checkpoint but the initial one, their moving averages and the weight
     averages, except what validation.csv already holds (a restored run validates only the new ones).
     Rank 0 reads the run folder; with replicas the others validate what it sends."""
     targets: list[Target] = []
-    if c.world.is_writer:
+    if setup.world.is_writer:
         done = validated_names(folder)
         files = [path for _, path in list_checkpoints(folder)] + list_weight_averages(folder)
         targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
-    rows = c.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets])
-    weights = [t.weights for t in targets] if c.world.is_writer else [None] * len(rows)
-    return _validate(rows, weights, c, log, batches=batches)
+    rows = setup.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples))
+                                  for t in targets])
+    weights = [t.weights for t in targets] if setup.world.is_writer else [None] * len(rows)
+    return _validate(rows, weights, setup, log, batches=batches)

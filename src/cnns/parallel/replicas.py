@@ -1,8 +1,8 @@
-"""Data-parallel replicas: DistributedDataParallel around the plain model, and its sync context.
+"""Data-parallel replicas: DistributedDataParallel around the plain model.
 
-Gradients are all-reduced once per weight update: the step runs every micro-batch but the last
-under `no_sync()`, so DDP only reduces (bucketed, overlapped with the last backward) the sum of the
-update's micro-batch gradients. Batch-norm running statistics are each replica's own while it
+Gradients are all-reduced once per weight update: the step (`cnns.engine.step.TrainStep`) runs every
+micro-batch but the last under DDP's `no_sync()`, so DDP only reduces (bucketed, overlapped with the last
+backward) the sum of the update's micro-batch gradients. Batch-norm running statistics are each replica's own while it
 trains (no broadcast before every forward: a collective per micro-batch) and are averaged over the
 replicas before every checkpoint (`average_running_statistics`, timm's ``--dist-bn reduce``), so every
 instance saves, validates and continues with the same model. With --BN-span the statistics used in
@@ -10,9 +10,6 @@ training are the span's, as before.
 """
 
 from __future__ import annotations
-
-import contextlib
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -49,14 +46,6 @@ def average_running_statistics(model: nn.Module, world: World) -> None:
     with torch.no_grad():
         for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers])):
             buffer.copy_(values.view_as(buffer))
-
-
-def no_sync_context(model: nn.Module) -> Callable[[], ContextManager]:
-    """The context that skips the gradient all-reduce for a micro-batch (DDP's `no_sync`)."""
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync
-    return contextlib.nullcontext
-
 
 
 def average_gradients(grads: list[torch.Tensor | None], group, replicas: int) -> None:
