@@ -19,7 +19,8 @@ import scripts
 import cnns.commands.infer as infer_command
 from cnns.cli import parse_options, run_script
 from cnns.config import RunConfig, resolve
-from cnns.commands.infer import build_inference_model, compile_artefact, probe_package
+from cnns.commands.infer import build_inference_model, probe_package
+from cnns.deploy.graphs import export_pt2
 from cnns.errors import CnnsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_compiled_artefact_computes_the_eager_logits(tmp_path):
     images = torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)
     with torch.no_grad():
         eager = model(images)
-    compile_artefact(model, images, tmp_path / "m.pt2")
+    export_pt2(model, images, dynamic=False, out=tmp_path / "m.pt2")
     compiled = torch._inductor.aoti_load_package(str(tmp_path / "m.pt2"))
     # float32 both ways, but Inductor's fused kernels sum in another order: one reordered sum of K
     # terms differs by at most about K x 2^-24 of its magnitude, 5e-5 for ResNet-8's largest fan-in

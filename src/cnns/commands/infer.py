@@ -28,11 +28,11 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.devices import resolve_device
-from cnns.engine.build import unwrap
-from cnns.deploy.restored import NormalisedClassifier
+from cnns.deploy.graphs import export_pt2
+from cnns.deploy.restored import NormalisedClassifier, deployed
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
-from cnns.files import write_atomically, write_atomically_by_name
+from cnns.files import write_atomically
 from cnns.precision import PrecisionPolicy
 
 
@@ -44,6 +44,8 @@ def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
 
 
 def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
+    """The model training assembles (`cnns.deploy.restored.deployed`) in the compute type, behind the
+    normalisation of uint8 NHWC images; `checkpoint`'s weights, or the seeded random ones."""
     from cnns.checkpoint import check_matches_model
     from cnns.models import build_model
     from cnns.runs import checkpoint_weights
@@ -51,11 +53,10 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
     model = build_model(cfg.model)
     if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback
         weights = checkpoint_weights(checkpoint)
-        check_matches_model(checkpoint, weights, unwrap(model).state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
-        unwrap(model).load_state_dict(weights)
+        check_matches_model(checkpoint, weights, model.state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
+        model.load_state_dict(weights)
     dtype, std = input_dtype_and_std(cfg, device)
-    model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
-    return NormalisedClassifier(model, std, dtype).eval()
+    return NormalisedClassifier(deployed(model, cfg, device, dtype), std, dtype).eval()
 
 
 def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
@@ -66,17 +67,6 @@ def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dty
                                      half_dtype_given=cfg.precision.half_dtype_given)
     std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
     return policy.compute_dtype, std
-
-
-def compile_artefact(model: nn.Module, example: torch.Tensor, path: Path) -> None:
-    with torch.no_grad():
-        exported = torch.export.export(model, (example,))
-
-    def compile_into(temporary: Path) -> None:
-        with torch.no_grad():
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary))
-
-    write_atomically_by_name(path, compile_into, ".pt2")  # whole or not at all (cnns.files)
 
 
 def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
@@ -207,7 +197,7 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
         print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
         start = time.perf_counter()
         _description_path(path).unlink(missing_ok=True)  # never beside a package it does not describe
-        compile_artefact(model, images.to(device), path)
+        export_pt2(model, images.to(device), dynamic=False, out=path)
         write_atomically(_description_path(path), json.dumps(description, indent=1) + "\n")
         print(f"Compilation time: {time.perf_counter() - start:.3f}s. Saved the compiled model to {path}")
     if device.type in PROBED_DEVICE_TYPES:  # before this process loads it, and before anything is timed

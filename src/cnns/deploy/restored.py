@@ -2,7 +2,8 @@
 
 The caller resolves the run's configuration as ``validation.py`` does (`cnns.cli.inference.restored_run`: the
 one resolution every command goes through); the model is rebuilt from it, a checkpoint's raw or moving-average
-weights are loaded, and it runs in float32 in eval mode whatever the training precision.
+weights are loaded, and `deployed` makes it the model training assembles (`cnns.engine.assembly.assemble`), in
+eval mode, in float32 whatever the training precision (inference_embedded.py: in its compute type).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.data.augment import IMAGENET_MEAN, normalise
-from cnns.errors import CheckpointError, ConfigError
+from cnns.engine.assembly import assemble
+from cnns.errors import ConfigError
+from cnns.parallel.world import World
+from cnns.precision import PrecisionPolicy
 
 WEIGHT_CHOICES = ("raw", "ema")
 
@@ -52,16 +56,17 @@ class RestoredModel:
         return int(self.cfg.model.num_classes)
 
 
-def locate_run_checkpoint(restore_path: str | Path) -> Path:
-    """--restore-path (a run folder: its newest checkpoint; or one checkpoint file in one) -> the checkpoint;
-    CheckpointError (one line) when there is none or its folder is not a cnns run folder."""
-    from cnns.runs import locate_checkpoint
+def deployed(model: nn.Module, cfg: RunConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`model` (built from `cfg`, its weights loaded) as `assemble` makes it the run's, on one process, with
+    weights of `dtype` (no float32 master copy: inference keeps none), in eval mode.
 
-    folder, checkpoint = locate_checkpoint(restore_path)
-    if not (folder / "arguments.json").is_file():
-        raise CheckpointError(f"{folder} has no arguments.json: cannot tell which model {checkpoint.name} holds "
-                              "(--restore-path must be a cnns run folder or a checkpoint inside one)")
-    return checkpoint
+    Its `plain` model: one process has no replicas and no pipeline stage, and --compile's wrapper is not
+    deployed (inference_embedded.py compiles ahead of time; predict and export run or trace the module). The
+    fused passes, kernels and recomputation stay as training has them; in eval they compute what the plain
+    layers compute (`cnns.engine.fusion`, `cnns.engine.wrappers`).
+    """
+    policy = PrecisionPolicy(weight_dtype=dtype, compute_dtype=dtype, device_type=device.type, use_autocast=False)
+    return assemble(model, cfg, World(), device, policy).plain.eval()
 
 
 def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -91,7 +96,7 @@ def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
     description = f"{cfg.model.arch}-{cfg.model.size}"
     check_matches_model(checkpoint, state_dict, model.state_dict(), description)
     model.load_state_dict(state_dict)  # half-precision tensors are converted to the float32 parameters
-    model = model.float().to(device).eval()
+    model = deployed(model, cfg, device)
     precision = cfg.precision.precision
     trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
     mean, std = input_normalisation(cfg)
