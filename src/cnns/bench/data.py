@@ -411,25 +411,15 @@ class ImageAccount:
         return self.stages.seconds_per_image(self.stages.step)
 
     @property
-    def into_the_batch_seconds(self) -> float:
-        return 1 / self.no_workers.images_per_second - self.in_process_seconds
-
-    @property
-    def across_seconds(self) -> float:
-        return 1 / self.one_worker.images_per_second - 1 / self.no_workers.images_per_second
-
-    @property
     def delivered_seconds(self) -> float:
         return 1 / self.one_worker.images_per_second
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds per image of each row that adds up to the delivered time, in the worker's order."""
-        per_image = self.stages.seconds_per_image
-        rows = {stage: per_image(getattr(self.stages, stage)) for stage in STAGES}
-        rows["between"] = per_image(self.stages.between)
-        rows["into the batch"] = self.into_the_batch_seconds
-        rows["across"] = self.across_seconds
-        return rows
+        per_image, no_workers = self.stages.seconds_per_image, 1 / self.no_workers.images_per_second
+        return {**{stage: per_image(getattr(self.stages, stage)) for stage in STAGES},
+                "between": per_image(self.stages.between), "into the batch": no_workers - self.in_process_seconds,
+                "across": self.delivered_seconds - no_workers}
 
 
 def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement | None) -> ImageAccount:
