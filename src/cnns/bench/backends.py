@@ -28,7 +28,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,10 +37,9 @@ import torch
 from torch import nn
 
 from cnns.bench.rates import available_cores, in_turn
-from cnns.bench.spec import DEFAULT_BACKENDS
+from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
 from cnns.files import write_atomically
 
-BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
 # A float32 backend may differ from eager float32 by this much, relative to the largest |logit|: different
@@ -51,7 +50,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass
 class BackendResult:
-    backend: str  # one of BACKENDS
+    backend: str  # one of spec.BACKENDS
     label: str
     dtype: str
     batch_size: int
@@ -205,9 +204,7 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
 
     from cnns.precision import cpu_half_is_emulated
 
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown or not backends:
-        raise ValueError(f"unknown backend {', '.join(unknown) or '(none)'}; valid backends: {', '.join(BACKENDS)}")
+    check_backends(backends)
     if batch_size < 1 or iterations < 1 or warmup < 0 or rounds < 1:
         raise ValueError("batch_size, iterations and rounds must be at least 1, warmup at least 0")
     say = log or (lambda line: None)
@@ -329,31 +326,6 @@ def _time_all(calls: dict[str, Callable[[], torch.Tensor]], results: dict[str, B
 
 
 # --- the subprocess that `cnns benchmark` runs
-
-@dataclass
-class BackendsSpec:
-    """What one ``kind: inference-backends`` entry measures (the JSON the runner passes)."""
-
-    arch: str
-    size: str
-    batch_size: int
-    image_size: int = 224
-    num_classes: int = 1000
-    norm: str = "batch"
-    backends: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
-    warmup: int = 3
-    iterations: int = 20
-    rounds: int = 1
-    threads: int | None = None
-    seed: int = 0
-    cache_dir: str | None = None
-    result_path: str | None = None
-
-    def model_spec(self):
-        from cnns.models import ModelSpec
-
-        return ModelSpec(self.arch, self.size, self.num_classes, self.image_size, norm=self.norm)
-
 
 def main(argv: list[str] | None = None) -> int:
     from cnns.engine.build import keep_freed_host_memory

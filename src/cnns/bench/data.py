@@ -75,41 +75,33 @@ class Measurement:
 # --- Timing
 
 
-def endless(epoch_batches: Callable[[int], Iterable]) -> Iterator:
-    """Batches of epoch 0, 1, 2, ... back to back, as a long training run sees them."""
-    for epoch in count():
-        yield from epoch_batches(epoch)
+def time_pipeline(epoch_batches: Callable[[int], Iterable], measured: int, warmup: int) -> tuple[int, float, float]:
+    """(images, seconds, start-up seconds) of batches drawn epoch after epoch, as a long run draws them:
+    `warmup` batches first, not timed (they pay for starting the workers), then `measured` timed. A batch decoded
+    on a GPU is waited for: the timing ends when its pixels exist, not when its kernels are queued."""
+    def endless() -> Iterator:
+        for epoch in count():
+            yield from epoch_batches(epoch)
 
+    def wait(batch: tuple) -> None:
+        if batch[0].device.type == "cuda":
+            torch.cuda.synchronize(batch[0].device)
 
-def stop(batches: Iterator) -> None:
-    """Close the batch generators, dropping the last reference to their DataLoader, whose iterator
-    then shuts its workers down: still prefetching, they would take CPU from the next measurement."""
-    batches.close()
-    gc.collect()  # in case a reference cycle still holds the loader
-
-
-def time_batches(batches: Iterator, measured: int, warmup: int) -> tuple[int, float, float]:
-    """(images, seconds, start-up seconds): `warmup` batches are drawn first and not timed (they pay
-    for starting the workers), then `measured` batches are timed. Batches decoded on a GPU are
-    waited for: the timing ends when the last one's pixels exist, not when its kernels are queued."""
-    start = time.perf_counter()
-    for _ in range(warmup):
-        wait_for(next(batches))
-    ready = time.perf_counter()
-    images = 0
-    batch = None
-    for _ in range(measured):
-        batch = next(batches)
-        images += len(batch[1])
-    if batch is not None:
-        wait_for(batch)
-    return images, time.perf_counter() - ready, ready - start
-
-
-def wait_for(batch: tuple) -> None:
-    images = batch[0]
-    if images.device.type == "cuda":
-        torch.cuda.synchronize(images.device)
+    batches, images, batch = endless(), 0, None
+    try:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            wait(next(batches))
+        ready = time.perf_counter()
+        for _ in range(measured):
+            batch = next(batches)
+            images += len(batch[1])
+        if batch is not None:
+            wait(batch)
+        return images, time.perf_counter() - ready, ready - start
+    finally:  # the loader's workers, still prefetching, would take CPU from the next measurement
+        batches.close()  # drops the last reference to the DataLoader, whose iterator then stops its workers
+        gc.collect()  # in case a reference cycle still holds it
 
 
 # --- The two pipelines
@@ -132,15 +124,14 @@ def data_layout(data_dir: str, dataset: str | None) -> str:
     return detect_imagenet(folder) if found == "imagenet" else found
 
 
-def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int, device: torch.device) -> Iterator:
-    """Endless batches from the pipeline training uses, for a run on `device` (on a GPU the images may be
+def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int, device: torch.device) -> Callable:
+    """An epoch's batches from the pipeline training uses, for a run on `device` (on a GPU the images may be
     decoded there, as --decode-device chooses)."""
     from cnns.data.sources import build_sources
 
     sources = build_sources(cfg, micro_batch_size=batch_size, eval_batch_size=batch_size, seed=seed,
                             device=device, need_train=train, need_eval=not train)
-    source = sources.train if train else sources.eval
-    return endless(source.epoch)
+    return (sources.train if train else sources.eval).epoch
 
 
 def baseline_transform(train: bool, image_size: int):
@@ -157,8 +148,8 @@ def baseline_transform(train: bool, image_size: int):
     return T.Compose([T.Resize(evaluation_resize(image_size)), T.CenterCrop(image_size), T.PILToTensor()])
 
 
-def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, image_size: int, seed: int) -> Iterator:
-    """Endless batches from torchvision.datasets.ImageFolder + PIL transforms in a DataLoader."""
+def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, image_size: int, seed: int) -> Callable:
+    """An epoch's batches from torchvision.datasets.ImageFolder + PIL transforms in a DataLoader."""
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
 
@@ -170,7 +161,7 @@ def baseline_batches(data_dir: str, batch_size: int, train: bool, workers: int, 
     dataset = ImageFolder(str(folder), transform=baseline_transform(train, image_size))
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=train, num_workers=workers, drop_last=train,
                         persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
-    return endless(lambda epoch: loader)
+    return lambda epoch: loader
 
 
 # --- Runs
@@ -182,10 +173,7 @@ def measure(plan: BenchDataRequest, pipeline: str, workers: int) -> Measurement:
         batches = cnns_batches(cfg, plan.batch_size, plan.train, plan.seed, torch.device(plan.device))
     else:
         batches = baseline_batches(plan.data_dir, plan.batch_size, plan.train, workers, plan.image_size, plan.seed)
-    try:
-        images, seconds, startup = time_batches(batches, plan.batches, plan.warmup_batches)
-    finally:
-        stop(batches)
+    images, seconds, startup = time_pipeline(batches, plan.batches, plan.warmup_batches)
     return Measurement(pipeline, plan.found, "train" if plan.train else "eval", workers, plan.batch_size,
                        plan.image_size, images, seconds, startup)
 
@@ -496,7 +484,7 @@ def account_summary(account: ImageAccount) -> str:
 
 @dataclass
 class BenchDataRequest:
-    """What `cnns bench-data` was asked (the command line's values; `cnns.cli.tools` has their help)."""
+    """What `cnns bench-data` was asked (the command line's values; `cnns.cli.measure` has their help)."""
 
     data_dir: str | None = None
     dataset: str | None = None
@@ -632,11 +620,7 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
                             device=resolve_device(cfg.device), need_eval=False)
     total = benchmark_batches_for(cfg, len(sources.train))
     warmup = min(total - 1, max(1, total // 10))
-    batches = endless(sources.train.epoch)
-    try:
-        images, seconds, startup = time_batches(batches, total - warmup, warmup)
-    finally:
-        stop(batches)
+    images, seconds, startup = time_pipeline(sources.train.epoch, total - warmup, warmup)
     rate = images / seconds if seconds > 0 else 0.0
     uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.workers > 0
     per_core = rate / cfg.data.workers if uses_workers else rate

@@ -35,7 +35,7 @@ from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, available_cores, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
-from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, Entry, load_spec, select
+from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, BackendsSpec, Entry, load_spec, select
 from cnns.errors import ConfigError
 from cnns.files import write_atomically
 from cnns.models import ModelSpec
@@ -189,23 +189,15 @@ class BackendsPlan:
 
 
 def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
-    from cnns.bench.backends import BACKENDS, BackendsSpec
     from cnns.errors import CnnsError
 
     values = {BACKENDS_KEYS[k]: v for k, v in entry.settings.items()}
-    values["arch"], values["size"] = str(values["arch"]), str(values["size"])
     try:
-        spec = BackendsSpec(**values, cache_dir=str(cache_dir))
+        spec = BackendsSpec(**{**values, "arch": str(values["arch"]), "size": str(values["size"])},
+                            cache_dir=str(cache_dir))
         model_spec = spec.model_spec()
     except (TypeError, ValueError, CnnsError) as exc:
         raise ConfigError(f"benchmark {entry.name}: {exc}") from None
-    unknown = [b for b in spec.backends if b not in BACKENDS]
-    if unknown:
-        raise ConfigError(f"benchmark {entry.name}: unknown backend {', '.join(map(str, unknown))}; "
-                          f"valid backends: {', '.join(BACKENDS)}")
-    for key in ("batch_size", "iterations", "rounds"):
-        if not isinstance(getattr(spec, key), int) or getattr(spec, key) < 1:
-            raise ConfigError(f"benchmark {entry.name}: {key} must be a positive integer, got {getattr(spec, key)!r}")
     label = f"{model_spec.arch}-{model_spec.size} {model_spec.image_size}px"
     return BackendsPlan(asdict(spec), model_spec, label, spec.batch_size)
 

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from cnns.errors import ConfigError
-from cnns.models.spec import normalise_size
+from cnns.models.spec import ModelSpec, normalise_size
 
 COMMAND_KIND = "command"
 BACKENDS_KIND = "inference-backends"
 KINDS = (COMMAND_KIND, BACKENDS_KIND)
-DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")  # of cnns.bench.backends.BACKENDS
+BACKENDS = ("eager", "eager-bf16", "aoti", "aoti-bf16", "onnxruntime")  # cnns.bench.backends measures them
+DEFAULT_BACKENDS = ("eager", "aoti", "onnxruntime")
 BASELINE_MODES = ("eager", "compiled")  # the plain loop as written, and torch.compile(model) of it
 # The keys of a `kind: inference-backends` entry (besides name, kind, description, timeout), and the
 # cnns.bench.backends.BackendsSpec field each one fills.
@@ -113,6 +114,42 @@ def _check_baseline_modes(path: Path, entry: Entry) -> None:
         raise ConfigError(f"{path}: benchmark {entry.name} has baseline mode {', '.join(map(repr, wrong))}; "
                           f"valid modes: {', '.join(BASELINE_MODES)}")
     entry.baseline_modes = tuple(dict.fromkeys(modes))
+
+
+@dataclass
+class BackendsSpec:
+    """What a ``kind: inference-backends`` entry measures (its keys, BACKENDS_KEYS), checked: the JSON the runner
+    passes to ``python -m cnns.bench.backends``."""
+
+    arch: str
+    size: str
+    batch_size: int
+    image_size: int = 224
+    num_classes: int = 1000
+    norm: str = "batch"
+    backends: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    warmup: int = 3
+    iterations: int = 20
+    rounds: int = 1
+    threads: int | None = None
+    seed: int = 0
+    cache_dir: str | None = None
+    result_path: str | None = None
+
+    def __post_init__(self) -> None:
+        check_backends(self.backends)
+        for key in ("batch_size", "iterations", "rounds"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.arch, self.size, self.num_classes, self.image_size, norm=self.norm)
+
+
+def check_backends(backends) -> None:
+    unknown = [str(b) for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ValueError(f"unknown backend {', '.join(unknown) or '(none)'}; valid backends: {', '.join(BACKENDS)}")
 
 
 def backends_entry(path: Path, item: dict[str, Any], defaults: dict[str, Any]) -> Entry:
