@@ -38,7 +38,7 @@ from torch.autograd import DeviceType
 
 from cnns import profiling
 from cnns.bench import roofline
-from cnns.bench.opprofile import ancestors, function_events, profile_sides, read_trace, run_profiled, updates_after
+from cnns.bench.opprofile import ancestors, function_events, profile_sides, read_trace, run_profiled, update_marks
 from cnns.errors import CnnsError
 
 CONVOLUTION = "convolution"
@@ -160,7 +160,7 @@ def _span(event) -> tuple[float, float]:
 def gpu_updates(trace: list[dict[str, Any]], skip: int = 1, where: str = "the trace") -> list[GpuUpdate]:
     """Each update after the first ``skip``: its kernels' time by family, its wall and busy time."""
     events = function_events(trace)
-    updates = updates_after(events, skip, where)
+    updates = update_marks(events, skip, where)
     kernels = [e for e in events if e.device_type != DeviceType.CPU]
     if not kernels:
         raise CnnsError(f"{where} holds no GPU kernels: its profiler did not record CUDA activity "

@@ -55,7 +55,8 @@ _NAMES = (
 )
 
 # Chrome-trace categories: what runs on the host (operators, marks, kernel launches), what on the GPU.
-HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", *LAUNCH_CATEGORIES)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -68,33 +69,34 @@ def read_trace(folder: Path) -> list[dict[str, Any]]:
 
 
 def function_events(trace: list[dict[str, Any]]) -> EventList:
-    """A trace's events as torch.profiler's FunctionEvents, nested by torch (``cpu_parent``, ``cpu_children``).
+    """A trace's events as torch.profiler's FunctionEvents, nested by torch (``cpu_parent``, ``cpu_children``,
+    hence ``self_cpu_time_total``) as ``prof.events()`` holds them. A GPU event and the host call that launched
+    it (a runtime or driver call, else the start of the ``ac2g`` flow between them, an instant) share
+    ``linked_correlation_id``."""
+    def event(index: int, e: dict[str, Any], category: str, end: float, correlation: int) -> FunctionEvent:
+        on_device = category in DEVICE_CATEGORIES
+        return FunctionEvent(index, e["name"], f"{e.get('pid')}/{e.get('tid')}", e["ts"], end,
+                             linked_correlation_id=correlation, is_user_annotation=category == "user_annotation",
+                             device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
+                             use_device="cuda" if on_device else None)
 
-    A GPU event and the host call that launched it (a runtime or driver call, else the start of the ``ac2g``
-    flow between them, an instant) share ``linked_correlation_id``."""
     events, launched = EventList(), set()
     for index, e in enumerate(trace):
         category = str(e.get("cat", "")).lower()
-        launch = category in ("cuda_runtime", "cuda_driver")
-        correlation = (e.get("args") or {}).get("correlation", 0) if launch or category in DEVICE_CATEGORIES else 0
         if e.get("ph") == "X" and category in HOST_CATEGORIES + DEVICE_CATEGORIES:
-            on_device = category in DEVICE_CATEGORIES
-            launched |= {correlation} if launch else set()
-            events.append(FunctionEvent(index, e["name"], f"{e.get('pid')}/{e.get('tid')}", e["ts"],
-                                        e["ts"] + e["dur"], linked_correlation_id=correlation,
-                                        device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
-                                        use_device="cuda" if on_device else None,
-                                        is_user_annotation=category == "user_annotation"))
-    flows = [e for e in trace if e.get("ph") == "s" and e.get("cat") == "ac2g" and e.get("id") not in launched]
-    for e in flows:
-        events.append(FunctionEvent(-1, "ac2g", f"{e.get('pid')}/{e.get('tid')}", e["ts"], e["ts"],
-                                    linked_correlation_id=e["id"]))
+            linked = category in LAUNCH_CATEGORIES + DEVICE_CATEGORIES
+            correlation = (e.get("args") or {}).get("correlation", 0) if linked else 0
+            launched |= {correlation} if category in LAUNCH_CATEGORIES else set()
+            events.append(event(index, e, category, e["ts"] + e["dur"], correlation))
+    for index, e in enumerate(trace):
+        if e.get("ph") == "s" and e.get("cat") == "ac2g" and e.get("id") not in launched:
+            events.append(event(index, e, "cpu_op", e["ts"], e["id"]))
     events._build_tree()  # what torch.profiler does for prof.events()
     return events
 
 
-def updates_after(events: EventList, skip: int, where: str = "the trace") -> list[FunctionEvent]:
-    """Every update mark in time order (the first ``skip`` of them too: the caller leaves them out)."""
+def update_marks(events: EventList, skip: int, where: str = "the trace") -> list[FunctionEvent]:
+    """Every update's mark in time order, the first ``skip`` (the warm-up, left out by the caller) included."""
     updates = sorted((e for e in events if e.name == profiling.UPDATE), key=lambda e: e.time_range.start)
     if len(updates) <= skip:
         raise CnnsError(f"{where} holds {len(updates)} update(s); {skip} warm-up update(s) and at least one more "
@@ -124,7 +126,7 @@ def _families(event: FunctionEvent, mark: str | None, inherited: str) -> Iterato
 
 def family_times(trace: list[dict[str, Any]], skip: int = 1) -> tuple[dict[str, float], float, int]:
     """Microseconds by family summed over the updates after the first ``skip``, their wall time and count."""
-    updates = updates_after(function_events(trace), skip)[skip:]
+    updates = update_marks(function_events(trace), skip)[skip:]
     totals: dict[str, float] = defaultdict(float)
     for update in updates:
         totals["other"] += update.self_cpu_time_total  # time in no operator: Python, the loop
