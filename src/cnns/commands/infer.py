@@ -33,7 +33,6 @@ from cnns.deploy.restored import NormalisedClassifier, deployed
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
 from cnns.files import write_atomically
-from cnns.precision import PrecisionPolicy
 
 
 def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
@@ -63,8 +62,7 @@ def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dty
     """The compiled model's dtype and the standard deviations its normalisation divides by."""
     # Inference has no master weights to keep: half precision means half weights (float32 where the
     # CPU would only emulate the half type and none was asked for explicitly).
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
-                                     half_dtype_given=cfg.precision.half_dtype_given)
+    policy = cfg.precision.policy(device)
     std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
     return policy.compute_dtype, std
 

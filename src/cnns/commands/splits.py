@@ -16,7 +16,6 @@ from cnns.devices import resolve_device
 from cnns.engine.assembly import assemble
 from cnns.parallel.planning import Autocast, format_report, split_proposal
 from cnns.parallel.world import World
-from cnns.precision import PrecisionPolicy
 
 
 def propose_splits(cfg: RunConfig) -> int:
@@ -31,7 +30,6 @@ def model_to_plan(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Auto
     recomputes per block (as it does with --shards > 1)."""
     from cnns.models import build_model
 
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
-                                     half_dtype_given=cfg.precision.half_dtype_given)
+    policy = cfg.precision.policy(device)
     assembled = assemble(build_model(cfg.model), cfg.with_splits([]), World(), device, policy)
     return assembled.plain.train(), policy.autocast

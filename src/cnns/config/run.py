@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import torch
+
 from cnns.config.defaults import CIFAR_LIKE, NUM_CLASSES, draw_seed
 from cnns.config.table import has_effect
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
+from cnns.precision import PrecisionPolicy
 
 # ----------------------------------------------------------------------------------------------
 # Typed configuration: what the rest of the package sees
@@ -52,6 +55,11 @@ class PrecisionConfig:
     auto_loss_scaling: bool
     grad_accum_dtype: str
     half_partials: bool
+
+    def policy(self, device: torch.device) -> PrecisionPolicy:
+        """The precision policy these options give on `device`: the one reading of --precision and --half-dtype
+        that training, the split planner and the inference artefact share."""
+        return PrecisionPolicy.resolve(self.precision, self.half_dtype, device, half_dtype_given=self.half_dtype_given)
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,7 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     device = world.device(resolve_device(cfg.device))
     # Replica 0 draws what a single process would (its initial weights are broadcast to the others).
     seed_everything(cfg.train.seed if cfg.parallel.identical_seeding else cfg.train.seed + world.replica_rank)
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, device,
-                                     half_dtype_given=cfg.precision.half_dtype_given)
+    policy = cfg.precision.policy(device)
     if cfg.precision.half_partials and device.type == "cuda":
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
