@@ -28,6 +28,7 @@ import hashlib
 import json
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import available_cores, in_turn
 from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
@@ -94,7 +96,8 @@ def bf16_module(reference: nn.Module, whole: bool) -> nn.Module:
         model.to(dtype=torch.bfloat16)
     else:
         PrecisionPolicy.resolve("16.16", "bfloat16", torch.device("cpu")).apply_to_model(model)
-    return NormalisedClassifier(model.to(memory_format=torch.channels_last).eval(), reference.std, torch.bfloat16).eval()
+    model = model.to(memory_format=torch.channels_last).eval()
+    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
 
 
 def cache_key(model_spec, batch_size: int, seed: int) -> str:
@@ -211,17 +214,15 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
     if image_size is not None and image_size != model_spec.image_size:
         model_spec = replace(model_spec, image_size=image_size)
     threads = threads or available_cores()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    temporary = tempfile.TemporaryDirectory(prefix="cnns-backends-") if cache_dir is None else None
-    folder = Path(cache_dir or temporary.name) / cache_key(model_spec, batch_size, seed)
     size = model_spec.image_size
     images = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(seed))
     results = {b: BackendResult(b, LABELS[b], "bfloat16" if b.endswith("bf16") else "float32", batch_size,
                                  threads=threads) for b in backends}
     emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
-    try:
+    cache = tempfile.TemporaryDirectory(prefix="cnns-backends-") if cache_dir is None else nullcontext(cache_dir)
+    with cache as where, set_torch_threads(threads):
+        folder = Path(where) / cache_key(model_spec, batch_size, seed)
         # Built and first called outside inference mode: torch.export refuses inference tensors. The eager
         # call comes before any export, so that normalise()'s cached constants are made outside tracing.
         reference_module = float32_module(model_spec, seed)
@@ -239,10 +240,6 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
             except Exception as exc:  # one backend failing must not lose the others' measurements
                 _fail(result, exc, say)
         _time_all(calls, results, batch_size, warmup, iterations, rounds, say)
-    finally:
-        torch.set_num_threads(previous_threads)
-        if temporary is not None:
-            temporary.cleanup()
     eager = results.get("eager")
     for result in results.values():
         if eager is not None and eager.images_per_sec and result.images_per_sec:
@@ -253,22 +250,28 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
 def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, images: torch.Tensor, folder: Path,
              threads: int, reference: torch.Tensor, say) -> Callable[[], torch.Tensor]:
     """Build (or load) the backend, check its logits against eager float32, and return its call."""
-    if backend == "eager":
-        module = reference_module
-    elif backend == "eager-bf16":
-        module = bf16_module(reference_module, whole=False)
+    if backend in ("eager", "eager-bf16"):
+        run = reference_module if backend == "eager" else bf16_module(reference_module, whole=False)
     else:
-        module = None
-    if module is not None:
-        def eager_call() -> torch.Tensor:
-            with torch.inference_mode():
-                return module(images)
+        run = _compiled(backend, result, reference_module, images, folder, threads, reference, say)
 
-        _compare(result, eager_call(), reference)
-        return eager_call
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return run(images)
 
+    _compare(result, call(), reference)
+    problem = _agreement_error(result)
+    if problem is not None:
+        raise RuntimeError(problem)
+    return call
+
+
+def _compiled(backend: str, result: BackendResult, reference_module: nn.Module, images: torch.Tensor, folder: Path,
+              threads: int, reference: torch.Tensor, say) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The backend's artefact loaded (made first unless cached): one that disagrees with eager float32 and came
+    from the cache (made by other code) is made again, once."""
     source = bf16_module(reference_module, whole=True) if backend == "aoti-bf16" else reference_module
-    for attempt in range(2):  # a cached artefact that disagrees (made by other code) is made again, once
+    for attempt in range(2):
         path, seconds, cached = make_artefact(backend, source, images, folder, force=attempt > 0)
         result.compile_s, result.cached = seconds, cached
         say(f"{result.label}: {'cached ' if cached else ''}artefact {path} ({seconds:.1f} s to make)")
@@ -276,21 +279,12 @@ def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, i
         run = load_artefact(backend, path, threads)
         result.load_s = time.perf_counter() - start
         with torch.inference_mode():
-            logits = run(images)
-        _compare(result, logits, reference)
+            _compare(result, run(images), reference)
         problem = _agreement_error(result)
         if problem is None or not cached:
             break
         say(f"{result.label}: the cached artefact disagrees ({problem}); compiling it again")
-    problem = _agreement_error(result)
-    if problem is not None:
-        raise RuntimeError(problem)
-
-    def compiled_call() -> torch.Tensor:
-        with torch.inference_mode():
-            return run(images)
-
-    return compiled_call
+    return run
 
 
 def _time_all(calls: dict[str, Callable[[], torch.Tensor]], results: dict[str, BackendResult], batch_size: int,

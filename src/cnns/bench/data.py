@@ -230,7 +230,8 @@ def middle(values: list, key: Callable = lambda m: m.images_per_second):
 def progress_line(found) -> str:
     """One printed line per measurement, as it is made."""
     if isinstance(found, StageTimes):
-        return f"  in one process, stage by stage: {1e9 * found.images / found.step:8.1f} images/s ({found.images} images)"
+        rate = 1e9 * found.images / found.step
+        return f"  in one process, stage by stage: {rate:8.1f} images/s ({found.images} images)"
     if isinstance(found, float):  # seconds per image, decoding whole images
         return f"  decode-only (whole image): {1 / found:8.1f} images/s"
     return (f"  {found.pipeline:<11} workers {found.workers}: {found.images_per_second:8.1f} images/s ({found.images} "

@@ -38,7 +38,8 @@ from torch.autograd import DeviceType
 
 from cnns import profiling
 from cnns.bench import roofline
-from cnns.bench.opprofile import ancestors, function_events, profile_sides, read_trace, run_profiled, update_marks
+from cnns.bench.opprofile import (Breakdown, ancestors, function_events, profile_sides, read_trace, run_profiled,
+                                  update_marks)
 from cnns.errors import CnnsError
 
 CONVOLUTION = "convolution"
@@ -165,7 +166,8 @@ def gpu_updates(trace: list[dict[str, Any]], skip: int = 1, where: str = "the tr
     if not kernels:
         raise CnnsError(f"{where} holds no GPU kernels: its profiler did not record CUDA activity "
                         f"(ProfilerActivity.CUDA)")
-    launches = {e.linked_correlation_id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id}
+    launches = {e.linked_correlation_id: e for e in events
+                if e.device_type == DeviceType.CPU and e.linked_correlation_id}
     index_of = {id(update): index for index, update in enumerate(updates)}
     starts = [update.time_range.start for update in updates]
     mine: list[list[tuple[Any, str]]] = [[] for _ in updates]
@@ -193,30 +195,15 @@ def gpu_updates(trace: list[dict[str, Any]], skip: int = 1, where: str = "the tr
     return out
 
 
-@dataclass
-class GpuBreakdown:
-    """Milliseconds per update (means over ``updates`` updates) by kernel family, the update's wall time and
-    the GPU's busy time within it."""
-
-    ms: dict[str, float] = field(default_factory=dict)
-    update_ms: float = 0.0
-    busy_ms: float = 0.0
-    updates: int = 0
-
-    @property
-    def gaps_ms(self) -> float:
-        return self.update_ms - self.busy_ms
-
-
-def breakdown_of_updates(updates: list[GpuUpdate]) -> GpuBreakdown:
+def breakdown_of_updates(updates: list[GpuUpdate]) -> Breakdown:
     def mean_ms(values) -> float:
         return sum(values) / len(updates) / 1e3
 
-    return GpuBreakdown({family: mean_ms(u.family_us.get(family, 0.0) for u in updates) for family in KERNEL_FAMILIES},
+    return Breakdown({family: mean_ms(u.family_us.get(family, 0.0) for u in updates) for family in KERNEL_FAMILIES},
                         mean_ms(u.wall_us for u in updates), mean_ms(u.busy_us for u in updates), len(updates))
 
 
-def gpu_breakdown_of_trace(folder: Path, skip: int) -> GpuBreakdown:
+def gpu_breakdown_of_trace(folder: Path, skip: int) -> Breakdown:
     try:
         trace = read_trace(folder)
     except FileNotFoundError as exc:
@@ -270,7 +257,7 @@ def family_rooflines(model_spec, batch_size: int, accumulation: int, dtype: torc
 @dataclass
 class GpuProfileReport:
     name: str
-    sides: dict[str, GpuBreakdown]  # "cnns", optionally "cnns eager", "plain"
+    sides: dict[str, Breakdown]  # "cnns", optionally "cnns eager", "plain"
     rooflines: dict[str, float] = field(default_factory=dict)  # ms per update by family; empty if it failed
     rates_line: str = ""
     dtype: str = ""

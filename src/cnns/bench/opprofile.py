@@ -148,17 +148,23 @@ def split_convolution_backward(totals_us: dict[str, float], input_share: float) 
 
 @dataclass
 class Breakdown:
-    """Milliseconds per update by family (the convolution backward already split), over ``updates`` updates."""
+    """Milliseconds per update, means over ``updates`` updates: by family (on a CPU the convolution backward
+    already split), the update's wall time and, on a GPU, the time the GPU was busy within it."""
 
     ms: dict[str, float] = field(default_factory=dict)
-    update_ms: float = 0.0  # the wall time of an update, mean
+    update_ms: float = 0.0
+    busy_ms: float = 0.0
     updates: int = 0
+
+    @property
+    def gaps_ms(self) -> float:
+        return self.update_ms - self.busy_ms
 
 
 def breakdown_of_trace(folder: Path, input_share: float, skip: int = 1) -> Breakdown:
     totals, wall, count = family_times(read_trace(folder), skip)
     split = split_convolution_backward(totals, input_share)
-    return Breakdown({f: us / count / 1e3 for f, us in split.items()}, wall / count / 1e3, count)
+    return Breakdown({f: us / count / 1e3 for f, us in split.items()}, wall / count / 1e3, updates=count)
 
 
 # --- the two halves of the convolutions' backward

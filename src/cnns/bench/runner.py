@@ -94,22 +94,18 @@ def plain_loop_workers(device: str) -> int:
     return 2 if torch.device(device).type == "cpu" else max(2, min(8, available_cores()))
 
 
-def package_root() -> Path:
-    """The folder holding the `cnns` package (src/ in a checkout), for subprocesses' PYTHONPATH."""
-    return Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `cnns` (src/ in a checkout)
 
 
 def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(package_root())
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+    """This environment, the package first on PYTHONPATH and the output unbuffered (each line as it comes)."""
+    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
 
 
 def command_argv(script: str, args: list[str], spec_dir: Path) -> list[str]:
     """The root script next to benchmarks.yml (or in the checkout), else `python -m cnns <command>`."""
-    for folder in (spec_dir, package_root().parent):
+    for folder in (spec_dir, PACKAGE_ROOT.parent):
         if (folder / script).is_file():
             return [sys.executable, str(folder / script), *args]
     return [sys.executable, "-m", "cnns", SCRIPTS[script], *args]
@@ -298,8 +294,8 @@ def run_entry(entry: Entry, plan: Plan | BackendsPlan, spec_dir: Path, repeats: 
                 result.add_error(f"{f'run {r + 1}' if backends else side}: {error}")
                 continue
             runs[-1][side] = value
-            rates = [(row["label"], row.get("images_per_sec")) for row in value.values()] if backends else [(side, value)]
-            for label, rate in rates:
+            rates = [(row["label"], row.get("images_per_sec")) for row in value.values()] if backends else None
+            for label, rate in rates or [(side, value)]:
                 if rate:
                     log.print(f"  [{entry.name}] {label}: {rate:.2f} images/s")
     if backends:
