@@ -290,6 +290,17 @@ def test_kernels_belong_to_the_update_that_launched_them():
     assert second.busy_us == 150 + 300 + 60 + 10 + 10 + 10
 
 
+def test_kernels_launched_from_autograds_thread_belong_to_the_update_in_whose_time_they_were_launched():
+    # On a GPU the backward pass runs on autograd's own thread: its launches are outside the update's mark on
+    # the main thread, inside its time.
+    backward = _launch(2300, 11)
+    backward["tid"] = 2
+    events = [_update(0, 1000), _update(2000, 1000), backward, _kernel(CONV, 2400, 100, correlation=11),
+              _update(5000, 100)]
+    first, _ = gpu_updates(events, skip=1)
+    assert first.family_us == {CONVOLUTION: 100}
+
+
 def test_launch_gaps_are_the_wall_time_less_the_union_of_kernels_on_all_streams():
     events = [
         _update(0, 100), _launch(10, 1), _kernel(CONV, 20, 50, correlation=1),

@@ -2,9 +2,10 @@
 
 For a CUDA entry both loops record CUDA activity too, and the trace's kernels, copies and memsets are read as
 FunctionEvents of ``device_type`` CUDA (`cnns.bench.opprofile.function_events`). Kernels run asynchronously:
-one belongs to the update whose mark holds (in torch's nesting) the host call that launched it, the one its
-correlation id names (a runtime or driver call, else the ``ac2g`` flow's start); a kernel whose launch the
-trace lacks falls back on its own start, in the update that began last before it. Kernels launched outside
+one belongs to the update whose mark's span holds the host call that launched it, the one its correlation id
+names (a runtime or driver call, else the ``ac2g`` flow's start), on any thread (autograd launches the
+backward's kernels from its own); a kernel whose launch the trace lacks falls back on its own start, in the
+update that began last before it. Kernels launched outside
 every update (the loop's host synchronisation, the profiler's own) belong to none; the first ``skip`` updates
 (compilation, CUDA-graph recording) are left out.
 
@@ -38,7 +39,7 @@ from torch.autograd import DeviceType
 
 from cnns import profiling
 from cnns.bench import roofline
-from cnns.bench.opprofile import (Breakdown, ancestors, function_events, profile_sides, read_trace, run_profiled,
+from cnns.bench.opprofile import (Breakdown, function_events, profile_sides, read_trace, run_profiled,
                                   update_marks)
 from cnns.errors import CnnsError
 
@@ -166,22 +167,19 @@ def gpu_updates(trace: list[dict[str, Any]], skip: int = 1, where: str = "the tr
     if not kernels:
         raise CnnsError(f"{where} holds no GPU kernels: its profiler did not record CUDA activity "
                         f"(ProfilerActivity.CUDA)")
-    launches = {e.linked_correlation_id: e for e in events
+    # By time, not by nesting: on a GPU the backward pass runs on autograd's own thread, outside the update's mark.
+    launches = {e.linked_correlation_id: e.time_range.start for e in events
                 if e.device_type == DeviceType.CPU and e.linked_correlation_id}
-    index_of = {id(update): index for index, update in enumerate(updates)}
+    marks = [(*_span(e), MARKS[e.name]) for e in events if e.name in MARKS]
     starts = [update.time_range.start for update in updates]
     mine: list[list[tuple[Any, str]]] = [[] for _ in updates]
     for kernel in kernels:
         launch = launches.get(kernel.linked_correlation_id)
-        if launch is None:  # no launch in the trace: the kernel's own start
-            index = bisect.bisect_right(starts, kernel.time_range.start) - 1
-            if index >= 0:
-                mine[index].append((kernel, kernel_family(kernel.name)))
-            continue
-        update = next((a for a in ancestors(launch) if a.name == profiling.UPDATE), None)
-        if update is not None:  # else launched outside every update
-            mark = next((MARKS[a.name] for a in ancestors(launch) if a.name in MARKS), None)
-            mine[index_of[id(update)]].append((kernel, mark or kernel_family(kernel.name)))
+        index = bisect.bisect_right(starts, kernel.time_range.start if launch is None else launch) - 1
+        if index < 0 or (launch is not None and launch > updates[index].time_range.end):
+            continue  # before the first update, or launched outside every update
+        mark = next((family for a, b, family in marks if launch is not None and a <= launch <= b), None)
+        mine[index].append((kernel, mark or kernel_family(kernel.name)))
     out = []
     for index in range(skip, len(updates)):
         start = starts[index]

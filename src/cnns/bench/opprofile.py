@@ -104,12 +104,6 @@ def update_marks(events: EventList, skip: int, where: str = "the trace") -> list
     return updates
 
 
-def ancestors(event: FunctionEvent | None) -> Iterator[FunctionEvent]:
-    while event is not None:
-        yield event
-        event = event.cpu_parent
-
-
 def family_of_name(name: str) -> str | None:
     lowered = name.lower()
     return next((family for part, family in _NAMES if part in lowered), None)
