@@ -228,7 +228,12 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     ours = restore_model(*restored_run(str(run))).model
     pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(theirs(pixels), ours(pixels))  # the same float32 modules, weights and kernels
+        expected, got = theirs(pixels), ours(pixels)
+    # The same float32 weights and modules, but cnns deploys the model as it trains it (assemble: channels_last
+    # convolutions, and the fused norm passes where they are built), whose kernels sum in another order. A
+    # reordered sum of K float32 products moves by about sqrt(K) x 2^-24 of its magnitude (K <= 2048 here:
+    # ~3e-6), over ~50 layers at most ~1e-4 of the largest logit; measured 3.4e-7 on an AVX-512-BF16 EPYC.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("argv, message", [
