@@ -157,7 +157,8 @@ def test_build_sources_chooses_once_and_says_so(tmp_path):
 
     write_tree(tmp_path, "train", [2, 2])
     config = DataConfig(dataset="imagenet", data_dir=str(tmp_path), source="files", num_classes=2, image_size=8,
-                        workers=0, normalise_imagenet=False, host_normalisation=False, percentage=100, cache=False,
+                        pipeline_num_parallel=0, normalise_input=False, hostside_norm=False,
+                        dataset_percentage_to_use=100, dataset_cache=False,
                         mixup_alpha=0.0, cutmix_lambda=1.0, cutmix_version=1, decode_device="auto")
     sources = build_sources(config, micro_batch_size=2, eval_batch_size=2, seed=0, device=torch.device("cpu"),
                             need_eval=False)

@@ -358,11 +358,11 @@ def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Pat
     (--log-all-instances / --ckpt-all-instances) and is otherwise silent."""
     if world.is_writer or folder is None:
         return RunLog(folder, tensorboard=cfg.log.tensorboard), None
-    if not (cfg.log.all_instances or cfg.log.ckpt_all_instances):
+    if not (cfg.log.log_all_instances or cfg.log.ckpt_all_instances):
         return RunLog(None, quiet=True), None
     instance = folder / f"instance_{world.rank}"
     instance.mkdir(exist_ok=True)
-    if cfg.log.all_instances:
+    if cfg.log.log_all_instances:
         return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
     write_arguments(instance, cfg.arguments)
     return RunLog(None, quiet=True), instance

@@ -111,9 +111,9 @@ def data_config(data_dir: str, dataset: str | None, workers: int, image_size: in
                 decode_device: str = "auto") -> DataConfig:
     """The DataConfig training would build for these options (files, no mixing)."""
     return DataConfig(dataset=dataset, data_dir=data_dir, source="files", num_classes=NUM_CLASSES.get(dataset, 10),
-                      image_size=image_size, workers=workers, normalise_imagenet=False, host_normalisation=False,
-                      percentage=100, cache=cache, mixup_alpha=0.0, cutmix_lambda=1.0, cutmix_version=1,
-                      decode_device=decode_device)
+                      image_size=image_size, pipeline_num_parallel=workers, normalise_input=False, hostside_norm=False,
+                      dataset_percentage_to_use=100, dataset_cache=cache, mixup_alpha=0.0, cutmix_lambda=1.0,
+                      cutmix_version=1, decode_device=decode_device)
 
 
 def data_layout(data_dir: str, dataset: str | None) -> str:
@@ -607,7 +607,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
 def benchmark_batches_for(cfg: RunConfig, batches_per_epoch: int) -> int:
     """--iterations N: N updates' worth of micro-batches; otherwise --epochs worth of them."""
     if cfg.train.iterations:
-        return cfg.train.iterations * cfg.train.grad_accum
+        return cfg.train.iterations * cfg.train.gradient_accumulation_count
     return max(1, round(float(cfg.train.epochs or 1) * batches_per_epoch))
 
 
@@ -623,9 +623,9 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
     warmup = min(total - 1, max(1, total // 10))
     images, seconds, startup = time_pipeline(sources.train.epoch, total - warmup, warmup)
     rate = images / seconds if seconds > 0 else 0.0
-    uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.workers > 0
-    per_core = rate / cfg.data.workers if uses_workers else rate
-    workers = f"{cfg.data.workers} worker{'s' if cfg.data.workers > 1 else ''}"
+    uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.pipeline_num_parallel > 0
+    per_core = rate / cfg.data.pipeline_num_parallel if uses_workers else rate
+    workers = f"{cfg.data.pipeline_num_parallel} worker{'s' if cfg.data.pipeline_num_parallel > 1 else ''}"
     where = (f"{workers}: {per_core:.2f} images/sec per worker core" if uses_workers
              else "batches made in the main process")
     if sources.decoding:

@@ -153,7 +153,7 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         repeat = int(options.get("repeat") or 1)
     baseline = {
         "mode": mode, "model": asdict(m), "batch_size": batch, "data": data,
-        "grad_accum": cfg.train.grad_accum if mode == "train" else 1,
+        "grad_accum": cfg.train.gradient_accumulation_count if mode == "train" else 1,
         "iterations": iterations, "log_freq": max(1, min(cfg.train.log_freq, iterations)), "repeat": repeat,
         "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": plain_loop_workers(entry.device),
         "lr": cfg.optim.learning_rate, "momentum": cfg.optim.momentum if cfg.optim.optimiser != "SGD" else 0.0,

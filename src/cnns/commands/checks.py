@@ -21,13 +21,13 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
     from cnns.parallel.launch import check_machine_holds_workers
 
     p = cfg.parallel
-    if p.shards > 1 or (p.pipeline and p.splits and p.recomputation):  # stages, or recomputation points
+    if p.shards > 1 or (p.pipeline and p.pipeline_splits and p.enable_recomputation):  # stages, or recomputation points
         check_pipeline_splits(cfg)
     if p.shards > 1 and cfg.train.compile:
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
                           "leave out --compile: pipeline stages run eagerly")
-    if p.bn_span > 1 and p.replicas == 1:
-        raise ConfigError(f"--BN-span {p.bn_span} spans replicas: give --replicas (a multiple of it)")
+    if p.BN_span > 1 and p.replicas == 1:
+        raise ConfigError(f"--BN-span {p.BN_span} spans replicas: give --replicas (a multiple of it)")
     check_machine_holds_workers(cfg, trains)
 
 
@@ -37,7 +37,7 @@ def check_pipeline_splits(cfg: RunConfig) -> None:
     from cnns.models import ModelError, build_model
     from cnns.models.splits import stage_cuts
 
-    splits, shards = list(cfg.parallel.splits or ()), cfg.parallel.shards
+    splits, shards = list(cfg.parallel.pipeline_splits or ()), cfg.parallel.shards
     if splits == ["auto"]:
         if shards < 2:
             raise ConfigError("--pipeline-splits auto chooses where to cut stages: it needs --shards 2 or more")
@@ -51,7 +51,7 @@ def check_pipeline_splits(cfg: RunConfig) -> None:
 def wants_split_names(cfg: RunConfig) -> bool:
     """train.py --pipeline-splits with no names, or --shards without them: print the names it takes."""
     p = cfg.parallel
-    return p.splits == () or (p.shards > 1 and not p.splits)
+    return p.pipeline_splits == () or (p.shards > 1 and not p.pipeline_splits)
 
 
 def print_split_points(cfg: RunConfig) -> int:
@@ -107,7 +107,7 @@ def parallel_notices(cfg: RunConfig) -> list[str]:
     if p.offload_optimiser and not (cfg.device or default_device_name()).startswith("cuda"):
         notices.append("--offload-optimiser has no effect on a CPU: the optimiser state is already in host memory")
     if p.pipeline and p.shards == 1:
-        if p.splits and p.recomputation:
+        if p.pipeline_splits and p.enable_recomputation:
             notices.append("--pipeline with --shards 1: one stage; its --pipeline-splits are the recomputation "
                            "points (only the input of each segment between them is kept for the backward pass)")
         else:

@@ -63,7 +63,7 @@ def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dty
     # Inference has no master weights to keep: half precision means half weights (float32 where the
     # CPU would only emulate the half type and none was asked for explicitly).
     policy = cfg.precision.policy(device)
-    std = (0.229, 0.224, 0.225) if cfg.data.normalise_imagenet else (1.0, 1.0, 1.0)
+    std = (0.229, 0.224, 0.225) if cfg.data.normalise_input else (1.0, 1.0, 1.0)
     return policy.compute_dtype, std
 
 

@@ -1,7 +1,8 @@
 """The frozen, typed configuration of one run: what every part of the package below the commands reads.
 
 `RunConfig.from_options` turns the resolved flat options (`cnns.config.defaults.resolve`) into typed
-objects with plain field names, once per process. Values the processes agree on later (the random seed,
+objects, once per process; a field has its option's name (`cfg.train.gradient_accumulation_count`),
+except those README.md's option table names after it. Values the processes agree on later (the random seed,
 automatic pipeline splits) come back as a `dataclasses.replace` of it (`with_seed`, `with_splits`); the
 flat options stay beside it, read-only, only to be written as ``arguments.json``.
 """
@@ -32,15 +33,15 @@ class DataConfig:
     source: str  # "files" | "generated" | "synthetic"
     num_classes: int
     image_size: int | None
-    workers: int
-    normalise_imagenet: bool  # ImageNet mean/std; otherwise Graphcore's application's mean subtraction
-    host_normalisation: bool
-    percentage: int
-    cache: bool
+    pipeline_num_parallel: int
+    normalise_input: bool  # ImageNet mean/std; otherwise Graphcore's application's mean subtraction
+    hostside_norm: bool  # --hostside-norm, off with --eight-bit-io (whose bytes the device normalises)
+    dataset_percentage_to_use: int
+    dataset_cache: bool
     mixup_alpha: float
     cutmix_lambda: float
     cutmix_version: int
-    skip_corrupt: bool = False  # --skip-corrupt-images: drop and count undecodable images
+    skip_corrupt_images: bool = False  # drop and count undecodable images
     decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" (cnns.data.decoding.choose_decode_device)
     max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.data.bounded's default)
 
@@ -53,8 +54,8 @@ class PrecisionConfig:
     stochastic_rounding: bool
     loss_scaling: float
     auto_loss_scaling: bool
-    grad_accum_dtype: str
-    half_partials: bool
+    gradient_accumulation_dtype: str
+    enable_half_partials: bool
 
     def policy(self, device: torch.device) -> PrecisionPolicy:
         """The precision policy these options give on `device`: the one reading of --precision and --half-dtype
@@ -67,20 +68,20 @@ class ParallelConfig:
     replicas: int
     shards: int
     pipeline: bool
-    splits: tuple[str, ...] | None
-    schedule: str
-    recomputation: bool
-    bn_span: int
+    pipeline_splits: tuple[str, ...] | None
+    pipeline_schedule: str
+    enable_recomputation: bool
+    BN_span: int
     rts: bool
     offload_optimiser: bool
-    identical_seeding: bool  # --identical-replica-seeding
+    identical_replica_seeding: bool
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int
     eval_batch_size: int  # --validation-micro-batch-size, else the micro-batch size
-    grad_accum: int
+    gradient_accumulation_count: int
     global_batch_size: int
     epochs: float | None
     iterations: int | None
@@ -101,7 +102,7 @@ class TrainConfig:
     profile: bool
     profile_dir: str | None
     compile_only: bool
-    bn_momentum: float
+    BN_decay: float  # Graphcore's decay d; a norm layer's torch momentum is 1 - d (cnns.engine.assembly)
     validation_images: int | None  # generated data: images validated per checkpoint
     init_path: str | None  # --init-path: the weights a new run starts from
     dataset_benchmark: bool  # --dataset-benchmark: time the input pipeline alone
@@ -150,7 +151,7 @@ class LogConfig:
     wandb: bool
     wandb_project: str
     tensorboard: bool
-    all_instances: bool  # --log-all-instances: every process logs, not only rank 0
+    log_all_instances: bool  # every process logs, not only rank 0
     ckpt_all_instances: bool  # --ckpt-all-instances: every process saves checkpoints
     command: str  # the command line, as the run's log shows it
 
@@ -193,29 +194,32 @@ class RunConfig:
         data = DataConfig(
             dataset=dataset, data_dir=o.get("data_dir"), source=source,
             num_classes=num_classes, image_size=image_size,
-            workers=o["pipeline_num_parallel"], normalise_imagenet=bool(o["normalise_input"]),
-            host_normalisation=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
-            percentage=o["dataset_percentage_to_use"], cache=o["dataset_cache"],
+            pipeline_num_parallel=o["pipeline_num_parallel"], normalise_input=bool(o["normalise_input"]),
+            hostside_norm=bool(o.get("hostside_norm")) and not o["eight_bit_io"],
+            dataset_percentage_to_use=o["dataset_percentage_to_use"], dataset_cache=o["dataset_cache"],
             mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
-            skip_corrupt=bool(o.get("skip_corrupt_images")), decode_device=o.get("decode_device") or "auto",
+            skip_corrupt_images=bool(o.get("skip_corrupt_images")), decode_device=o.get("decode_device") or "auto",
             max_file_size=o.get("max_file_size"),
         )
         precision = PrecisionConfig(
             precision=o["precision"], half_dtype=o["half_dtype"],
             half_dtype_given=bool(o.get("half_dtype_given")), stochastic_rounding=o["stochastic_rounding"],
             loss_scaling=o["loss_scaling"], auto_loss_scaling=o["auto_loss_scaling"],
-            grad_accum_dtype=o["gradient_accumulation_dtype"], half_partials=o["enable_half_partials"],
+            gradient_accumulation_dtype=o["gradient_accumulation_dtype"],
+            enable_half_partials=o["enable_half_partials"],
         )
         parallel = ParallelConfig(
             replicas=o["replicas"], shards=o["shards"], pipeline=o["pipeline"],
-            splits=tuple(o["pipeline_splits"]) if o.get("pipeline_splits") is not None else None,
-            schedule=o["pipeline_schedule"], recomputation=o["enable_recomputation"], bn_span=o["BN_span"],
+            pipeline_splits=tuple(o["pipeline_splits"]) if o.get("pipeline_splits") is not None else None,
+            pipeline_schedule=o["pipeline_schedule"], enable_recomputation=o["enable_recomputation"],
+            BN_span=o["BN_span"],
             rts=o["rts"], offload_optimiser=o["offload_optimiser"],
-            identical_seeding=bool(o.get("identical_replica_seeding")),
+            identical_replica_seeding=bool(o.get("identical_replica_seeding")),
         )
         train = TrainConfig(
             micro_batch_size=o["micro_batch_size"],
-            eval_batch_size=o.get("validation_micro_batch_size") or o["micro_batch_size"], grad_accum=o["gradient_accumulation_count"],
+            eval_batch_size=o.get("validation_micro_batch_size") or o["micro_batch_size"],
+            gradient_accumulation_count=o["gradient_accumulation_count"],
             global_batch_size=o["global_batch_size"], epochs=o.get("epochs"), iterations=o.get("iterations"),
             device_iterations=o["device_iterations"], ckpts_per_epoch=o["ckpts_per_epoch"],
             ckpt_epochs_offset=o["ckpt_epochs_offset"] or 0.0,
@@ -226,7 +230,7 @@ class RunConfig:
             weight_avg_exp=tuple(o.get("weight_avg_exp") or ()), ema_decay=o.get("ema_decay"),
             compile=o["compile"], fp_exceptions=o["fp_exceptions"], profile=o["profile"],
             profile_dir=o.get("profile_dir"), compile_only=o["compile_only"],
-            bn_momentum=1.0 - o["BN_decay"], validation_images=o.get("validation_images"),
+            BN_decay=o["BN_decay"], validation_images=o.get("validation_images"),
             init_path=o.get("init_path"), dataset_benchmark=bool(o.get("dataset_benchmark")),
         )
         optim = OptimConfig(
@@ -241,7 +245,7 @@ class RunConfig:
         )
         log = LogConfig(log_dir=o["log_dir"], logs_path=o.get("logs_path"), name=o["name"], wandb=o["wandb"],
                         wandb_project=o["wandb_project"], tensorboard=o["tensorboard"],
-                        all_instances=bool(o.get("log_all_instances")),
+                        log_all_instances=bool(o.get("log_all_instances")),
                         ckpt_all_instances=bool(o.get("ckpt_all_instances")), command=o.get("command", ""))
         return cls(model=model, data=data, precision=precision, parallel=parallel, train=train, optim=optim,
                    log=log, device=requested_device(o.get("device"), o.get("select_ipus")),
@@ -254,7 +258,7 @@ class RunConfig:
 
     def with_splits(self, names: list[str]) -> "RunConfig":
         """The configuration with the pipeline's cut points chosen (--pipeline-splits auto)."""
-        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, splits=tuple(names)),
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, pipeline_splits=tuple(names)),
                                    arguments=MappingProxyType({**self.arguments, "pipeline_splits": list(names)}))
 
 

@@ -37,7 +37,8 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
     splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
     batch = TrainingBatch.of(cfg)
     if dataset == "imagenet":
-        check_imagenet_files(folder, splits, batch, decode=not cfg.data.skip_corrupt, size_limit=cfg.data.max_file_size)
+        check_imagenet_files(folder, splits, batch, decode=not cfg.data.skip_corrupt_images,
+                             size_limit=cfg.data.max_file_size)
     else:
         check_cifar_files(folder, "cifar-10" if dataset == "builtin" else dataset, splits, batch,
                           size_limit=cfg.data.max_file_size)
@@ -56,13 +57,13 @@ class TrainingBatch:
     def of(cls, cfg: RunConfig) -> "TrainingBatch":
         t, replicas = cfg.train, cfg.parallel.replicas
         parts = [f"micro-batch {t.micro_batch_size}"]
-        if t.grad_accum > 1:
-            parts.append(f"accumulation {t.grad_accum}")
+        if t.gradient_accumulation_count > 1:
+            parts.append(f"accumulation {t.gradient_accumulation_count}")
         if replicas > 1:
             parts.append(f"replicas {replicas}")
         description = (f"one batch of {t.global_batch_size}" if len(parts) == 1 else
                        f"one global batch of {t.global_batch_size} ({' x '.join(parts)})")
-        return cls(t.global_batch_size, description, cfg.data.percentage)
+        return cls(t.global_batch_size, description, cfg.data.dataset_percentage_to_use)
 
     def kept(self, images: int) -> int:
         """The images of a class (or a whole set) that --dataset-percentage-to-use keeps: at least one of any."""

@@ -158,8 +158,8 @@ def _cifar_sources(cfg, dataset, folder, micro_batch_size, eval_batch_size, seed
     train = evaluation = None
     if need_train:
         images, labels = load_cifar(folder, file_format, train=True, size_limit=cfg.max_file_size)
-        if cfg.percentage < 100:
-            keep = max(1, len(labels) * cfg.percentage // 100)
+        if cfg.dataset_percentage_to_use < 100:
+            keep = max(1, len(labels) * cfg.dataset_percentage_to_use // 100)
             images, labels = images[:keep], labels[:keep]
         whole = global_batch_size or micro_batch_size * shard[1]
         if len(labels) < whole:
@@ -183,13 +183,14 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
 
     choice = choose_decode_device(cfg.decode_device, device)
     decoder = ImageDecoder()
-    common = dict(image_size=cfg.image_size or 224, workers=cfg.workers, seed=seed, shard=shard,
-                  skip_corrupt=cfg.skip_corrupt, size_limit=cfg.max_file_size, pin_memory=device.type == "cuda",
+    common = dict(image_size=cfg.image_size or 224, workers=cfg.pipeline_num_parallel, seed=seed, shard=shard,
+                  skip_corrupt=cfg.skip_corrupt_images, size_limit=cfg.max_file_size, pin_memory=device.type == "cuda",
                   decoder=decoder, device_decoding=device if choice.device == "cuda" else None)
     train = evaluation = None
     if need_train:
-        train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size, percentage=cfg.percentage,
+        train = ImageNetBatches(folder, train=True, batch_size=micro_batch_size,
+                                percentage=cfg.dataset_percentage_to_use,
                                 global_batch_size=global_batch_size, **common)
     if need_eval:
-        evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, cache=cfg.cache, **common)
+        evaluation = ImageNetBatches(folder, train=False, batch_size=eval_batch_size, cache=cfg.dataset_cache, **common)
     return DataSources("imagenet", cfg.num_classes, train, evaluation, decoding_header(choice, decoder, device))

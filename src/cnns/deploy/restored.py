@@ -73,7 +73,7 @@ def input_normalisation(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(mean, std) on the 0..1 scale, as the device feed normalises training and validation batches."""
     from cnns.engine.feed import DeviceFeed
 
-    feed = DeviceFeed(torch.device("cpu"), torch.float32, imagenet_normalisation=cfg.data.normalise_imagenet)
+    feed = DeviceFeed(torch.device("cpu"), torch.float32, imagenet_normalisation=cfg.data.normalise_input)
     return tuple(float(v) for v in feed.mean), tuple(float(v) for v in feed.std)
 
 

@@ -52,13 +52,14 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     The fused passes come before recomputation so that a recomputed block recomputes the fused forward, and
     both before the parallel wrappers, which cut (stages) or wrap (DDP) the finished single-device model.
     """
-    set_norm_momentum(model, cfg.train.bn_momentum)
+    set_norm_momentum(model, cfg.train.BN_decay)
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
     fuse_passes(model, device, batch_norm_span(world.bn_group))
     choose_kernels(model, device, policy.compute_dtype, reproducible=cfg.train.seed_specified)
-    if cfg.parallel.recomputation:
-        recompute(model, cfg.model, cfg.parallel.splits, between_splits=recomputes_between_splits(cfg.parallel))
+    if cfg.parallel.enable_recomputation:
+        recompute(model, cfg.model, cfg.parallel.pipeline_splits,
+                  between_splits=recomputes_between_splits(cfg.parallel))
     model, _ = cross_replica_batch_norm(model, world.bn_group, device)
     if world.shards > 1:
         stage = build_stage(cfg, model, world, device, policy)
@@ -69,8 +70,10 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     return AssembledModel(running, model, replicated if replicated is not model else None)
 
 
-def set_norm_momentum(model: nn.Module, momentum: float) -> None:
-    """Graphcore's application's --BN-decay d is torch's momentum 1-d (a training setting, so not in model code)."""
+def set_norm_momentum(model: nn.Module, decay: float) -> None:
+    """Graphcore's application's --BN-decay d is torch's momentum 1-d (a training setting, so not in model code):
+    the one place the decay becomes a momentum."""
+    momentum = 1.0 - decay
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.momentum = momentum
@@ -79,5 +82,5 @@ def set_norm_momentum(model: nn.Module, momentum: float) -> None:
 def recomputes_between_splits(p: ParallelConfig) -> bool:
     """Whether --pipeline-splits mark recomputation points on one device, as Graphcore's application's
     single-IPU pipeline did (`--pipeline --shards 1 --pipeline-splits ... --enable-recomputation`)."""
-    return p.pipeline and p.shards == 1 and bool(p.splits) and p.recomputation
+    return p.pipeline and p.shards == 1 and bool(p.pipeline_splits) and p.enable_recomputation
 

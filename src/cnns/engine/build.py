@@ -134,11 +134,12 @@ def build_step(cfg: RunConfig, assembled: AssembledModel, optimiser: HalfPrecisi
                scaler: LossScaler, mixer, world: World, device: torch.device) -> TrainStep | PipelinedTrainStep:
     """One weight update of the assembled model: of this process's pipeline stage, or of the whole model."""
     loss = cross_entropy_loss(cfg.train.label_smoothing)
-    in_float32 = cfg.precision.grad_accum_dtype == "float32"
+    in_float32 = cfg.precision.gradient_accumulation_dtype == "float32"
     if assembled.stage is not None:
-        return PipelinedTrainStep(assembled.stage, optimiser, policy, scaler, loss, cfg.train.grad_accum, in_float32,
+        return PipelinedTrainStep(assembled.stage, optimiser, policy, scaler, loss,
+                                  cfg.train.gradient_accumulation_count, in_float32,
                                   world, fp_exceptions=cfg.train.fp_exceptions, mix=mixer)
-    return TrainStep(assembled.model, optimiser, policy, scaler, loss, cfg.train.grad_accum,
+    return TrainStep(assembled.model, optimiser, policy, scaler, loss, cfg.train.gradient_accumulation_count,
                      accumulate_in_float32=in_float32, fp_exceptions=cfg.train.fp_exceptions, mix=mixer,
                      replicated=assembled.replicated, replicas=world.replicas,
                      keep_gradient_buffers=replays_cuda_graphs(cfg.train.compile, device))

@@ -95,9 +95,9 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     """
     device = world.device(resolve_device(cfg.device))
     # Replica 0 draws what a single process would (its initial weights are broadcast to the others).
-    seed_everything(cfg.train.seed if cfg.parallel.identical_seeding else cfg.train.seed + world.replica_rank)
+    seed_everything(cfg.train.seed if cfg.parallel.identical_replica_seeding else cfg.train.seed + world.replica_rank)
     policy = cfg.precision.policy(device)
-    if cfg.precision.half_partials and device.type == "cuda":
+    if cfg.precision.enable_half_partials and device.type == "cuda":
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
 
@@ -105,8 +105,8 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
                             eval_batch_size=cfg.train.eval_batch_size, seed=cfg.train.seed, device=device,
                             shard=world.shard, need_train=train, need_eval=evaluate,
                             global_batch_size=cfg.train.global_batch_size)
-    feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_imagenet,
-                      host_normalisation=cfg.data.host_normalisation)
+    feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_input,
+                      host_normalisation=cfg.data.hostside_norm)
 
     keep_freed_host_memory(device)  # before the model allocates anything large
     model = build_model(cfg.model)
@@ -124,7 +124,7 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
                                           shard_state=cfg.parallel.rts and world.replicas > 1,
                                           replica_group=world.replica_group)
     setup.scaler = build_loss_scaler(cfg, policy)
-    mixer = build_mixer(cfg, sources.num_classes, setup.process_seed(11, cfg.parallel.identical_seeding))
+    mixer = build_mixer(cfg, sources.num_classes, setup.process_seed(11, cfg.parallel.identical_replica_seeding))
     setup.generators = {"mix": mixer.generator} if mixer is not None else {}
     setup.ema = build_ema(assembled.plain, cfg.train.ema_decay)
     setup.step = build_step(cfg, assembled, setup.optimiser, policy, setup.scaler, mixer, world, device)
@@ -214,7 +214,7 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
     if setup.policy.note:
         log.print(setup.policy.note)
     log.print(f" Batch Size: {t.global_batch_size} (micro-batch {t.micro_batch_size}"
-              f" x accumulation {t.grad_accum} x replicas {cfg.parallel.replicas})")
+              f" x accumulation {t.gradient_accumulation_count} x replicas {cfg.parallel.replicas})")
     log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.summary})")
     log.print(f"Total Parameters:{setup.total_parameters}")
     if setup.sources.decoding:
@@ -253,10 +253,10 @@ def _run_loop(cfg: RunConfig, setup: Setup, checkpointer: Checkpointer, log: Run
     def after_update() -> None:
         setup.ema.update(setup.plain_model)
 
-    loop = TrainingLoop(setup.step, setup.feed, train_source, setup.schedule, setup.length, cfg.train.grad_accum,
-                        cfg.train.global_batch_size, train_source.num_samples, log, checkpointer.save,
-                        start_iteration, after_update=after_update if setup.ema is not None else None,
-                        world=setup.world)
+    loop = TrainingLoop(setup.step, setup.feed, train_source, setup.schedule, setup.length,
+                        cfg.train.gradient_accumulation_count, cfg.train.global_batch_size, train_source.num_samples,
+                        log, checkpointer.save, start_iteration,
+                        after_update=after_update if setup.ema is not None else None, world=setup.world)
     setup.model.train()
     with StopRequest().installed() as stop, _profiler(cfg, setup.device, folder, log):
         if start_iteration == 0 and cfg.train.ckpts_per_epoch:
@@ -276,7 +276,8 @@ def _report_stage_times(cfg: RunConfig, setup: Setup, log: RunLog) -> None:
     world = setup.world
     every = world.gather_to_writer(setup.step.clock.totals())
     if every is not None:
-        for line in time_report(every[:world.shards], cfg.parallel.schedule, cfg.train.grad_accum):
+        accumulation = cfg.train.gradient_accumulation_count
+        for line in time_report(every[:world.shards], cfg.parallel.pipeline_schedule, accumulation):
             log.print(line)
 
 

@@ -41,14 +41,14 @@ class Stage:
 def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.device,
                 policy: PrecisionPolicy) -> Stage:
     """Cut the whole, wrapped `model` at the run's --pipeline-splits and keep this process's stage."""
-    splits = list(cfg.parallel.splits or [])
+    splits = list(cfg.parallel.pipeline_splits or [])
     try:
         cuts = stage_cuts(cfg.model, model, splits, world.shards)
     except ModelError as error:
         raise ConfigError(str(error)) from None
     whole_names = parameter_names(model)
     pieces = model_pieces(cfg.model, model, cuts)
-    if cfg.parallel.recomputation:
+    if cfg.parallel.enable_recomputation:
         # Whole units are recomputed by the wrapper already; the parts of a block cut inside get
         # their own recomputation (the stage boundary between them is kept).
         pieces = [replace(p, run=recomputed(p.run, model.get_submodule(p.block))) if p.block else p for p in pieces]
@@ -57,7 +57,7 @@ def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.de
     module, pipeline_stage = stage_of(model, stage_pieces(pieces, cuts), world.stage,
                                       example.contiguous(memory_format=torch.channels_last),
                                       cfg.train.micro_batch_size, world.pipeline_group, device, policy.autocast)
-    return Stage(module, pipeline_stage, cfg.parallel.schedule, whole_names, parameter_names(module.model))
+    return Stage(module, pipeline_stage, cfg.parallel.pipeline_schedule, whole_names, parameter_names(module.model))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
         copies += 1
     if cfg.precision.precision.startswith("16"):
         activation_bytes //= 2  # computed in the half type
-    if cfg.parallel.recomputation:
+    if cfg.parallel.enable_recomputation:
         activation_bytes = 0  # only block inputs are kept: not estimated, so not counted
     shards = cfg.parallel.shards  # a stage holds about its share of the model
     return WorkerMemory(WORKER_FIXED_BYTES, int(weight_bytes * copies / shards), activation_bytes // shards)

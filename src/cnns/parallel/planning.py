@@ -293,7 +293,7 @@ def settle_auto_splits(cfg: RunConfig, world, device: torch.device,
     """--pipeline-splits auto: rank 0 profiles the model and every process takes its proposal
     (`world` is the run's `cnns.parallel.world.World`). Returns the configuration with the splits, and on
     rank 0 the notice that names them."""
-    if cfg.parallel.splits != ("auto",):
+    if cfg.parallel.pipeline_splits != ("auto",):
         return cfg, None
     names, notice = None, None
     if world.is_writer:

@@ -385,7 +385,7 @@ def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | N
     as every process agrees on it: rank 0's random seed, then whatever `agree(world, cfg)` returns (rank 0's choice
     of --pipeline-splits auto). Every process must have been given the same options as rank 0."""
     p = cfg.parallel
-    world = init_world(p.replicas, p.shards, p.bn_span, device)
+    world = init_world(p.replicas, p.shards, p.BN_span, device)
     try:
         cfg = cfg.with_seed(world.broadcast(cfg.train.seed))
         if agree is not None:
