@@ -13,7 +13,7 @@ from torch import nn
 
 import cnns.engine.assembly as assembly
 from cnns.cli.parsing import resolve_command_line
-from cnns.engine.build import unwrap
+from cnns.engine.assembly import unwrap
 from cnns.engine.fusion import _FusedNormAct, _FusedUnit
 from cnns.engine.wrappers import _Recomputed
 from cnns.kernels import norm_act as kernels

@@ -3,7 +3,7 @@
 Models are single-device modules that know nothing of training, precision or parallelism; everything that
 changes how they run is applied here, each step one call into the module that owns it, and none of them
 changes a parameter's or buffer's name, so a checkpoint always holds the plain model's state dict
-(`cnns.engine.build.unwrap`).
+(`unwrap`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cnns.engine.fusion import fuse_passes
 from cnns.engine.stages import Stage, build_stage
 from cnns.engine.wrappers import choose_kernels, maybe_compile, recompute
 from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
+from cnns.parallel.pipeline import StageModule
 from cnns.parallel.replicas import data_parallel
 from cnns.parallel.world import World
 from cnns.precision import PrecisionPolicy
@@ -84,3 +85,10 @@ def recomputes_between_splits(p: ParallelConfig) -> bool:
     single-IPU pipeline did (`--pipeline --shards 1 --pipeline-splits ... --enable-recomputation`)."""
     return p.pipeline and p.shards == 1 and bool(p.pipeline_splits) and p.enable_recomputation
 
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under any compilation and replication (DDP) wrapper; of a pipeline stage, the
+    part of the model it holds (under the whole model's names)."""
+    model = getattr(model, "_orig_mod", model)
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    return model.model if isinstance(model, StageModule) else model

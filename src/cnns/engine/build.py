@@ -1,8 +1,7 @@
 """What a run builds besides the model, each from the RunConfig: its random state, its length, schedule,
 optimiser, loss scaler, mixing and step (`cnns.engine.setup.set_up` calls them in its order).
 
-How the model itself is made the run's is `cnns.engine.assembly.assemble`; `unwrap` gives back the plain
-model under its wrappers, which is what checkpoints hold.
+How the model itself is made the run's is `cnns.engine.assembly.assemble` (and `unwrap` undoes it).
 """
 
 from __future__ import annotations
@@ -60,18 +59,6 @@ def keep_freed_host_memory(device: torch.device) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     # -1 is SIZE_MAX once glibc widens it: never trim the heap top.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under any compilation and replication (DDP) wrapper; of a pipeline stage, the
-    part of the model it holds (under the whole model's names)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from cnns.parallel.pipeline import StageModule
-
-    model = getattr(model, "_orig_mod", model)
-    model = model.module if isinstance(model, DistributedDataParallel) else model
-    return model.model if isinstance(model, StageModule) else model
 
 
 def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolicy, seed: int,

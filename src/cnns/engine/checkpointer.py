@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
-from cnns.engine.build import unwrap
+from cnns.engine.assembly import unwrap
 from cnns.engine.loop import Diverged
 from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.errors import CheckpointError, CnnsError

@@ -19,7 +19,7 @@ import torch
 
 from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
-from cnns.engine.build import unwrap
+from cnns.engine.assembly import unwrap
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
 from cnns.runlog import RunLog, validated_names
