@@ -177,12 +177,6 @@ def open_restore_path(restore_path: str | Path) -> RestoreTarget:
     raise CheckpointError(f"--restore-path {path} is neither a run folder nor a checkpoint file")
 
 
-def locate_checkpoint(restore_path: str | Path) -> tuple[Path, Path]:
-    """(run folder, checkpoint file): a folder's newest ckpt-<iteration>.pt, or the file given."""
-    target = open_restore_path(restore_path)
-    return target.run.path, target.checkpoint()
-
-
 def checkpoint_weights(checkpoint: Path, which: str = "raw") -> dict[str, Any]:
     """The state dict of a checkpoint (or weight-average) file: "raw" its "model" entry, "ema" its
     moving average; CheckpointError naming the file when it has none."""

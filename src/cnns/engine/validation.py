@@ -23,6 +23,7 @@ from cnns.engine.assembly import unwrap
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
 from cnns.runlog import RunLog, validated_names
+from cnns.runs import open_restore_path
 
 EMA_SUFFIX = "_ema"
 
@@ -57,15 +58,14 @@ def latency_line(latencies_ms: list[float]) -> str:
 
 
 def checkpoint_files(restore_path: Path) -> tuple[Path, list[Path]]:
-    """(run folder, files): a folder's checkpoints by iteration then its weight averages, or one file."""
-    if restore_path.is_dir():
-        files = [path for _, path in list_checkpoints(restore_path)] + list_weight_averages(restore_path)
-        if not files:
-            raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {restore_path}")
-        return restore_path, files
-    if restore_path.is_file():
-        return restore_path.parent, [restore_path]
-    raise CheckpointError(f"--restore-path {restore_path} is neither a run folder nor a checkpoint file")
+    """(run folder, files): the checkpoint file --restore-path names, or its run's checkpoints by iteration then
+    its weight averages (`cnns.runs.open_restore_path`'s reading and lines)."""
+    target = open_restore_path(restore_path)
+    if target.file is not None:
+        return target.run.path, [target.file]
+    run = target.run
+    averages = run.weight_averages()
+    return run.path, (run.checkpoints() if averages else run.require_checkpoints()) + averages
 
 
 def targets_of(files: list[Path], skip_iteration_zero: bool = False) -> list[Target]:

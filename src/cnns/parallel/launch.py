@@ -25,10 +25,9 @@ from cnns.parallel.world import join_world, launched, timeout_seconds, usable_co
 # Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
 SHUTDOWN_TIMEOUT_S = 300
 
-# The memory a worker process holds before its model: an interpreter with torch, torchvision, timm and cnns
-# imported. Measured (torch 2.x, Linux x86-64): a quick-start worker's own (anonymous) memory is 442-456 MB, of
-# which its ResNet-8, data and activations take under 40 MB; the imports alone 412 MB. A little under that, so
-# that the estimate stays a lower bound and refuses only what cannot fit.
+# The memory a worker process holds before its model (an interpreter with torch, torchvision, timm and cnns
+# imported), set a little under what real workers were measured to hold (docs/performance.md, "A worker's
+# memory"), so that the estimate stays a lower bound and refuses only what cannot fit.
 WORKER_FIXED_BYTES = 380 << 20
 # Optimiser state kept per parameter (cnns.optim): plain SGD (the seed's) none, momentum and LARS a momentum
 # buffer, RMSprop (TensorFlow's form) its mean square and momentum.
