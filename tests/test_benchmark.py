@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 from unittest import mock
 import textwrap
@@ -33,12 +34,14 @@ def _cuda_present(bfloat16: bool, count: int = 1):
         yield
 
 
-def _plan(entry):
+def _plan(entry, cache_dir: Path = Path("/tmp/unused")):
     """An entry's plan, its command line parsed as `cnns benchmark` parses it."""
-    from cnns.bench.runner import plan_entry, entry_command
+    from cnns.bench.runner import entry_command, plan_backends, plan_entry
     from cnns.cli.measure import script_options
 
     script, args = entry_command(entry, {"cifar10": "/nonexistent"})
+    if entry.kind == BACKENDS_KIND:
+        return plan_backends(entry, args, script_options(script, args), cache_dir)
     return plan_entry(entry, script, args, script_options(script, args))
 
 
@@ -167,8 +170,6 @@ def test_the_repository_spec_lists_graphcores_benchmarks_and_parses():
                    "efficientnet-b4-train-synthetic", "resnet20-cifar10-train", "resnet50-infer-synthetic",
                    "resnet50-infer-generated"):
         assert wanted in names
-    from cnns.bench.runner import plan_backends
-
     for entry in entries:  # every command line is accepted and resolves to a plain-loop twin
         if entry.kind == BACKENDS_KIND:
             continue
@@ -195,12 +196,12 @@ def test_the_repository_spec_lists_graphcores_benchmarks_and_parses():
     assert [n for n, p in gpu_plans.items() if "--no-compile" in p.argv] == ["resnet50-train-synthetic-gn-gpu-eager"]
     assert all(e.baseline_modes == ("eager",) for e in entries if e.device == "cpu" and e.kind != BACKENDS_KIND)
     # The backend comparison benchmarks.yml promises: ResNet-50 and EfficientNet-B0 at batch 1 and 32, 224 px, all backends.
-    backends = {e.name: plan_backends(e, Path("/tmp/unused")) for e in entries if e.kind == BACKENDS_KIND}
-    assert {(p.model_spec.arch, p.model_spec.size, p.batch_size, p.model_spec.image_size)
-            for p in backends.values()} == {("resnet", "50", 1, 224), ("resnet", "50", 32, 224),
-                                            ("efficientnet", "B0", 1, 224), ("efficientnet", "B0", 32, 224)}
+    backends = {e.name: _plan(e) for e in entries if e.kind == BACKENDS_KIND}
+    assert {(p.model_label, p.batch_size) for p in backends.values()} == {
+        ("resnet-50 224px", 1), ("resnet-50 224px", 32), ("efficientnet-B0 224px", 1), ("efficientnet-B0 224px", 32)}
     for plan in backends.values():
         assert {"eager", "aoti", "onnxruntime", "eager-bf16"} <= set(plan.spec["backends"])
+        assert plan.spec["options"]["norm_type"] == "batch" if "norm_type" in plan.spec["options"] else True
 
 
 def test_the_ratio_is_the_median_of_adjacent_pairs_not_best_over_best(tmp_path, monkeypatch):
@@ -435,21 +436,24 @@ def backend_folder(tmp_path_factory):
     return tmp_path_factory.mktemp("backends")
 
 
-def _tiny_spec():
-    from cnns.models import ModelSpec
+TINY_COMMAND = "inference_embedded.py --model resnet --model-size 8 --dataset cifar-10 --micro-batch-size 2"
 
-    return ModelSpec("resnet", "8", 10, 32)
+
+def _tiny_config(iterations: int):
+    """ResNet-8 on 32 px images at batch 2, as inference_embedded.py resolves it."""
+    from cnns.cli.parsing import resolve_command_line
+
+    return resolve_command_line("infer", [*TINY_COMMAND.split()[1:], "--iterations", str(iterations)]).config
 
 
 @SHARED_BACKEND_CACHE
 def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_folder):
-    import torch
-
-    from cnns.bench.backends import cache_key, float32_module, load_artefact, measure_backends
+    from cnns.bench.backends import cache_key, inference_module, load_artefact, measure_backends
     from cnns.precision import cpu_half_is_emulated
 
     lines = []
-    results = measure_backends(_tiny_spec(), 2, backends=TINY_BACKENDS, warmup=1, iterations=4, threads=2,
+    cfg = _tiny_config(iterations=4)
+    results = measure_backends(cfg, backends=TINY_BACKENDS, warmup=1, threads=2,
                                cache_dir=backend_folder / "backend-cache", rounds=2, log=lines.append)
     assert [r.backend for r in results] == list(TINY_BACKENDS)
     emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
@@ -467,11 +471,11 @@ def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_fo
         assert by_name[name].compile_s > 0 and not by_name[name].cached and by_name[name].max_abs_diff <= 1e-4
         assert by_name[name].max_rel_diff <= 1e-3
     # The comparison is fair only if the three float32 backends compute the same function: check the
-    # cached files again, independently, on a fresh batch.
-    folder = backend_folder / "backend-cache" / cache_key(_tiny_spec(), 2, 0)
+    # cached files again, independently, on a fresh batch, against the model inference_embedded.py compiles.
+    folder = backend_folder / "backend-cache" / cache_key(cfg)
     images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        eager = float32_module(_tiny_spec(), seed=0)(images)
+        eager = inference_module(cfg, "eager")(images)
     for backend, file in (("aoti", "aoti.pt2"), ("onnxruntime", "model.onnx")):
         logits = load_artefact(backend, folder / file, threads=2)(images)
         assert logits.shape == eager.shape == (2, 10)
@@ -479,16 +483,32 @@ def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_fo
     assert any("images/s" in line for line in lines)
 
 
+def test_every_backend_runs_the_model_inference_embedded_compiles():
+    """The one assembly: a backend's module is `build_inference_model`'s at the backend's precision, the same
+    random weights for every backend."""
+    from cnns.bench.backends import inference_module
+    from cnns.deploy.restored import build_inference_model
+
+    cfg = _tiny_config(iterations=1)
+    torch.manual_seed(0)  # inference_embedded.py's --seed 0 of random weights
+    at_32 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision="32.32"))
+    embedded = build_inference_model(at_32, None, torch.device("cpu"))
+    float32, bfloat16 = inference_module(cfg, "eager"), inference_module(cfg, "aoti-bf16")
+    assert [type(m) for m in float32.modules()] == [type(m) for m in embedded.modules()]
+    assert float32.dtype == torch.float32 and bfloat16.dtype == torch.bfloat16
+    for name, weight in embedded.state_dict().items():
+        assert torch.equal(float32.state_dict()[name], weight), name
+        assert torch.equal(bfloat16.state_dict()[name], weight.to(bfloat16.state_dict()[name].dtype)), name
+
+
 @SHARED_BACKEND_CACHE
 def test_a_backend_that_computes_something_else_is_an_error_and_the_others_still_count(backend_folder, monkeypatch):
-    import torch
-
     from cnns.bench import backends
 
     real = backends.load_artefact
     monkeypatch.setattr(backends, "load_artefact",
                         lambda backend, path, threads: (lambda images: real(backend, path, threads)(images) + 0.5))
-    eager, onnx = backends.measure_backends(_tiny_spec(), 2, backends=("eager", "onnxruntime"), warmup=0, iterations=2,
+    eager, onnx = backends.measure_backends(_tiny_config(iterations=2), backends=("eager", "onnxruntime"), warmup=0,
                                             cache_dir=backend_folder / "backend-cache")
     assert eager.error is None and eager.images_per_sec > 0 and eager.max_rel_diff == 0.0
     assert onnx.images_per_sec is None and "not the same computation" in onnx.error
@@ -500,7 +520,7 @@ def test_an_unknown_backend_is_refused():
     from cnns.bench.backends import measure_backends
 
     with pytest.raises(ValueError, match="unknown backend tensorrt"):
-        measure_backends(_tiny_spec(), 2, backends=("eager", "tensorrt"))
+        measure_backends(_tiny_config(iterations=1), backends=("eager", "tensorrt"))
 
 
 @SHARED_BACKEND_CACHE
@@ -508,17 +528,12 @@ def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(
     from cnns.bench import rates
 
     monkeypatch.setattr(rates, "peak_rate", lambda device: (100.0, {"bfloat16": 50.0, "float32": 100.0}))
-    spec = _write_spec(backend_folder / "tiny-backends.yml", """\
+    spec = _write_spec(backend_folder / "tiny-backends.yml", f"""\
         benchmarks:
           - name: tiny-resnet8-backends
             kind: inference-backends
-            model: resnet
-            model_size: 8
-            image_size: 32
-            num_classes: 10
-            batch_size: 2
+            command: {TINY_COMMAND} --iterations 3
             warmup: 1
-            iterations: 3
             threads: 2
             backends: [eager, aoti, onnxruntime]
         """)
@@ -532,10 +547,11 @@ def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(
     [json_path] = backend_folder.glob("tiny-backends-*/results.json")
     [row] = json.loads(json_path.read_text())["results"]
     assert row["kind"] == "inference-backends" and row["error"] is None and row["batch_size"] == 2
+    assert row["command"].startswith(TINY_COMMAND + " --iterations 3 --device cpu (backends: eager, aoti")
     assert [b["backend"] for b in row["backends"]] == ["eager", "aoti", "onnxruntime"]
     for b in row["backends"]:
         assert b["images_per_sec"] > 0 and b["latency_p99_ms"] > 0 and b["runs"] == [b["images_per_sec"]]
-        assert b["backend"] == "eager" or b["max_abs_diff"] <= 1e-4
+        assert b["iterations"] == 3 and (b["backend"] == "eager" or b["max_abs_diff"] <= 1e-4)
     with open(json_path.parent / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["name"], r["backend"]) for r in rows] == [("tiny-resnet8-backends", b)
@@ -547,32 +563,35 @@ def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(
 
 
 def test_inference_backends_entries_are_checked_before_anything_runs(tmp_path):
-    from cnns.bench.runner import plan_backends
-
-    spec = _write_spec(tmp_path / "b.yml", """\
+    spec = _write_spec(tmp_path / "b.yml", f"""\
         defaults:
           timeout: 99
         benchmarks:
-          - {name: ok, kind: inference-backends, model: resnet, model_size: 8, image_size: 32, batch_size: 2}
-          - {name: typo, kind: inference-backends, model: resnet, model_size: 8, image_size: 32, batch_size: 2,
-             iteration: 3}
+          - {{name: ok, kind: inference-backends, command: {TINY_COMMAND}}}
+          - {{name: typo, kind: inference-backends, command: {TINY_COMMAND}, iteration: 3}}
         """)
     with pytest.raises(ConfigError, match="typo: iteration not understood"):
         load_spec(spec)
     spec.write_text(spec.read_text().replace("iteration: 3", "backends: [eager, tensorrt]"))
     entries, _ = load_spec(spec)
     assert entries[0].timeout == 99 and entries[0].kind == "inference-backends" and not entries[0].baseline
-    plan = plan_backends(entries[0], tmp_path)
-    assert plan.spec["backends"] == ["eager", "aoti", "onnxruntime"] and plan.model_spec.image_size == 32
+    plan = _plan(entries[0], tmp_path)
+    assert plan.spec["backends"] == ["eager", "aoti", "onnxruntime"] and plan.model_label == "resnet-8 32px"
     with pytest.raises(ConfigError, match="unknown backend tensorrt"):
-        plan_backends(entries[1], tmp_path)
-    for bad, message in (("{name: m, kind: inference-backends, model: resnet}", "needs model_size, batch_size"),
-                         ("{name: s, kind: inference-backends, model: resnet, model_size: 7, batch_size: 1}", "s:"),
+        _plan(entries[1], tmp_path)
+    for bad, message in ((f"{{name: p, kind: inference-backends, command: {TINY_COMMAND} --precision 32.32}}",
+                          "says its precision"),
+                         ("{name: t, kind: inference-backends, command: train.py --model resnet}",
+                          "must start with inference_embedded.py"),
+                         (f"{{name: d, kind: inference-backends, command: {TINY_COMMAND}, device: cuda}}",
+                          "run on the CPU"),
+                         (f"{{name: w, kind: inference-backends, command: {TINY_COMMAND}, warmup: -1}}",
+                          "warmup must be an integer of at least 0"),
                          ("{name: k, kind: nonsense, command: x}", "valid kinds")):
         spec.write_text(f"benchmarks:\n  - {bad}\n")
         with pytest.raises(ConfigError, match=message):
             entries, _ = load_spec(spec)
-            plan_backends(entries[0], tmp_path)
+            _plan(entries[0], tmp_path)
 
 
 def test_backend_repeats_keep_the_best_run_and_the_median_ratio():

@@ -15,7 +15,7 @@ import torch
 import scripts
 
 from cnns.cli.parsing import resolve_command_line
-from cnns.commands.infer import build_inference_model
+from cnns.deploy.restored import build_inference_model
 from cnns.errors import CheckpointError
 from cnns.models import build_model
 from cnns.models.spec import ModelSpec

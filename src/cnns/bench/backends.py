@@ -1,17 +1,19 @@
 """Inference backends side by side: eager PyTorch, an AOTInductor package and onnxruntime, in one process.
 
-* **The same model and input**: `cnns.models.build_model` from a fixed seed behind
-  `cnns.deploy.restored.NormalisedClassifier`, every backend taking the same random uint8 NHWC batch. Each one's
-  logits are compared with eager float32's (``max_rel_diff``: over the largest |logit|, since randomly
+* **The same model and input**: the entry's inference_embedded.py command line, resolved (its model, batch,
+  image size, --seed, --iterations), and the model that script compiles
+  (`cnns.deploy.restored.build_inference_model`: the one assembly, behind the normalisation of uint8 NHWC
+  images), its random weights drawn from --seed; every backend takes the same batch (`inference_batch`). Each
+  one's logits are compared with eager float32's (``max_rel_diff``: over the largest |logit|, since randomly
   initialised EfficientNets give logits of about 1e-5); a float32 backend further off than `AGREEMENT_TOLERANCE`
   is an error, its speed not comparable.
-* **Precision**: ``eager``, ``aoti`` and ``onnxruntime`` run float32 (channels_last; the package and the ONNX
-  graph exported from that module as ``cnns export`` writes them). ``eager-bf16`` is cnns's eager 16.16
-  (`PrecisionPolicy.apply_to_model`), ``aoti-bf16`` what ``inference_embedded.py`` compiles at 16.16 (the
-  whole module in bfloat16); both skipped, with the reason, on a CPU that would emulate bfloat16.
+* **Precision**: ``eager``, ``aoti`` and ``onnxruntime`` run that model at 32.32 (the package and the ONNX graph
+  exported from it as ``cnns export`` writes them), ``eager-bf16`` and ``aoti-bf16`` at 16.16 in bfloat16 (what
+  inference_embedded.py compiles by default); these two are skipped, with the reason, on a CPU that would
+  emulate bfloat16.
 * **Threads**: ``threads`` (default: this process's cores) for torch, and onnxruntime's intra-op threads
   (one inter-op thread, sequential execution).
-* **Timing**: ``warmup`` batches, then ``iterations`` batches each timed alone (latency avg and p99 by numpy's
+* **Timing**: ``warmup`` batches, then --iterations batches each timed alone (latency avg and p99 by numpy's
   percentile; throughput = images / the timed seconds), split into ``rounds`` that visit the backends in
   alternating order. Per-batch clocks, not torch.utils.benchmark.Timer: its blocks give no per-batch p99.
 * **Compilation** (``torch.export`` + AOTInductor; the dynamo ONNX exporter) is timed apart and never counted;
@@ -23,7 +25,6 @@ inference-backends`` entry and reads the JSON written to ``result_path``.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import sys
@@ -40,6 +41,7 @@ from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import available_cores, in_turn
 from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
+from cnns.config import RunConfig
 from cnns.files import write_atomically
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
@@ -47,7 +49,6 @@ LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTIndu
 # A float32 backend may differ from eager float32 by this much, relative to the largest |logit|: different
 # kernels sum in different orders (1e-7..1e-6 relative measured), a wrong graph differs by O(1).
 AGREEMENT_TOLERANCE = 1e-3
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass
@@ -73,41 +74,35 @@ class BackendResult:
     error: str | None = None
 
 
-# --- the module every backend runs
+# --- the model every backend runs
 
-def float32_module(model_spec, seed: int) -> nn.Module:
-    """uint8 NHWC -> float32 logits, float32 channels_last weights, the same for every seed."""
-    from cnns.deploy.restored import NormalisedClassifier
-    from cnns.models import build_model
-
-    torch.manual_seed(seed)
-    model = build_model(model_spec).to(memory_format=torch.channels_last).eval()
-    return NormalisedClassifier(model, IMAGENET_STD, torch.float32).eval()
+def at_precision(cfg: RunConfig, backend: str) -> RunConfig:
+    """`cfg` with the precision `backend` runs: 16.16 in bfloat16 for a -bf16 one, else 32.32."""
+    half = backend.endswith("-bf16")
+    precision = replace(cfg.precision, precision="16.16" if half else "32.32", half_dtype="bfloat16",
+                        half_dtype_given=half)
+    return replace(cfg, precision=precision)
 
 
-def bf16_module(reference: nn.Module, whole: bool) -> nn.Module:
-    """cnns's eager 16.16 inference (bfloat16 weights, normalisation layers in float32: mixed-type kernels), or
-    with `whole` what inference_embedded.py compiles at 16.16 (the whole model in bfloat16)."""
-    from cnns.deploy.restored import NormalisedClassifier
-    from cnns.precision import PrecisionPolicy
+def inference_module(cfg: RunConfig, backend: str) -> nn.Module:
+    """The model inference_embedded.py compiles, at `backend`'s precision, with the same random weights for
+    every backend (drawn from --seed)."""
+    from cnns.deploy.restored import build_inference_model
 
-    model = copy.deepcopy(reference.model)
-    if whole:
-        model.to(dtype=torch.bfloat16)
-    else:
-        PrecisionPolicy.resolve("16.16", "bfloat16", torch.device("cpu")).apply_to_model(model)
-    model = model.to(memory_format=torch.channels_last).eval()
-    return NormalisedClassifier(model, reference.std, torch.bfloat16).eval()
+    torch.manual_seed(cfg.train.seed or 0)
+    return build_inference_model(at_precision(cfg, backend), None, torch.device("cpu"))
 
 
-def cache_key(model_spec, batch_size: int, seed: int) -> str:
+def cache_key(cfg: RunConfig) -> str:
     """A folder name for one model at one batch size: readable, plus a hash of everything that shapes the artefact."""
     import onnx
 
-    identity = json.dumps({"spec": repr(model_spec), "batch": batch_size, "seed": seed, "torch": torch.__version__,
-                           "onnx": onnx.__version__}, sort_keys=True)
+    m = cfg.model
+    identity = json.dumps({"model": asdict(m), "batch": cfg.train.micro_batch_size, "seed": cfg.train.seed,
+                           "image_size": cfg.data.image_size, "normalise": cfg.data.normalise_input,
+                           "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    return f"{model_spec.arch}{model_spec.size}-{model_spec.image_size}px-bs{batch_size}-{digest}"
+    return f"{m.arch}{m.size}-{m.image_size}px-bs{cfg.train.micro_batch_size}-{digest}"
 
 
 # --- artefacts
@@ -194,40 +189,36 @@ def _agreement_error(result: BackendResult) -> str | None:
     return None
 
 
-def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
-                     backends: tuple[str, ...] | list[str] = DEFAULT_BACKENDS, warmup: int = 3, iterations: int = 20,
-                     threads: int | None = None, cache_dir: str | Path | None = None, seed: int = 0,
-                     rounds: int = 1, log: Callable[[str], None] | None = None) -> list[BackendResult]:
-    """One `BackendResult` per backend, in the order asked (see the module docstring for what each does).
-
-    ``image_size`` overrides ``model_spec.image_size``; ``cache_dir`` keeps the compiled artefacts
-    (default: a temporary folder, removed at the end); ``log`` receives one line per step.
-    """
+def measure_backends(cfg: RunConfig, backends: tuple[str, ...] | list[str] = DEFAULT_BACKENDS, warmup: int = 3,
+                     threads: int | None = None, cache_dir: str | Path | None = None, rounds: int = 1,
+                     log: Callable[[str], None] | None = None) -> list[BackendResult]:
+    """One `BackendResult` per backend, in the order asked, for the inference_embedded.py run `cfg` (see the
+    module docstring for what each does). ``cache_dir`` keeps the compiled artefacts (default: a temporary
+    folder, removed at the end); ``log`` receives one line per step."""
     import tempfile
 
+    from cnns.deploy.restored import inference_batch
     from cnns.precision import cpu_half_is_emulated
 
     check_backends(backends)
-    if batch_size < 1 or iterations < 1 or warmup < 0 or rounds < 1:
-        raise ValueError("batch_size, iterations and rounds must be at least 1, warmup at least 0")
+    iterations = cfg.train.iterations or 100  # inference_embedded.py's default
+    if warmup < 0 or rounds < 1:
+        raise ValueError("rounds must be at least 1, warmup at least 0")
     say = log or (lambda line: None)
-    if image_size is not None and image_size != model_spec.image_size:
-        model_spec = replace(model_spec, image_size=image_size)
     threads = threads or available_cores()
-    size = model_spec.image_size
-    images = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
+    images = inference_batch(cfg)
+    batch_size = len(images)
     results = {b: BackendResult(b, LABELS[b], "bfloat16" if b.endswith("bf16") else "float32", batch_size,
                                  threads=threads) for b in backends}
     emulated = cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16)
     cache = tempfile.TemporaryDirectory(prefix="cnns-backends-") if cache_dir is None else nullcontext(cache_dir)
     with cache as where, set_torch_threads(threads):
-        folder = Path(where) / cache_key(model_spec, batch_size, seed)
+        folder = Path(where) / cache_key(cfg)
         # Built and first called outside inference mode: torch.export refuses inference tensors. The eager
         # call comes before any export, so that normalise()'s cached constants are made outside tracing.
-        reference_module = float32_module(model_spec, seed)
+        modules = {"float32": inference_module(cfg, "eager")}
         with torch.no_grad():
-            reference = reference_module(images)
+            reference = modules["float32"](images)
         calls: dict[str, Callable[[], torch.Tensor]] = {}
         for backend in backends:
             result = results[backend]
@@ -236,7 +227,12 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
                 say(f"{result.label}: skipped, {result.skipped}")
                 continue
             try:
-                calls[backend] = _prepare(backend, result, reference_module, images, folder, threads, reference, say)
+                if result.dtype not in modules:  # called once, outside inference mode, as the reference is
+                    modules[result.dtype] = inference_module(cfg, backend)
+                    with torch.no_grad():
+                        modules[result.dtype](images)
+                calls[backend] = _prepare(backend, result, modules[result.dtype], images, folder, threads, reference,
+                                          say)
             except Exception as exc:  # one backend failing must not lose the others' measurements
                 _fail(result, exc, say)
         _time_all(calls, results, batch_size, warmup, iterations, rounds, say)
@@ -247,13 +243,12 @@ def measure_backends(model_spec, batch_size: int, image_size: int | None = None,
     return [results[b] for b in backends]
 
 
-def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, images: torch.Tensor, folder: Path,
+def _prepare(backend: str, result: BackendResult, module: nn.Module, images: torch.Tensor, folder: Path,
              threads: int, reference: torch.Tensor, say) -> Callable[[], torch.Tensor]:
-    """Build (or load) the backend, check its logits against eager float32, and return its call."""
-    if backend in ("eager", "eager-bf16"):
-        run = reference_module if backend == "eager" else bf16_module(reference_module, whole=False)
-    else:
-        run = _compiled(backend, result, reference_module, images, folder, threads, reference, say)
+    """Build (or load) the backend from `module` (the model at its precision), check its logits against eager
+    float32, and return its call."""
+    run = module if backend.startswith("eager") else _compiled(backend, result, module, images, folder, threads,
+                                                               reference, say)
 
     def call() -> torch.Tensor:
         with torch.inference_mode():
@@ -266,13 +261,12 @@ def _prepare(backend: str, result: BackendResult, reference_module: nn.Module, i
     return call
 
 
-def _compiled(backend: str, result: BackendResult, reference_module: nn.Module, images: torch.Tensor, folder: Path,
+def _compiled(backend: str, result: BackendResult, module: nn.Module, images: torch.Tensor, folder: Path,
               threads: int, reference: torch.Tensor, say) -> Callable[[torch.Tensor], torch.Tensor]:
     """The backend's artefact loaded (made first unless cached): one that disagrees with eager float32 and came
     from the cache (made by other code) is made again, once."""
-    source = bf16_module(reference_module, whole=True) if backend == "aoti-bf16" else reference_module
     for attempt in range(2):
-        path, seconds, cached = make_artefact(backend, source, images, folder, force=attempt > 0)
+        path, seconds, cached = make_artefact(backend, module, images, folder, force=attempt > 0)
         result.compile_s, result.cached = seconds, cached
         say(f"{result.label}: {'cached ' if cached else ''}artefact {path} ({seconds:.1f} s to make)")
         start = time.perf_counter()
@@ -327,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = BackendsSpec(**json.loads(argv[0]))
     keep_freed_host_memory(torch.device("cpu"))  # as cnns's own runs do; the same for every backend here
-    results = measure_backends(spec.model_spec(), spec.batch_size, spec.image_size, tuple(spec.backends),
-                               warmup=spec.warmup, iterations=spec.iterations, threads=spec.threads,
-                               cache_dir=spec.cache_dir, seed=spec.seed, rounds=spec.rounds,
+    results = measure_backends(RunConfig.from_options(spec.options), tuple(spec.backends), warmup=spec.warmup,
+                               threads=spec.threads, cache_dir=spec.cache_dir, rounds=spec.rounds,
                                log=lambda line: print(line, flush=True))
     document = {"spec": asdict(spec), "torch": torch.__version__, "results": [asdict(r) for r in results]}
     text = json.dumps(document, indent=2) + "\n"

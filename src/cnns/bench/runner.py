@@ -8,9 +8,9 @@ instructions average the printed values (dropping the first interval: warm-up). 
 the same column into the same file name. The sides alternate ``--repeats`` times (`cnns.bench.rates.in_turn`):
 the best run of each counts, and as the ratio the median of the repeats' ratios of adjacent runs
 (`cnns.bench.results.Side`); each side's fractions of the measured matmul peak (training FLOPs = 3 x forward)
-and of the roofline (`cnns.bench.roofline`) beside them. An ``inference-backends`` entry runs
-``python -m cnns.bench.backends '<json>'`` once per repeat instead (its artefacts kept in
-``<output-dir>/backend-cache``). An entry whose device this machine lacks is skipped with one line; ``{cifar10}``
+and of the roofline (`cnns.bench.roofline`) beside them. An ``inference-backends`` entry's inference_embedded.py
+command line is resolved as that script resolves it, and ``python -m cnns.bench.backends '<json>'`` measures
+its model once per repeat instead (its artefacts kept in ``<output-dir>/backend-cache``). An entry whose device this machine lacks is skipped with one line; ``{cifar10}``
 in a command is a CIFAR-10-format folder of drawn shapes written once. Results go to the screen and to
 ``<output-dir>/<spec>-<time>/results.{csv,json}``, beside each run's folder and output.
 """
@@ -35,14 +35,16 @@ from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, available_cores, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
-from cnns.bench.spec import BACKENDS_KEYS, BACKENDS_KIND, BackendsSpec, Entry, load_spec, select
+from cnns.bench.spec import BACKENDS_KIND, BackendsSpec, Entry, load_spec, select
 from cnns.errors import ConfigError
 from cnns.files import write_atomically
 from cnns.models import ModelSpec
 from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
 from cnns.runlog import RunLog
 
-SCRIPTS = {"train.py": "train", "validation.py": "validate"}
+SCRIPTS = {"train.py": "train", "validation.py": "validate", "inference_embedded.py": "infer"}
+# The scripts each kind of entry runs (an inference-backends entry: the model inference_embedded.py compiles).
+KIND_SCRIPTS = {"command": ("train.py", "validation.py"), BACKENDS_KIND: ("inference_embedded.py",)}
 # The file of a run folder holding a mode's measured intervals (an img_per_sec column), both loops alike.
 MEASUREMENTS = {"train": "training.csv", "infer": "validation.csv"}
 CIFAR_IMAGES = 10_000
@@ -112,12 +114,12 @@ def command_argv(script: str, args: list[str], spec_dir: Path) -> list[str]:
 
 
 def entry_command(entry: Entry, substitutions: dict[str, str]) -> tuple[str, list[str]]:
-    """(script, arguments) of a command entry, placeholders filled and its device added."""
-    if entry.kind == BACKENDS_KIND:
-        raise ConfigError(f"benchmark {entry.name}: a {BACKENDS_KIND} entry is planned by plan_backends")
+    """(script, arguments) of an entry, placeholders filled and its device added."""
     words = shlex.split(entry.command.format(**substitutions))
-    if not words or Path(words[0]).name not in SCRIPTS:
-        raise ConfigError(f"benchmark {entry.name}: the command must start with train.py or validation.py")
+    scripts = KIND_SCRIPTS[entry.kind]
+    if not words or Path(words[0]).name not in scripts:
+        raise ConfigError(f"benchmark {entry.name}: a {entry.kind} entry's command must start with "
+                          f"{' or '.join(scripts)}")
     script, args = Path(words[0]).name, words[1:]
     if "--device" in args or "--select-ipus" in args or "--select-ipu" in args:
         raise ConfigError(f"benchmark {entry.name}: say where it runs with the entry's device: key, "
@@ -178,24 +180,27 @@ class BackendsPlan:
     """An inference-backends entry resolved: the JSON for `cnns.bench.backends` (its BackendsSpec) and the model."""
 
     spec: dict[str, Any]
-    model_spec: ModelSpec
+    argv: list[str]
     model_label: str
     batch_size: int
+    script: str = "inference_embedded.py"
     device: str = "cpu"
 
 
-def plan_backends(entry: Entry, cache_dir: Path) -> BackendsPlan:
-    from cnns.errors import CnnsError
+def plan_backends(entry: Entry, args: list[str], options: dict[str, Any], cache_dir: Path) -> BackendsPlan:
+    """An inference-backends entry's plan from its inference_embedded.py arguments and the options they resolve
+    to: the backends choose the precision (float32, or bfloat16 for a -bf16 one) and run on the CPU."""
+    from cnns.config import RunConfig
 
-    values = {BACKENDS_KEYS[k]: v for k, v in entry.settings.items()}
+    if "--precision" in args:
+        raise ConfigError(f"benchmark {entry.name}: a backend's name says its precision (eager, eager-bf16, ...), "
+                          f"not --precision")
     try:
-        spec = BackendsSpec(**{**values, "arch": str(values["arch"]), "size": str(values["size"])},
-                            cache_dir=str(cache_dir))
-        model_spec = spec.model_spec()
-    except (TypeError, ValueError, CnnsError) as exc:
+        spec = BackendsSpec(options, **entry.settings, cache_dir=str(cache_dir))
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"benchmark {entry.name}: {exc}") from None
-    label = f"{model_spec.arch}-{model_spec.size} {model_spec.image_size}px"
-    return BackendsPlan(asdict(spec), model_spec, label, spec.batch_size)
+    m, batch = RunConfig.from_options(options).model, int(options["micro_batch_size"])
+    return BackendsPlan(asdict(spec), args, f"{m.arch}-{m.size} {m.image_size}px", batch)
 
 
 # --- running one entry
@@ -259,10 +264,9 @@ def run_side(plan: Plan | BackendsPlan, side: str, r: int, stem: Path, timeout: 
 def new_result(entry: Entry, plan: Plan | BackendsPlan, with_baseline: bool) -> tuple[Result, list[str]]:
     """The entry's empty Result and its sides: cnns and the plain loop's modes, or the one backends process."""
     if isinstance(plan, BackendsPlan):
-        shown = {k: v for k, v in plan.spec.items() if k != "result_path"}
-        return Result(entry.name, shlex.join(["python", *BACKENDS_PROCESS[1:], json.dumps(shown)]),
-                      model=plan.model_label, mode="infer", data="synthetic uint8", batch_size=plan.batch_size,
-                      kind=BACKENDS_KIND), ["backends"]
+        command = shlex.join([plan.script, *plan.argv]) + f" (backends: {', '.join(plan.spec['backends'])})"
+        return Result(entry.name, command, model=plan.model_label, mode="infer", data="synthetic uint8",
+                      batch_size=plan.batch_size, kind=BACKENDS_KIND), ["backends"]
     modes = list(plan.baseline_modes) if with_baseline and entry.baseline else []
     result = Result(entry.name, shlex.join([plan.script, *plan.argv]), model=plan.model_label, mode=plan.mode,
                     data=plan.data, batch_size=plan.batch_size, grad_accum=plan.grad_accum, device=plan.device,
@@ -387,22 +391,22 @@ class BenchmarkSuite:
                 + [f"{name}: skipped, {why}" for name, why in self.skipped.items()])
 
     def entry_commands(self) -> dict[str, tuple[str, list[str]]]:
-        """(script, arguments) of every command entry by name, for the caller to parse; writes the
-        generated CIFAR-10 folder that commands name as ``{cifar10}`` first (once)."""
+        """(script, arguments) of every entry by name, for the caller to parse; writes the generated CIFAR-10
+        folder that commands name as ``{cifar10}`` first (once)."""
         if self._commands is not None:
             return self._commands
         substitutions: dict[str, str] = {}
-        if any("{cifar10}" in e.command for e in self.entries if e.kind != BACKENDS_KIND):
+        if any("{cifar10}" in e.command for e in self.entries):
             images = int(self.document.get("cifar10_images", CIFAR_IMAGES))
             folder = self.data_dir or self.output_dir / "data" / f"cifar10-{images}"
             substitutions["cifar10"] = str(ensure_cifar10(folder, images))
-        self._commands = {e.name: entry_command(e, substitutions) for e in self.entries if e.kind != BACKENDS_KIND}
+        self._commands = {e.name: entry_command(e, substitutions) for e in self.entries}
         return self._commands
 
     def run(self, options: dict[str, dict[str, Any]], repeats: int | None = None, baseline: bool = True,
             keep_runs: bool = False) -> int:
-        """Run every entry (`options`: each command entry's resolved options, by name); print the tables
-        and write the results. 1 when an entry failed."""
+        """Run every entry (`options`: each entry's resolved options, by name); print the tables and write the
+        results. 1 when an entry failed."""
         repeats = repeats or int((self.document.get("defaults") or {}).get("repeats", 1))
         if repeats < 1:
             raise ConfigError(f"--repeats must be at least 1, got {repeats}")
@@ -410,9 +414,8 @@ class BenchmarkSuite:
         runs.mkdir(parents=True, exist_ok=True)
         commands = self.entry_commands()
         cache = self.output_dir / "backend-cache"  # inference-backends artefacts, kept across invocations
-        plans = [(e, plan_backends(e, cache) if e.kind == BACKENDS_KIND else plan_entry(e, *commands[e.name],
-                                                                                         options[e.name]))
-                 for e in self.entries]  # option errors before any run
+        plans = [(e, plan_backends(e, commands[e.name][1], options[e.name], cache) if e.kind == BACKENDS_KIND
+                  else plan_entry(e, *commands[e.name], options[e.name])) for e in self.entries]  # errors first
         for name, why in self.skipped.items():
             print(f"{name}: skipped, {why}", flush=True)
         machine = {name: DeviceRates(torch.device(name)).measure()

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from cnns.cli.parsing import device_defaults, parse_options, resolve_command_line
+from cnns.cli.parsing import device_defaults, inference_options, parse_options, resolve_command_line
 from cnns.config.table import OneLineErrorParser
 
 
@@ -40,11 +40,14 @@ def benchmark_parser() -> argparse.ArgumentParser:
 
 
 def script_options(script: str, args: list[str]) -> dict[str, Any]:
-    """The options one of Graphcore's command lines (train.py or validation.py and its arguments) resolves to."""
+    """The options one of Graphcore's command lines (train.py, validation.py or inference_embedded.py and its
+    arguments) resolves to."""
     from cnns.bench.runner import SCRIPTS
     from cnns.config import resolve
 
     values, _ = parse_options(SCRIPTS[script], args)
+    if SCRIPTS[script] == "infer":
+        return inference_options(values)
     device_defaults(values)
     return resolve(values)
 

@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from cnns.config import RunConfig
 from cnns.devices import resolve_device
 from cnns.deploy.graphs import export_pt2
-from cnns.deploy.restored import NormalisedClassifier, deployed
+from cnns.deploy.restored import build_inference_model, inference_batch, inference_dtype_and_std
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
 from cnns.files import write_atomically
@@ -40,31 +39,6 @@ def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
     weights = checkpoint.stem if checkpoint else "random"
     return (f"model_{cfg.model.arch}{cfg.model.size}_bs_{cfg.train.micro_batch_size}_"
             f"{cfg.precision.precision}_{weights}.pt2")
-
-
-def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
-    """The model training assembles (`cnns.deploy.restored.deployed`) in the compute type, behind the
-    normalisation of uint8 NHWC images; `checkpoint`'s weights, or the seeded random ones."""
-    from cnns.checkpoint import check_matches_model
-    from cnns.models import build_model
-    from cnns.runs import checkpoint_weights
-
-    model = build_model(cfg.model)
-    if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback
-        weights = checkpoint_weights(checkpoint)
-        check_matches_model(checkpoint, weights, model.state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
-        model.load_state_dict(weights)
-    dtype, std = input_dtype_and_std(cfg, device)
-    return NormalisedClassifier(deployed(model, cfg, device, dtype), std, dtype).eval()
-
-
-def input_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
-    """The compiled model's dtype and the standard deviations its normalisation divides by."""
-    # Inference has no master weights to keep: half precision means half weights (float32 where the
-    # CPU would only emulate the half type and none was asked for explicitly).
-    policy = cfg.precision.policy(device)
-    std = (0.229, 0.224, 0.225) if cfg.data.normalise_input else (1.0, 1.0, 1.0)
-    return policy.compute_dtype, std
 
 
 def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> dict[str, Any]:
@@ -79,7 +53,7 @@ def artefact_description(cfg: RunConfig, checkpoint: Path | None, device: torch.
         except OSError:  # loading it says what is wrong with it
             weights = [str(checkpoint)]
     gpu = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
-    dtype, std = input_dtype_and_std(cfg, device)
+    dtype, std = inference_dtype_and_std(cfg, device)
     return {"model": dataclasses.asdict(cfg.model), "batch": cfg.train.micro_batch_size,
             "image_size": cfg.data.image_size, "dtype": str(dtype), "std": list(std), "weights": weights,
             "device": device.type, "gpu_capability": gpu}
@@ -181,9 +155,7 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
         print(f"notice: {notice}")
     device = resolve_device(cfg.device)
     path = Path(artefact_path or artefact_name(cfg, checkpoint))
-    batch, size = cfg.train.micro_batch_size, cfg.data.image_size or 224
-    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(cfg.train.seed or 0))
+    images = inference_batch(cfg)
     description = artefact_description(cfg, checkpoint, device)
     stale = compiled_for_other_options(path, description) if path.exists() else []
     if stale:

@@ -1,4 +1,5 @@
-"""A trained run's model rebuilt for inference: `cnns predict` and `cnns export` start here.
+"""A trained run's model rebuilt for inference: `cnns predict`, `cnns export`, inference_embedded.py and the
+inference-backends benchmark start here.
 
 The caller resolves the run's configuration as ``validation.py`` does (`cnns.cli.inference.restored_run`: the
 one resolution every command goes through); the model is rebuilt from it, a checkpoint's raw or moving-average
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.data.augment import IMAGENET_MEAN, normalise
+from cnns.data.augment import IMAGENET_MEAN, IMAGENET_STD, normalise
 from cnns.engine.assembly import assemble
 from cnns.errors import ConfigError
 from cnns.parallel.world import World
@@ -129,3 +130,39 @@ class NormalisedClassifier(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(normalise(images, IMAGENET_MEAN, self.std, self.dtype)).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# inference_embedded.py's model: what it compiles, and what the inference-backends benchmark runs
+
+
+def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
+    """The model training assembles (`deployed`) in the compute type of `cfg`'s precision, behind the
+    normalisation of uint8 NHWC images; `checkpoint`'s weights, or random ones from torch's generator."""
+    from cnns.checkpoint import check_matches_model
+    from cnns.models import build_model
+    from cnns.runs import checkpoint_weights
+
+    model = build_model(cfg.model)
+    if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback
+        weights = checkpoint_weights(checkpoint)
+        check_matches_model(checkpoint, weights, model.state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
+        model.load_state_dict(weights)
+    dtype, std = inference_dtype_and_std(cfg, device)
+    return NormalisedClassifier(deployed(model, cfg, device, dtype), std, dtype).eval()
+
+
+def inference_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
+    """The inference model's dtype and the standard deviations its normalisation divides by."""
+    # Inference has no master weights to keep: half precision means half weights (float32 where the
+    # CPU would only emulate the half type and none was asked for explicitly).
+    std = IMAGENET_STD if cfg.data.normalise_input else (1.0, 1.0, 1.0)
+    return cfg.precision.policy(device).compute_dtype, std
+
+
+def inference_batch(cfg: RunConfig) -> torch.Tensor:
+    """The uint8 NHWC batch inference is timed on: --micro-batch-size random images of the run's size, the
+    same for the same --seed."""
+    size = cfg.data.image_size or 224
+    return torch.randint(0, 256, (cfg.train.micro_batch_size, size, size, 3), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(cfg.train.seed or 0))
