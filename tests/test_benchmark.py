@@ -106,15 +106,15 @@ def test_table_csv_and_json_hold_the_ratio_and_the_fraction_of_peak(tmp_path):
     assert result.sides["cnns"].peak_fraction == pytest.approx(300 * 3e8 / 600e9)
     assert result.sides["plain"].peak_fraction == pytest.approx(200 * 3e8 / 600e9)
 
-    table = format_table([result, failed], 600.0)
+    table = format_table([result, failed], {"cpu": 600.0})
     assert "1.45x" in table and "15.0%" in table and "10.0%" in table
     assert "broken: cnns: exit 2" in table
     assert "per repeat" not in table  # one pair: nothing to compare
 
     repeated = _result("rn2", [300.0, 330.0], [250.0, 220.0], [1.2, 1.5])
     assert repeated.sides["plain"].ratio == pytest.approx(1.35)  # the median of the pairs, not best over best
-    assert "vs plain per repeat" in format_table([repeated, failed], 600.0)
-    assert "1.20 1.50" in format_table([repeated, failed], 600.0)
+    assert "vs plain per repeat" in format_table([repeated, failed], {"cpu": 600.0})
+    assert "1.20 1.50" in format_table([repeated, failed], {"cpu": 600.0})
 
     csv_path, json_path = write_results([result, failed], {"peak_bf16_matmul_gflops": 600.0}, tmp_path, "results")
     with open(csv_path, newline="") as f:
@@ -396,14 +396,18 @@ def test_table_csv_and_json_hold_both_plain_loops_and_their_ratios(tmp_path):
     set_peak_fractions(gpu, 500_000.0)
     assert gpu.sides["plain_compiled"].peak_fraction == pytest.approx(5000 * 3 * 4.1e9 / 500e12)
 
-    assert "compiled" not in format_table([cpu], 600.0)  # CPU entries: no compiled columns
-    table = format_table([gpu, cpu], 600.0)
+    assert "compiled" not in format_table([cpu], {"cpu": 600.0})  # CPU entries: no compiled columns
+    table = format_table([gpu, cpu], {"cpu": 600.0, "cuda": 500_000.0}, {"cpu": 40.0, "cuda": 3000.0})
     header, _, gpu_row, cpu_row = table.splitlines()[:4]
     columns = [c.strip() for c in header.split(" | ")]
     assert columns[5:10] == ["cnns img/s", "plain img/s", "vs plain", "compiled img/s", "vs compiled"]
     assert [c.strip() for c in gpu_row.split(" | ")][5:10] == ["5500.00", "3900.00", "1.41x", "5000.00", "1.10x"]
     assert [c.strip() for c in cpu_row.split(" | ")][5:10] == ["300.00", "200.00", "1.50x", "-", "-"]
     assert "torch.compile(model)" in table
+    # The footer names each device's own peak and bandwidth, the ones its entries' fractions use.
+    assert "(bfloat16 or float32): cpu 600.0 GFLOP/s, cuda 500000.0 GFLOP/s;" in table
+    assert "stream triad bandwidth: cpu 40.0 GB/s, cuda 3000.0 GB/s)" in table
+    assert "cuda" not in format_table([cpu], {"cpu": 600.0, "cuda": 500_000.0})
 
     csv_path, json_path = write_results([gpu, cpu], {}, tmp_path, "results")
     with open(csv_path, newline="") as f:

@@ -123,7 +123,13 @@ def _aligned(header: list[str], rows: list[list[str]]) -> list[str]:
             + [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows])
 
 
-def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float | None = None) -> str:
+def _by_device(values: dict[str, float], devices: list[str], unit: str) -> str:
+    return ", ".join(f"{device} {values[device]:.1f} {unit}" for device in devices if device in values)
+
+
+def format_table(results: list[Result], peaks: dict[str, float], bandwidths: dict[str, float] | None = None) -> str:
+    """The command entries' table; `peaks` (GFLOP/s) and `bandwidths` (GB/s) by device, as measured at the
+    start and end of the invocation (each entry's fractions use its own device's)."""
     shown = [s for s in SIDES if s == "cnns" or any(s in r.sides for r in results)] if results else list(SIDES[:2])
     plain = [s for s in shown if s != "cnns"]
     # per-repeat ratios are worth a column once there are repeats
@@ -146,17 +152,17 @@ def format_table(results: list[Result], peak_gflops: float, bandwidth_gbs: float
                     for s, side in zip(shown, sides) if s != "cnns"]
         rows.append(row)
     lines = _aligned(header, rows)
-    lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32) {peak_gflops:.1f} GFLOP/s; training FLOPs = "
-                 "3 x forward; batch MxA = micro-batch x accumulation (both loops); vs X: cnns img/s over X's.")
+    devices = sorted({r.device for r in results}) or ["cpu"]
+    lines.append(f"peak: the faster 2048x2048 matmul (bfloat16 or float32): {_by_device(peaks, devices, 'GFLOP/s')}; "
+                 "training FLOPs = 3 x forward; batch MxA = micro-batch x accumulation (both loops); vs X: cnns img/s "
+                 "over X's.")
     if "plain_compiled" in shown:
         lines.append("plain: the plain loop as written (eager); compiled: the same loop with torch.compile(model) "
                      "(default mode), its compilation in the dropped first interval.")
-    if any(r.device != "cpu" for r in results):
-        lines.append("(the CPU's peak and bandwidth; an entry on a GPU is measured against that GPU's, printed "
-                     "at the start)")
-    if bandwidth_gbs:
-        lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / {bandwidth_gbs:.1f} GB/s "
-                     "stream triad) (cnns.bench.roofline); %roof = img/s over the roofline's.")
+    if bandwidths:
+        lines.append(f"roofline: sum over the operators of max(FLOPs / peak, minimal bytes / stream triad bandwidth: "
+                     f"{_by_device(bandwidths, devices, 'GB/s')}) (cnns.bench.roofline); %roof = img/s over the "
+                     "roofline's.")
     if paired:
         lines.append("img/s: the best run of each loop; vs X: the median of the repeats' ratios of adjacent runs.")
     lines += [f"{r.name}: {r.error}" for r in results if r.error]
@@ -252,12 +258,12 @@ def write_results(results: list[Result], meta: dict[str, Any], out_dir: Path, st
     return csv_path, json_path
 
 
-def print_tables(results: list[Result], peak: float, bandwidth: float | None = None) -> None:
+def print_tables(results: list[Result], peaks: dict[str, float], bandwidths: dict[str, float] | None = None) -> None:
     commands = [r for r in results if r.kind != BACKENDS_KIND]
     backends = [r for r in results if r.kind == BACKENDS_KIND]
     print()
     if commands or not backends:
-        print(format_table(commands, peak, bandwidth))
+        print(format_table(commands, peaks, bandwidths))
     if backends:
         if commands:
             print()

@@ -451,6 +451,7 @@ class BenchmarkSuite:
                 "native_bfloat16": not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16),
                 "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__}
         csv_path, json_path = write_results(results, meta, self.run_dir, "results")
-        print_tables(results, cpu.peak, cpu.bandwidth)
+        print_tables(results, {name: r.peak for name, r in machine.items()},
+                     {name: r.bandwidth for name, r in machine.items()})
         print(f"results: {csv_path} {json_path}")
         return 1 if any(entry_failed(r) for r in results) else 0
