@@ -201,7 +201,7 @@ def measure_backends(cfg: RunConfig, backends: tuple[str, ...] | list[str] = DEF
     from cnns.precision import cpu_half_is_emulated
 
     check_backends(backends)
-    iterations = cfg.train.iterations or 100  # inference_embedded.py's default
+    iterations = cfg.train.iterations  # inference_embedded.py's --iterations (its default: cnns.cli.parsing's)
     if warmup < 0 or rounds < 1:
         raise ValueError("rounds must be at least 1, warmup at least 0")
     say = log or (lambda line: None)

@@ -163,6 +163,9 @@ def options_without_effect(values: dict[str, Any], options: dict[str, Any]) -> l
     return notices
 
 
+INFERENCE_ITERATIONS = 100  # inference_embedded.py's timed batches unless --iterations says
+
+
 def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     """inference_embedded.py's options from its command line's values: one process, no pipeline, no
     validation, and generated data unless synthetic data was asked for; a run's checkpoint in its run's model."""
@@ -173,6 +176,8 @@ def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     if values.get("seed") is None:
         values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runs`)
+    if values.get("iterations") is None:
+        values["iterations"] = INFERENCE_ITERATIONS
     values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
     return resolve(values)
 

@@ -179,7 +179,7 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
     except Exception as exc:  # a foreign or truncated file: one clear line
         raise CnnsError(f"cannot load the compiled model {path}: {str(exc).splitlines()[0][:200]}"
                         " (use --force-recompile)") from None
-    return _measure(runner, images.to(device), iterations=cfg.train.iterations or 100, device=device)
+    return _measure(runner, images.to(device), iterations=cfg.train.iterations, device=device)
 
 
 def _device_index(device: torch.device) -> int:
