@@ -197,3 +197,50 @@ def test_a_model_that_cannot_compile_stops_with_one_line_naming_no_compile():
     assert "--no-compile" in line and "cannot lower aten.convolution" in line and "\n" not in line
     with compilation_failures_named():  # anything else passes through untouched
         assert nn.Conv2d(3, 4, 3)(torch.randn(1, 3, 8, 8)).shape == (1, 4, 6, 6)
+
+
+def test_a_stage_keeps_the_recomputation_of_a_block_it_cuts_inside():
+    """A pipeline cut inside a recomputed EfficientNet block runs the block's parts on their own, not through its
+    forward: keep_recomputation recomputes each part (same outputs and gradients, fewer saved tensors), and
+    leaves the parts of a block recompute_blocks did not wrap, and whole pieces, as they are."""
+    from cnns.engine.wrappers import _Recomputed, keep_recomputation
+    from cnns.models.splits import model_pieces
+
+    spec = ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=32)
+    torch.manual_seed(0)
+    plain = build_model(spec)
+    recomputed = copy.deepcopy(plain)
+    cut = "blocks.1.0@bn1"
+    recompute_blocks(recomputed, ["blocks.1.0"])
+    plain_cut, recomputed_cut = model_pieces(spec, plain, [cut]), model_pieces(spec, recomputed, [cut])
+    plain_pieces = keep_recomputation(plain_cut, plain)
+    pieces = keep_recomputation(recomputed_cut, recomputed)
+    parts = [i for i, p in enumerate(pieces) if p.block == "blocks.1.0"]
+    assert len(parts) == 2 and isinstance(recomputed.get_submodule("blocks.1.0"), _Recomputed)
+    assert [p.run is q.run for p, q in zip(plain_pieces, plain_cut)] == [True] * len(plain_cut)
+    assert [p.run is not q.run for p, q in zip(pieces, recomputed_cut)] == [i in parts for i in range(len(pieces))]
+
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def run(model, chain):
+        model.train()
+        model.zero_grad()
+        saved = 0
+
+        def pack(t):
+            nonlocal saved
+            saved += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = x
+            for piece in chain:
+                y = piece.run(y)
+        y.square().sum().backward()
+        return y, {n: p.grad.clone() for n, p in model.named_parameters()}, saved
+
+    out_plain, grads_plain, saved_plain = run(plain, plain_pieces)
+    out_kept, grads_kept, saved_kept = run(recomputed, pieces)
+    assert torch.equal(out_plain, out_kept) and saved_kept < saved_plain
+    for name, grad in grads_plain.items():
+        assert torch.equal(grad, grads_kept[name]), name

@@ -46,6 +46,7 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
        half convolutions of a CPU that only emulates the half type, else the bfloat16 depthwise backward,
        channels_last gradients)
     3. recomputation (--enable-recomputation): per block, or per segment between --pipeline-splits on one device
+       (a pipeline stage that cuts inside a recomputed block keeps it for the parts: `keep_recomputation`)
     4. cross-replica batch norm (--BN-span, the batch norms the fused passes left), then this process's
        pipeline stage (--shards > 1, replicas start equal) or data parallel (--replicas > 1, DDP)
     5. compilation (--compile; not of a pipeline stage)

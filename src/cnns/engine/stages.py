@@ -9,14 +9,14 @@ gathered (the replicas hold the same weights).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.engine.wrappers import recomputed
+from cnns.engine.wrappers import keep_recomputation
 from cnns.errors import ConfigError
 from cnns.models import ModelError
 from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
@@ -47,11 +47,7 @@ def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.de
     except ModelError as error:
         raise ConfigError(str(error)) from None
     whole_names = parameter_names(model)
-    pieces = model_pieces(cfg.model, model, cuts)
-    if cfg.parallel.enable_recomputation:
-        # Whole units are recomputed by the wrapper already; the parts of a block cut inside get
-        # their own recomputation (the stage boundary between them is kept).
-        pieces = [replace(p, run=recomputed(p.run, model.get_submodule(p.block))) if p.block else p for p in pieces]
+    pieces = keep_recomputation(model_pieces(cfg.model, model, cuts), model)
     size = cfg.model.image_size
     example = torch.zeros(1, 3, size, size, dtype=policy.weight_dtype, device=device)
     module, pipeline_stage = stage_of(model, stage_pieces(pieces, cuts), world.stage,

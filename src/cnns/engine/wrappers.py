@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -398,6 +399,17 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
     for name in blocks:
         specialise(model.get_submodule(name), _Recomputed)
     return len(blocks)
+
+
+def keep_recomputation(pieces: list, model: nn.Module) -> list:
+    """`pieces` of `model` (`cnns.models.splits.Piece`) with the recomputation `recompute` gave the model: the
+    parts of a recomputed block that a pipeline cut runs on their own (not through the block's forward) are
+    each recomputed, the stage boundary between them kept."""
+    def kept(piece):
+        block = model.get_submodule(piece.block) if piece.block else None
+        return replace(piece, run=recomputed(piece.run, block)) if isinstance(block, _Recomputed) else piece
+
+    return [kept(piece) for piece in pieces]
 
 
 def recompute_between_splits(model: nn.Module, segments: list) -> int:
