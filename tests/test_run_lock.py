@@ -182,3 +182,54 @@ def test_commands_that_only_read_a_run_take_no_lock(run_copy, tmp_path, capsys):
     finally:
         processes.communicate(holder, timeout=60)  # closes its stdin: it gives the lock back and ends
     assert str(image) in capsys.readouterr().out
+
+
+def test_workers_end_with_a_launcher_killed_with_sigkill(tmp_path):
+    """train.py --replicas 2 starts its two workers; SIGKILL of the launcher (its agent cannot stop them) takes
+    them too, at once, instead of leaving them to train on for thousands of updates, orphaned."""
+    folder = tmp_path / "run"
+    launcher = processes.start(root_script("train.py", *BUILTIN_RUN, "--iterations", "5000", "--replicas", "2",
+                                           "--ckpts-per-epoch", "0", "--logs-path", str(folder)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
+                               env={**ONE_THREAD, "CNNS_THREADS": "1"})
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not (folder / "training.csv").is_file() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None and (folder / "training.csv").is_file(), "the workers never trained"
+    workers = [pid for pid in processes.family(launcher.cnns_tag) if pid != launcher.pid]
+    assert len(workers) >= 2
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in workers if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+    assert not left, f"workers {left} outlived their launcher"
+    rows = iterations_in(folder / "training.csv")
+    time.sleep(1.0)
+    assert iterations_in(folder / "training.csv") == rows and rows[-1] < 5000  # nothing written after
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("launcher_alive", [True, False])
+def test_a_worker_whose_launcher_ended_before_it_bound_to_it_ends_itself(launcher_alive):
+    """end_with_the_launcher's race: the launcher named in the environment is not the parent any more (it ended
+    between starting the worker and the worker's binding), so the worker SIGKILLs itself; under its launcher it
+    goes on, and its own children do not inherit the binding."""
+    from cnns.parallel.launch import LAUNCHER_ENV
+
+    code = ("import os; from cnns.parallel.launch import LAUNCHER_ENV, end_with_the_launcher\n"
+            "end_with_the_launcher(); print('bound', LAUNCHER_ENV in os.environ, flush=True)\n")
+    launcher = os.getpid() if launcher_alive else 1  # pid 1 is never this child's parent here
+    out = processes.run([sys.executable, "-c", code], timeout=120, text=True,
+                        env={**os.environ, "PYTHONPATH": str(scripts.ROOT / "src"), LAUNCHER_ENV: str(launcher)})
+    if launcher_alive:
+        assert (out.returncode, out.stdout) == (0, "bound False\n")
+    else:
+        assert (out.returncode, out.stdout) == (-signal.SIGKILL, "")

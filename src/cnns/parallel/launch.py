@@ -6,11 +6,13 @@ behaves as `torchrun --standalone --nproc-per-node N -m cnns train ...` would: t
 (torch.distributed.launcher), the same environment in the workers, SIGTERM/SIGINT forwarded to
 every worker (each finishes its update, they agree to stop, one checkpoint is written), workers in
 sessions of their own so a terminal's Ctrl-C reaches them once, through the agent. A worker that
-fails stops the others: its own error line is the one the user sees.
+fails stops the others: its own error line is the one the user sees. A launcher that ends without the agent's
+shutdown (SIGKILL) takes its workers with it (`end_with_the_launcher`), as one process would end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -32,6 +34,9 @@ WORKER_FIXED_BYTES = 380 << 20
 # Optimiser state kept per parameter (cnns.optim): plain SGD (the seed's) none, momentum and LARS a momentum
 # buffer, RMSprop (TensorFlow's form) its mean square and momentum.
 OPTIMISER_STATE_PER_PARAMETER = {"SGD": 0, "momentum": 1, "LARS": 1, "RMSprop": 2}
+# The launcher's pid, in the environment of the workers `spawn_local_workers` starts.
+LAUNCHER_ENV = "CNNS_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
@@ -49,6 +54,7 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_seconds())},
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the workers only: taken back below
     try:
         elastic_launch(config, sys.executable)("-m", "cnns", command, *argv)
         return 0
@@ -63,6 +69,25 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
         # The agent forwarded the signal; the workers checkpointed and said how to continue. Ctrl-C ends with
         # 130 as one process does (`cnns.engine.setup.INTERRUPTED_EXIT_CODES`), SIGTERM cleanly.
         return 0 if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
+
+
+def end_with_the_launcher() -> None:
+    """A worker `spawn_local_workers` started is SIGKILLed by the kernel when its launcher ends (prctl's
+    PR_SET_PDEATHSIG; the agent, which starts the workers, runs in the launcher's main thread), so a launcher
+    killed with SIGKILL, whose agent cannot stop them, leaves no worker behind: neither one training on, orphaned,
+    nor one of restore.py or validation.py writing the run folder without the lock its launcher held
+    (`cnns.runlock`). A launcher that ended before this call is noticed by the changed parent. Not on systems
+    without prctl (the workers then outlive a SIGKILLed launcher, as torchrun's do)."""
+    launcher = os.environ.pop(LAUNCHER_ENV, None)  # popped: the worker's own children are not its workers
+    if launcher is None or int(launcher) == os.getpid() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # the call failed (a sandbox without prctl): as on other systems
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def needs_local_workers(replicas: int, shards: int) -> bool:
@@ -215,6 +240,7 @@ def join_run(cfg, model_to_plan) -> tuple:
     from cnns.devices import resolve_device
     from cnns.parallel.planning import settle_auto_splits
 
+    end_with_the_launcher()
     device = resolve_device(cfg.device)
     notices: list[str] = []
 
