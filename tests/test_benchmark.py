@@ -452,7 +452,8 @@ def _tiny_config(iterations: int):
 
 @SHARED_BACKEND_CACHE
 def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_folder):
-    from cnns.bench.backends import cache_key, inference_module, load_artefact, measure_backends
+    from cnns.bench.backends import cache_key, inference_module, measure_backends
+    from cnns.deploy.graphs import load_compiled
     from cnns.precision import cpu_half_is_emulated
 
     lines = []
@@ -481,7 +482,7 @@ def test_every_backend_measures_the_same_model_and_their_logits_agree(backend_fo
     with torch.no_grad():
         eager = inference_module(cfg, "eager")(images)
     for backend, file in (("aoti", "aoti.pt2"), ("onnxruntime", "model.onnx")):
-        logits = load_artefact(backend, folder / file, threads=2)(images)
+        logits = load_compiled(folder / file, threads=2)(images)
         assert logits.shape == eager.shape == (2, 10)
         assert torch.allclose(logits, eager, atol=1e-4, rtol=0), backend
     assert any("images/s" in line for line in lines)
@@ -509,9 +510,9 @@ def test_every_backend_runs_the_model_inference_embedded_compiles():
 def test_a_backend_that_computes_something_else_is_an_error_and_the_others_still_count(backend_folder, monkeypatch):
     from cnns.bench import backends
 
-    real = backends.load_artefact
-    monkeypatch.setattr(backends, "load_artefact",
-                        lambda backend, path, threads: (lambda images: real(backend, path, threads)(images) + 0.5))
+    real = backends.load_compiled
+    monkeypatch.setattr(backends, "load_compiled",
+                        lambda path, threads: (lambda images: real(path, threads=threads)(images) + 0.5))
     eager, onnx = backends.measure_backends(_tiny_config(iterations=2), backends=("eager", "onnxruntime"), warmup=0,
                                             cache_dir=backend_folder / "backend-cache")
     assert eager.error is None and eager.images_per_sec > 0 and eager.max_rel_diff == 0.0

@@ -39,10 +39,12 @@ import torch
 from torch import nn
 from torch.utils.benchmark.utils.common import set_torch_threads
 
-from cnns.bench.rates import available_cores, in_turn
+from cnns.bench.rates import in_turn
 from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
 from cnns.config import RunConfig
+from cnns.deploy.graphs import export_onnx, export_pt2, load_compiled
 from cnns.files import write_atomically
+from cnns.parallel.world import usable_cores
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
@@ -117,8 +119,6 @@ def _read_meta(folder: Path) -> dict[str, Any]:
 def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder: Path,
                   force: bool = False) -> tuple[Path, float, bool]:
     """The backend's compiled file in `folder` (made unless there): (path, seconds it took to make, cached)."""
-    from cnns.deploy.graphs import export_onnx, export_pt2
-
     path = folder / ("model.onnx" if backend == "onnxruntime" else f"{backend}.pt2")
     meta = _read_meta(folder)
     if path.is_file() and not force and backend in meta:
@@ -132,27 +132,6 @@ def make_artefact(backend: str, module: nn.Module, example: torch.Tensor, folder
     seconds = time.perf_counter() - start
     write_atomically(folder / "meta.json", json.dumps({**_read_meta(folder), backend: seconds}, indent=2) + "\n")
     return path, seconds, False
-
-
-def load_artefact(backend: str, path: Path, threads: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A call images -> logits (a torch tensor) for the compiled file."""
-    if backend == "onnxruntime":
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        name = session.get_inputs()[0].name
-
-        def run_onnx(images: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(session.run(None, {name: images.numpy()})[0])
-
-        return run_onnx
-    runner = torch._inductor.aoti_load_package(str(path))
-    return lambda images: runner(images)
 
 
 # --- measurement
@@ -205,7 +184,7 @@ def measure_backends(cfg: RunConfig, backends: tuple[str, ...] | list[str] = DEF
     if warmup < 0 or rounds < 1:
         raise ValueError("rounds must be at least 1, warmup at least 0")
     say = log or (lambda line: None)
-    threads = threads or available_cores()
+    threads = threads or usable_cores()
     images = inference_batch(cfg)
     batch_size = len(images)
     results = {b: BackendResult(b, LABELS[b], "bfloat16" if b.endswith("bf16") else "float32", batch_size,
@@ -270,7 +249,7 @@ def _compiled(backend: str, result: BackendResult, module: nn.Module, images: to
         result.compile_s, result.cached = seconds, cached
         say(f"{result.label}: {'cached ' if cached else ''}artefact {path} ({seconds:.1f} s to make)")
         start = time.perf_counter()
-        run = load_artefact(backend, path, threads)
+        run = load_compiled(path, threads=threads)
         result.load_s = time.perf_counter() - start
         with torch.inference_mode():
             _compare(result, run(images), reference)

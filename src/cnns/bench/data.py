@@ -33,11 +33,12 @@ import torch
 from torch.utils.benchmark import Timer
 from torch.utils.benchmark.utils.common import set_torch_threads
 
-from cnns.bench.rates import available_cores, in_turn
+from cnns.bench.rates import in_turn
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
 from cnns.files import write_atomically
+from cnns.parallel.world import usable_cores
 
 if TYPE_CHECKING:
     from cnns.data.decoding import Crop, Placement
@@ -431,7 +432,7 @@ def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement |
     return ImageAccount(plan.found, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
                         middle(found["stages"], key=lambda times: times.step), middle(found["cnns 0"]),
                         middle(found["cnns 1"]), middle(found["decode-only"], key=float), DECODE_ONLY_DECODER,
-                        baseline, available_cores())
+                        baseline, usable_cores())
 
 
 def decode_label(stages: StageTimes) -> str:
@@ -573,7 +574,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
     plan = plan_from_request(args)
     if plan.found not in ("tfrecord", "folder"):
         print(f"{plan.found}: batches are made in the main process from the dataset held in memory (no workers)")
-    cores = available_cores()
+    cores = usable_cores()
     print(f"Input pipeline on {plan.data_dir} ({plan.found}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
           f"{plan.warmup_batches} warm-up, {cores} of {os.cpu_count()} CPUs):")

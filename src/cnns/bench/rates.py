@@ -3,7 +3,6 @@ that way: the matmul rate (the roofline's compute peak), the stream bandwidth, a
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -14,11 +13,6 @@ from torch.utils.benchmark import Timer
 from cnns.precision import HALF_DTYPES, default_half_dtype
 
 Item = TypeVar("Item")
-
-
-def available_cores() -> int:
-    """The CPUs this process may run on (taskset), else the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def in_turn(items: Sequence[Item], round_index: int) -> list[Item]:

@@ -32,13 +32,14 @@ from typing import Any
 import torch
 
 from cnns.bench import roofline
-from cnns.bench.rates import DeviceRates, available_cores, forward_flops, in_turn
+from cnns.bench.rates import DeviceRates, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
 from cnns.bench.spec import BACKENDS_KIND, BackendsSpec, Entry, load_spec, select
 from cnns.errors import ConfigError
 from cnns.files import write_atomically
 from cnns.models import ModelSpec
+from cnns.parallel.world import usable_cores
 from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
 from cnns.runlog import RunLog
 
@@ -93,7 +94,7 @@ class Plan:
 def plain_loop_workers(device: str) -> int:
     """The plain loop's DataLoader workers: 2 on a CPU that computes too; on a GPU machine the host only
     feeds, so as many as a user would give it there (up to 8, its cores allowing)."""
-    return 2 if torch.device(device).type == "cpu" else max(2, min(8, available_cores()))
+    return 2 if torch.device(device).type == "cpu" else max(2, min(8, usable_cores()))
 
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `cnns` (src/ in a checkout)

@@ -27,7 +27,7 @@ import torch
 
 from cnns.config import RunConfig
 from cnns.devices import resolve_device
-from cnns.deploy.graphs import export_pt2
+from cnns.deploy.graphs import export_pt2, load_compiled
 from cnns.deploy.restored import build_inference_model, inference_batch, inference_dtype_and_std
 from cnns.engine.validation import latency_line
 from cnns.errors import CnnsError
@@ -175,16 +175,11 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
         print(f"torch {torch.__version__} loaded and ran the compiled model in a child process first "
               f"({seconds:.1f}s, not timed)")
     try:
-        runner = torch._inductor.aoti_load_package(str(path), device_index=_device_index(device))
+        runner = load_compiled(path, device)
     except Exception as exc:  # a foreign or truncated file: one clear line
         raise CnnsError(f"cannot load the compiled model {path}: {str(exc).splitlines()[0][:200]}"
                         " (use --force-recompile)") from None
     return _measure(runner, images.to(device), iterations=cfg.train.iterations, device=device)
-
-
-def _device_index(device: torch.device) -> int:
-    """aoti_load_package's device_index: -1 is the current device of the package's kind."""
-    return -1 if device.index is None else device.index
 
 
 def _measure(runner, images: torch.Tensor, iterations: int, device: torch.device) -> int:

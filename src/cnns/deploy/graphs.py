@@ -1,7 +1,9 @@
-"""A model written as a file of its graph: an ONNX graph (torch's dynamo exporter) or an AOTInductor package.
+"""A model written as a file of its graph: an ONNX graph (torch's dynamo exporter) or an AOTInductor package,
+and such a file loaded back as a call (`load_compiled`).
 
-`cnns export` writes both; `cnns benchmark`'s inference backends time them. Each file is written under a
-temporary name in its destination folder and renamed, so the destination never holds a partial file.
+`cnns export` writes both; inference_embedded.py writes and loads the package; `cnns benchmark`'s inference
+backends time both. Each file is written under a temporary name in its destination folder and renamed, so the
+destination never holds a partial file.
 
 A dynamic batch is `torch.export.Dim("batch", min=1, max=...)`: no upper limit when tracing for the CPU,
 `CUDA_MAX_BATCH` when tracing for a CUDA device (below). The exported program records the range it
@@ -11,6 +13,7 @@ accepts (`batch_range`), and the export functions return it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -113,3 +116,22 @@ def export_pt2(module: nn.Module, example: torch.Tensor, dynamic: bool, out: Pat
 
     write_atomically_by_name(out, compile_into, ".pt2")  # aoti_compile_and_package wants the .pt2 suffix
     return batch_range(exported)
+
+
+def load_compiled(path: Path, device: torch.device = torch.device("cpu"),
+                  threads: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A call images -> logits (a torch tensor) of the file at `path`: an AOTInductor package on `device` (its
+    kind's current device when it has no index), or an ONNX graph in onnxruntime on the CPU with `threads`
+    intra-op threads (one inter-op thread, sequential execution, every graph optimisation)."""
+    if Path(path).suffix != ".onnx":
+        return torch._inductor.aoti_load_package(str(path), device_index=-1 if device.index is None else device.index)
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or 0  # 0: onnxruntime's default
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda images: torch.from_numpy(session.run(None, {name: images.numpy()})[0])
