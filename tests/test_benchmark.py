@@ -542,6 +542,9 @@ def test_an_inference_backends_entry_runs_in_the_benchmark_and_prints_its_table(
             threads: 2
             backends: [eager, aoti, onnxruntime]
         """)
+    assert benchmark_command(["--spec", str(spec), "--list"]) == 0
+    assert capsys.readouterr().out == (f"tiny-resnet8-backends: {TINY_COMMAND} --iterations 3 "
+                                       "[backends: eager, aoti, onnxruntime]\n")
     code = benchmark_command(["--spec", str(spec), "--output-dir", str(backend_folder)])
     printed = capsys.readouterr().out
     assert code == 0, printed

@@ -99,10 +99,13 @@ def cache_key(cfg: RunConfig) -> str:
     """A folder name for one model at one batch size: readable, plus a hash of everything that shapes the artefact."""
     import onnx
 
+    from cnns.engine.fusion import fused_norms
+
     m = cfg.model
+    fused = [norm.__name__ for norm in fused_norms(torch.device("cpu"))]  # the assembly's passes in the graph
     identity = json.dumps({"model": asdict(m), "batch": cfg.train.micro_batch_size, "seed": cfg.train.seed,
                            "image_size": cfg.data.image_size, "normalise": cfg.data.normalise_input,
-                           "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True)
+                           "fused": fused, "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     return f"{m.arch}{m.size}-{m.image_size}px-bs{cfg.train.micro_batch_size}-{digest}"
 

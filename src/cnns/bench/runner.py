@@ -10,9 +10,10 @@ the best run of each counts, and as the ratio the median of the repeats' ratios 
 (`cnns.bench.results.Side`); each side's fractions of the measured matmul peak (training FLOPs = 3 x forward)
 and of the roofline (`cnns.bench.roofline`) beside them. An ``inference-backends`` entry's inference_embedded.py
 command line is resolved as that script resolves it, and ``python -m cnns.bench.backends '<json>'`` measures
-its model once per repeat instead (its artefacts kept in ``<output-dir>/backend-cache``). An entry whose device this machine lacks is skipped with one line; ``{cifar10}``
-in a command is a CIFAR-10-format folder of drawn shapes written once. Results go to the screen and to
-``<output-dir>/<spec>-<time>/results.{csv,json}``, beside each run's folder and output.
+its model once per repeat instead (its artefacts kept in ``<output-dir>/backend-cache``). An entry whose device
+this machine lacks is skipped with one line; ``{cifar10}`` in a command is a CIFAR-10-format folder of drawn
+shapes written once. Results go to the screen and to ``<output-dir>/<spec>-<time>/results.{csv,json}``, beside
+each run's folder and output.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
-from cnns.bench.spec import BACKENDS_KIND, BackendsSpec, Entry, load_spec, select
+from cnns.bench.spec import (BACKENDS_KIND, COMMAND_KIND, DEFAULT_BACKENDS, BackendsSpec, Entry, load_spec,
+                              select)
 from cnns.errors import ConfigError
 from cnns.files import write_atomically
 from cnns.models import ModelSpec
@@ -45,7 +47,7 @@ from cnns.runlog import RunLog
 
 SCRIPTS = {"train.py": "train", "validation.py": "validate", "inference_embedded.py": "infer"}
 # The scripts each kind of entry runs (an inference-backends entry: the model inference_embedded.py compiles).
-KIND_SCRIPTS = {"command": ("train.py", "validation.py"), BACKENDS_KIND: ("inference_embedded.py",)}
+KIND_SCRIPTS = {COMMAND_KIND: ("train.py", "validation.py"), BACKENDS_KIND: ("inference_embedded.py",)}
 # The file of a run folder holding a mode's measured intervals (an img_per_sec column), both loops alike.
 MEASUREMENTS = {"train": "training.csv", "infer": "validation.csv"}
 CIFAR_IMAGES = 10_000
@@ -388,7 +390,12 @@ class BenchmarkSuite:
         self._commands: dict[str, tuple[str, list[str]]] | None = None
 
     def listing(self) -> list[str]:
-        return ([f"{e.name}: {e.command}" + (f" [{e.device}]" if e.device != "cpu" else "") for e in self.entries]
+        def where(e: Entry) -> str:
+            if e.kind == BACKENDS_KIND:
+                return f" [backends: {', '.join(e.settings.get('backends') or DEFAULT_BACKENDS)}]"
+            return f" [{e.device}]" if e.device != "cpu" else ""
+
+        return ([f"{e.name}: {e.command}{where(e)}" for e in self.entries]
                 + [f"{name}: skipped, {why}" for name, why in self.skipped.items()])
 
     def entry_commands(self) -> dict[str, tuple[str, list[str]]]:
