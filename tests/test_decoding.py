@@ -206,6 +206,9 @@ class FakeNative:
         if data == self.corrupt:
             raise self.JpegError("Corrupt JPEG data: premature end of data segment")
         out.fill_(7)
+        return self.TIMINGS if timings else None
+
+    TIMINGS = (11, 13, 17)  # its clocks' nanoseconds (decode, resize, flip) when asked for them
 
 
 @pytest.fixture
@@ -227,6 +230,25 @@ def test_the_native_decoder_gets_the_crop_drawn_from_the_header(fake_native):
     # Short side 40 -> 18 (16 * 256/224), so 60 -> 27; the centre 16 square starts at row 1, column
     # round(5.5) = 6 of the resized image: in source pixels scaled by 40/18 and 60/27.
     assert fake_native.calls[-1][0] == pytest.approx((1 * 40 / 18, 6 * 60 / 27, 16 * 40 / 18, 16 * 60 / 27))
+
+
+def test_a_clock_adds_each_stages_time_and_changes_no_pixel(fake_native):
+    """`cnns bench-data`'s account times the worker's own decoding: the native call's own clocks, or the
+    whole-image path's steps (its flip inside the resize); with a clock the pixels are those without."""
+    from cnns.data.decoding import DecodeClock
+
+    data = encoded(smooth_image(60, 40))
+    native = ImageNetTransform(True, 16, seed=4, decoder=ImageDecoder(use_native=True))
+    clock, out = DecodeClock(), torch.empty((16, 16, 3), dtype=torch.uint8)
+    for _ in range(2):
+        native.into(data, "a.JPEG", (3, 1), out, clock)
+    assert (clock.decode, clock.resize, clock.flip, clock.whole) == (22, 26, 34, 0) and clock.header > 0
+    whole = ImageNetTransform(True, 16, seed=4, decoder=ImageDecoder(use_native=False))
+    clock, clocked, plain = DecodeClock(), torch.empty_like(out), torch.empty_like(out)
+    whole.into(data, "a.JPEG", (3, 1), clocked, clock)
+    whole.into(data, "a.JPEG", (3, 1), plain)
+    assert torch.equal(clocked, plain)
+    assert clock.whole == 1 and clock.flip == 0 and min(clock.header, clock.decode, clock.resize) > 0
 
 
 def test_files_the_native_decoder_does_not_take_are_decoded_whole(fake_native):

@@ -6,8 +6,9 @@ torchvision's usual loader beside it, alternating round by round, and write a sy
 to measure on (--make-jpeg-tree).
 
 On ImageNet files it then prints the account of one image's time (`ImageAccount`): the stages a worker runs
-(read, header + crop draw, decode, crop + resize, flip; with the native decoder the last three by its own
-clocks inside its one call) timed in this process and one thread inside one timed step per image, so that
+(read, header + crop draw, decode, crop + resize, flip: the worker's own decoding with a `DecodeClock`; with the
+native decoder the last three by its own clocks inside its one call, with the whole-image decoder the flip is
+part of the resize) timed in this process and one thread inside one timed step per image, so that
 what lies between them is a row of its own; then two costs from the real loader's delivered rate: *into the
 batch* (0 workers, per image, less the in-process step) and *across to the main process* (1 worker less 0
 workers). Every round measures all of them, in an order reversed every other round, and each row uses the
@@ -26,7 +27,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -35,13 +35,13 @@ from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import in_turn
 from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
+from cnns.data.decoding import DecodeClock
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
 from cnns.files import write_atomically
 from cnns.parallel.world import usable_cores
 
 if TYPE_CHECKING:
-    from cnns.data.decoding import Crop, Placement
     from cnns.data.imagenet import ImageNetTransform
     from cnns.data.imagefolder import ImageFolderDataset
     from cnns.data.tfrecord import TFRecordDataset
@@ -270,18 +270,15 @@ WARMUP_IMAGES = 8  # timed for nothing first: imports, first allocations
 
 
 @dataclass
-class StageTimes:
-    """Nanoseconds summed over `images` images in one process and one thread: each stage, and the whole
-    per-image step timed around them (so `step` is at least the stages' sum; the rest is `between`)."""
+class StageTimes(DecodeClock):
+    """Nanoseconds summed over `images` images in one process and one thread: the read, the decoder's stages
+    (`DecodeClock`: header + crop draw, decode, crop + resize, flip; `whole` images decoded whole by the
+    fallback decoder, the rest their region natively), and the whole per-image step timed around them (so
+    `step` is at least the stages' sum; the rest is `between`)."""
 
     images: int = 0
     read: int = 0
-    header: int = 0
-    decode: int = 0
-    resize: int = 0
-    flip: int = 0
     step: int = 0
-    whole: int = 0  # images decoded whole by the fallback decoder (the rest: their region, natively)
 
     @property
     def stages(self) -> int:
@@ -301,66 +298,26 @@ def account_indices(size: int, count: int) -> list[int]:
     return [index * size // count for index in range(count)]
 
 
-def time_native_step(native: ModuleType, data: bytes, place: Placement, slot: torch.Tensor) -> tuple[int, ...]:
-    """(header + crop draw, decode, crop + resize, flip) nanoseconds of one image by the native decoder: the
-    worker's own calls, the last three from the decoder's clocks inside its one call."""
-    start = time.perf_counter_ns()
-    height, width, _ = native.header(data)
-    crop = place(height, width)
-    drawn = time.perf_counter_ns()
-    decode, resize, flip = native.decode_resized_into(data, slot, crop.box, crop.flip, timings=True)
-    return drawn - start, decode, resize, flip
-
-
-def time_fallback_step(data: bytes, source: str, place: Placement, slot: torch.Tensor) -> tuple[int, ...]:
-    """(header + crop draw, decode, crop + resize, flip) nanoseconds of one image by the fallback decoder's
-    Python steps: the whole image decoded (TorchCodec), the crop drawn from its size, cut and resized into
-    the slot, then mirrored there (the worker mirrors while copying into the slot, so the flip row is the
-    cost of mirroring, not of that copy)."""
-    from cnns.data.decoding import decode_whole, resize_crop_into
-
-    start = time.perf_counter_ns()
-    image = decode_whole(data, source)
-    decoded = time.perf_counter_ns()
-    crop = place(image.shape[0], image.shape[1])
-    drawn = time.perf_counter_ns()
-    resize_crop_into(image, replace(crop, flip=False), slot)
-    resized = time.perf_counter_ns()
-    if crop.flip:
-        slot.copy_(slot.flip(1))
-    return drawn - decoded, decoded - start, resized - drawn, time.perf_counter_ns() - resized
-
-
 def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageNetTransform) -> StageTimes:
-    """StageTimes over `indices` (epoch 0's crops), one image at a time into a batch slot as a worker does,
-    by the native decoder where `transform`'s decoder uses it, else by the fallback's steps."""
-    from cnns.data.decoding import native_jpeg
-
-    module = native_jpeg() if transform.decoder.use_native else None
+    """StageTimes over `indices` (epoch 0's crops), one image at a time into a batch slot as a worker does, by
+    the worker's own decoding (`ImageNetTransform.into`, its stages on a `DecodeClock`)."""
     slot = torch.empty((transform.image_size, transform.image_size, 3), dtype=torch.uint8)
+    times = StageTimes()
 
-    def step(index: int) -> tuple[int, ...]:
-        def place(height: int, width: int) -> Crop:
-            return transform.crop(height, width, (index, 0) if transform.train else index)
-
+    def step(index: int, clock: StageTimes | None) -> int:
+        """The image's read nanoseconds; its decoder's stages go to `clock`."""
         start = time.perf_counter_ns()
         data, _, source = dataset.read(index)
         read = time.perf_counter_ns() - start
-        if module is not None and data[:2] == b"\xff\xd8":
-            try:
-                return (read, *time_native_step(module, data, place, slot), 0)
-            except module.JpegError:  # as in the worker: a JPEG the native decoder refuses is decoded whole
-                pass
-        return (read, *time_fallback_step(data, source, place, slot), 1)
+        transform.into(data, source, (index, 0) if transform.train else index, slot, clock)
+        return read
 
-    times = StageTimes()
     with set_torch_threads(1):  # as in a DataLoader worker
         for index in indices[:WARMUP_IMAGES]:
-            step(index)
+            step(index, None)
         for index in indices:
             start = time.perf_counter_ns()
-            for name, nanoseconds in zip((*STAGES, "whole"), step(index)):
-                setattr(times, name, getattr(times, name) + nanoseconds)
+            times.read += step(index, times)
             times.step += time.perf_counter_ns() - start
             times.images += 1
     return times
@@ -451,6 +408,8 @@ def account_table(account: ImageAccount) -> str:
               "between": "between the stages (the loop, the calls)",
               "into the batch": "into the batch (0 workers - in one process)",
               "across": "across to the main process (1 worker - 0 workers)"}
+    if account.stages.whole == account.stages.images:
+        labels["flip"] = "flip (inside crop + resize: the whole-image decoder)"
     lines = ["| one image | ms | share | images/s per core |", "|---|---:|---:|---:|"]
     for key, seconds in account.stage_seconds().items():
         if key == "flip" and account.transforms == "eval":

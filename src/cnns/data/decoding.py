@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Callable, Sequence
@@ -134,6 +135,24 @@ def native_jpeg() -> ModuleType | None:
 NATIVE_NAME = "libjpeg-turbo (region + DCT scaling, cnns native)"
 
 
+@dataclass
+class DecodeClock:
+    """Nanoseconds in each stage of `ImageDecoder.decode_into`, summed over the images decoded with this clock
+    (what `cnns bench-data`'s account of one image reads): the header read and the crop drawn, decode, crop +
+    resize, flip (the native decoder's own clocks inside its one call; the whole-image path mirrors as it
+    resizes, so its flip is inside resize), and how many images were decoded whole."""
+
+    header: int = 0
+    decode: int = 0
+    resize: int = 0
+    flip: int = 0
+    whole: int = 0
+
+    def add(self, header: int, decode: int, resize: int, flip: int, whole: int) -> None:
+        self.header, self.decode, self.resize = self.header + header, self.decode + decode, self.resize + resize
+        self.flip, self.whole = self.flip + flip, self.whole + whole
+
+
 class ImageDecoder:
     """Encoded bytes + where to crop -> pixels in a batch row: the native region decoder for the JPEGs it
     takes when it is built, the whole image by TorchCodec (PIL for other formats) for the rest.
@@ -151,22 +170,35 @@ class ImageDecoder:
             return f"{NATIVE_NAME}; {whole} for other files"
         return f"{whole}; the native region decoder is not built"
 
-    def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor) -> None:
+    def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor,
+                    clock: DecodeClock | None = None) -> None:
         """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3]).
         DataError naming `source` when the bytes cannot be decoded. `place` may be called twice (a JPEG the
-        native decoder gives up on is decoded whole): it must give the same crop for the same size."""
+        native decoder gives up on is decoded whole): it must give the same crop for the same size. With
+        `clock`, the time of each stage is added to it."""
         native = native_jpeg() if self.use_native else None
+        start = time.perf_counter_ns()
         if native is not None and data[:2] == b"\xff\xd8":
             try:
                 height, width, _ = native.header(data)
                 _check_pixels(height, width, source)
                 crop = place(height, width)
-                native.decode_resized_into(data, out, crop.box, crop.flip)
+                if clock is None:
+                    native.decode_resized_into(data, out, crop.box, crop.flip)
+                else:
+                    drawn = time.perf_counter_ns()
+                    clock.add(drawn - start, *native.decode_resized_into(data, out, crop.box, crop.flip, timings=True),
+                              whole=0)
                 return
             except native.JpegError:  # CMYK / YCCK, or bytes it rejects: decoded whole, or the fault named
-                pass
+                start = time.perf_counter_ns()
         image = decode_whole(data, source)
-        resize_crop_into(image, place(image.shape[0], image.shape[1]), out)
+        decoded = time.perf_counter_ns()
+        crop = place(image.shape[0], image.shape[1])
+        drawn = time.perf_counter_ns()
+        resize_crop_into(image, crop, out)
+        if clock is not None:
+            clock.add(drawn - decoded, decoded - start, time.perf_counter_ns() - drawn, 0, whole=1)
 
 
 def _check_pixels(height: int, width: int, source: str) -> None:

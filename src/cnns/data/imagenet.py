@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cnns.data.batches import ShardPlan, mix_seed
 from cnns.data.batchpool import BatchPool, new_shared_tensor
-from cnns.data.decoding import Crop, DeviceBatch, ImageDecoder, device_jpeg_size
+from cnns.data.decoding import Crop, DecodeClock, DeviceBatch, ImageDecoder, device_jpeg_size
 from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes, stored_orientation
 from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
 from cnns.errors import CnnsError, ConfigError, DataError
@@ -152,10 +152,11 @@ class ImageNetTransform:
         index, epoch = key
         return training_crop(height, width, sample_generator(self.seed, epoch, index))
 
-    def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor) -> None:
+    def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor,
+             clock: DecodeClock | None = None) -> None:
         """Write the sample's crop into `out` (uint8 [image_size, image_size, 3]); DataError naming
-        `source` when the bytes cannot be decoded."""
-        self.decoder.decode_into(data, source, lambda height, width: self.crop(height, width, key), out)
+        `source` when the bytes cannot be decoded; with `clock`, each stage's time added to it."""
+        self.decoder.decode_into(data, source, lambda height, width: self.crop(height, width, key), out, clock)
 
     def __call__(self, data: bytes, source: str, key: SampleKey = (0, 0)) -> torch.Tensor:
         """The sample's crop as a new uint8 [image_size, image_size, 3] tensor."""
