@@ -19,6 +19,20 @@ from cnns.models import ModelSpec, build_model, recomputation_blocks
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tensors_saved_for_backward(forward):
+    """(forward's result, how many tensors autograd saved for the backward pass while it ran)."""
+    saved = 0
+
+    def pack(tensor):
+        nonlocal saved
+        saved += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = forward()
+    return result, saved
+
+
 def _forward_backward(model: nn.Module, x: torch.Tensor):
     model.train()
     model.zero_grad(set_to_none=True)
@@ -111,16 +125,7 @@ def test_graphcores_recomputation_points_keep_only_the_segment_inputs():
         assert torch.equal(value, dict(segmented.named_buffers())[name]), name
 
     def saved_tensors(model: nn.Module) -> int:
-        count = 0
-
-        def pack(t):
-            nonlocal count
-            count += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x).sum()
-        return count
+        return tensors_saved_for_backward(lambda: model(x).sum())[1]
 
     assert saved_tensors(segmented) < saved_tensors(per_unit) < saved_tensors(plain)
 
@@ -223,19 +228,15 @@ def test_a_stage_keeps_the_recomputation_of_a_block_it_cuts_inside():
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
     def run(model, chain):
-        model.train()
-        model.zero_grad()
-        saved = 0
-
-        def pack(t):
-            nonlocal saved
-            saved += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def forward():
             y = x
             for piece in chain:
                 y = piece.run(y)
+            return y
+
+        model.train()
+        model.zero_grad()
+        y, saved = tensors_saved_for_backward(forward)
         y.square().sum().backward()
         return y, {n: p.grad.clone() for n, p in model.named_parameters()}, saved
 
