@@ -87,13 +87,14 @@ def command_entry(path: Path, item: Any, defaults: dict[str, Any]) -> Entry:
                           f"{', '.join(sorted(keys))}")
     entry = Entry(**{k: v for k, v in {**defaults, **item}.items() if k in Entry.__dataclass_fields__
                      and k != "settings"}, settings={k: item[k] for k in BACKENDS_SETTINGS if k in item})
-    if backends:
-        entry.baseline, entry.baseline_modes = False, ()
     _check_device(path, entry)
-    if backends and entry.device != "cpu":
+    if not backends:
+        _check_baseline_modes(path, entry)
+        return entry
+    if entry.device != "cpu":
         raise ConfigError(f"{path}: benchmark {entry.name}: {BACKENDS_KIND} run on the CPU (onnxruntime's CPU "
                           f"provider), not {entry.device}")
-    _check_baseline_modes(path, entry)
+    entry.baseline, entry.baseline_modes = False, ()  # no plain loop beside the backends
     return entry
 
 
@@ -109,8 +110,6 @@ def _check_device(path: Path, entry: Entry) -> None:
 
 def _check_baseline_modes(path: Path, entry: Entry) -> None:
     modes = entry.baseline_modes
-    if modes == ():  # an inference-backends entry: no plain loop
-        return
     if modes is None:
         entry.baseline_modes = ("eager",) if entry.device == "cpu" else BASELINE_MODES
         return
