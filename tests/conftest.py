@@ -63,9 +63,18 @@ def keep_xdist_groups_together(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cuda" in getattr(r, "keywords", {})]
+    """Counts the CUDA tests skipped for want of a GPU, and only those: on a GPU the tier's other skips (two GPUs
+    needed, a torch that crashes loading a package) say their own reasons, and were miscounted as 'no GPU here'."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if "cuda" in getattr(r, "keywords", {}) and NO_GPU in skip_reason(r)]
     if skipped:
         terminalreporter.write_line(f"{len(skipped)} CUDA tests skipped ({NO_GPU})")
+
+
+def skip_reason(report) -> str:
+    """A skipped test's reason: pytest keeps it as the last item of the (path, line, reason) longrepr."""
+    longrepr = getattr(report, "longrepr", None)
+    return str(longrepr[-1]) if isinstance(longrepr, tuple) else str(longrepr or "")
 
 
 @pytest.fixture(autouse=True)
