@@ -1,4 +1,4 @@
-"""Bounded reads (cnns.data.bounded): an image or data file is read only if it is a regular file no larger than
+"""Bounded reads (cnns.bounded): an image or data file is read only if it is a regular file no larger than
 --max-file-size, and no further. A FIFO (which would block for ever), a symlink to /dev/zero (read until the kernel
 kills the process), a directory named x.jpg and a sparse file far larger than any photograph are each one line in
 `cnns predict`, the ImageNet readers (dropped and named with --skip-corrupt-images), the TFRecord and CIFAR readers
@@ -19,7 +19,7 @@ from torchvision.io import encode_png
 
 import processes
 import scripts
-from cnns.data.bounded import DEFAULT_FILE_SIZE_LIMIT, UnreadableFile, read_bounded
+from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT, UnreadableFile, read_bounded
 from cnns.errors import CnnsError, DataError
 
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.

@@ -1,6 +1,6 @@
-"""Ctrl-C (SIGINT) ends a command with 130 wherever it lands: during training after the checkpoint it saves
-(and says how to continue), during validation at once. SIGTERM, a scheduler's request to save and stop, still
-ends training cleanly (tests/test_restore.py). Real processes and real signals, each wait bounded."""
+"""A signal ends a command with 128 + its number wherever it lands (SPEC §8): during training after the
+checkpoint it saves (and says how to continue), elsewhere at once with one line. SIGINT here, SIGTERM in
+training in tests/test_restore.py and here in validation. Real processes and real signals, each wait bounded."""
 
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ def started(tmp_path: Path, data_dir: Path, folder: Path, *options: str) -> subp
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def interrupt_once(process: subprocess.Popen, ready) -> tuple[str, str]:
-    """SIGINT as soon as `ready()` holds; what the process printed once it has ended."""
+def interrupt_once(process: subprocess.Popen, ready, signum: int = signal.SIGINT) -> tuple[str, str]:
+    """`signum` as soon as `ready()` holds; what the process printed once it has ended."""
     deadline = time.monotonic() + DEADLINE_S
     while process.poll() is None and not ready():
         assert time.monotonic() < deadline, "the run never got there"
         time.sleep(0.005)
     assert process.poll() is None, "the run ended before the signal"
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     return processes.communicate(process, timeout=DEADLINE_S)
 
 
@@ -64,3 +64,24 @@ def test_ctrl_c_during_validation_exits_130(data_dir, tmp_path):
     assert process.returncode == 130, out[-2000:] + err[-2000:]
     assert err.strip().splitlines() == ["error: interrupted"]
     assert "Training loop completed" in out and len(list(folder.glob("ckpt-*.pt"))) == 17
+
+
+def test_sigterm_during_validation_py_exits_143_with_one_line_and_leaves_whole_rows(data_dir, tmp_path):
+    """validation.py has no update to finish: SIGTERM ends it where it is, with one line; the rows it wrote are
+    whole, and running it again validates the rest."""
+    folder = tmp_path / "run"
+    train = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "16", "--no-validation")
+    out, err = processes.communicate(train, timeout=DEADLINE_S)
+    assert train.returncode == 0, out[-2000:] + err[-2000:]
+    validation = processes.start([sys.executable, str(scripts.ROOT / "validation.py"), "--restore-path", str(folder)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out, err = interrupt_once(validation, lambda: (folder / "validation.csv").exists(), signal.SIGTERM)
+    assert validation.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
+    assert err.strip().splitlines() == ["error: interrupted by SIGTERM"]
+    rows = (folder / "validation.csv").read_text().splitlines()
+    assert 2 <= len(rows) < 18 and all(len(row.split(",")) == len(rows[0].split(",")) for row in rows)
+    again = processes.run([sys.executable, str(scripts.ROOT / "validation.py"), "--restore-path", str(folder)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=DEADLINE_S)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert len((folder / "validation.csv").read_text().splitlines()) == 18  # a header and each of 17 checkpoints once

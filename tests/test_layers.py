@@ -142,7 +142,7 @@ def test_layers_named_in_the_readme_hold():
         "cnns.parallel": {"cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.errors",
                           "cnns.parallel"},
         "cnns.data": {"cnns.config", "cnns.errors", "cnns.data", "cnns.kernels"},
-        "cnns.config": {"cnns.models", "cnns.devices", "cnns.precision", "cnns.errors", "cnns.config"},
+        "cnns.config": {"cnns.models", "cnns.devices", "cnns.precision", "cnns.optim", "cnns.errors", "cnns.config"},
         "cnns.models": {"cnns.errors", "cnns.models"},
         **{leaf: {"cnns.errors", leaf} for leaf in ("cnns.precision", "cnns.devices", "cnns.versions",
                                                   "cnns.schedules", "cnns.checkpoint", "cnns.runlog", "cnns.plots",
@@ -152,11 +152,13 @@ def test_layers_named_in_the_readme_hold():
         "cnns.kernels": {"cnns.errors", "cnns.profiling", "cnns.kernels"},
     }
 
-    # cnns.files (the write primitives) is the ground floor with cnns.errors: every floor writes through it.
+    # cnns.files (the write primitives) and cnns.bounded (the bounded reads) are the ground floor with cnns.errors:
+    # every floor writes and reads what it did not make through them.
     for allowed in below.values():
         if allowed is not None:
-            allowed.add("cnns.files")
+            allowed.update({"cnns.files", "cnns.bounded"})
     below["cnns.files"] = {"cnns.errors", "cnns.files"}
+    below["cnns.bounded"] = {"cnns.errors", "cnns.bounded"}
 
     def layer(module: str) -> str:
         parts = module.split(".")

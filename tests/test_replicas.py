@@ -390,7 +390,7 @@ def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(da
     run = started_long_run(folder, data_dir, tmp_path)
     workers = descendants(run.pid)
     run.send_signal(signal.SIGTERM)
-    out, _ = finish(run)
+    out, _ = finish(run, expect=128 + signal.SIGTERM)  # after the checkpoint: a run that did not finish
     stopped_at = int(re.search(r"Training interrupted by SIGTERM at iteration (\d+)", out).group(1))
     assert 0 < stopped_at < LONG_RUN
     assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == [f"ckpt-{stopped_at}.pt"]

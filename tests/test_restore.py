@@ -47,7 +47,8 @@ def logged_iterations(folder: Path) -> list[int]:
 
 
 def interrupt_after(command: list[str], folder: Path, iteration: int, cwd: Path) -> subprocess.CompletedProcess:
-    """Start training, send SIGTERM once training.csv shows `iteration`, and wait for a clean exit."""
+    """Start training, send SIGTERM once training.csv shows `iteration`, and wait for its exit: 143, 128 + SIGTERM
+    (SPEC §8), after the checkpoint, so a scheduler sees a run that did not finish."""
     process = processes.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     deadline = time.monotonic() + 120
     while process.poll() is None and time.monotonic() < deadline:
@@ -56,7 +57,8 @@ def interrupt_after(command: list[str], folder: Path, iteration: int, cwd: Path)
             break
         time.sleep(0.005)
     stdout, stderr = processes.communicate(process, timeout=120)  # kills the run and fails on expiry
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert process.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+    assert stderr == "", stderr[-3000:]
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 

@@ -141,19 +141,24 @@ def checkpointed(folder: Path) -> list[int]:
 
 @pytest.mark.parametrize("script", ["restore.py", "validation.py", "weight_avg.py", "train.py"])
 def test_every_command_that_writes_a_run_folder_refuses_one_in_use(run_copy, tmp_path, capfd, script):
-    """train.py writes into an existing folder with --logs-path; the others continue, validate or average a run."""
-    args = ([*BUILTIN_RUN, "--iterations", "2", "--logs-path", str(run_copy)] if script == "train.py" else
-            ["--restore-path", str(run_copy)])
-    before = digest(run_copy)
-    holder = hold(run_copy)
+    """train.py writes a new run into an empty --logs-path folder (one holding a run it refuses before it looks at
+    the lock: test_overwrite.py); the others continue, validate or average a run."""
+    folder = run_copy
+    if script == "train.py":
+        folder = tmp_path / "new"
+        folder.mkdir()
+    args = ([*BUILTIN_RUN, "--iterations", "2", "--logs-path", str(folder)] if script == "train.py" else
+            ["--restore-path", str(folder)])
+    before = digest(folder)
+    holder = hold(folder)
     try:
         out = scripts.run_here(capfd, script, *args, cwd=tmp_path, expect=2)
     finally:
         processes.communicate(holder, timeout=60)  # closes its stdin: it gives the lock back and ends
-    assert out.stderr.splitlines() == [f"error: {run_copy} is in use by pid {holder.pid} (-c {run_copy}): one "
+    assert out.stderr.splitlines() == [f"error: {folder} is in use by pid {holder.pid} (-c {folder}): one "
                                        "command at a time writes a run folder; run this one when that one has ended"]
     assert out.stdout == ""
-    assert digest(run_copy) == before
+    assert digest(folder) == before
 
 
 def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(run_copy, tmp_path, capfd):

@@ -12,8 +12,14 @@ write site of cnns:
 * `append(path, data)`: one row or line added at the end; a failed append truncates the file back to its size
   before (or removes it if the append created it), so no row is ever cut short.
 
-And one rule for a file the user names (`check_output`): an output never replaces a file the command reads, and
-replaces any other existing file only with `--overwrite`.
+What a command may touch, enforced here for every write (`command_scope`, which `cnns.cli.run_script` enters
+for every command): a write may create any file, but it replaces, truncates or appends to an existing file only
+when this invocation created it, when it lies in a run folder the command owns (`own_run_folder`: train.py's new
+folder, the folder restore.py, validation.py and weight_avg.py continue, each under its lock), or when it is an
+output the user named (`check_output`: an output never replaces a file the command reads, and replaces any other
+existing file only with `--overwrite`). Inside an owned folder no write goes through a symbolic link the command
+did not make, at any level below the folder. Anything else is a ConfigError of one line, before a byte is
+written.
 
 A failure is a `WriteError`: one line, ``cannot write <file>: <cause>``, which the command line turns into
 ``error: ...`` and exit 2. A library that turns the OSError into an exception of its own (torch.save raises
@@ -29,8 +35,9 @@ from __future__ import annotations
 import io
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Union
+from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 from cnns.errors import ConfigError, WriteError
 
@@ -57,11 +64,15 @@ def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], 
     """`produce(temporary)` writes the file under a temporary name in `path`'s folder (ending in `suffix`, for
     libraries that choose the format by it), which then replaces `path`."""
     path = Path(path)
+    may_write(path)
+    existed = os.path.lexists(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
     try:
         produce(temporary)
         _fsync_file(temporary)
-        os.replace(temporary, path)
+        os.replace(temporary, path)  # replaces a link at `path` itself, never what it points to
+        if not existed:
+            _scope.created.add(_key(path))
     except BaseException as exc:
         _remove(temporary)
         cause = disk_failure(exc)
@@ -79,17 +90,25 @@ def append(path: str | Path, data: bytes | str) -> None:
     only a power cut can lose the last lines not yet on the disk, never a whole file or a checkpoint."""
     path = Path(path)
     data = data.encode() if isinstance(data, str) else data
+    may_write(path)
     try:
         fd, created = _open_for_append(path)
     except OSError as exc:
         raise WriteError(path, exc) from None
+    if created:
+        _scope.created.add(_key(path))
+    size = None  # known once fstat answered: nothing to undo before
     try:
         size = os.fstat(fd).st_size
         _write_all(fd, data)
-    except OSError as exc:
-        # A row cut short would be read as a row: take the part that was written back out.
-        _undo_append(path, fd, created, size)
-        raise WriteError(path, exc) from None
+    except BaseException as exc:
+        # A row cut short would be read as a row: take the part that was written back out (after a failed write,
+        # or a signal that ended the command in the middle of it).
+        if size is not None:
+            _undo_append(path, fd, created, size)
+        if isinstance(exc, OSError):
+            raise WriteError(path, exc) from None
+        raise
     finally:
         os.close(fd)
 
@@ -162,11 +181,13 @@ def _write_all(fd: int, data) -> None:
 
 
 def _open_for_append(path: Path) -> tuple[int, bool]:
-    """(descriptor, whether this call created the file)."""
+    """(descriptor, whether this call created the file). O_NOFOLLOW: a link at `path` is an error (ELOOP), never a
+    way to append to the file it points to; O_EXCL creates no file through one either."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND), False
+        return os.open(path, os.O_WRONLY | os.O_APPEND | nofollow), False
     except FileNotFoundError:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | nofollow, 0o666), True
 
 
 def _undo_append(path: Path, fd: int, created: bool, size: int) -> None:
@@ -227,6 +248,7 @@ def check_output(path: str | Path, reads: Iterable[str | Path], overwrite: bool,
             raise ConfigError(f"{option} {path} is {source}, which this command reads: choose another file")
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise ConfigError(f"{option} {path} exists: give --overwrite to replace it")
+    _scope.outputs.add(_key(path))
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -234,3 +256,90 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (or cannot be looked at): not the same file
         return False
+
+
+# ----------------------------------------------------------------------------------------------
+# What a command may touch (the module docstring's rule)
+
+
+class _Scope:
+    """One command's claims: the files it created, the run folders it owns, the outputs the user named."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self.created: set[str] = set()
+        self.owned: list[str] = []
+        self.outputs: set[str] = set()
+
+
+_scope = _Scope(active=False)  # outside a command (a library call, a test of a primitive) nothing is refused
+
+
+@contextmanager
+def command_scope() -> Iterator[None]:
+    """The span of one command: every write in it follows the rule of what a command may touch."""
+    global _scope
+    previous, _scope = _scope, _Scope(active=True)
+    try:
+        yield
+    finally:
+        _scope = previous
+
+
+_run_file_patterns: tuple[str, ...] = ()  # what a run writes in its folder: cnns.runlog declares it
+
+
+def declare_run_files(patterns: Iterable[str]) -> None:
+    """The names (fnmatch patterns) of the files and folders a run writes in its folder (`cnns.runlog`, which owns
+    the layout): `own_run_folder` refuses a link planted under any of them before the command writes anything."""
+    global _run_file_patterns
+    _run_file_patterns = tuple(dict.fromkeys((*_run_file_patterns, *patterns)))
+
+
+def own_run_folder(folder: str | Path) -> None:
+    """The command owns `folder` (a run folder it made or continues, under its lock) from now on: it may replace and
+    append to the files in it, though never through a symbolic link below it. A link in place of a file the run
+    writes is refused here, before the command writes anything (the lock file included)."""
+    from fnmatch import fnmatch
+
+    folder = Path(folder)
+    try:
+        links = sorted(entry.name for entry in folder.iterdir() if entry.is_symlink() and
+                       any(fnmatch(entry.name, pattern) for pattern in (*_run_file_patterns, ".lock")))
+    except OSError:  # missing or unreadable: the command's own checks and writes say so
+        links = []
+    if links:
+        raise ConfigError(f"{folder / links[0]} is a symbolic link in the run folder {folder}: cnns writes a run's "
+                          "files only where the run made them; remove the link")
+    _scope.owned.append(os.path.abspath(folder))
+
+
+def may_write(path: str | Path) -> None:
+    """ConfigError of one line unless this command may write `path` (module docstring); nothing is written."""
+    if not _scope.active:
+        return
+    key = _key(Path(path))
+    folder = next((f for f in _scope.owned if key.startswith(f.rstrip(os.sep) + os.sep)), None)
+    if folder is not None:
+        _refuse_links_below(Path(folder), Path(key))
+        return
+    if key in _scope.created or key in _scope.outputs or not os.path.lexists(key):
+        return
+    raise ConfigError(f"{path} exists and this command did not make it: it is left as it is (choose another path, "
+                      "or remove it first)")
+
+
+def _refuse_links_below(folder: Path, path: Path) -> None:
+    """A symbolic link at or above `path` inside the owned `folder` (a file, or a sub-folder such as tensorboard/ or
+    instance_1/) is refused: a write there would land wherever the link points."""
+    current = folder
+    for part in path.relative_to(folder).parts:
+        current = current / part
+        if current.is_symlink():
+            raise ConfigError(f"{current} is a symbolic link in the run folder {folder}: cnns writes a run's files "
+                              "only where the run made them; remove the link")
+
+
+def _key(path: Path) -> str:
+    """The path as the rule compares it: absolute, with no link resolved (a link is a file of its own here)."""
+    return os.path.abspath(path)

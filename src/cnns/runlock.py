@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cnns.errors import CnnsError
+from cnns.files import own_run_folder
 
 LOCK_NAME = ".lock"
 # "<launcher pid>:<run folder>", set while a launcher holds a folder's lock, for the workers it starts.
@@ -51,6 +52,8 @@ class RunFolderInUse(CnnsError):
 def run_folder_lock(folder: Path | None) -> Iterator[None]:
     """Hold `folder`'s lock for the body (nothing for None, or where another process of this run holds it).
     RunFolderInUse (one line naming the holder) when another command holds it; nothing is written then."""
+    if folder is not None:
+        own_run_folder(folder)  # this command writes the folder's files, under this lock or its launcher's
     if folder is None or not _owns_the_lock(Path(folder)):
         yield
         return
@@ -84,8 +87,13 @@ def _take(folder: Path) -> int:
     path = folder / LOCK_NAME
     for _ in range(_TRIES):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NOFOLLOW: a link planted at .lock is refused, never opened, so the holder's name below is never
+            # written (truncating first) into the file it points to.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as error:
+            if path.is_symlink():
+                raise CnnsError(f"cannot lock the run folder {folder}: {path} is a symbolic link, not a lock file "
+                                "cnns made; remove it") from None
             raise CnnsError(f"cannot lock the run folder {folder}: {path}: {error.strerror or error}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,7 +106,12 @@ def _take(folder: Path) -> int:
             os.close(fd)
             raise CnnsError(f"cannot lock the run folder {folder}: {path}: {error.strerror or error}") from None
         if _is_still_at(fd, path):
-            _name_the_holder(fd)
+            try:
+                _name_the_holder(fd)
+            except OSError as error:  # a full disk: give the lock back, and say so in one line
+                _give_back(folder, fd)
+                raise CnnsError(f"cannot lock the run folder {folder}: writing {path}: "
+                                f"{error.strerror or error}") from None
             _held.add(fd)
             return fd
         os.close(fd)  # its holder removed it as it gave the lock back: lock the file now at the path

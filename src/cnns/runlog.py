@@ -20,11 +20,12 @@ import random
 import string
 import sys
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Mapping
 
 from cnns.errors import WriteError
-from cnns.files import append, restore_size, size_before, write_atomically
+from cnns.files import append, declare_run_files, restore_size, size_before, write_atomically
 
 TRAINING_FILE, VALIDATION_FILE, LOG_FILE = "training.csv", "validation.csv", "log.txt"
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
@@ -39,6 +40,24 @@ STEP_LINE = ("step: {step:6d}, iteration: {iteration:6d}, epoch: {epoch:6.2f}, l
 VALIDATION_LINE = ("Validation top-1 accuracy: {val_acc:6.3f}% [{name}] (iteration: {iteration:6d}, "
                    "epoch: {epoch:6.2f}, throughput: {img_per_sec:6.2f} samples/sec, time: {val_time:8.6f}, "
                    "latency avg: {latency:8.4f} ms)")
+
+
+# What a run writes in its folder: its log, CSVs, options, checkpoints and averages, plot, TensorBoard and instance
+# folders (the lock aside), as fnmatch patterns. Declared to cnns.files, which refuses a link planted under any.
+RUN_FILES = (TRAINING_FILE, VALIDATION_FILE, LOG_FILE, "arguments.json", "training.png", "tensorboard", "profile",
+             "ckpt-*.pt", "weight_avg*.pt", "*.abandoned.csv", "instance_*")
+declare_run_files(RUN_FILES)
+
+
+def files_of_a_run(folder: str | Path) -> list[str]:
+    """The names in `folder` that a run writes (RUN_FILES), sorted: a folder that holds any of them holds a run,
+    which a new run must not write into. (A .lock alone is not a run: a launcher takes it before its workers check
+    the folder.)"""
+    try:
+        entries = [entry.name for entry in Path(folder).iterdir()]
+    except OSError:  # missing, not a folder, or unreadable (whether it may be written is checked on its own)
+        return []
+    return sorted(name for name in entries if any(fnmatch(name, pattern) for pattern in RUN_FILES))
 
 
 def new_run_folder(log_dir: str | Path, name: str) -> Path:

@@ -39,6 +39,7 @@ from typing import Any, Iterator
 from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig, check_option_types, resolve
 from cnns.errors import CheckpointError, ConfigError
+from cnns.files import may_write, own_run_folder
 from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog, new_run_folder, write_arguments
 
@@ -355,6 +356,8 @@ def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Pat
     if not (cfg.log.log_all_instances or cfg.log.ckpt_all_instances):
         return RunLog(None, quiet=True), None
     instance = folder / f"instance_{world.rank}"
+    own_run_folder(folder)  # rank 0 holds the lock for this rank too
+    may_write(instance)  # not a link planted in the run folder
     instance.mkdir(exist_ok=True)
     if cfg.log.log_all_instances:
         return RunLog(instance, tensorboard=cfg.log.tensorboard), instance

@@ -53,15 +53,12 @@ class Entry:
 
 
 def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
-    import yaml
+    from cnns.config.files import read_yaml
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"benchmark spec not found: {path}")
-    try:
-        document = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    document = read_yaml(path, "benchmark spec") or {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path} is not a benchmark list (a mapping with 'benchmarks:')")
     raw, defaults = document.get("benchmarks"), document.get("defaults") or {}
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{path} has no 'benchmarks:' list")

@@ -19,8 +19,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import sys
 from typing import Callable
 
+from cnns.cli import endings
 from cnns.cli.parsing import parse_options, resolved_training_options
 from cnns.errors import CnnsError, ConfigError
+from cnns.files import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
             "plot", "predict", "export")
@@ -46,7 +48,9 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
 
 
 def run_script(command: str, argv: list[str] | None = None) -> int:
-    """Run one command with clean error handling: CnnsError -> one line, exit 2."""
+    """Run one command; every way it can end is an exit code and at most one line (`cnns.cli.endings`): a CnnsError
+    is `error: <line>` and 2, a signal 128 + its number, a reader gone from stdout a quiet end."""
+    endings.make_standard_streams_safe()
     # A torch, torchvision or timm older than pyproject.toml's range (a GPU machine keeps its own) is
     # one line naming the pip command, before anything fails inside the command.
     from cnns.versions import check_installed_versions
@@ -57,23 +61,12 @@ def run_script(command: str, argv: list[str] | None = None) -> int:
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(command)(argv)
+        with command_scope(), endings.signals_end_the_command():  # what it may write: cnns.files
+            return _dispatch(command)(argv)
     except CnnsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        # In a multi-process run, a peer that died surfaces here as a transport error from inside a
-        # collective (often the gradient all-reduce): one line, not a traceback. Anything else is a bug.
-        from cnns.parallel.world import launched, peer_failure
-
-        line = peer_failure(exc) if launched() else None
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return 1
+        return endings.say(f"error: {exc}", 2)
+    except BaseException as exc:  # noqa: BLE001 - each way out is one line (or none) and an exit code
+        return endings.ending_of(exc, command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,9 @@ def bench_data_parser() -> argparse.ArgumentParser:
                         help="Keep evaluation batches in memory after the first pass, as training runs do; off "
                              "here so that every pass measures decoding, not the cache.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON.")
+    parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON (an existing FILE "
+                                                         "only with --overwrite).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing --json FILE.")
     parser.add_argument("--device", default="cpu",
                         help="The device the batches are made for: cpu, cuda or cuda:N (on a GPU they are pinned, "
                              "or decoded there as --decode-device chooses).")
@@ -146,10 +148,16 @@ def bench_data_parser() -> argparse.ArgumentParser:
 
 
 def bench_data_main(argv: list[str]) -> int:
+    options = vars(bench_data_parser().parse_args(argv))
+    overwrite = options.pop("overwrite")
+    if options["json"]:  # checked before anything is measured or written (the tree --make-jpeg-tree writes too)
+        from cnns.files import check_output
+
+        check_output(options["json"], [options["data_dir"] or options["make_jpeg_tree"] or ""], overwrite, "--json")
     from cnns.bench.data import BenchDataRequest
     from cnns.commands.benchmark import bench_data
 
-    return bench_data(BenchDataRequest(**vars(bench_data_parser().parse_args(argv))))
+    return bench_data(BenchDataRequest(**options))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from cnns.config import RunConfig
 from cnns.data.checks import check_data_before_writing  # noqa: F401 - the commands' one import of their checks
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
+from cnns.runlog import files_of_a_run
 
 
 def check_supported(cfg: RunConfig, trains: bool = True) -> None:
@@ -74,6 +75,8 @@ def check_run_folder_place(cfg: RunConfig) -> None:
         check_run_name(cfg.log.name, cfg.log.log_dir, cfg.arguments.get("name_suffix"))
     option, target = ("--logs-path", cfg.log.logs_path) if cfg.log.logs_path else ("--log-dir", cfg.log.log_dir)
     path = Path(target)
+    if cfg.log.logs_path:
+        check_holds_no_run(path, option, continue_with="restore.py")
     existing = path
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
@@ -81,6 +84,19 @@ def check_run_folder_place(cfg: RunConfig) -> None:
         where = "is a file" if existing == path else f"cannot be made: {existing} is a file"
         raise ConfigError(f"{option} {target} {where}, not a folder")
     check_writable(existing, f"{option} {target}")
+
+
+def check_holds_no_run(folder: Path, option: str, continue_with: str) -> None:
+    """A new run's folder holds no other run (`cnns.runlog.files_of_a_run`): writing there would replace its
+    checkpoints and options and mix its rows with the new run's. Workers torchrun restarted after a failure
+    continue their own first attempt's folder, which this does not refuse."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    found = files_of_a_run(folder)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(f"{option} {folder} holds another run ({shown}): nothing was written; choose a new folder, "
+                          f"or continue that run with {continue_with} --restore-path {folder}")
 
 
 def check_run_name(name: str, log_dir: str, suffix: str | None) -> None:

@@ -30,8 +30,8 @@ from cnns.devices import resolve_device
 from cnns.deploy.graphs import export_pt2, load_compiled
 from cnns.deploy.restored import build_inference_model, inference_batch, inference_dtype_and_std
 from cnns.engine.validation import latency_line
-from cnns.errors import CnnsError
-from cnns.files import write_atomically
+from cnns.errors import CnnsError, ConfigError
+from cnns.files import check_output, write_atomically
 
 
 def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
@@ -66,6 +66,23 @@ _DESCRIBED = {"model": "model", "batch": "batch size", "image_size": "image size
 
 def _description_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
+
+
+def compiled_here(path: Path) -> bool:
+    """Whether cnns compiled the package at `path`: it writes the package's description beside every one."""
+    return _description_path(path).is_file() and not _description_path(path).is_symlink()
+
+
+def claim_artefact(path: Path, checkpoint: Path | None) -> None:
+    """--artefact-path is a cache this command may replace only where it compiled what is there: any other file
+    (a run's checkpoint, say) is refused in one line before anything is compiled or written, as is the checkpoint
+    the weights come from."""
+    if (path.exists() or path.is_symlink()) and not compiled_here(path):
+        raise ConfigError(f"--artefact-path {path} exists and is not a package cnns compiled (no "
+                          f"{_description_path(path).name} beside it): it is left as it is; give another path")
+    reads = [checkpoint] if checkpoint is not None else []
+    check_output(path, reads, overwrite=True, option="--artefact-path")
+    check_output(_description_path(path), reads, overwrite=True, option="--artefact-path")
 
 
 def compiled_for_other_options(path: Path, description: dict[str, Any]) -> list[str]:
@@ -163,6 +180,7 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
     if path.exists() and not stale and not force_recompile:
         print(f"Loading the compiled model from {path}")
     else:
+        claim_artefact(path, checkpoint)
         model = build_inference_model(cfg, checkpoint, device)
         print(f"Total Parameters:{sum(p.numel() for p in model.parameters())}")
         start = time.perf_counter()
@@ -177,8 +195,11 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
     try:
         runner = load_compiled(path, device)
     except Exception as exc:  # a foreign or truncated file: one clear line
-        raise CnnsError(f"cannot load the compiled model {path}: {str(exc).splitlines()[0][:200]}"
-                        " (use --force-recompile)") from None
+        reason = str(exc).splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if not compiled_here(path):  # not cnns's to replace: --force-recompile would be refused
+            raise CnnsError(f"cannot load {path} as a compiled model ({reason}); cnns did not compile it (no "
+                            f"{_description_path(path).name} beside it): give another --artefact-path") from None
+        raise CnnsError(f"cannot load the compiled model {path}: {reason} (use --force-recompile)") from None
     return _measure(runner, images.to(device), iterations=cfg.train.iterations, device=device)
 
 

@@ -20,7 +20,7 @@ What it does, step by step:
   ``torchvision.io.decode_image`` to RGB, PIL for the rest, via `cnns.data.imagefolder.decode_rgb`)
   or a folder, which means every image file under it (by extension, recursively, hidden entries
   skipped), sorted by path. A file is read only if it is a regular file no larger than ``--max-file-size``
-  (1 GiB by default), and read no further (`cnns.data.bounded`): a FIFO, a device (a symlink to
+  (1 GiB by default), and read no further (`cnns.bounded`): a FIFO, a device (a symlink to
   /dev/zero), a sparse 20 GB ``.jpg`` are never read. What the file system shows before anything runs
   stops the command in one line (`CnnsError`, exit 2): a missing path, an image argument that is not a
   regular file or is larger than the limit, a folder without images (a directory named ``x.jpg`` is a
@@ -70,7 +70,7 @@ from cnns.errors import ConfigError, DataError
 def image_files(arguments: Sequence[str], size_limit: int | None = None) -> list[Path]:
     """The files to predict: files as given, each a regular file within `size_limit` (--max-file-size), and
     folders as their image files (recursive, sorted; checked as they are read)."""
-    from cnns.data.bounded import check_regular_file
+    from cnns.bounded import check_regular_file
     from cnns.data.imagefolder import IMAGE_EXTENSIONS
 
     files: list[Path] = []
@@ -133,7 +133,7 @@ def _failure_reason(error: Exception, path: Path) -> str:
 def decoded_images(files: Sequence[Path], transform,
                    size_limit: int | None = None) -> Iterator[tuple[Path, torch.Tensor | None]]:
     """(path, uint8 HWC image) per file, or (path, None) after naming the failure on stderr."""
-    from cnns.data.bounded import UnreadableFile, read_bounded
+    from cnns.bounded import UnreadableFile, read_bounded
     from cnns.data.imagefolder import decode_rgb
 
     for path in files:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
+from cnns.commands.checks import check_data_before_writing, check_holds_no_run, check_supported, check_writable
 from cnns.commands.splits import model_to_plan
 from cnns.config import RunConfig
 from cnns.engine.evaluate import EvalResult, evaluate
@@ -32,13 +32,17 @@ from cnns.runs import open_restore_path
 
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
     check_supported(cfg, trains=False)
-    folder = None  # the run folder validation.csv is added to (none for a random model)
+    folder = None  # the run folder validation.csv is added to (for a random model, --logs-path's new folder)
     if restore_path:
         target = open_restore_path(restore_path)
         target.checkpoints()  # a run without any is one line before the data is looked at
         check_data_before_writing(cfg, train=False, evaluation=True)
         folder = target.run.path
         check_writable(folder, f"--restore-path {restore_path}")
+    elif cfg.log.logs_path:  # a random model's lines and validation.csv go to a new folder, like a new run's
+        folder = Path(cfg.log.logs_path)
+        check_holds_no_run(folder, "--logs-path", continue_with="validation.py")
+        folder.mkdir(parents=True, exist_ok=True)
     with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
         if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
             return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
@@ -96,9 +100,7 @@ def _nominal_train_images(cfg: RunConfig) -> int:
 def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:
     """Graphcore's application's inference benchmark: no checkpoint, `--repeat` passes over generated data.
     With --logs-path the writer keeps its lines and validation.csv there, which `cnns benchmark` reads."""
-    folder = Path(cfg.log.logs_path) if cfg.log.logs_path and world.is_writer else None
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(cfg.log.logs_path) if cfg.log.logs_path and world.is_writer else None  # locked by validate()
     log = RunLog(folder, quiet=not world.is_writer)
     for notice in notices:
         log.notice(notice)

@@ -15,13 +15,83 @@ from typing import Any
 
 import yaml
 
+from cnns.bounded import UnreadableFile, read_bounded
 from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
 from cnns.errors import ConfigError
+
+# configs.yml is about 10 KB and a benchmark list a few; a YAML file a command reads is refused above these.
+YAML_FILE_LIMIT = 1 << 20
+# The values a YAML document may stand for once its aliases are expanded: a nested alias makes a 1 KB file stand for
+# a billion values, which anything that walks or prints it (an error message's repr) would build.
+YAML_EXPANDED_LIMIT = 100_000
 
 REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs.yml"
 
 # ----------------------------------------------------------------------------------------------
-# configs.yml
+# YAML files: configs.yml and benchmark lists
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """The YAML document in `path` (a `what`, as messages name it), read bounded: ConfigError of one line when it is
+    missing, not a regular file of at most YAML_FILE_LIMIT bytes, not UTF-8, not YAML, or when its aliases expand
+    beyond YAML_EXPANDED_LIMIT values or refer to themselves."""
+    if not path.exists():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        text = read_bounded(path, YAML_FILE_LIMIT).decode("utf-8")
+    except UnreadableFile as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.reason}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        document = yaml.safe_load(text)
+    # PyYAML raises YAMLError for most bad text, but ValueError, TypeError or RecursionError from its
+    # constructors for some (an impossible date, a too deeply nested value): all mean "not valid YAML".
+    except Exception as exc:  # noqa: BLE001
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{what} {path} is not valid YAML: {reason[:200]}") from None
+    problem = _expansion_problem(document)
+    if problem:
+        raise ConfigError(f"{what} {path}: {problem}; not read")
+    return document
+
+
+class _SelfReference(Exception):
+    pass
+
+
+def _expansion_problem(document: Any) -> str | None:
+    """Why the document is refused once its aliases are counted as copies, or None. Each distinct list or mapping is
+    sized once (aliases share the object), so a billion-value document is sized in the time of its few nodes."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (list, dict)):
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _SelfReference
+        open_nodes.add(key)
+        total = 1
+        for child in (list(node.keys()) + list(node.values())) if isinstance(node, dict) else node:
+            total = min(total + size(child), YAML_EXPANDED_LIMIT + 1)
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        if size(document) > YAML_EXPANDED_LIMIT:
+            return (f"its aliases expand to more than {YAML_EXPANDED_LIMIT:,} values (nested aliases, "
+                    "a 'billion laughs')")
+    except _SelfReference:
+        return "an alias refers to the value that holds it (a recursive document)"
+    except RecursionError:
+        return "its values are nested too deeply"
+    return None
+
 
 
 def default_configs_path() -> Path:
@@ -37,21 +107,7 @@ def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[
     ConfigError, naming the file, when it cannot be read, is not YAML, is not a mapping of
     configuration names to mappings of options, or gives an option a value of the wrong type."""
     path = Path(path) if path else default_configs_path()
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"configuration file not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"configuration file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    try:
-        configs = yaml.safe_load(text)
-    # PyYAML raises YAMLError for most bad text, but ValueError, TypeError or RecursionError from its
-    # constructors for some (an impossible date, a too deeply nested value): all mean "not valid YAML".
-    except Exception as exc:  # noqa: BLE001
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"configuration file {path} is not valid YAML: {reason}") from None
+    configs = read_yaml(path, "configuration file")
     if not isinstance(configs, dict):
         raise ConfigError(f"configuration file {path} does not map configuration names to options")
     if name not in configs:
@@ -114,7 +170,13 @@ def _kind_name(kinds: tuple[type, ...]) -> str:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    """A value as a message shows it: a few items and levels at most, never the whole of a large value."""
+    import reprlib
+
+    shown = reprlib.Repr()  # attributes, not keywords: Python 3.10 and 3.11 take none
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxtuple, shown.maxset = 2, 4, 4, 4, 4
+    shown.maxstring = shown.maxother = 40
+    text = shown.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -106,7 +106,7 @@ def check_imagenet_files(folder: Path, splits: list[str], batch: TrainingBatch, 
     """TFRecord shards or a folder tree of images, whichever the folder holds; with `decode`, the first image of
     each split is read (within `size_limit`, --max-file-size) and decoded. Without it (--skip-corrupt-images) a
     folder tree's first image is not read: training leaves it out if it cannot be read."""
-    from cnns.data.bounded import read_bounded
+    from cnns.bounded import read_bounded
     from cnns.data.imagefolder import decode_rgb
     from cnns.data.imagenet import detect_imagenet
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cnns.data.bounded import check_regular_file, open_regular_file
+from cnns.bounded import check_regular_file, open_regular_file
 from cnns.errors import DataError
 from cnns.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
 

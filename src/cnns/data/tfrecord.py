@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from cnns.data.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
+from cnns.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
 from cnns.errors import DataError
 from cnns.files import write_atomically
 
@@ -54,7 +54,7 @@ def find_shards(folder: str | os.PathLike, split: str) -> list[Path]:
     for candidate in (root, root / "imagenet-data"):
         if not candidate.is_dir():
             continue
-        # Whatever each is: one that is not a regular file is named when it is indexed (cnns.data.bounded).
+        # Whatever each is: one that is not a regular file is named when it is indexed (cnns.bounded).
         shards = [p for p in candidate.iterdir() if pattern.fullmatch(p.name)]
         if shards:
             return sorted(shards, key=lambda p: int(pattern.fullmatch(p.name).group(1)))

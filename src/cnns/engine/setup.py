@@ -10,6 +10,7 @@ pipelined run call `set_up(..., train=False)`, so every command builds the same 
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +132,12 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     return setup
 
 
-# Ctrl-C (SIGINT) ends with 130 wherever it lands, as a shell expects of an interrupted command (so that
-# `train.py ... && next` stops); SIGTERM is a scheduler's request to save and stop, which ends cleanly (0).
-INTERRUPTED_EXIT_CODES = {"SIGINT": 130}
+def interrupted_exit_code(signal_name: str) -> int:
+    """128 + the signal's number (130 for SIGINT, 143 for SIGTERM; SPEC §8), after the checkpoint and the line saying
+    how to continue: a scheduler or launcher sees a run that did not finish, and `train.py ... && next` stops. A
+    process stopped because another process of its run got the signal ends as for SIGTERM."""
+    number = signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else signal.SIGTERM
+    return 128 + int(number)
 
 
 def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_folder: Path | None = None,
@@ -171,7 +175,7 @@ def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_fold
         if result.interrupted_by:
             log.print(f"Training interrupted by {result.interrupted_by} at iteration {result.final_iteration}; "
                       f"checkpoint saved. Continue with: python restore.py --restore-path {folder}")
-            return INTERRUPTED_EXIT_CODES.get(result.interrupted_by, 0)
+            return interrupted_exit_code(result.interrupted_by)
         start = time.perf_counter()
         trained_images = (result.final_iteration - start_iteration) * cfg.train.global_batch_size
         _after_training(cfg, setup, checkpointer, log, folder, trained_images)

@@ -66,9 +66,9 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
             return 1
         return failure.exitcode  # the worker printed its own one-line error
     except SignalException as exc:
-        # The agent forwarded the signal; the workers checkpointed and said how to continue. Ctrl-C ends with
-        # 130 as one process does (`cnns.engine.setup.INTERRUPTED_EXIT_CODES`), SIGTERM cleanly.
-        return 0 if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+        # The agent forwarded the signal; the workers checkpointed and said how to continue. 128 + the signal's
+        # number, as one process ends (`cnns.engine.setup.interrupted_exit_code`).
+        return 128 + int(exc.sigval)
     finally:
         os.environ.pop(LAUNCHER_ENV, None)
 

@@ -8,7 +8,8 @@ x.jpg, a sparse 20 GB file (one read() of it is a MemoryError). So a data file i
 * opened with O_NONBLOCK, and checked again on the open descriptor (fstat), so a file swapped for a FIFO between
   the stat and the open can neither block the open nor be read;
 * refused when it is larger than the limit (`--max-file-size`, DEFAULT_FILE_SIZE_LIMIT), before a byte is read;
-* read no further than the limit plus one byte, so a file that grows after the stat is still bounded.
+* read for the size it has (plus one byte, to see it grew), and no further than the limit plus one byte, so a file
+  that grows after the stat is still bounded and a small file reserves no more memory than it holds.
 
 Each refusal is an `UnreadableFile` (a DataError): one line naming the file and the reason.
 """
@@ -117,7 +118,13 @@ def read_bounded(path: str | os.PathLike, limit: int | None = None) -> bytes:
     limit = file_size_limit(limit)
     with open_regular_file(path, limit) as file:
         try:
-            data = file.read(limit + 1)  # the stat's size is not trusted: the file may have grown since
+            # What the file holds now, plus one byte that shows whether it grew since: the stat's size is not
+            # trusted, but asking read() for the whole limit would make Python reserve the limit (1 GiB by
+            # default) for every small image, and fail outright under an address-space limit below it.
+            expected = os.fstat(file.fileno()).st_size
+            data = file.read(min(expected, limit) + 1)
+            if len(data) > expected and len(data) <= limit:  # it grew: read on, still no further than the limit
+                data += file.read(limit + 1 - len(data))
         except OSError as error:
             raise UnreadableFile(path, error.strerror or str(error)) from None
     if len(data) > limit:

@@ -1,0 +1,148 @@
+"""How a command ends, whatever ends it: an exit code and at most one line on stderr, never a traceback.
+
+* a signal: SIGTERM and SIGINT end a command with 128 + the signal's number (143, 130), as SPEC §8 asks. Training
+  installs its own handlers (`cnns.engine.loop.StopRequest`: finish the update, checkpoint, say how to continue);
+  everywhere else (validation, averaging, export, ...) the signal ends the command where it is, with one line.
+  Writes are atomic (`cnns.files`), so what a command leaves is whole;
+* a reader that went away (`train.py ... | head -1`: a broken pipe on stdout) ends the command quietly with
+  128 + SIGPIPE, as a program killed by SIGPIPE does; a closed stdout or stderr (`>&-`) is /dev/null, so a
+  finished run exits 0, and no file the command opens takes its descriptor (a C library writing to fd 1
+  would write into it);
+* running out of memory: one line naming what to lower;
+* a peer process that died inside a collective: one line (`cnns.parallel.world.peer_failure`);
+* anything else is a bug: one line naming the error and where it happened, and the traceback in a file the line
+  names; exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Terminated(BaseException):
+    """A signal that ends the command where it is (outside training's own handlers), like KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def make_standard_streams_safe() -> None:
+    """Descriptors 0-2 are open (on /dev/null where the caller closed them) and sys.stdout/stderr are files."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # the lowest free descriptor is taken: it is `fd` unless a lower one is closed too
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
+@contextmanager
+def signals_end_the_command() -> Iterator[None]:
+    """SIGTERM raises Terminated (SIGINT raises KeyboardInterrupt, Python's own) for the command's span."""
+    def terminate(signum, frame):
+        raise Terminated(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def say(line: str, code: int) -> int:
+    """`line` on stderr (nothing if stderr is gone), and the exit code."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+    return code
+
+
+def ending_of(exc: BaseException, command: str) -> int:
+    """The exit code for an exception that ended the command (after the line it says, if any)."""
+    if isinstance(exc, SystemExit):
+        raise exc  # argparse's --help and usage errors end as they always have
+    if isinstance(exc, KeyboardInterrupt):
+        return say("error: interrupted", 128 + signal.SIGINT)
+    if isinstance(exc, Terminated):
+        return say(f"error: interrupted by {signal.Signals(exc.signum).name}", 128 + exc.signum)
+    if isinstance(exc, BrokenPipeError) or _is_a_closed_pipe(exc):
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
+    if out_of_memory(exc):
+        return say(f"error: out of memory ({_first_line(exc)}): lower --micro-batch-size (or --batch-size), "
+                   "--replicas or --pipeline-num-parallel", 1)
+    from cnns.parallel.world import launched, peer_failure
+
+    line = peer_failure(exc) if launched() and isinstance(exc, Exception) else None
+    if line is not None:
+        return say(f"error: {line}", 1)
+    return say(f"error: {type(exc).__name__}: {_first_line(exc)} at {_innermost_frame(exc)} (a bug in cnns {command}; "
+               f"the traceback is in {_write_traceback(exc)})", 1)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, torch's OutOfMemoryError (CUDA), or the CPU allocator's failure (a RuntimeError of its own)."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _is_a_closed_pipe(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == 32  # EPIPE raised as a plain OSError by some writers
+
+
+def _silence_stdout() -> None:
+    """The reader is gone: whatever is still buffered for stdout goes to /dev/null, so the interpreter's last flush
+    does not raise again on the way out."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:300] if text else "no message")
+
+
+def _innermost_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def _write_traceback(exc: BaseException) -> str:
+    """A new file holding the whole traceback; its path (or where it could not go)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="cnns-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w") as file:
+            file.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return path
+    except OSError as error:
+        return f"nowhere: {error.strerror or error}"

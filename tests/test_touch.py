@@ -1,0 +1,127 @@
+"""What a command may touch (`cnns.files`' rule, issue 52), as a table of hostile inputs over the commands.
+
+Each case builds its trap in a copy of a finished run (an existing run folder, a symbolic link planted in it, a
+checkpoint named as an output, a YAML bomb, an output over an input), runs the command as a user would, and checks
+what every case must hold: the exit code, exactly one line on stderr with the case's words and no traceback, and
+every file that existed before byte for byte the same (the run folder's and the files outside it a link points to).
+Removing any one guard turns its row red: the rows name the guard they hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import scripts
+
+ITERATIONS = 4
+
+
+@pytest.fixture(scope="module")
+def finished_run(shapes_cifar10, tmp_path_factory) -> Path:
+    """A ResNet-8 run of 4 updates with checkpoints at 0 and 4 and its validation.csv."""
+    data = shapes_cifar10("touch", train=64, test=16, seed=5)
+    folder = tmp_path_factory.mktemp("touch") / "run"
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--micro-batch-size", "16",
+                       "--iterations", str(ITERATIONS), "--ckpts-per-epoch", "1", "--logs-path", str(folder))
+    return folder
+
+
+@dataclass(frozen=True)
+class Case:
+    """A command line against a trap: `prepare(run, outside)` plants it (run: a copy of the finished run; outside: a
+    folder beside it holding a file a link may point to) and returns the command's arguments."""
+    command: str
+    prepare: Callable[[Path, Path], list[str]]
+    words: str  # in the one line on stderr
+    code: int = 2
+
+
+def _data(run: Path) -> str:
+    import json
+
+    return json.loads((run / "arguments.json").read_text())["data_dir"]
+
+
+def _link(path: Path, target: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.symlink_to(target)
+
+
+def _bomb(run: Path, outside: Path) -> Path:
+    levels = ['a: &a ["x","x","x","x","x","x","x","x","x","x"]']
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(8)]
+    path = outside / "bomb.yml"
+    path.write_text("\n".join(levels) + "\nquick: {epochs: *i}\n")
+    return path
+
+
+CASES = {
+    # A new run never writes into a folder that holds another run (commands/checks.check_holds_no_run).
+    "train.py over a finished run": Case("train.py", lambda run, out: [
+        "--dataset", "cifar-10", "--data-dir", _data(run), "--model-size", "8", "--iterations", "2",
+        "--logs-path", str(run)], "holds another run"),
+    "validation.py's random model over a finished run": Case("validation.py", lambda run, out: [
+        "--dataset", "cifar-10", "--model-size", "8", "--generated-data", "--logs-path", str(run)],
+        "holds another run"),
+    # An artefact cache replaces only what cnns compiled (commands/infer.claim_artefact).
+    "inference_embedded.py --force-recompile over a checkpoint": Case("inference_embedded.py", lambda run, out: [
+        "--restore-path", str(run), "--artefact-path", str(run / f"ckpt-{ITERATIONS}.pt"), "--force-recompile",
+        "--iterations", "1"], "is not a package cnns compiled"),
+    # An output never replaces what the command reads, nor an existing file unasked (files.check_output).
+    "cnns export over the checkpoint it reads": Case("export", lambda run, out: [
+        "--restore-path", str(run), "--format", "pt2", "--out", str(run / f"ckpt-{ITERATIONS}.pt"), "--overwrite"],
+        "which this command reads"),
+    "cnns plot over a run's CSV": Case("plot", lambda run, out: [str(run), "--out", str(run / "validation.csv")],
+                                       "which this command reads"),
+    "cnns bench-data --json over an existing file": Case("bench-data", lambda run, out: [
+        "--data-dir", _data(run), "--batches", "1", "--json", str(out / "precious.txt")], "exists: give --overwrite"),
+    # No write in a run folder follows a link the command did not make (files.may_write, runlock's O_NOFOLLOW).
+    "restore.py with training.csv linked outside": Case("restore.py", lambda run, out: (
+        _link(run / "training.csv", out / "precious.txt"), ["--restore-path", str(run)])[1], "is a symbolic link"),
+    "validation.py with validation.csv linked outside": Case("validation.py", lambda run, out: (
+        (run / f"ckpt-{ITERATIONS}.pt").rename(run / f"ckpt-{ITERATIONS + 4}.pt"),
+        _link(run / "validation.csv", out / "precious.txt"), ["--restore-path", str(run)])[2], "is a symbolic link"),
+    "validation.py with .lock linked outside": Case("validation.py", lambda run, out: (
+        _link(run / ".lock", out / "precious.txt"), ["--restore-path", str(run)])[1], "is a symbolic link"),
+    "weight_avg.py with log.txt linked outside": Case("weight_avg.py", lambda run, out: (
+        _link(run / "log.txt", out / "precious.txt"), ["--restore-path", str(run), "--no-validation"])[1],
+        "is a symbolic link"),
+    # Every input bounded before anything is written (config/files.read_yaml).
+    "train.py with a YAML bomb as its configuration file": Case("train.py", lambda run, out: [
+        "--config", "quick", "--config-path", str(_bomb(run, out)), "--logs-path", str(out / "new")], "billion laughs"),
+}
+
+
+def digest(*folders: Path) -> dict[str, str]:
+    """Every file below the folders (links as links), by content."""
+    found = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_symlink():
+                found[str(path)] = "-> " + os.readlink(path)
+            elif path.is_file():
+                found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_hostile_input_is_one_line_and_changes_no_existing_file(finished_run, tmp_path, capfd, name):
+    case = CASES[name]
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(finished_run, run)
+    outside.mkdir()
+    (outside / "precious.txt").write_text("a file this command must never change\n")
+    args = case.prepare(run, outside)
+    before = digest(run, outside)
+    out = scripts.run_here(capfd, case.command, *args, cwd=tmp_path, expect=case.code)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and case.words in lines[0] and lines[0].startswith("error: "), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert digest(run, outside) == before
