@@ -9,6 +9,7 @@ from cnns.errors import ConfigError
 from cnns.kernels import rounding
 from cnns.optim import (
     NORM_OR_BIAS,
+    OPTIMISERS,
     HalfPrecisionOptimiser,
     OptimiserSpec,
     build_optimiser,
@@ -215,7 +216,7 @@ def _gradients(model, step):
 def _make_half_optimiser(model, seed, offload_to=None):
     spec = OptimiserSpec("momentum", lr=0.05, momentum=0.9, weight_decay=1e-3)
     return HalfPrecisionOptimiser(
-        parameter_groups(model, spec.weight_decay),
+        parameter_groups(model, spec["weight_decay"]),
         lambda groups: build_optimiser(groups, spec),
         stochastic_rounding=True,
         seed=seed,
@@ -272,6 +273,41 @@ def test_offloaded_optimiser_state_updates_the_weights_identically(dtype):
     state = moved.state_dict()["inner"]["state"]
     assert all(s["momentum_buffer"].device.type == "cpu" and s["momentum_buffer"].dtype == torch.float32
                for s in state.values())
+
+
+@pytest.mark.parametrize("name", OPTIMISERS)
+def test_every_optimiser_updates_half_weights_by_its_float32_update_rounded_stochastically(name):
+    """16.16, for each optimiser of the registry: the wrapper keeps its state in float32 and writes back the update
+    it makes of float32 copies, rounded stochastically: one rounding of all the weights in the optimiser's order,
+    by the wrapper's generator. A float32 model updated by the same optimiser and rounded so gives bitwise the
+    same weights, step after step."""
+    half = _half_model(seed=0)
+    plain = _half_model(seed=0).float()  # the same weights (bfloat16 values are float32 values)
+    spec = OptimiserSpec(name, lr=0.05, weight_decay=1e-2)
+    wrapped = HalfPrecisionOptimiser(parameter_groups(half, 1e-2), lambda groups: build_optimiser(groups, spec),
+                                     stochastic_rounding=True, seed=5)
+    inner = build_optimiser(parameter_groups(plain, 1e-2), spec)
+    order = [p for group in parameter_groups(plain, 0.0) for p in group["params"]]
+    half_order = [p for group in parameter_groups(half, 0.0) for p in group["params"]]
+    generator = torch.Generator().manual_seed(5)
+    for step in range(3):
+        for param, other, grad in zip(half.parameters(), plain.parameters(), _gradients(half, step)):
+            param.grad = grad.to(torch.bfloat16)
+            other.grad = param.grad.float()
+        wrapped.step()
+        inner.step()
+        rounded = stochastic_round(torch.cat([p.detach().reshape(-1) for p in order]), torch.bfloat16, generator)
+        with torch.no_grad():
+            for param, piece in zip(order, rounded.split([p.numel() for p in order])):
+                param.copy_(piece.view(param.shape))  # the half weights are the truth
+        for param, other in zip(half_order, order):
+            assert param.dtype == torch.bfloat16
+            assert torch.equal(param.view(torch.int16), other.to(torch.bfloat16).view(torch.int16)), (name, step)
+    state = [value for entry in wrapped.state_dict()["inner"]["state"].values() for value in entry.values()]
+    assert state or OPTIMISERS[name].state_per_parameter == 0
+    assert all(value.dtype == torch.float32 for value in state if torch.is_tensor(value) and value.is_floating_point())
+    assert sum(value.numel() for value in state if torch.is_tensor(value) and value.dim() > 0) == \
+        OPTIMISERS[name].state_per_parameter * sum(p.numel() for p in half.parameters())
 
 
 def test_set_lr_reaches_the_inner_optimiser():
@@ -385,7 +421,7 @@ def test_lars_scales_weights_by_trust_ratio_and_skips_norms_and_biases(lars_weig
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     spec = OptimiserSpec("LARS", lr=lr, momentum=0.9, lars_eeta=eeta, lars_epsilon=eps,
                          lars_weight_decay=lars_weight_decay, weight_decay=0.5)
-    optimiser = build_optimiser(parameter_groups(net, spec.weight_decay), spec)
+    optimiser = build_optimiser(parameter_groups(net, spec["weight_decay"]), spec)
     grads = _set_grads(net, seed=2)
     optimiser.step()
 

@@ -1,29 +1,34 @@
-"""Optimisers of the original IPU CNN training application, built from maintained implementations.
+"""The optimisers, each declared once in one registry, and `HalfPrecisionOptimiser` for 16.16.
 
-* ``SGD``       — ``torch.optim.SGD`` without momentum;
-* ``momentum``  — ``torch.optim.SGD`` with momentum (TensorFlow's ``MomentumOptimizer`` has the same
-  update: ``m = mu * m + g; w -= lr * m``);
-* ``RMSprop``   — ``timm.optim.RMSpropTF``: TensorFlow's RMSProp, with epsilon inside the square root,
-  the mean square initialised to 1, and the learning rate accumulated in the momentum buffer;
-* ``LARS``      — ``timm.optim.Lars`` with the original's trust ratio
-  ``eeta * ||w|| / (||g|| + wd * ||w|| + eps)``.
+**The registry.** Each optimiser is one `OptimiserInfo` (as timm declares its own in
+`timm/optim/_optim_factory.py`): its name, its recipe (a maintained implementation's class, the parameter
+groups and the arguments it is built with), the options it reads with their defaults and help, the defaults
+it gives other options (its learning-rate exponent and weight decay per model family), its rules, its state
+per parameter and how the run's header names it. Everything else reads the entries: the option table (the
+`--optimiser` choices, each option's flag and help, which option is unused with which optimiser),
+`cnns.config.defaults` (every default), `--print-config`, the memory estimate and the builders below. An
+optimiser is added as its entry, at the end of "The entries", each said there in a line or two.
 
-Weight decay is an L2 term added to the gradient (``g + wd * w``), as in the original, and never
-touches parameters with one dimension or fewer: normalisation scales and shifts and every bias.
+No optimiser decays parameters with one dimension or fewer: normalisation scales and shifts and every bias
+(`parameter_groups`).
 
-For 16.16 training (half-precision weights, no float32 master copy) wrap any of these in
-:class:`HalfPrecisionOptimiser`, which rounds each update back to the half type stochastically.
+For 16.16 training (half-precision weights, no float32 master copy) any of them is wrapped in
+:class:`HalfPrecisionOptimiser`, which keeps its state in float32 and rounds each update back to the half
+type stochastically.
+
+timm's optimisers are imported when one is built, not with this module: the option table reads the registry,
+and `--help` or a configuration check should not wait for timm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
-from timm.optim import Lars, RMSpropTF
 
 from cnns.errors import ConfigError
 from cnns.stochastic_rounding import HALF_TYPES, stochastic_round
@@ -32,48 +37,280 @@ from cnns.stochastic_rounding import HALF_TYPES, stochastic_round
 # LARS leaves them out of the trust ratio (the original's --lars-skip-list 'beta', 'gamma', 'bias').
 NORM_OR_BIAS = "norm_or_bias"
 
-_CANONICAL_NAMES = {"sgd": "SGD", "momentum": "momentum", "rmsprop": "RMSprop", "lars": "LARS"}
+# --------------------------------------------------------------------------------------------
+# The registry's parts: options, entries
+# --------------------------------------------------------------------------------------------
+
+# The model families whose defaults differ, as `cnns.config.defaults.family` names a run's: any model on
+# CIFAR-sized data, and on ImageNet the ResNets (ResNeXts too) and the EfficientNets.
+FAMILIES = {"cifar": "CIFAR-sized data", "resnet": "ImageNet ResNets", "efficientnet": "ImageNet EfficientNets"}
+
+# A default: one value, one per family (a family left out has none), or None (none).
+Default = Union[float, Mapping[str, float], None]
+
+
+def default_in(default: Default, family: str) -> float | None:
+    """The value of `default` for a run of `family`."""
+    return default.get(family) if isinstance(default, Mapping) else default
 
 
 @dataclass(frozen=True)
-class OptimiserSpec:
-    """Choice and hyper-parameters of the optimiser (defaults are the original's).
+class OptimiserOption:
+    """An option some optimisers read (besides the learning rate, which every one reads): a float, spelled
+    ``--`` + dest with dashes. `within`: the values it takes, an interval ("[0, 1)", "(0, inf)"; None: any).
+    `default`: see `Default`. `derive`: its value computed from the other resolved options where it is not
+    given, before `default` applies (None from it: nothing derived)."""
 
-    ``name`` is case-insensitive. ``momentum`` is used by ``momentum``, ``RMSprop`` and ``LARS``
-    (as in the original, one --momentum serves all three). ``lars_weight_decay`` of ``None`` means
-    "same as ``weight_decay``", the original's rule for --lars-weight-decay.
+    dest: str
+    help: str
+    within: str | None
+    default: Default = None
+    derive: Callable[[Mapping[str, Any]], float | None] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    def check(self, value: float) -> None:
+        """ConfigError naming the option when `value` is outside `within`."""
+        if self.within is None:
+            return
+        low, high = (float(end) for end in self.within[1:-1].split(","))
+        above = value > low if self.within[0] == "(" else value >= low
+        below = value < high if self.within[-1] == ")" else value <= high
+        if not (above and below):
+            raise ConfigError(f"{self.flag} must be in {self.within}, got {value}")
+
+
+# A recipe: (the optimiser's class, its parameter groups, its keyword arguments) from the parameter groups of
+# `parameter_groups` (or one plain group) and the spec. `build_optimiser` builds it; --rts hands the same to
+# torch's ZeroRedundancyOptimizer.
+Recipe = Callable[[list[dict], "OptimiserSpec"], tuple[type, list[dict], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class OptimiserInfo:
+    """One optimiser, all that the rest of the package knows of it.
+
+    * `name`: as ``--optimiser`` and arguments.json spell it (any case is accepted, and the `aliases`);
+    * `recipe`: how it is built (`Recipe`), from a maintained implementation;
+    * `shared`: the options of `SHARED_OPTIONS` it reads; `options`: the options only it reads, declared here;
+    * `defaults`: its defaults of other options, which win over theirs (the learning-rate exponent
+      ``base_learning_rate_exponent``, its weight decay), each a `Default`;
+    * `rules`: applied to the resolved options once every default is in (values derived from others,
+      refusals of what it cannot do), or None;
+    * `state_per_parameter`: the tensors of a parameter's size it keeps (float32), for the memory estimate;
+    * `summary`: how the run's header names it, a format string over the resolved options.
+    """
+
+    name: str
+    recipe: Recipe
+    state_per_parameter: int
+    summary: str
+    shared: tuple[str, ...] = ()
+    options: tuple[OptimiserOption, ...] = ()
+    defaults: Mapping[str, Default] = field(default_factory=dict)
+    rules: Callable[[dict[str, Any]], None] | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every option it reads besides the learning rate."""
+        return self.shared + tuple(option.dest for option in self.options)
+
+
+# Graphcore's application's L2 decay in each family.
+L2_DECAY = MappingProxyType({"cifar": 1e-6, "resnet": 1e-4, "efficientnet": 1e-5})
+
+SHARED_OPTIONS: dict[str, OptimiserOption] = {option.dest: option for option in (
+    OptimiserOption("momentum", "Momentum coefficient", "[0, 1)", 0.9),
+    OptimiserOption("weight_decay", "Weight decay, never of normalisation parameters or biases", "[0, inf)",
+                    L2_DECAY),
+)}
+
+OPTIMISERS: dict[str, OptimiserInfo] = {}  # by name, in the order registered (--help lists them so)
+OPTIONS: dict[str, OptimiserOption] = dict(SHARED_OPTIONS)  # every optimiser option by dest
+_BY_SPELLING: dict[str, str] = {}  # lower-case name or alias -> name
+
+
+def register(info: OptimiserInfo) -> OptimiserInfo:
+    """Add `info` to the registry; a name, alias or option that another entry has already is refused."""
+    spellings = [info.name.lower(), *(alias.lower() for alias in info.aliases)]
+    taken = [spelling for spelling in spellings if spelling in _BY_SPELLING]
+    unknown = [dest for dest in info.shared if dest not in SHARED_OPTIONS]
+    clashing = [option.dest for option in info.options if option.dest in OPTIONS]
+    if taken or unknown or clashing:
+        raise ValueError(f"optimiser {info.name}: names taken {taken}, unknown shared options {unknown}, "
+                         f"options declared already {clashing}")
+    OPTIMISERS[info.name] = info
+    OPTIONS.update((option.dest, option) for option in info.options)
+    _BY_SPELLING.update((spelling, info.name) for spelling in spellings)
+    return info
+
+
+def canonical_name(spelling: str) -> str | None:
+    """The registered name `spelling` means (any case, or an alias), or None."""
+    return _BY_SPELLING.get(str(spelling).lower())
+
+
+def optimiser_info(name: str) -> OptimiserInfo:
+    """The entry of optimiser `name` (any case, or an alias); ConfigError naming the choices."""
+    canonical = canonical_name(name)
+    if canonical is None:
+        raise ConfigError(f"unknown optimiser {name!r}; choose one of {', '.join(OPTIMISERS)}")
+    return OPTIMISERS[canonical]
+
+
+def option_users() -> dict[str, tuple[str, ...]]:
+    """Each optimiser option's dest -> the optimisers that read it, in the registry's order."""
+    return {dest: tuple(name for name, info in OPTIMISERS.items() if dest in info.reads) for dest in OPTIONS}
+
+
+@dataclass(frozen=True, init=False)
+class OptimiserSpec:
+    """The optimiser to build: its registered name, the learning rate and its options' values (`spec[dest]`).
+
+    An option not given takes its default where that is one value, else it is None: `weight_decay` None
+    decays nothing, `lars_weight_decay` None is `weight_decay` (the original's rule). A run's spec gives
+    every option (`cnns.config.run.OptimConfig.settings`, resolved by `cnns.config.defaults`).
     """
 
     name: str
     lr: float
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    rmsprop_decay: float = 0.9
-    rmsprop_epsilon: float = 1e-3
-    lars_eeta: float = 0.001
-    lars_epsilon: float = 0.0
-    lars_weight_decay: float | None = None
+    settings: Mapping[str, float | None]
 
-    def __post_init__(self) -> None:
-        if self.name.lower() not in _CANONICAL_NAMES:
-            raise ConfigError(
-                f"unknown optimiser {self.name!r}; choose one of {', '.join(_CANONICAL_NAMES.values())}"
-            )
-        _require(self.lr >= 0, f"learning rate must be >= 0, got {self.lr}")
-        _require(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
-        _require(self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}")
-        _require(0 <= self.rmsprop_decay < 1, f"RMSprop decay must be in [0, 1), got {self.rmsprop_decay}")
-        _require(self.rmsprop_epsilon >= 0, f"RMSprop epsilon must be >= 0, got {self.rmsprop_epsilon}")
-        _require(self.lars_eeta > 0, f"LARS eeta must be > 0, got {self.lars_eeta}")
-        _require(self.lars_epsilon >= 0, f"LARS epsilon must be >= 0, got {self.lars_epsilon}")
-        _require(
-            self.lars_weight_decay is None or self.lars_weight_decay >= 0,
-            f"LARS weight decay must be >= 0, got {self.lars_weight_decay}",
-        )
+    def __init__(self, name: str, lr: float, **settings: float | None) -> None:
+        info = optimiser_info(name)
+        unknown = sorted(set(settings) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown optimiser options {unknown}; the options are {', '.join(OPTIONS)}")
+        _require(lr >= 0, f"learning rate must be >= 0, got {lr}")
+        values: dict[str, float | None] = {}
+        for dest, option in OPTIONS.items():
+            value = settings.get(dest)
+            if value is None and not isinstance(option.default, Mapping):
+                value = option.default
+            if value is not None:
+                option.check(value)
+            values[dest] = value
+        object.__setattr__(self, "name", info.name)
+        object.__setattr__(self, "lr", lr)
+        object.__setattr__(self, "settings", MappingProxyType(values))
+
+    def __getitem__(self, dest: str) -> float | None:
+        return self.settings[dest]
 
     @property
-    def canonical_name(self) -> str:
-        return _CANONICAL_NAMES[self.name.lower()]
+    def info(self) -> OptimiserInfo:
+        return OPTIMISERS[self.name]
+
+
+# --------------------------------------------------------------------------------------------
+# The entries. Graphcore's application's four decay by an L2 term added to the gradient (g + wd * w).
+# --------------------------------------------------------------------------------------------
+
+# SGD: torch.optim.SGD without momentum (the seed's plain SGD).
+def _sgd(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
+    return torch.optim.SGD, groups, dict(lr=spec.lr, momentum=0.0, weight_decay=spec["weight_decay"] or 0.0)
+
+
+register(OptimiserInfo(
+    "SGD", _sgd, state_per_parameter=0, summary="SGD without momentum, weight decay {weight_decay:g}",
+    shared=("weight_decay",),
+    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -7.0}},
+))
+
+
+# momentum: torch.optim.SGD with momentum (TensorFlow's MomentumOptimizer has the same update:
+# m = mu * m + g; w -= lr * m).
+def _momentum(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
+    return torch.optim.SGD, groups, dict(lr=spec.lr, momentum=spec["momentum"],
+                                         weight_decay=spec["weight_decay"] or 0.0)
+
+
+register(OptimiserInfo(
+    "momentum", _momentum, state_per_parameter=1, summary="momentum {momentum:g}, weight decay {weight_decay:g}",
+    shared=("momentum", "weight_decay"),
+    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -11.0, "efficientnet": -10.0}},
+))
+
+
+# RMSprop: timm.optim.RMSpropTF, TensorFlow's RMSProp: epsilon inside the square root, the mean square
+# initialised to 1, and the learning rate accumulated in the momentum buffer.
+def _rmsprop(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
+    from timm.optim import RMSpropTF
+
+    return RMSpropTF, groups, dict(lr=spec.lr, alpha=spec["rmsprop_decay"], eps=spec["rmsprop_epsilon"],
+                                   momentum=spec["momentum"], weight_decay=spec["weight_decay"] or 0.0,
+                                   lr_in_momentum=True)
+
+
+def _rmsprop_decay_from_exponent(o: Mapping[str, Any]) -> float | None:
+    exponent = o.get("rmsprop_base_decay_exp")
+    if exponent is None:
+        return None
+    try:
+        return 1 - 2.0 ** exponent * o["global_batch_size"]
+    except OverflowError:
+        raise ConfigError(f"--rmsprop-base-decay-exp {exponent} is too large: 2^{exponent} overflows") from None
+
+
+register(OptimiserInfo(
+    "RMSprop", _rmsprop, state_per_parameter=2,  # TensorFlow's form: the mean square and the momentum
+    summary="RMSprop with momentum {momentum:g}, weight decay {weight_decay:g}",
+    shared=("momentum", "weight_decay"),
+    options=(
+        OptimiserOption("rmsprop_decay", "RMSprop decay", "[0, 1)", 0.9, derive=_rmsprop_decay_from_exponent),
+        OptimiserOption("rmsprop_base_decay_exp", "RMSprop decay = 1 - 2^N x global batch size, where "
+                        "--rmsprop-decay is not given", None),
+        OptimiserOption("rmsprop_epsilon", "RMSprop epsilon, inside the square root", "[0, inf)", 0.001),
+    ),
+    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -14.0},
+              "rmsprop_base_decay_exp": {"efficientnet": -14.0}},
+))
+
+
+# LARS: timm.optim.Lars with the original's trust ratio eeta * ||w|| / (||g|| + wd * ||w|| + eps), norm
+# parameters and biases left out of it (the original's --lars-skip-list).
+def _lars(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
+    """Per-group LARS switches: timm's Lars reads ``weight_decay`` and ``always_adapt`` per group. Groups
+    marked ``NORM_OR_BIAS`` get neither trust ratio nor decay (plain momentum SGD, as the original's skip
+    list); every other group gets the trust ratio and ``lars_weight_decay`` in place of its own decay. With
+    ``weight_decay`` 0 and ``always_adapt`` False, timm skips the trust ratio entirely; with ``always_adapt``
+    True it applies it even when the LARS decay is 0, as the original did."""
+    from timm.optim import Lars
+
+    decay = spec["weight_decay"] if spec["lars_weight_decay"] is None else spec["lars_weight_decay"]
+    lars_groups = []
+    for group in groups:
+        skipped = bool(group.get(NORM_OR_BIAS, False))
+        lars_groups.append({**group, "weight_decay": 0.0 if skipped else (decay or 0.0), "always_adapt": not skipped})
+    return Lars, lars_groups, dict(lr=spec.lr, momentum=spec["momentum"], trust_coeff=spec["lars_eeta"],
+                                   eps=spec["lars_epsilon"])
+
+
+def _lars_rules(o: dict[str, Any]) -> None:
+    if not o.get("lars_weight_decay"):  # the original's rule: no LARS decay of its own is --weight-decay's
+        o["lars_weight_decay"] = o["weight_decay"]
+
+
+register(OptimiserInfo(
+    "LARS", _lars, state_per_parameter=1,  # a momentum buffer
+    summary="LARS with momentum {momentum:g}, weight decay {lars_weight_decay:g}",
+    shared=("momentum",),  # it decays by --lars-weight-decay
+    options=(
+        OptimiserOption("lars_eeta", "LARS trust coefficient", "(0, inf)", 0.001),
+        OptimiserOption("lars_epsilon", "LARS epsilon", "[0, inf)", 0.0),
+        OptimiserOption("lars_weight_decay", "LARS weight decay (0: --weight-decay's)", "[0, inf)", L2_DECAY),
+    ),
+    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -7.0},
+              "weight_decay": 0.0},
+    rules=_lars_rules,
+))
+
+# --------------------------------------------------------------------------------------------
+# Building one
+# --------------------------------------------------------------------------------------------
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -106,12 +343,10 @@ def build_optimiser(params_or_groups: Iterable, spec: OptimiserSpec) -> torch.op
     """The optimiser ``spec`` names, over ``params_or_groups``.
 
     Groups keep their own ``weight_decay`` (see :func:`parameter_groups`); plain parameters get
-    ``spec.weight_decay``. For LARS, groups marked ``NORM_OR_BIAS`` get neither trust ratio nor decay
-    (plain momentum SGD, as the original's skip list), every other group gets the trust ratio and
-    ``lars_weight_decay`` in place of its own decay. ``foreach`` is left to the implementations, which
-    use the multi-tensor kernels wherever they exist (CUDA). On the CPU the per-parameter loop is
-    faster than foreach=True (docs/performance.md): each parameter's few
-    operations run while it is still in cache, where a foreach operation sweeps all of them each time.
+    ``spec["weight_decay"]``. ``foreach`` is left to the implementations, which use the multi-tensor kernels
+    wherever they exist (CUDA). On the CPU the per-parameter loop is faster than foreach=True
+    (docs/performance.md): each parameter's few operations run while it is still in cache, where a foreach
+    operation sweeps all of them each time.
     """
     cls, groups, arguments = optimiser_recipe(params_or_groups, spec)
     return cls(groups, **arguments)
@@ -132,36 +367,9 @@ def build_sharded_optimiser(params_or_groups: Iterable, spec: OptimiserSpec, gro
 
 
 def optimiser_recipe(params_or_groups: Iterable, spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
-    """(optimiser class, parameter groups, keyword arguments) of the optimiser ``spec`` names."""
-    groups = _as_groups(params_or_groups)
-    name = spec.canonical_name
-    if name == "SGD":
-        return torch.optim.SGD, groups, dict(lr=spec.lr, momentum=0.0, weight_decay=spec.weight_decay)
-    if name == "momentum":
-        return torch.optim.SGD, groups, dict(lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-    if name == "RMSprop":
-        return RMSpropTF, groups, dict(lr=spec.lr, alpha=spec.rmsprop_decay, eps=spec.rmsprop_epsilon,
-                                       momentum=spec.momentum, weight_decay=spec.weight_decay, lr_in_momentum=True)
-    return Lars, _lars_groups(groups, spec), dict(lr=spec.lr, momentum=spec.momentum, trust_coeff=spec.lars_eeta,
-                                                  eps=spec.lars_epsilon)
-
-
-def _lars_groups(groups: list[dict], spec: OptimiserSpec) -> list[dict]:
-    """Per-group LARS switches: timm's Lars reads ``weight_decay`` and ``always_adapt`` per group.
-
-    With ``weight_decay`` 0 and ``always_adapt`` False, timm skips the trust ratio entirely; with
-    ``always_adapt`` True it applies it even when the LARS decay is 0, as the original did.
-    """
-    lars_decay = spec.weight_decay if spec.lars_weight_decay is None else spec.lars_weight_decay
-    lars_groups = []
-    for group in groups:
-        skipped = bool(group.get(NORM_OR_BIAS, False))
-        lars_groups.append({
-            **group,
-            "weight_decay": 0.0 if skipped else lars_decay,
-            "always_adapt": not skipped,
-        })
-    return lars_groups
+    """(optimiser class, parameter groups, keyword arguments) of the optimiser ``spec`` names: its entry's
+    recipe."""
+    return spec.info.recipe(_as_groups(params_or_groups), spec)
 
 
 def _as_groups(params_or_groups: Iterable) -> list[dict]:

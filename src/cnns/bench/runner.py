@@ -161,8 +161,8 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
         "grad_accum": cfg.train.gradient_accumulation_count if mode == "train" else 1,
         "iterations": iterations, "log_freq": max(1, min(cfg.train.log_freq, iterations)), "repeat": repeat,
         "data_dir": cfg.data.data_dir if data == "cifar" else None, "workers": plain_loop_workers(entry.device),
-        "lr": cfg.optim.learning_rate, "momentum": cfg.optim.momentum if cfg.optim.optimiser != "SGD" else 0.0,
-        "weight_decay": cfg.optim.weight_decay, "device": entry.device,
+        "lr": cfg.optim.learning_rate, "momentum": cfg.optim.used("momentum") or 0.0,
+        "weight_decay": cfg.optim.used("weight_decay") or 0.0, "device": entry.device,
     }
     label = f"{m.arch}-{m.size} {m.image_size}px" + (f" on {entry.device}" if entry.device != "cpu" else "")
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,

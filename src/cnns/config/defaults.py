@@ -15,6 +15,7 @@ import math
 import os
 from typing import Any
 
+from cnns import optim
 from cnns.config.files import _option_actions
 from cnns.errors import ConfigError
 
@@ -71,19 +72,12 @@ def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
 def _model_defaults(o: dict[str, Any]) -> None:
     cifar = o["dataset"] in CIFAR_LIKE or o["dataset"] is None
     model = o["model"]
-    lars = o["optimiser"] == "LARS"
     if model == "efficientnet":
         size = str(o.get("model_size") or ("cifar" if cifar else "B0"))
         o["model_size"] = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
         _set_if_unset(o, "micro_batch_size", 8 if cifar else 4)
         if not cifar:
             _set_if_unset(o, "image_size", EFFICIENTNET_IMAGE_SIZES.get(o["model_size"], 224))
-        _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-5))
-        _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-5)
-        exponents = {"SGD": -7.0, "momentum": -10.0, "RMSprop": -14.0, "LARS": -7.0}
-        _set_if_unset(o, "base_learning_rate_exponent", -6.0 if cifar else exponents[o["optimiser"]])
-        if o["optimiser"] == "RMSprop" and not cifar:
-            _set_if_unset(o, "rmsprop_base_decay_exp", -14.0)
         if o["epochs"] is None and o["iterations"] is None:
             o["epochs"] = 300.0 if cifar else 350.0
         if not cifar and not o.get("label_smoothing"):
@@ -99,12 +93,6 @@ def _model_defaults(o: dict[str, Any]) -> None:
     default_size = ("29" if cifar else "50") if resnext else ("20" if cifar else "18")
     o["model_size"] = str(o.get("model_size") or default_size)
     _set_if_unset(o, "micro_batch_size", 32 if cifar else 4)
-    _set_if_unset(o, "weight_decay", 0.0 if lars else (1e-6 if cifar else 1e-4))
-    _set_if_unset(o, "lars_weight_decay", 1e-6 if cifar else 1e-4)
-    if cifar:
-        _set_if_unset(o, "base_learning_rate_exponent", -6.0)
-    else:
-        _set_if_unset(o, "base_learning_rate_exponent", {"momentum": -11.0}.get(o["optimiser"], -8.0))
     if o["epochs"] is None and o["iterations"] is None:
         o["epochs"] = 160.0 if cifar else 100.0
     _set_if_unset(o, "learning_rate_schedule", "0.5,0.75" if cifar else "0.3,0.6,0.8,0.9")
@@ -119,10 +107,6 @@ def _model_defaults(o: dict[str, Any]) -> None:
 GENERIC_DEFAULTS: dict[str, Any] = {
     "model": "resnet",
     "optimiser": "SGD",
-    "momentum": 0.9,
-    "rmsprop_epsilon": 0.001,
-    "lars_eeta": 0.001,
-    "lars_epsilon": 0.0,
     "lr_schedule": "stepped",
     "learning_rate_decay": 0.1,
     "warmup_epochs": 5.0,
@@ -192,8 +176,36 @@ def _power_of_two(exponent: float, option: str) -> float:
         raise ConfigError(f"{option} {exponent} is too large: 2^{exponent} overflows") from None
 
 
+def family(o: dict[str, Any]) -> str:
+    """The run's model family as the optimisers' defaults are given (`cnns.optim.FAMILIES`): any model on
+    CIFAR-sized data (or on data not yet known, whose model defaults were CIFAR's), else the ImageNet model."""
+    if o["dataset"] in CIFAR_LIKE or o["dataset"] is None:
+        return "cifar"
+    return "efficientnet" if o["model"] == "efficientnet" else "resnet"
+
+
+def _optimiser_defaults(o: dict[str, Any]) -> None:
+    """The optimiser's entry (`cnns.optim`) fills what is unset: its own defaults first (its learning-rate
+    exponent, its weight decay), then every optimiser option's derived value or default, then the entry's rules;
+    the options it reads are checked against their ranges."""
+    info = optim.optimiser_info(o["optimiser"])
+    run_family = family(o)
+    for dest, default in info.defaults.items():
+        _set_if_unset(o, dest, optim.default_in(default, run_family))
+    for dest, option in optim.OPTIONS.items():
+        if o.get(dest) is None and option.derive is not None:
+            o[dest] = option.derive(o)
+        _set_if_unset(o, dest, optim.default_in(option.default, run_family))
+    if info.rules is not None:
+        info.rules(o)
+    for dest in info.reads:
+        if o.get(dest) is not None:
+            optim.OPTIONS[dest].check(o[dest])
+
+
 def _training_defaults(o: dict[str, Any]) -> None:
     o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
+    _optimiser_defaults(o)
     if o.get("abs_learning_rate") is not None:
         if o["abs_learning_rate"] <= 0:
             raise ConfigError(f"--abs-learning-rate must be positive, got {o['abs_learning_rate']}")
@@ -206,12 +218,6 @@ def _training_defaults(o: dict[str, Any]) -> None:
         if power == 0 or not math.isfinite(o["learning_rate"]):
             raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
                               f"{o['learning_rate']}: choose one between about -1000 and 1000")
-    if o.get("rmsprop_base_decay_exp") is not None and o.get("rmsprop_decay") is None:
-        o["rmsprop_decay"] = 1 - _power_of_two(o["rmsprop_base_decay_exp"], "--rmsprop-base-decay-exp") * \
-            o["global_batch_size"]
-    _set_if_unset(o, "rmsprop_decay", 0.9)
-    if o["optimiser"] == "LARS" and not o.get("lars_weight_decay"):
-        o["lars_weight_decay"] = o["weight_decay"]
     for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
         if o.get(key) is not None and o[key] < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 import torch
 
 from cnns.config.defaults import CIFAR_LIKE, NUM_CLASSES, draw_seed
-from cnns.config.table import has_effect
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
+from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info
 from cnns.precision import PrecisionPolicy
 
 # ----------------------------------------------------------------------------------------------
@@ -110,15 +110,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    optimiser: str
+    optimiser: str  # a name of the optimisers' registry (`cnns.optim.OPTIMISERS`)
     learning_rate: float
-    momentum: float
-    weight_decay: float
-    rmsprop_decay: float
-    rmsprop_epsilon: float
-    lars_eeta: float
-    lars_epsilon: float
-    lars_weight_decay: float
+    # Every optimiser option's value by its dest (`cnns.optim.OPTIONS`), resolved; those `optimiser` does not
+    # read are there too, unused.
+    settings: Mapping[str, Any] = field(hash=False)
     lr_schedule: str
     warmup_epochs: float
     learning_rate_decay: float
@@ -130,17 +126,19 @@ class OptimConfig:
     poly_lr_end_ratio: float  # --abs-end-learning-rate is given as this ratio (`cnns.config.defaults`)
 
     @property
+    def info(self) -> OptimiserInfo:
+        """The optimiser's entry in the registry."""
+        return optimiser_info(self.optimiser)
+
+    @property
     def summary(self) -> str:
-        """The optimiser as it really updates: its momentum (none for SGD) and the weight decay it applies."""
-        values = dataclasses.asdict(self)
-        if not has_effect("momentum", values):
-            name = f"{self.optimiser} without momentum"
-        elif self.optimiser == "momentum":
-            name = f"momentum {self.momentum:g}"
-        else:
-            name = f"{self.optimiser} with momentum {self.momentum:g}"
-        decay = self.weight_decay if has_effect("weight_decay", values) else self.lars_weight_decay
-        return f"{name}, weight decay {decay:g}"
+        """The optimiser as it really updates (its entry's summary): its momentum (none for SGD) and the weight
+        decay it applies."""
+        return self.info.summary.format(**self.settings)
+
+    def used(self, dest: str) -> Any:
+        """An optimiser option's value where the optimiser reads it, else None."""
+        return self.settings[dest] if dest in self.info.reads else None
 
 
 @dataclass(frozen=True)
@@ -234,9 +232,8 @@ class RunConfig:
             init_path=o.get("init_path"), dataset_benchmark=bool(o.get("dataset_benchmark")),
         )
         optim = OptimConfig(
-            optimiser=o["optimiser"], learning_rate=o["learning_rate"], momentum=o["momentum"],
-            weight_decay=o["weight_decay"], rmsprop_decay=o["rmsprop_decay"], rmsprop_epsilon=o["rmsprop_epsilon"],
-            lars_eeta=o["lars_eeta"], lars_epsilon=o["lars_epsilon"], lars_weight_decay=o["lars_weight_decay"],
+            optimiser=o["optimiser"], learning_rate=o["learning_rate"],
+            settings=MappingProxyType({dest: o.get(dest) for dest in OPTIONS}),
             lr_schedule=o["lr_schedule"], warmup_epochs=o["warmup_epochs"] or 0.0,
             learning_rate_decay=o["learning_rate_decay"],
             learning_rate_schedule=parse_fractions(o["learning_rate_schedule"]),

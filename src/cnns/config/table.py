@@ -13,6 +13,9 @@ Defaults that depend on the dataset are left as ``None`` here and filled in by `
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+
+from cnns import optim
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
@@ -58,23 +61,16 @@ IPU_ONLY_OPTIONS = {
 MODELS = ("resnet", "resnext", "efficientnet")
 DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
-OPTIMISERS = ("SGD", "momentum", "RMSprop", "LARS")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 PRECISIONS = ("16.16", "16.32", "32.32")
 
 # Options that only some choices of another option use: dest -> (the choosing option's dest, the choices that
 # use it). With any other choice such an option changes nothing: --print-config shows it as null and a
-# command line that gives it gets one notice naming what would use it (`cnns.cli.parsing`).
-# tests/test_option_effects.py holds the optimiser rows to the optimisers `cnns.optim` builds.
+# command line that gives it gets one notice naming what would use it (`cnns.cli.parsing`). The optimisers'
+# rows are their registry's (`cnns.optim`: the options each entry reads); tests/test_option_effects.py holds
+# them to what each optimiser's recipe really reads.
 USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
-    "momentum": ("optimiser", ("momentum", "RMSprop", "LARS")),  # SGD is the seed's plain SGD
-    "weight_decay": ("optimiser", ("SGD", "momentum", "RMSprop")),  # LARS decays by --lars-weight-decay
-    "rmsprop_decay": ("optimiser", ("RMSprop",)),
-    "rmsprop_base_decay_exp": ("optimiser", ("RMSprop",)),
-    "rmsprop_epsilon": ("optimiser", ("RMSprop",)),
-    "lars_eeta": ("optimiser", ("LARS",)),
-    "lars_epsilon": ("optimiser", ("LARS",)),
-    "lars_weight_decay": ("optimiser", ("LARS",)),
+    **{dest: ("optimiser", users) for dest, users in optim.option_users().items()},
     "learning_rate_decay": ("lr_schedule", ("stepped",)),
     "learning_rate_schedule": ("lr_schedule", ("stepped",)),
     "lr_decay_rate": ("lr_schedule", ("exponential",)),
@@ -92,6 +88,30 @@ def has_effect(dest: str, options) -> bool:
         return True
     chooser, choices = USED_ONLY_WITH[dest]
     return options.get(chooser) in choices
+
+
+def default_help(dest: str) -> str:
+    """The defaults of an option that the optimisers' registry sets, as its help states them: the option's
+    own default, then each optimiser's own where the option is read by several (optimisers with one value
+    named together); per family where it differs."""
+    option = optim.OPTIONS.get(dest)
+    readers = [info for info in optim.OPTIMISERS.values() if option is None or dest in info.reads]
+    own: dict[str, list[str]] = {}
+    for info in readers:
+        if dest in info.defaults:
+            own.setdefault(_default_text(info.defaults[dest]), []).append(info.name)
+    parts = [_default_text(option.default)] if option is not None and option.default is not None else []
+    if len(readers) == 1 and not parts and own:
+        parts = list(own)
+    else:
+        parts += [f"{', '.join(names)}: {text}" for text, names in own.items()]
+    return f" (default {'; '.join(parts)})" if parts else ""
+
+
+def _default_text(default: optim.Default) -> str:
+    if not isinstance(default, Mapping):
+        return f"{default:g}"
+    return ", ".join(f"{default[family]:g} on {name}" for family, name in optim.FAMILIES.items() if family in default)
 
 
 def flag_of(dest: str) -> str:
@@ -228,7 +248,8 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", "--epoch", dest="epochs", type=float, help="Number of training epochs.")
     length.add_argument("--iterations", type=int, help="Number of weight updates (instead of --epochs).")
     group.add_argument("--base-learning-rate-exponent", "--base-learning-rate", dest="base_learning_rate_exponent",
-                       type=float, help="Learning rate = 2^N x global batch size.")
+                       type=float, help="Learning rate = 2^N x global batch size"
+                       f"{default_help('base_learning_rate_exponent')}.")
     group.add_argument("--abs-learning-rate", type=float, help="Learning rate, overriding the exponent rule.")
     group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule (default stepped).")
     group.add_argument("--warmup-epochs", type=float, help="Linear warm-up epochs (default 5; 0 = none).")
@@ -240,17 +261,11 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--poly-lr-decay-power", type=float, help="Polynomial schedule power (default 2).")
     group.add_argument("--poly-lr-end-ratio", type=float, help="Polynomial schedule: end lr as a fraction of the peak.")
     group.add_argument("--abs-end-learning-rate", type=float, help="Polynomial schedule: absolute end lr.")
-    group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=OPTIMISERS,
-                       type=lambda v: {o.lower(): o for o in OPTIMISERS}.get(v.lower(), v), help="Optimiser (default SGD).")
-    group.add_argument("--momentum", type=float, help="Momentum coefficient (default 0.9).")
-    group.add_argument("--rmsprop-decay", type=float, help="RMSprop decay (default 0.9).")
-    group.add_argument("--rmsprop-base-decay-exp", type=float,
-                       help="RMSprop decay = 1 - 2^N x global batch size (when --rmsprop-decay is not given).")
-    group.add_argument("--rmsprop-epsilon", type=float, help="RMSprop epsilon, inside the square root (default 0.001).")
-    group.add_argument("--lars-eeta", type=float, help="LARS trust coefficient (default 0.001).")
-    group.add_argument("--lars-epsilon", type=float, help="LARS epsilon (default 0).")
-    group.add_argument("--lars-weight-decay", type=float, help="LARS weight decay (default 0.0001).")
-    group.add_argument("--weight-decay", type=float, help="L2 weight decay, not on norms or biases.")
+    # The optimisers and their options: the registry's entries (`cnns.optim`).
+    group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=tuple(optim.OPTIMISERS),
+                       type=lambda v: optim.canonical_name(v) or v, help="Optimiser (default SGD).")
+    for dest, option in optim.OPTIONS.items():
+        group.add_argument(option.flag, type=float, help=f"{option.help}{default_help(dest)}.")
     group.add_argument("--label-smoothing", type=float, help="Label smoothing (default 0).")
     group.add_argument("--loss-scaling", type=float, help="Static loss scale (default 128 for float16, 1 otherwise).")
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,

@@ -66,11 +66,7 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
     """The run's optimiser; `shard_state` (--rts with replicas): its state sharded over the replicas
     (the processes of `replica_group`, every process when None)."""
     o = cfg.optim
-    spec = OptimiserSpec(
-        name=o.optimiser, lr=o.learning_rate, momentum=o.momentum, weight_decay=o.weight_decay,
-        rmsprop_decay=o.rmsprop_decay, rmsprop_epsilon=o.rmsprop_epsilon, lars_eeta=o.lars_eeta,
-        lars_epsilon=o.lars_epsilon, lars_weight_decay=o.lars_weight_decay,
-    )
+    spec = OptimiserSpec(o.optimiser, o.learning_rate, **o.settings)
     # One wrapper for every precision: float32 parameters are updated in place, half ones through a
     # float32 working copy rounded back (stochastically in 16.16 unless switched off).
     # The rounding generator has the same seed on every replica: the replicas round the same update
@@ -83,7 +79,7 @@ def build_optimiser_for(model: nn.Module, cfg: RunConfig, policy: PrecisionPolic
     # --offload-optimiser: on an accelerator the optimiser's state and working copies stay in host memory.
     on_accelerator = next((p.device.type != "cpu" for p in model.parameters()), False)
     return HalfPrecisionOptimiser(
-        parameter_groups(model, o.weight_decay), lambda groups: make_inner(groups, spec),
+        parameter_groups(model, o.settings["weight_decay"]), lambda groups: make_inner(groups, spec),
         stochastic_rounding=cfg.precision.stochastic_rounding and policy.half_weights, seed=seed + 7,
         offload_to=torch.device("cpu") if cfg.parallel.offload_optimiser and on_accelerator else None,
     )

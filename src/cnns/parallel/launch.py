@@ -31,9 +31,6 @@ SHUTDOWN_TIMEOUT_S = 300
 # imported), set a little under what real workers were measured to hold (docs/performance.md, "A worker's
 # memory"), so that the estimate stays a lower bound and refuses only what cannot fit.
 WORKER_FIXED_BYTES = 380 << 20
-# Optimiser state kept per parameter (cnns.optim): plain SGD (the seed's) none, momentum and LARS a momentum
-# buffer, RMSprop (TensorFlow's form) its mean square and momentum.
-OPTIMISER_STATE_PER_PARAMETER = {"SGD": 0, "momentum": 1, "LARS": 1, "RMSprop": 2}
 # The launcher's pid, in the environment of the workers `spawn_local_workers` starts.
 LAUNCHER_ENV = "CNNS_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -160,7 +157,7 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
     weight_bytes = parameters * (2 if half else 4)
     copies = 1  # the weights
     if trains:
-        state = OPTIMISER_STATE_PER_PARAMETER.get(cfg.optim.optimiser, 0)
+        state = cfg.optim.info.state_per_parameter  # its entry in the optimisers' registry (cnns.optim)
         copies += 1 + (state / cfg.parallel.replicas if cfg.parallel.rts else state)  # gradients, the state
     if trains and cfg.train.ema_decay:
         copies += 1
