@@ -49,6 +49,11 @@ def _data(run: Path) -> str:
     return json.loads((run / "arguments.json").read_text())["data_dir"]
 
 
+def _append_bytes(path: Path, data: bytes) -> None:
+    with open(path, "ab") as file:
+        file.write(data)
+
+
 def _link(path: Path, target: Path) -> None:
     path.unlink(missing_ok=True)
     path.symlink_to(target)
@@ -93,7 +98,17 @@ CASES = {
     "weight_avg.py with log.txt linked outside": Case("weight_avg.py", lambda run, out: (
         _link(run / "log.txt", out / "precious.txt"), ["--restore-path", str(run), "--no-validation"])[1],
         "is a symbolic link"),
+    # Every file read back from a run folder is one line, before anything is written (runlog.read_run_text).
+    "restore.py with training.csv in a foreign encoding": Case("restore.py", lambda run, out: (
+        _append_bytes(run / "training.csv", b"\xff\xfe"), ["--restore-path", str(run)])[1], "is not UTF-8 text"),
+    "validation.py with validation.csv in a foreign encoding": Case("validation.py", lambda run, out: (
+        _append_bytes(run / "validation.csv", b"\xff\xfe"), ["--restore-path", str(run)])[1], "is not UTF-8 text"),
+    "validation.py with arguments.json cut short": Case("validation.py", lambda run, out: (
+        (run / "arguments.json").write_bytes((run / "arguments.json").read_bytes()[:40]),
+        ["--restore-path", str(run)])[1], "is not valid JSON"),
     # Every input bounded before anything is written (config/files.read_yaml).
+    "cnns benchmark with a YAML bomb as its list": Case("benchmark", lambda run, out: [
+        "--spec", str(_bomb(run, out)), "--output-dir", str(out / "results")], "billion laughs"),
     "train.py with a YAML bomb as its configuration file": Case("train.py", lambda run, out: [
         "--config", "quick", "--config-path", str(_bomb(run, out)), "--logs-path", str(out / "new")], "billion laughs"),
 }

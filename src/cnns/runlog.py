@@ -24,7 +24,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Mapping
 
-from cnns.errors import WriteError
+from cnns.bounded import UnreadableFile, read_bounded
+from cnns.errors import CheckpointError, WriteError
 from cnns.files import append, declare_run_files, restore_size, size_before, write_atomically
 
 TRAINING_FILE, VALIDATION_FILE, LOG_FILE = "training.csv", "validation.csv", "log.txt"
@@ -199,13 +200,35 @@ def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "a
     write_atomically(Path(folder) / filename, text + "\n")
 
 
+def read_run_text(path: Path) -> str:
+    """A text file of a run folder (a CSV, arguments.json), read as every command reads one back: bounded (a regular
+    file, `cnns.bounded`) and UTF-8, or one line (CheckpointError) naming the file and what is wrong with it."""
+    try:
+        data = read_bounded(path)
+    except UnreadableFile as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): damaged, or not written "
+                              "by cnns; move it aside to go on") from None
+
+
+def check_logs_readable(folder: Path) -> None:
+    """The run's CSV files, which a continued run reads back (to set apart rows past its checkpoint, to skip what is
+    validated), read once before anything is written: a damaged one is one line with the folder as it was."""
+    for name in (TRAINING_FILE, VALIDATION_FILE):
+        if (folder / name).exists():
+            read_run_text(folder / name)
+
+
 def validated_names(folder: Path) -> set[str]:
     """Checkpoint names already in validation.csv (validation.py skips them)."""
     path = folder / VALIDATION_FILE
     if not path.exists():
         return set()
-    with open(path, newline="") as f:
-        return {row["name"] for row in csv.DictReader(f) if row.get("name")}
+    return {row["name"] for row in csv.DictReader(io.StringIO(read_run_text(path), newline=""))
+            if row.get("name")}
 
 
 def abandoned_file(path: Path) -> Path:
@@ -222,8 +245,7 @@ def set_apart_rows_after(path: Path, iteration: int) -> str | None:
     leave a row in both files, never in neither; a failed write leaves both files as they were."""
     if not path.is_file():
         return None
-    with open(path, newline="") as f:  # lines with their own endings (the csv module ends rows with \r\n)
-        lines = f.readlines()
+    lines = io.StringIO(read_run_text(path), newline="").readlines()  # with their own endings (rows end with \r\n)
     if not lines or "iteration" not in next(csv.reader([lines[0]])):
         return None
     column = next(csv.reader([lines[0]])).index("iteration")

@@ -41,7 +41,7 @@ from cnns.config import RunConfig, check_option_types, resolve
 from cnns.errors import CheckpointError, ConfigError
 from cnns.files import may_write, own_run_folder
 from cnns.runlock import run_folder_lock
-from cnns.runlog import RunLog, new_run_folder, write_arguments
+from cnns.runlog import RunLog, new_run_folder, read_run_text, write_arguments
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
 _FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
@@ -118,11 +118,10 @@ def read_run_options(folder: Path) -> dict[str, Any]:
     arguments = folder / "arguments.json"
     if not arguments.is_file():
         raise CheckpointError(f"{folder} has no arguments.json: not a cnns run folder")
+    text = read_run_text(arguments)  # bounded, UTF-8, or one line
     try:
-        options = json.loads(arguments.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {arguments}: {exc.strerror or exc}") from None
-    # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError for absurdly deep nesting.
+        options = json.loads(text)
+    # JSONDecodeError is a ValueError; RecursionError for absurdly deep nesting.
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{arguments} is not valid JSON: {_first_line(exc)}") from None
     if not isinstance(options, dict):

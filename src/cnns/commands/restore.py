@@ -15,6 +15,7 @@ from cnns.errors import CheckpointError
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
 from cnns.runlock import run_folder_lock
+from cnns.runlog import check_logs_readable
 from cnns.runs import RunFolder, newest_restore_point, run_log_for
 
 
@@ -30,6 +31,7 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
     point = newest_restore_point(run.path, World())
     if point is None:
         raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {run.path}")
+    check_logs_readable(run.path)
     if cfg.train.seed is None and "seed" in point.state:
         cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
     check_supported(cfg)
