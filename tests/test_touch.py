@@ -10,6 +10,7 @@ Removing any one guard turns its row red: the rows name the guard they hold.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import scripts
 
@@ -140,3 +143,47 @@ def test_a_hostile_input_is_one_line_and_changes_no_existing_file(finished_run, 
     assert len(lines) == 1 and case.words in lines[0] and lines[0].startswith("error: "), out.stderr[-3000:]
     assert "Traceback" not in out.stderr + out.stdout
     assert digest(run, outside) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Every option's value range: a value torch or the machine cannot take is one line before anything is written.
+
+def _numeric_options() -> list[tuple[str, type]]:
+    """(flag, type) of train.py's options that take one int or float."""
+    from cnns.config.table import build_parser
+
+    return sorted({(action.option_strings[0], action.type) for action in build_parser("train")._actions
+                   if action.option_strings and action.type in (int, float) and action.nargs in (None, "?")})
+
+
+EXTREMES = [0, 1, -1, 2, 10**9, -10**9, 10**30, 2**63, 2**64 + 1, 1e-30, 1e300, -1e300, 0.5]
+
+
+@given(st.sampled_from(_numeric_options()), st.sampled_from(EXTREMES))
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_any_numeric_option_value_resolves_to_a_run_torch_takes_or_is_one_config_error(option, value):
+    """Resolved as train.py resolves it (no run folder yet): a ConfigError, or a configuration whose learning rate
+    an optimiser takes and steps with, whose seed seeds torch, and whose counts are counts."""
+    import torch
+    from cnns.cli.parsing import resolve_command_line
+    from cnns.errors import ConfigError
+    from cnns.optim import OptimiserSpec, build_optimiser
+
+    flag, kind = option
+    text = str(int(value)) if kind is int and float(value).is_integer() else str(value)
+    if kind is int and not float(value).is_integer():
+        return  # argparse refuses it (tested by argparse)
+    try:
+        cfg = resolve_command_line("train", ["--dataset", "cifar-10", "--data-dir", "/nowhere", "--model-size", "8",
+                                             flag, text]).config
+    except (ConfigError, SystemExit):
+        return
+    o, t = cfg.optim, cfg.train
+    parameter = torch.nn.Parameter(torch.ones(3))
+    optimiser = build_optimiser([parameter], OptimiserSpec(o.optimiser, o.learning_rate, **o.settings))
+    parameter.grad = torch.ones(3)
+    optimiser.step()
+    assert torch.isfinite(parameter).all() or not math.isfinite(o.learning_rate)
+    torch.Generator().manual_seed(t.seed if t.seed is not None else 0)
+    assert t.micro_batch_size >= 1 and t.gradient_accumulation_count >= 1 and t.global_batch_size >= 1

@@ -187,7 +187,8 @@ def family(o: dict[str, Any]) -> str:
 def _optimiser_defaults(o: dict[str, Any]) -> None:
     """The optimiser's entry (`cnns.optim`) fills what is unset: its own defaults first (its learning-rate
     exponent, its weight decay), then every optimiser option's derived value or default, then the entry's rules;
-    the options it reads are checked against their ranges."""
+    every optimiser option given is checked against its range (the optimiser's spec checks all of them when the run
+    builds it, after its folder is written: an unused one out of range must be refused here)."""
     info = optim.optimiser_info(o["optimiser"])
     run_family = family(o)
     for dest, default in info.defaults.items():
@@ -198,26 +199,28 @@ def _optimiser_defaults(o: dict[str, Any]) -> None:
         _set_if_unset(o, dest, optim.default_in(option.default, run_family))
     if info.rules is not None:
         info.rules(o)
-    for dest in info.reads:
+    for dest, option in optim.OPTIONS.items():  # every one given, read or not: the optimiser's spec checks them all
         if o.get(dest) is not None:
-            optim.OPTIONS[dest].check(o[dest])
+            option.check(o[dest])
 
 
 def _training_defaults(o: dict[str, Any]) -> None:
     o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
     _optimiser_defaults(o)
     if o.get("abs_learning_rate") is not None:
-        if o["abs_learning_rate"] <= 0:
-            raise ConfigError(f"--abs-learning-rate must be positive, got {o['abs_learning_rate']}")
+        if not FLOAT32_TINY <= o["abs_learning_rate"] <= FLOAT32_MAX:
+            raise ConfigError(f"--abs-learning-rate must be a positive number float32 can hold, "
+                              f"got {o['abs_learning_rate']}")
         o["base_learning_rate_exponent"] = math.log2(o["abs_learning_rate"] / o["global_batch_size"])
         o["learning_rate"] = float(o["abs_learning_rate"])
     else:
         exponent = o["base_learning_rate_exponent"]
         power = _power_of_two(exponent, "--base-learning-rate-exponent")
         o["learning_rate"] = power * o["global_batch_size"]
-        if power == 0 or not math.isfinite(o["learning_rate"]):
+        if not FLOAT32_TINY <= o["learning_rate"] <= FLOAT32_MAX:
             raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
-                              f"{o['learning_rate']}: choose one between about -1000 and 1000")
+                              f"{o['learning_rate']:g}, which float32 cannot hold: choose one between about -120 "
+                              "and 120")
     for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
         if o.get(key) is not None and o[key] < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
@@ -239,6 +242,11 @@ def _training_defaults(o: dict[str, Any]) -> None:
         o["warmup_epochs"] = 0.0  # Graphcore's application: warm-up is defined in epochs and needs --epochs
     _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
     _set_if_unset(o, "pipeline_num_parallel", 2)
+
+
+# The learning rate's range: the optimisers hold it in float32 (torch's fused and foreach steps, 16.16's update).
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed or unsigned 64-bit seed; cnns derives others by adding
 
 
 def _check_finite(o: dict[str, Any]) -> None:
@@ -270,6 +278,10 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
     if o["label_smoothing"] < 0 or o["label_smoothing"] >= 1:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
+    if (o.get("warmup_epochs") or 0) < 0:
+        raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
+    if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
+        raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
 
 
 def check_bn_span(span: int, replicas: int | str) -> None:
