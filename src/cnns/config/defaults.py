@@ -209,7 +209,7 @@ def _training_defaults(o: dict[str, Any]) -> None:
     _optimiser_defaults(o)
     if o.get("abs_learning_rate") is not None:
         if not FLOAT32_TINY <= o["abs_learning_rate"] <= FLOAT32_MAX:
-            raise ConfigError(f"--abs-learning-rate must be a positive number float32 can hold, "
+            raise ConfigError(f"--abs-learning-rate must be positive and within float32's range, "
                               f"got {o['abs_learning_rate']}")
         o["base_learning_rate_exponent"] = math.log2(o["abs_learning_rate"] / o["global_batch_size"])
         o["learning_rate"] = float(o["abs_learning_rate"])
