@@ -62,7 +62,8 @@ def test_ctrl_c_during_validation_exits_130(data_dir, tmp_path):
     process = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "16")
     out, err = interrupt_once(process, lambda: (folder / "validation.csv").exists())
     assert process.returncode == 130, out[-2000:] + err[-2000:]
-    assert err.strip().splitlines() == ["error: interrupted"]
+    assert err.strip().splitlines() == [f"error: interrupted; the run is trained; validation.py --restore-path "
+                                        f"{folder} validates its checkpoints"]
     assert "Training loop completed" in out and len(list(folder.glob("ckpt-*.pt"))) == 17
 
 
@@ -78,7 +79,8 @@ def test_sigterm_during_validation_py_exits_143_with_one_line_and_leaves_whole_r
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
     out, err = interrupt_once(validation, lambda: (folder / "validation.csv").exists(), signal.SIGTERM)
     assert validation.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
-    assert err.strip().splitlines() == ["error: interrupted by SIGTERM"]
+    assert err.strip().splitlines() == [f"error: interrupted by SIGTERM; validation.py --restore-path {folder} "
+                                        "validates the checkpoints not yet in validation.csv"]
     rows = (folder / "validation.csv").read_text().splitlines()
     assert 2 <= len(rows) < 18 and all(len(row.split(",")) == len(rows[0].split(",")) for row in rows)
     again = processes.run([sys.executable, str(scripts.ROOT / "validation.py"), "--restore-path", str(folder)],

@@ -36,3 +36,13 @@ class WriteError(CnnsError):
 def reason(cause: OSError) -> str:
     """An OSError in the words the system uses ("No space left on device"), without its errno prefix."""
     return cause.strerror or str(cause) or type(cause).__name__
+
+
+# How to go on if a signal ends the command from here (SPEC §8: say how to continue), as the code running says it
+# (`continue_with`); the command line adds it to the signal's one line (`cnns.cli.endings`).
+CONTINUE_WITH: list[str] = []
+
+
+def continue_with(line: str) -> None:
+    """From now on a signal that ends the command says `line` after its own (the last call wins)."""
+    CONTINUE_WITH[:] = [line]

@@ -24,6 +24,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Iterator
 
+from cnns.errors import CONTINUE_WITH
+
 
 class Terminated(BaseException):
     """A signal that ends the command where it is (outside training's own handlers), like KeyboardInterrupt."""
@@ -55,6 +57,7 @@ def signals_end_the_command() -> Iterator[None]:
     def terminate(signum, frame):
         raise Terminated(signum)
 
+    CONTINUE_WITH.clear()
     try:
         previous = signal.signal(signal.SIGTERM, terminate)
     except ValueError:  # not the main thread: signals stay as they are
@@ -79,10 +82,11 @@ def ending_of(exc: BaseException, command: str) -> int:
     """The exit code for an exception that ended the command (after the line it says, if any)."""
     if isinstance(exc, SystemExit):
         raise exc  # argparse's --help and usage errors end as they always have
+    hint = f"; {CONTINUE_WITH[0]}" if CONTINUE_WITH else ""
     if isinstance(exc, KeyboardInterrupt):
-        return say("error: interrupted", 128 + signal.SIGINT)
+        return say(f"error: interrupted{hint}", 128 + signal.SIGINT)
     if isinstance(exc, Terminated):
-        return say(f"error: interrupted by {signal.Signals(exc.signum).name}", 128 + exc.signum)
+        return say(f"error: interrupted by {signal.Signals(exc.signum).name}{hint}", 128 + exc.signum)
     if isinstance(exc, BrokenPipeError) or _is_a_closed_pipe(exc):
         _silence_stdout()
         return 128 + signal.SIGPIPE

@@ -21,7 +21,7 @@ from cnns.engine.setup import set_up
 from cnns.engine.validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
                                     log_validation, readable_targets, summed_over_processes, targets_of,
                                     validate_targets)
-from cnns.errors import CheckpointError
+from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
@@ -83,6 +83,7 @@ def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notice
         if target.name in done:
             log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
     batches = generated_validation_limit(cfg, c, log, None)
+    continue_with(f"validation.py --restore-path {folder} validates the checkpoints not yet in validation.csv")
     validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat, batches)
     if unreadable:
         log.print(f"Not validated ({len(unreadable)} unreadable): {', '.join(str(path) for path, _ in unreadable)}")

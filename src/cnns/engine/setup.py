@@ -32,7 +32,7 @@ from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop, ch
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
-from cnns.errors import CnnsError
+from cnns.errors import CnnsError, continue_with
 from cnns.models import build_model, count_parameters
 from cnns.optim import HalfPrecisionOptimiser
 from cnns.parallel.world import World
@@ -297,6 +297,8 @@ def _after_training(cfg: RunConfig, setup: Setup, checkpointer: Checkpointer, lo
     train_samples = setup.sources.train.num_samples
     if setup.stage is not None:  # every process validates its share of the images with the whole model
         setup = set_up(cfg, setup.world.without_stages(), train=False)
+    if folder is not None:
+        continue_with(f"the run is trained; validation.py --restore-path {folder} validates its checkpoints")
     batches = generated_validation_limit(cfg, setup, log, trained_images)
     validate_run_folder(folder, setup, log, cfg.train.global_batch_size, train_samples, batches)
 
