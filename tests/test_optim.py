@@ -447,6 +447,62 @@ def test_lars_weight_decay_defaults_to_weight_decay():
     torch.testing.assert_close(w.detach(), w0 - trust * (g + 0.1 * w0), rtol=0, atol=1e-15)
 
 
+def _float32_net_with_gradients(seed: int) -> tuple[SmallNet, dict[str, torch.Tensor]]:
+    """SmallNet in float32 with standard-normal weights and gradients drawn from `seed`."""
+    net = SmallNet()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    grads = {}
+    for name, p in net.named_parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+        grads[name] = p.grad.clone()
+    return net, grads
+
+
+def test_adamw_is_adams_step_beside_a_decoupled_decay_of_the_weights_only():
+    net, grads = _float32_net_with_gradients(seed=3)
+    lr, wd = 0.01, 0.1
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    optimiser = build_optimiser(parameter_groups(net, wd), OptimiserSpec("AdamW", lr=lr, weight_decay=wd))
+    optimiser.step()
+
+    for name, p in net.named_parameters():
+        w, g = before[name].double(), grads[name].double()
+        decay = wd if name in ("conv.weight", "fc.weight") else 0.0  # never norm parameters or biases
+        # The first step: the bias-corrected averages are g and g^2, so Adam steps lr * g / (|g| + eps) (eps 1e-8,
+        # torch's); the decay is decoupled, w (1 - lr wd), not added to the gradient.
+        expected = w * (1 - lr * decay) - lr * g / (g.abs() + 1e-8)
+        # In float32 each operation rounds its result by at most 2^-24 of it: the weight passes three (the decay's
+        # factor, its product, the sum), the step (at most lr) about ten (the averages, the square root, the bias
+        # corrections, the quotient, its factor); 2^-24 (3 |w| + 10 lr), doubled (measured: a quarter of it at most).
+        # L2 decay in the gradient instead, or decayed norm parameters, would be off by about lr wd |w| = 1e-3 |w|,
+        # over a thousand times this.
+        bound = 2 * 2.0**-24 * (3 * w.abs() + 10 * lr)
+        assert ((p.detach().double() - expected).abs() <= bound).all(), name
+
+
+def test_adamw_updates_as_torchs_adamw_over_timms_parameter_groups():
+    """The entry's AdamW and the one timm's factory makes (torch.optim.AdamW; timm's own rule for what is not
+    decayed) update the same float32 weights bitwise alike, step after step."""
+    from timm.optim import create_optimizer_v2
+
+    ours, _ = _float32_net_with_gradients(seed=4)
+    theirs, _ = _float32_net_with_gradients(seed=4)
+    optimisers = [build_optimiser(parameter_groups(ours, 0.05), OptimiserSpec("AdamW", lr=0.02, weight_decay=0.05)),
+                  create_optimizer_v2(theirs, "adamw", lr=0.02, weight_decay=0.05)]
+    assert type(optimisers[1]) is torch.optim.AdamW
+    for step in range(3):
+        for net, optimiser in zip((ours, theirs), optimisers):
+            generator = torch.Generator().manual_seed(100 + step)
+            for p in net.parameters():
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimiser.step()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(name="adam"),
     dict(lr=-1.0),

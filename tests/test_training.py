@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -71,6 +72,24 @@ def test_checkpoint_holds_a_plain_state_dict_loadable_weights_only(small_cifar, 
     plain = build_model(ModelSpec(arch="resnet", size="8", num_classes=10, image_size=32))
     assert set(state["model"]) == set(plain.state_dict())
     assert state["iteration"] == 3
+
+
+@pytest.mark.parametrize("optimiser", ["AdamW"])
+def test_the_quick_start_learns_with_an_added_optimiser_at_its_own_learning_rate(optimiser, small_cifar, tmp_path,
+                                                                                capfd):
+    """configs.yml's quick start (ResNet-8, 16.16, 6 epochs, cosine) with an optimiser added to the registry, at the
+    optimiser's own CIFAR learning-rate exponent (the quick start names momentum's), on 640 drawn shapes: a falling
+    loss. Measured (seed 1): epoch losses 2.35 to 2.10 for AdamW, each below the one before."""
+    from cnns.optim import OPTIMISERS
+
+    exponent = OPTIMISERS[optimiser].defaults["base_learning_rate_exponent"]["cifar"]
+    folder = tmp_path / "run"
+    scripts.run_here(capfd, "train.py", "--config", "quickstart", "--dataset", "cifar-10", "--data-dir",
+                     str(small_cifar), "--optimiser", optimiser.lower(), "--base-learning-rate-exponent", str(exponent),
+                     "--logs-per-epoch", "1", "--no-validation", "--logs-path", str(folder), cwd=tmp_path)
+    assert json.loads((folder / "arguments.json").read_text())["optimiser"] == optimiser
+    losses = [float(row["loss_avg"]) for row in read_csv(folder / "training.csv")]
+    assert len(losses) == 6 and losses[-1] < 0.95 * losses[0], losses
 
 
 @pytest.mark.parametrize("argv, parameters", [

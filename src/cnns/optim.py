@@ -308,6 +308,26 @@ register(OptimiserInfo(
     rules=_lars_rules,
 ))
 
+
+# AdamW: torch.optim.AdamW with torch's betas and epsilon; its weight decay is decoupled from the gradient
+# (w -= lr * wd * w beside the Adam step), never of norm parameters or biases.
+ADAMW_BETAS, ADAMW_EPSILON = (0.9, 0.999), 1e-8
+
+
+def _adamw(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dict[str, Any]]:
+    return torch.optim.AdamW, groups, dict(lr=spec.lr, betas=ADAMW_BETAS, eps=ADAMW_EPSILON,
+                                           weight_decay=spec["weight_decay"] or 0.0)
+
+
+register(OptimiserInfo(
+    "AdamW", _adamw, state_per_parameter=2,  # the moving averages of the gradient and of its square
+    summary=f"AdamW (betas {ADAMW_BETAS[0]:g}, {ADAMW_BETAS[1]:g}), decoupled weight decay {{weight_decay:g}}",
+    shared=("weight_decay",),
+    # The learning rate about 2e-3 at the quick start's batch of 32, 1e-3 at ImageNet's 256; torch's weight decay.
+    defaults={"base_learning_rate_exponent": {"cifar": -14.0, "resnet": -18.0, "efficientnet": -18.0},
+              "weight_decay": 0.01},
+))
+
 # --------------------------------------------------------------------------------------------
 # Building one
 # --------------------------------------------------------------------------------------------
