@@ -80,3 +80,20 @@ def test_another_schedule_leaves_the_exponential_parameters_unset():
     assert stepped["lr_decay_rate"] is None and stepped["lr_drops"] is None
     optim = RunConfig.from_options({**stepped, "seed": 1}).optim
     assert optim.lr_decay_rate is None and optim.lr_drops is None
+
+
+# LAMB's rule (its entry in cnns.optim): the gradient is clipped by the whole model's norm, so LAMB is refused where
+# a process steps only a part of the model, before anything is written
+
+
+@pytest.mark.parametrize("values", [{"pipeline": True, "shards": 2}, {"rts": True, "replicas": 2}])
+def test_lamb_is_refused_where_a_process_steps_a_part_of_the_model(values):
+    with pytest.raises(ConfigError, match="^--optimiser LAMB clips the gradient by the whole model's norm, which a "
+                                          "pipeline stage or an --rts shard does not see"):
+        resolved(optimiser="LAMB", **values)
+    assert resolved(optimiser="AdamW", **values)["optimiser"] == "AdamW"
+
+
+def test_lamb_takes_replicas_which_average_the_whole_gradient_and_rts_of_one_replica():
+    assert resolved(optimiser="LAMB", replicas=2)["optimiser"] == "LAMB"
+    assert resolved(optimiser="LAMB", rts=True, replicas=1)["optimiser"] == "LAMB"

@@ -503,6 +503,62 @@ def test_adamw_updates_as_torchs_adamw_over_timms_parameter_groups():
         assert torch.equal(a, b), name
 
 
+def test_lamb_is_the_trust_ratio_step_on_the_clipped_gradient_with_norm_parameters_and_biases_not_adapted():
+    net, _ = _float32_net_with_gradients(seed=5)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(0.3)  # ||w|| about 0.3 ||step||: a trust ratio far from 1
+            p.grad.mul_(100.0)  # a global norm of about 840, clipped to 1 ...
+            p.grad.view(-1)[0] = 1e-4  # ... which brings these below epsilon (1e-6), where clipping shows
+    before = {n: p.detach().double() for n, p in net.named_parameters()}
+    grads = {n: p.grad.double() for n, p in net.named_parameters()}
+    lr, wd, eps = 0.01, 0.1, 1e-6
+    optimiser = build_optimiser(parameter_groups(net, wd), OptimiserSpec("LAMB", lr=lr, weight_decay=wd))
+    optimiser.step()
+
+    clip = max(torch.sqrt(sum((g**2).sum() for g in grads.values())).item(), 1.0)  # timm's max_grad_norm 1
+    for name, p in net.named_parameters():
+        w, g = before[name], grads[name] / clip
+        # The first step: the bias-corrected averages are g and g^2, so Adam's step is g / (|g| + eps).
+        step = g / (g.abs() + eps)
+        if name in ("conv.weight", "fc.weight"):  # decayed: L2 in the step, scaled by the trust ratio
+            step = step + wd * w
+            step = step * w.norm() / step.norm()
+        expected = w - lr * step  # norm parameters and biases: no decay, no ratio (timm's rule for them)
+        # In float32 each operation rounds by at most 2^-24 of its result: the step's elements pass about ten; the
+        # trust ratio's norms sum at most 54 squares (about 54 roundings, halved by the root, for each); the weight
+        # one subtraction: 2^-24 (|w| + 70 |lr step|), doubled. A missing ratio (about 0.3 here) or clipping (the
+        # 1e-4 gradients' steps 0.11 instead of 0.99), or decayed norm parameters, are off by a large part of a step.
+        # Measured: a third of the bound at most.
+        bound = 2 * 2.0**-24 * (w.abs() + 70 * (lr * step).abs())
+        assert ((p.detach().double() - expected).abs() <= bound).all(), name
+
+
+def test_lamb_updates_as_the_lamb_timms_factory_builds():
+    """The entry's LAMB and the one timm's factory makes (its Lamb, its defaults, its own rule for what is not
+    decayed) update the same float32 weights alike, step after step. The only difference is the order of the
+    parameters in the gradient's global norm (timm lists the undecayed first): its sum of six squared norms
+    may round differently, by a few 2^-24 of the clipping factor, which moves each step by far less than a
+    rounding of the weight; 16 roundings of the weight (2^-20 relative, or of the learning rate where the weight is
+    small) bound the difference after five steps. Measured: bitwise equal."""
+    from timm.optim import Lamb, create_optimizer_v2
+
+    lr = 0.02
+    ours, _ = _float32_net_with_gradients(seed=6)
+    theirs, _ = _float32_net_with_gradients(seed=6)
+    optimisers = [build_optimiser(parameter_groups(ours, 0.05), OptimiserSpec("LAMB", lr=lr, weight_decay=0.05)),
+                  create_optimizer_v2(theirs, "lamb", lr=lr, weight_decay=0.05)]
+    assert type(optimisers[0]) is type(optimisers[1]) is Lamb
+    for step in range(5):
+        for net, optimiser in zip((ours, theirs), optimisers):
+            generator = torch.Generator().manual_seed(200 + step)
+            for p in net.parameters():
+                p.grad = torch.randn(p.shape, generator=generator) * 10  # clipped
+            optimiser.step()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2.0**-20, atol=2.0**-20 * lr, msg=name)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(name="adam"),
     dict(lr=-1.0),

@@ -91,6 +91,7 @@ def assert_identical_checkpoints(a: Path, b: Path) -> None:
                            "2", "--epochs", "3", "--ema-decay", "0.9", "--mixup-alpha", "0.2"], 20),
     # Each optimiser added to the registry: its state (and the update's stochastic rounding) continued, in one epoch.
     ("16.16", "AdamW", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
+    ("16.16", "LAMB", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, capfd, precision,
                                                                               optimiser, extra, per_epoch):
