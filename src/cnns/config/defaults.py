@@ -205,6 +205,7 @@ def _optimiser_defaults(o: dict[str, Any]) -> None:
 
 
 def _training_defaults(o: dict[str, Any]) -> None:
+    _check_counts(o)
     o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
     _optimiser_defaults(o)
     if o.get("abs_learning_rate") is not None:
@@ -257,10 +258,15 @@ def _check_finite(o: dict[str, Any]) -> None:
             raise ConfigError(f"{action.option_strings[0]} must be a finite number, got {value}")
 
 
-def _validate(o: dict[str, Any]) -> None:
+def _check_counts(o: dict[str, Any]) -> None:
+    """The counts the batch and the learning rate are made of, first: a zero one is named as itself, not as the
+    learning rate it would give."""
     for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations"):
         if o[key] is not None and o[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
+
+
+def _validate(o: dict[str, Any]) -> None:
     if o.get("epochs") is not None and o["epochs"] <= 0:
         raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
     if o.get("iterations") is not None and o["iterations"] < 1:
