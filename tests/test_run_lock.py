@@ -238,3 +238,39 @@ def test_a_worker_whose_launcher_ended_before_it_bound_to_it_ends_itself(launche
         assert (out.returncode, out.stdout) == (0, "bound False\n")
     else:
         assert (out.returncode, out.stdout) == (-signal.SIGKILL, "")
+
+
+def test_a_lock_whose_holder_cannot_be_written_is_given_back_with_one_line(tmp_path, monkeypatch):
+    """Naming the holder in the lock file can fail (a full disk): the lock is given back at once (no descriptor
+    left holding it) and the command gets one line, not a traceback."""
+    import errno
+
+    from cnns import runlock
+    from cnns.errors import CnnsError
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlock, "_name_the_holder", full_disk)
+    with pytest.raises(CnnsError, match=r"cannot lock the run folder .*: writing .*\.lock: No space left on device"):
+        with runlock.run_folder_lock(tmp_path):
+            pass
+    assert not runlock._held and not (tmp_path / LOCK_NAME).exists()
+    monkeypatch.undo()
+    with runlock.run_folder_lock(tmp_path):  # nothing left holding it
+        assert (tmp_path / LOCK_NAME).is_file()
+
+
+def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_kept(tmp_path):
+    from cnns import runlock
+    from cnns.errors import CnnsError
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LOCK_NAME).symlink_to(target)
+    with pytest.raises(CnnsError, match="is a symbolic link"):
+        with runlock.run_folder_lock(folder):
+            pass
+    assert target.read_text() == "keep me\n"
