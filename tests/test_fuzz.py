@@ -530,7 +530,7 @@ def test_every_configuration_of_the_repository_loads():
 
 
 @pytest.mark.parametrize("data, message", [
-    (b"\x80", "is not valid JSON: 'utf-8' codec can't decode byte 0x80"),
+    (b"\x80", r"is not UTF-8 text \(invalid start byte at byte 0\)"),
     (b"[]", "is not a JSON object of options"),
     (b"5", "is not a JSON object of options"),
     (b"{}", "lacks the option"),
