@@ -109,6 +109,12 @@ CASES = {
     "validation.py with arguments.json cut short": Case("validation.py", lambda run, out: (
         (run / "arguments.json").write_bytes((run / "arguments.json").read_bytes()[:40]),
         ["--restore-path", str(run)])[1], "is not valid JSON"),
+    # Data files are read bounded: a regular file within --max-file-size, or one line (cnns.bounded).
+    "cnns predict on an image that is a link to /dev/zero": Case("predict", lambda run, out: (
+        (out / "photo.jpg").symlink_to("/dev/zero"), ["--restore-path", str(run), str(out / "photo.jpg")])[1],
+        "not a regular file"),
+    "cnns splits with a YAML bomb as its configuration file": Case("splits", lambda run, out: [
+        "--config", "quick", "--config-path", str(_bomb(run, out))], "billion laughs"),
     # Every input bounded before anything is written (config/files.read_yaml).
     "cnns benchmark with a YAML bomb as its list": Case("benchmark", lambda run, out: [
         "--spec", str(_bomb(run, out)), "--output-dir", str(out / "results")], "billion laughs"),
