@@ -103,7 +103,7 @@ def test_the_option_is_a_size_with_units_and_reaches_the_data_configuration():
     from cnns.cli.parsing import resolve_command_line
 
     argv = ["--synthetic-data", "--dataset", "cifar-10", "--model-size", "8"]
-    assert resolve_command_line("train", argv).config.data.max_file_size is None  # the reader's default
+    assert resolve_command_line("train", argv).config.data.max_file_size == DEFAULT_FILE_SIZE_LIMIT  # the reader's
     for given, size in (("2G", 2 << 30), ("512M", 512 << 20), ("1.5K", 1536), ("1000", 1000)):
         config = resolve_command_line("train", [*argv, "--max-file-size", given]).config
         assert config.data.max_file_size == size

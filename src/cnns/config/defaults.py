@@ -1,7 +1,9 @@
 """Graphcore's application's default rules: a parsed command line becomes every option, filled and checked.
 
 Every default is applied here: the generic ones, the dataset's and the model's, the device's
-(`device_defaults`, given the device's facts) and the random seed (`draw_seed`). Resolution follows
+(`device_defaults`, given the device's facts) and the random seed (`draw_seed`). Each is declared once, in
+`GENERIC_DEFAULTS` or, where it differs by dataset, model or another option, in `BY_RUN` (the optimisers' own
+in their registry, `cnns.optim`). Resolution follows
 Graphcore's application: a named configuration from ``configs.yml`` supplies defaults, the command
 line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
 derived values (global batch size, learning rate, run name) are computed. The result is a flat dict of
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cnns import optim
+from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
 from cnns.config.files import _option_actions
 from cnns.errors import ConfigError
 
@@ -69,39 +74,94 @@ def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
         o[key] = value
 
 
+# ----------------------------------------------------------------------------------------------
+# Defaults that differ by model, dataset or another option, declared once: `resolve` applies them.
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The runs a default is given for: those of `models` (None: any), on `data` "cifar" (CIFAR-sized data, or
+    data not yet known, whose model defaults are CIFAR's) or "imagenet" (None: either), of model `size`, and
+    whose resolved `options` have these values."""
+
+    models: tuple[str, ...] | None = None
+    data: str | None = None
+    size: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def hold(self, o: Mapping[str, Any]) -> bool:
+        """Whether the run of the resolved options `o` is one of these."""
+        cifar = o.get("dataset") in CIFAR_LIKE or o.get("dataset") is None
+        return ((self.models is None or o.get("model") in self.models)
+                and (self.data is None or (self.data == "cifar") == cifar)
+                and (self.size is None or str(o.get("model_size")) == self.size)
+                and all(o.get(dest) == value for dest, value in self.options))
+
+
+_RESNETS = ("resnet", "resnext")
+ALL_RUNS = Runs()
+_CIFAR = Runs(data="cifar")
+_RESNEXT, _RESNEXT_ON_CIFAR = Runs(("resnext",)), Runs(("resnext",), "cifar")
+_RESNETS_ON_CIFAR, _RESNETS_ON_IMAGENET = Runs(_RESNETS, "cifar"), Runs(_RESNETS, "imagenet")
+_EFFICIENTNET = Runs(("efficientnet",))
+_EFFICIENTNET_ON_CIFAR = Runs(("efficientnet",), "cifar")
+_EFFICIENTNET_ON_IMAGENET = Runs(("efficientnet",), "imagenet")
+_FLOAT16, _EXPONENTIAL = Runs(options=(("half_dtype", "float16"),)), Runs(options=(("lr_schedule", "exponential"),))
+
+# Graphcore's application's defaults that differ by run (its set_defaults functions), each a sequence of (runs,
+# value): the last pair whose runs hold a run gives its default; none: the option has none there.
+BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
+    "model_size": ((ALL_RUNS, "18"), (_CIFAR, "20"), (_RESNEXT, "50"), (_RESNEXT_ON_CIFAR, "29"),
+                   (_EFFICIENTNET, "B0"), (_EFFICIENTNET_ON_CIFAR, "cifar")),
+    "norm": ((ALL_RUNS, "group"), (_RESNETS_ON_CIFAR, "batch")),  # --group-norm or --batch-norm
+    "groups": ((ALL_RUNS, 32), (_CIFAR, 16), (_EFFICIENTNET, 4)),
+    # ResNeXt's group width (channels per group), EfficientNet's group size of the depthwise convolutions
+    "group_dim": ((_RESNEXT, 4), (_RESNEXT_ON_CIFAR, 16), (_EFFICIENTNET, 1)),
+    "expand_ratio": ((_EFFICIENTNET, 6),),
+    "convolution_groups": ((_RESNEXT, 32), (_RESNEXT_ON_CIFAR, 8)),
+    # CIFAR's images are 32 x 32 (another --image-size is refused there); EfficientNet's own sizes on ImageNet.
+    "image_size": ((ALL_RUNS, 224), (_CIFAR, 32),
+                   *((Runs(("efficientnet",), "imagenet", size), pixels)
+                     for size, pixels in EFFICIENTNET_IMAGE_SIZES.items() if pixels != 224)),
+    "micro_batch_size": ((ALL_RUNS, 4), (_CIFAR, 32), (_EFFICIENTNET_ON_CIFAR, 8)),
+    "epochs": ((ALL_RUNS, 100.0), (_CIFAR, 160.0), (_EFFICIENTNET, 350.0), (_EFFICIENTNET_ON_CIFAR, 300.0)),
+    "learning_rate_schedule": ((ALL_RUNS, "0.5,0.75"), (_RESNETS_ON_IMAGENET, "0.3,0.6,0.8,0.9")),
+    "label_smoothing": ((ALL_RUNS, 0.0), (_EFFICIENTNET_ON_IMAGENET, 0.1)),
+    # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
+    "loss_scaling": ((ALL_RUNS, 1.0), (_FLOAT16, 128.0),
+                     (Runs(options=(("half_dtype", "float16"), ("precision", "32.32"))), 1.0)),
+    "lr_decay_rate": ((_EXPONENTIAL, EXPONENTIAL_DECAY_RATE),),
+    "lr_drops": ((_EXPONENTIAL, EXPONENTIAL_DROPS),),
+}
+
+
+def default_for(dest: str, o: Mapping[str, Any]) -> Any:
+    """The default of option `dest` (`BY_RUN`) for the run of the options `o`, or None where it has none."""
+    value = None
+    for runs, candidate in BY_RUN[dest]:
+        if runs.hold(o):
+            value = candidate
+    return value
+
+
 def _model_defaults(o: dict[str, Any]) -> None:
-    cifar = o["dataset"] in CIFAR_LIKE or o["dataset"] is None
-    model = o["model"]
-    if model == "efficientnet":
-        size = str(o.get("model_size") or ("cifar" if cifar else "B0"))
-        o["model_size"] = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
-        _set_if_unset(o, "micro_batch_size", 8 if cifar else 4)
-        if not cifar:
-            _set_if_unset(o, "image_size", EFFICIENTNET_IMAGE_SIZES.get(o["model_size"], 224))
-        if o["epochs"] is None and o["iterations"] is None:
-            o["epochs"] = 300.0 if cifar else 350.0
-        if not cifar and not o.get("label_smoothing"):
-            o["label_smoothing"] = 0.1
-        if not o.get("batch_norm") and not o.get("group_norm"):
-            o["group_norm"] = True
-        _set_if_unset(o, "groups", 4)
-        _set_if_unset(o, "group_dim", 1)
-        _set_if_unset(o, "expand_ratio", 6)
-        return
-    # ResNet and ResNeXt
-    resnext = model == "resnext"
-    default_size = ("29" if cifar else "50") if resnext else ("20" if cifar else "18")
-    o["model_size"] = str(o.get("model_size") or default_size)
-    _set_if_unset(o, "micro_batch_size", 32 if cifar else 4)
+    size = str(o.get("model_size") or default_for("model_size", o))
+    if o["model"] == "efficientnet":  # Graphcore's spellings 4, b4 and B4; "cifar" in any case
+        size = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
+    o["model_size"] = size
+    for dest in ("micro_batch_size", "image_size", "groups", "group_dim", "expand_ratio", "convolution_groups",
+                 "learning_rate_schedule"):
+        _set_if_unset(o, dest, default_for(dest, o))
+    if o["dataset"] is None:  # data not known yet: the model is CIFAR's, at CIFAR's size whatever --image-size says
+        o["image_size"] = default_for("image_size", o)
     if o["epochs"] is None and o["iterations"] is None:
-        o["epochs"] = 160.0 if cifar else 100.0
-    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75" if cifar else "0.3,0.6,0.8,0.9")
+        o["epochs"] = default_for("epochs", o)
+    smoothing = default_for("label_smoothing", o)
+    # Graphcore's application's rule: EfficientNet's label smoothing replaces a smoothing of 0 as well.
+    if o.get("label_smoothing") is None or (not o["label_smoothing"] and smoothing):
+        o["label_smoothing"] = smoothing
     if not o.get("batch_norm") and not o.get("group_norm"):
-        o["batch_norm" if cifar else "group_norm"] = True
-    _set_if_unset(o, "groups", 16 if cifar else 32)
-    if resnext:
-        _set_if_unset(o, "convolution_groups", 8 if cifar else 32)
-        _set_if_unset(o, "group_dim", 16 if cifar else 4)
+        o[default_for("norm", o) + "_norm"] = True
 
 
 GENERIC_DEFAULTS: dict[str, Any] = {
@@ -122,7 +182,6 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "precision": "16.16",
     "stochastic_rounding": True,
     "device_iterations": 1000,
-    "label_smoothing": 0.0,
     "ckpts_per_epoch": 1.0,
     "epochs_per_ckpt": 0.0,
     "ckpt_epochs_offset": 0.0,
@@ -133,6 +192,9 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "cutmix_lambda": 1.0,
     "cutmix_version": 1,
     "dataset_percentage_to_use": 100,
+    "pipeline_num_parallel": 2,
+    "decode_device": "auto",
+    "max_file_size": DEFAULT_FILE_SIZE_LIMIT,  # cnns.bounded's
     "dataset_cache": True,
     "normalise_input": False,
     "eight_bit_io": False,
@@ -165,8 +227,7 @@ def _precision_defaults(o: dict[str, Any]) -> None:
     # from elsewhere (benchmarks, tests) without one get the CPU's.
     o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
     _set_if_unset(o, "half_dtype", "bfloat16")
-    # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
-    _set_if_unset(o, "loss_scaling", 128.0 if o["half_dtype"] == "float16" and o["precision"] != "32.32" else 1.0)
+    _set_if_unset(o, "loss_scaling", default_for("loss_scaling", o))
 
 
 def _power_of_two(exponent: float, option: str) -> float:
@@ -236,13 +297,10 @@ def _training_defaults(o: dict[str, Any]) -> None:
         o["lr_schedule"] = "polynomial"
     if o["lr_schedule"] == "polynomial" and o.get("abs_end_learning_rate") is not None:
         o["poly_lr_end_ratio"] = o["abs_end_learning_rate"] / o["learning_rate"]
-    if o["lr_schedule"] == "exponential":
-        _set_if_unset(o, "lr_decay_rate", EXPONENTIAL_DECAY_RATE)
-        _set_if_unset(o, "lr_drops", EXPONENTIAL_DROPS)
+    _set_if_unset(o, "lr_decay_rate", default_for("lr_decay_rate", o))  # the exponential schedule's
+    _set_if_unset(o, "lr_drops", default_for("lr_drops", o))
     if o.get("warmup_epochs") and o.get("epochs") is None:
         o["warmup_epochs"] = 0.0  # Graphcore's application: warm-up is defined in epochs and needs --epochs
-    _set_if_unset(o, "learning_rate_schedule", "0.5,0.75")
-    _set_if_unset(o, "pipeline_num_parallel", 2)
 
 
 # The learning rate's range: the optimisers hold it in float32 (torch's fused and foreach steps, 16.16's update).

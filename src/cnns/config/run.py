@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import CIFAR_LIKE, NUM_CLASSES, draw_seed
+from cnns.config.defaults import NUM_CLASSES, default_for, draw_seed
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info
@@ -32,7 +32,7 @@ class DataConfig:
     data_dir: str | None
     source: str  # "files" | "generated" | "synthetic"
     num_classes: int
-    image_size: int | None
+    image_size: int  # the size the model trains at (32 for CIFAR-sized data)
     pipeline_num_parallel: int
     normalise_input: bool  # ImageNet mean/std; otherwise Graphcore's application's mean subtraction
     hostside_norm: bool  # --hostside-norm, off with --eight-bit-io (whose bytes the device normalises)
@@ -175,18 +175,19 @@ class RunConfig:
         if o.get("seed") is None:  # recorded in `arguments`, so a run can be replayed and continued
             o = {**o, "seed": draw_seed(), "seed_specified": False}
         dataset = o["dataset"]
-        # None: a folder whose name and contents show no dataset (missing or empty, reported when the
-        # data is read); the model defaults were CIFAR's (_model_defaults), so the model is built so too.
-        cifar = dataset in CIFAR_LIKE or dataset is None
         source = "synthetic" if o["synthetic_data"] else ("generated" if o["generated_data"] else "files")
-        image_size = 32 if cifar else o.get("image_size")
+        # The size resolved (`cnns.config.defaults`: 32 on CIFAR-sized data, and where the dataset is not known
+        # yet, whose model defaults are CIFAR's); the arguments.json of a run of an older version, which
+        # left it unset, trained at the default.
+        image_size = o["image_size"] if o.get("image_size") is not None else default_for("image_size", o)
         # The run's class count (arguments.json records it; a run of an older version: the dataset's).
         num_classes = o.get("num_classes") or NUM_CLASSES.get(dataset, 10)
+        # The architecture options its model reads (`cnns.config.defaults`: none of them for a ResNet, which
+        # takes the model's own).
+        shape = {key: o[key] for key in ("group_dim", "expand_ratio", "convolution_groups") if o.get(key)}
         model = ModelSpec(
             arch=o["model"], size=str(o["model_size"]), num_classes=num_classes,
-            image_size=image_size or 224, norm="group" if o.get("group_norm") else "batch",
-            groups=o["groups"], group_dim=o.get("group_dim") or 1, expand_ratio=o.get("expand_ratio") or 6,
-            convolution_groups=o.get("convolution_groups") or 32,
+            image_size=image_size, norm="group" if o.get("group_norm") else "batch", groups=o["groups"], **shape,
             **({"group_width": o["group_dim"]} if o["model"] == "resnext" and o.get("group_dim") else {}),
         )
         data = DataConfig(

@@ -125,19 +125,18 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
     dataset, folder = resolve_dataset(cfg)
     num_classes = cfg.num_classes  # generated labels: the model's classes
     if cfg.source == "synthetic":
-        image_size = cfg.image_size or 224
-        train = SyntheticBatches(micro_batch_size, image_size, num_classes, NOMINAL_TRAIN_IMAGES[dataset], device,
-                                 seed, shard=shard, global_batch_size=global_batch_size)
-        evaluation = SyntheticBatches(eval_batch_size, image_size, num_classes, NOMINAL_EVAL_IMAGES[dataset], device,
-                                      seed + 1, shard=shard)
+        train = SyntheticBatches(micro_batch_size, cfg.image_size, num_classes, NOMINAL_TRAIN_IMAGES[dataset],
+                                 device, seed, shard=shard, global_batch_size=global_batch_size)
+        evaluation = SyntheticBatches(eval_batch_size, cfg.image_size, num_classes, NOMINAL_EVAL_IMAGES[dataset],
+                                      device, seed + 1, shard=shard)
         return DataSources(dataset, num_classes, train, evaluation)
     if cfg.source == "generated":
         from cnns.data.batches import GeneratedBatches
 
-        image_size = cfg.image_size or 224
-        train = GeneratedBatches(micro_batch_size, image_size, num_classes, num_samples=NOMINAL_TRAIN_IMAGES[dataset],
-                                 seed=seed, shard=shard, global_batch_size=global_batch_size)
-        evaluation = GeneratedBatches(eval_batch_size, image_size, num_classes,
+        train = GeneratedBatches(micro_batch_size, cfg.image_size, num_classes,
+                                 num_samples=NOMINAL_TRAIN_IMAGES[dataset], seed=seed, shard=shard,
+                                 global_batch_size=global_batch_size)
+        evaluation = GeneratedBatches(eval_batch_size, cfg.image_size, num_classes,
                                       num_samples=NOMINAL_EVAL_IMAGES[dataset], seed=seed + 1, drop_last=False,
                                       shard=shard)
         return DataSources(dataset, num_classes, train, evaluation)
@@ -183,7 +182,7 @@ def _imagenet_sources(cfg, folder, micro_batch_size, eval_batch_size, seed, shar
 
     choice = choose_decode_device(cfg.decode_device, device)
     decoder = ImageDecoder()
-    common = dict(image_size=cfg.image_size or 224, workers=cfg.pipeline_num_parallel, seed=seed, shard=shard,
+    common = dict(image_size=cfg.image_size, workers=cfg.pipeline_num_parallel, seed=seed, shard=shard,
                   skip_corrupt=cfg.skip_corrupt_images, size_limit=cfg.max_file_size, pin_memory=device.type == "cuda",
                   decoder=decoder, device_decoding=device if choice.device == "cuda" else None)
     train = evaluation = None

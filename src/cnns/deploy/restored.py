@@ -163,6 +163,6 @@ def inference_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch
 def inference_batch(cfg: RunConfig) -> torch.Tensor:
     """The uint8 NHWC batch inference is timed on: --micro-batch-size random images of the run's size, the
     same for the same --seed."""
-    size = cfg.data.image_size or 224
+    size = cfg.data.image_size
     return torch.randint(0, 256, (cfg.train.micro_batch_size, size, size, 3), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(cfg.train.seed or 0))
