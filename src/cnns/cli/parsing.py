@@ -26,7 +26,7 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
 
     Returns the resolved options and the notices to print (IPU-only options named once).
     """
-    parser = build_parser(script)
+    parser = build_parser(script, defaults.stated_default)
     first, _ = parser.parse_known_args(argv)
     ignored_config_keys: list[str] = []
     if getattr(first, "config", None):

@@ -3,7 +3,7 @@
 Every default is applied here: the generic ones, the dataset's and the model's, the device's
 (`device_defaults`, given the device's facts) and the random seed (`draw_seed`). Each is declared once, in
 `GENERIC_DEFAULTS` or, where it differs by dataset, model or another option, in `BY_RUN` (the optimisers' own
-in their registry, `cnns.optim`). Resolution follows
+in their registry, `cnns.optim`); `stated_default` says them in --help from there. Resolution follows
 Graphcore's application: a named configuration from ``configs.yml`` supplies defaults, the command
 line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
 derived values (global batch size, learning rate, run name) are computed. The result is a flat dict of
@@ -13,6 +13,7 @@ reads back. `cnns.config.run.RunConfig` is the frozen, typed form the rest of th
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from typing import Any
 from cnns import optim
 from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
 from cnns.config.files import _option_actions
+from cnns.config.table import byte_size
 from cnns.errors import ConfigError
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
@@ -75,7 +77,8 @@ def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Defaults that differ by model, dataset or another option, declared once: `resolve` applies them.
+# Defaults that differ by model, dataset or another option, declared once: `resolve` applies them and
+# `--help` states them (`stated_default`).
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,21 @@ class Runs:
                 and (self.size is None or str(o.get("model_size")) == self.size)
                 and all(o.get(dest) == value for dest, value in self.options))
 
+    @property
+    def phrase(self) -> str:
+        """How --help names them: "for ResNeXt on CIFAR-sized data", "with --half-dtype float16"."""
+        words = []
+        if self.models is not None:
+            names = [_MODEL_NAMES[model] + (f"-{self.size}" if self.size else "") for model in self.models]
+            words.append("for " + " and ".join(names))
+        if self.data is not None:
+            words.append("on CIFAR-sized data" if self.data == "cifar" else "on ImageNet")
+        if self.options:
+            words.append("with " + " and ".join(f"--{dest.replace('_', '-')} {value}" for dest, value in self.options))
+        return " ".join(words)
 
+
+_MODEL_NAMES = {"resnet": "ResNet", "resnext": "ResNeXt", "efficientnet": "EfficientNet"}
 _RESNETS = ("resnet", "resnext")
 ALL_RUNS = Runs()
 _CIFAR = Runs(data="cifar")
@@ -107,6 +124,10 @@ _EFFICIENTNET = Runs(("efficientnet",))
 _EFFICIENTNET_ON_CIFAR = Runs(("efficientnet",), "cifar")
 _EFFICIENTNET_ON_IMAGENET = Runs(("efficientnet",), "imagenet")
 _FLOAT16, _EXPONENTIAL = Runs(options=(("half_dtype", "float16"),)), Runs(options=(("lr_schedule", "exponential"),))
+
+# The optimisers' model families (`cnns.optim.FAMILIES`, as `family` tells a run's) as runs: any model on
+# CIFAR-sized data, the ImageNet ResNets (ResNeXts too) and the ImageNet EfficientNets.
+FAMILY_RUNS = {"cifar": _CIFAR, "resnet": _RESNETS_ON_IMAGENET, "efficientnet": _EFFICIENTNET_ON_IMAGENET}
 
 # Graphcore's application's defaults that differ by run (its set_defaults functions), each a sequence of (runs,
 # value): the last pair whose runs hold a run gives its default; none: the option has none there.
@@ -142,6 +163,75 @@ def default_for(dest: str, o: Mapping[str, Any]) -> Any:
         if runs.hold(o):
             value = candidate
     return value
+
+
+def stated_default(action: argparse.Action) -> str:
+    """What --help says of an option's default, from where it is declared: `BY_RUN`, `GENERIC_DEFAULTS` or the
+    optimisers' registry (`cnns.optim`: the option's own default, then each optimiser's own where it differs).
+    " (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)": parts separated by "; ", each a value for some
+    runs, or values for disjoint ones separated by ", ", a part "with SGD or LARS: ..." for those optimisers
+    only; where several hold a run, the last says its default. "" where none is declared or for an on/off flag
+    of a plain default (off, or decided by the device)."""
+    dest = action.dest
+    parts: list[tuple[tuple[str, ...], list[tuple[Runs, Any]]]] = []  # (optimisers, or () for any; values)
+    if dest in ("batch_norm", "group_norm"):
+        parts = [((), [(runs, norm == dest.removesuffix("_norm"))]) for runs, norm in BY_RUN["norm"]]
+    elif dest in BY_RUN:
+        parts = [((), [(runs, value)]) for runs, value in BY_RUN[dest]]
+    elif dest in GENERIC_DEFAULTS and not (isinstance(GENERIC_DEFAULTS[dest], bool) and action.nargs == 0):
+        parts = [((), [(ALL_RUNS, GENERIC_DEFAULTS[dest])])]
+    elif dest in optim.OPTIONS or any(dest in info.defaults for info in optim.OPTIMISERS.values()):
+        parts = _optimiser_defaults_stated(dest)
+    texts = []
+    for optimisers, values in parts:
+        text = ", ".join(f"{_shown(value, action)} {runs.phrase}".strip() for runs, value in values)
+        texts.append(f"with {' or '.join(optimisers)}: {text}" if optimisers else text)
+    return f" (default {'; '.join(texts)})" if texts else ""
+
+
+def _optimiser_defaults_stated(dest: str) -> list[tuple[tuple[str, ...], list[tuple[Runs, Any]]]]:
+    """The parts of `stated_default` for an option of the optimisers' registry: the option's own default, then
+    the optimisers' own (those with one value named together); only its reader's own where one reads it."""
+    option = optim.OPTIONS.get(dest)
+    readers = [info for info in optim.OPTIMISERS.values() if option is None or dest in info.reads]
+    own: dict[str, tuple[list[str], list[tuple[Runs, Any]]]] = {}
+    for info in readers:
+        if dest in info.defaults:
+            values = _family_values(info.defaults[dest])
+            own.setdefault(repr(values), ([], values))[0].append(info.name)
+    parts = []
+    if option is not None and option.default is not None:
+        # Not where its reader's defaults derive it (RMSprop's decay from its exponent on ImageNet EfficientNets).
+        derived = {family for family in FAMILY_RUNS for info in readers if option.derive is not None
+                   and option.derive({"global_batch_size": 1, **_defaults_of(info, family)}) is not None}
+        parts = [((), _family_values(option.default, without=derived))]
+    if len(readers) == 1 and not parts:
+        return [((), values) for _, values in own.values()]
+    return parts + [(tuple(names), values) for names, values in own.values()]
+
+
+def _defaults_of(info: optim.OptimiserInfo, family: str) -> dict[str, Any]:
+    return {dest: optim.default_in(default, family) for dest, default in info.defaults.items()}
+
+
+def _family_values(default: optim.Default, without: set[str] = frozenset()) -> list[tuple[Runs, Any]]:
+    """A registry default as values for runs: one for all, or one per model family (but those `without`)."""
+    if not isinstance(default, Mapping) and not without:
+        return [(ALL_RUNS, default)]
+    return [(runs, optim.default_in(default, name)) for name, runs in FAMILY_RUNS.items()
+            if name not in without and optim.default_in(default, name) is not None]
+
+
+def _shown(value: Any, action: argparse.Action) -> str:
+    """A default as the option is spelled: yes or no for a flag, ON or OFF for an on/off value, a size in the
+    units --max-file-size takes, a float in the shortest form."""
+    if isinstance(value, bool) or value is None:
+        return ("yes" if value else "no") if action.nargs == 0 else ("ON" if value else "OFF")
+    if action.type is byte_size:
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _model_defaults(o: dict[str, Any]) -> None:
@@ -238,8 +328,9 @@ def _power_of_two(exponent: float, option: str) -> float:
 
 
 def family(o: dict[str, Any]) -> str:
-    """The run's model family as the optimisers' defaults are given (`cnns.optim.FAMILIES`): any model on
-    CIFAR-sized data (or on data not yet known, whose model defaults were CIFAR's), else the ImageNet model."""
+    """The run's model family as the optimisers' defaults are given (`cnns.optim.FAMILIES`; `FAMILY_RUNS` says
+    them so in --help): any model on CIFAR-sized data (or on data not yet known, whose model defaults were
+    CIFAR's), else the ImageNet model."""
     if o["dataset"] in CIFAR_LIKE or o["dataset"] is None:
         return "cifar"
     return "efficientnet" if o["model"] == "efficientnet" else "resnet"

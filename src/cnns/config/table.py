@@ -7,13 +7,14 @@ parses argv with these parsers; `cnns.config` checks configs.yml and arguments.j
 the same declarations and turns the values into typed configuration objects. The table sits below
 both, so that neither reaches up for the other.
 
-Defaults that depend on the dataset are left as ``None`` here and filled in by `cnns.config`.
+Every default is left as ``None`` here and filled in by `cnns.config.defaults`, where each is declared once;
+`--help` states them from there (`build_parser`'s `stated_default`), as they apply per dataset and model.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable
 
 from cnns import optim
 
@@ -90,30 +91,6 @@ def has_effect(dest: str, options) -> bool:
     return options.get(chooser) in choices
 
 
-def default_help(dest: str) -> str:
-    """The defaults of an option that the optimisers' registry sets, as its help states them: the option's
-    own default, then each optimiser's own where the option is read by several (optimisers with one value
-    named together); per family where it differs."""
-    option = optim.OPTIONS.get(dest)
-    readers = [info for info in optim.OPTIMISERS.values() if option is None or dest in info.reads]
-    own: dict[str, list[str]] = {}
-    for info in readers:
-        if dest in info.defaults:
-            own.setdefault(_default_text(info.defaults[dest]), []).append(info.name)
-    parts = [_default_text(option.default)] if option is not None and option.default is not None else []
-    if len(readers) == 1 and not parts and own:
-        parts = list(own)
-    else:
-        parts += [f"{', '.join(names)}: {text}" for text, names in own.items()]
-    return f" (default {'; '.join(parts)})" if parts else ""
-
-
-def _default_text(default: optim.Default) -> str:
-    if not isinstance(default, Mapping):
-        return f"{default:g}"
-    return ", ".join(f"{default[family]:g} on {name}" for family, name in optim.FAMILIES.items() if family in default)
-
-
 def flag_of(dest: str) -> str:
     """The spelled flag of an option's dest (the table's options are spelled as their dests)."""
     return "--" + dest.replace("_", "-")
@@ -168,23 +145,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Model")
-    group.add_argument("--model", choices=MODELS, type=str.lower, help="Model architecture (default resnet).")
+    group.add_argument("--model", choices=MODELS, type=str.lower, help="Model architecture.")
     group.add_argument("--model-size", type=_model_size,
                        help="ResNet depth (CIFAR: 8..110, ImageNet: 18..152), ResNeXt 29/50/101, EfficientNet B0..B7 or 'cifar'.")
     norm = group.add_mutually_exclusive_group()
-    norm.add_argument("--batch-norm", action="store_true", default=None,
-                      help="Batch normalisation (default for CIFAR).")
-    norm.add_argument("--group-norm", action="store_true", default=None,
-                      help="Group normalisation (default for ImageNet).")
-    group.add_argument("--groups", type=int, help="Number of groups for group norm (default 32).")
+    norm.add_argument("--batch-norm", action="store_true", default=None, help="Batch normalisation.")
+    norm.add_argument("--group-norm", action="store_true", default=None, help="Group normalisation.")
+    group.add_argument("--groups", type=int, help="Number of groups for group norm.")
     group.add_argument("--BN-span", "--bn-span", dest="BN_span", type=int,
-                       help="Number of replicas over which batch-norm statistics are computed (default 1).")
+                       help="Number of replicas over which batch-norm statistics are computed.")
     group.add_argument("--BN-decay", "--bn-decay", dest="BN_decay", type=float,
-                       help="Batch-norm moving-average decay (default 0.97); torch momentum = 1 - decay.")
-    group.add_argument("--group-dim", type=int, help="EfficientNet: group size of the depthwise convolutions (default 1).")
-    group.add_argument("--expand-ratio", type=int, help="EfficientNet: expansion ratio (default 6).")
-    group.add_argument("--convolution-groups", type=int, help="ResNeXt cardinality (default 32).")
-    group.add_argument("--image-size", type=int, help="Input image size for ImageNet (default 224).")
+                       help="Batch-norm moving-average decay d, torch's momentum 1 - d.")
+    group.add_argument("--group-dim", type=int, help="EfficientNet: group size of the depthwise convolutions; "
+                       "ResNeXt: channels per group.")
+    group.add_argument("--expand-ratio", type=int, help="EfficientNet: expansion ratio.")
+    group.add_argument("--convolution-groups", type=int, help="ResNeXt cardinality.")
+    group.add_argument("--image-size", type=int, help="Input image size; CIFAR's images are 32 x 32.")
 
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
@@ -192,8 +168,8 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-corrupt-images", action="store_true", default=None,
                        help="ImageNet: drop images that cannot be decoded and count them, instead of stopping.")
     group.add_argument("--max-file-size", type=byte_size, metavar="SIZE",
-                       help="The largest image, TFRecord record or CIFAR file read, e.g. 512M or 2G (default 1G); a "
-                            "larger one, or anything but a regular file, is named in one line and not read.")
+                       help="The largest image, TFRecord record or CIFAR file read, e.g. 512M or 2G; a larger one, "
+                            "or anything but a regular file, is named in one line and not read.")
     group.add_argument("--dataset", choices=DATASETS, type=str.lower,
                        help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
@@ -206,7 +182,7 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     synthetic.add_argument("--synthetic-data", action="store_true",
                            help="Random data made once on the device: no host input pipeline at all.")
     group.add_argument("--normalise-input", action="store_true", default=None,
-                       help="Normalise by the ImageNet mean and standard deviation (default: mean subtraction only).")
+                       help="Normalise by the ImageNet mean and standard deviation, not only subtract the mean.")
     host_norm = group.add_mutually_exclusive_group()
     host_norm.add_argument("--hostside-norm", dest="hostside_norm", action="store_true", default=None,
                            help="Normalise images on the host.")
@@ -218,16 +194,16 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                        help="Number of host data-loading worker processes.")
     group.add_argument("--decode-device", choices=("auto", "cpu", "cuda"),
                        help="ImageNet: where JPEGs are decoded: cpu (the workers), cuda (nvJPEG on the run's GPU, "
-                            "then cropped there), or auto (default): cuda when the run is on a GPU with fewer "
-                            "than 8 CPU cores per GPU.")
+                            "then cropped there), or auto: cuda when the run is on a GPU with fewer than 8 CPU "
+                            "cores per GPU.")
     group.add_argument("--no-dataset-cache", dest="dataset_cache", action="store_false", default=None,
                        help="Do not keep decoded datasets in host memory.")
     group.add_argument("--standard-imagenet", action="store_true", default=None,
                        help="Standard (reproducible) ImageNet preprocessing.")
     group.add_argument("--dataset-percentage-to-use", type=int, help="Use only this percentage of the training set.")
-    group.add_argument("--mixup-alpha", type=float, help="Mixup alpha (0 = off).")
-    group.add_argument("--cutmix-lambda", type=float, help="Cutmix lambda (1 = off).")
-    group.add_argument("--cutmix-version", type=int, choices=(1, 2), help="Cutmix variant (default 1).")
+    group.add_argument("--mixup-alpha", type=float, help="Mixup alpha, 0 for none.")
+    group.add_argument("--cutmix-lambda", type=float, help="Cutmix lambda, 1 for none.")
+    group.add_argument("--cutmix-version", type=int, choices=(1, 2), help="Cutmix variant.")
     group.add_argument("--dataset-benchmark", action="store_true",
                        help="Run the input pipeline alone and report images/s.")
 
@@ -241,33 +217,32 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                        help="Samples per forward/backward pass on one replica.")
     batch.add_argument("--batch-size", dest="micro_batch_size", type=int, help="Graphcore's spelling of --micro-batch-size.")
     group.add_argument("--gradient-accumulation-count", type=int,
-                       help="Micro-batches whose gradients are summed before one weight update (default 1).")
+                       help="Micro-batches whose gradients are summed before one weight update.")
     group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
-                       help="dtype of accumulated gradients (default: float32).")
+                       help="dtype of accumulated gradients.")
     length = group.add_mutually_exclusive_group()
-    length.add_argument("--epochs", "--epoch", dest="epochs", type=float, help="Number of training epochs.")
+    length.add_argument("--epochs", "--epoch", dest="epochs", type=float,
+                        help="Number of training epochs, without --iterations.")
     length.add_argument("--iterations", type=int, help="Number of weight updates (instead of --epochs).")
     group.add_argument("--base-learning-rate-exponent", "--base-learning-rate", dest="base_learning_rate_exponent",
-                       type=float, help="Learning rate = 2^N x global batch size"
-                       f"{default_help('base_learning_rate_exponent')}.")
+                       type=float, help="Learning rate = 2^N x global batch size.")
     group.add_argument("--abs-learning-rate", type=float, help="Learning rate, overriding the exponent rule.")
-    group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule (default stepped).")
-    group.add_argument("--warmup-epochs", type=float, help="Linear warm-up epochs (default 5; 0 = none).")
-    group.add_argument("--learning-rate-decay", type=float, help="Stepped: factor at each boundary (default 0.1).")
-    group.add_argument("--learning-rate-schedule", type=str,
-                       help="Stepped: comma-separated fractions of training (default 0.5,0.75).")
+    group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule.")
+    group.add_argument("--warmup-epochs", type=float, help="Linear warm-up epochs, 0 for none; none with --iterations.")
+    group.add_argument("--learning-rate-decay", type=float, help="Stepped: factor at each boundary.")
+    group.add_argument("--learning-rate-schedule", type=str, help="Stepped: comma-separated fractions of training.")
     group.add_argument("--lr-decay-rate", type=float, help="Exponential schedule: decay rate.")
     group.add_argument("--lr-drops", type=int, help="Exponential schedule: number of decays over the whole run.")
-    group.add_argument("--poly-lr-decay-power", type=float, help="Polynomial schedule power (default 2).")
+    group.add_argument("--poly-lr-decay-power", type=float, help="Polynomial schedule power.")
     group.add_argument("--poly-lr-end-ratio", type=float, help="Polynomial schedule: end lr as a fraction of the peak.")
     group.add_argument("--abs-end-learning-rate", type=float, help="Polynomial schedule: absolute end lr.")
     # The optimisers and their options: the registry's entries (`cnns.optim`).
     group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=tuple(optim.OPTIMISERS),
-                       type=lambda v: optim.canonical_name(v) or v, help="Optimiser (default SGD).")
-    for dest, option in optim.OPTIONS.items():
-        group.add_argument(option.flag, type=float, help=f"{option.help}{default_help(dest)}.")
-    group.add_argument("--label-smoothing", type=float, help="Label smoothing (default 0).")
-    group.add_argument("--loss-scaling", type=float, help="Static loss scale (default 128 for float16, 1 otherwise).")
+                       type=lambda v: optim.canonical_name(v) or v, help="Optimiser.")
+    for option in optim.OPTIONS.values():
+        group.add_argument(option.flag, type=float, help=f"{option.help}.")
+    group.add_argument("--label-smoothing", type=float, help="Label smoothing.")
+    group.add_argument("--loss-scaling", type=float, help="Static loss scale.")
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,
                        help="Dynamic loss scaling: back off on overflow and skip that update.")
     group.add_argument("--seed", type=int, help="Seed for a reproducible run.")
@@ -276,8 +251,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                             "(.pt, .pth or .safetensors). The model only: optimiser, schedule and data order start "
                             "fresh; a classifier of another class count is initialised anew.")
     cadence = group.add_mutually_exclusive_group()
-    cadence.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch (default 1; 0 = only the last).")
-    cadence.add_argument("--epochs-per-ckpt", type=float, help="Epochs between checkpoints (instead of --ckpts-per-epoch).")
+    cadence.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch, 0 for only the last.")
+    cadence.add_argument("--epochs-per-ckpt", type=float,
+                         help="Epochs between checkpoints, instead of --ckpts-per-epoch; 0: by --ckpts-per-epoch.")
     group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
@@ -301,10 +277,11 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=PRECISIONS,
                        help="compute.master precision: 16.16 (half weights, stochastic rounding), 16.32 (autocast), 32.32.")
     group.add_argument("--half-dtype", choices=("bfloat16", "float16"),
-                       help="The half type (default bfloat16 on a CPU and on Ampere or later GPUs, float16 on older GPUs).")
+                       help="The half type (default: the device's, bfloat16 on a CPU and on Ampere or later GPUs, "
+                            "float16 on older GPUs).")
     rounding = group.add_mutually_exclusive_group()
     rounding.add_argument("--stochastic-rounding", type=_on_off, metavar="ON|OFF",
-                          help="Stochastic rounding of 16.16 weight updates (default ON).")
+                          help="Stochastic rounding of 16.16 weight updates.")
     rounding.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
                           help="Round weight updates to nearest.")
     group.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
@@ -366,10 +343,10 @@ def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_logging_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Logging")
-    group.add_argument("--log-dir", help="Folder for run folders (default logs/).")
+    group.add_argument("--log-dir", help="Folder for run folders.")
     group.add_argument("--name-suffix", help="Appended to the run name.")
-    group.add_argument("--logs-per-epoch", type=float, help="Step lines per epoch (with --epochs; default 16).")
-    group.add_argument("--log-freq", type=int, help="Updates between step lines (with --iterations; default 500).")
+    group.add_argument("--logs-per-epoch", type=float, help="Step lines per epoch, with --epochs.")
+    group.add_argument("--log-freq", type=int, help="Updates between step lines, with --iterations.")
     group.add_argument("--logs-path", help="Exact run folder to write (instead of a generated name under --log-dir).")
     group.add_argument("--wandb", action="store_true", default=None, help="Log to Weights & Biases (offline by default).")
     group.add_argument("--wandb-project", help="Weights & Biases project name.")
@@ -392,13 +369,18 @@ def _add_validation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--validation-micro-batch-size", type=int, help="Batch size for validation (default: micro-batch).")
 
 
-def build_parser(script: str) -> OneLineErrorParser:
-    """The parser of one of Graphcore's scripts: train, validation, restore, weight_avg or inference_embedded."""
+StatedDefault = Callable[[argparse.Action], str]  # an option's default as its help says it: " (default ...)" or ""
+
+
+def build_parser(script: str, stated_default: StatedDefault | None = None) -> OneLineErrorParser:
+    """The parser of one of Graphcore's scripts: train, validation, restore, weight_avg or inference_embedded.
+
+    `stated_default` (`cnns.config.defaults.stated_default`, which the command line hands down: the defaults sit
+    above this table) says an option's default in its help, " (default ...)" or ""; an option this table gives an
+    argparse default of its own states that one."""
     prog = {"train": "train.py", "validate": "validation.py", "restore": "restore.py",
             "weight-avg": "weight_avg.py", "infer": "inference_embedded.py"}[script]
-    parser = OneLineErrorParser(prog=prog, allow_abbrev=True,
-                                description=_DESCRIPTIONS[script],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(prog=prog, allow_abbrev=True, description=_DESCRIPTIONS[script])
     if script == "restore":
         parser.add_argument("--restore-path", required=True, help="The run folder to continue.")
         parser.add_argument("--print-config", action="store_true", help="Print the resolved options and exit.")
@@ -425,7 +407,22 @@ def build_parser(script: str) -> OneLineErrorParser:
         group.add_argument("--force-recompile", action="store_true", help="Rebuild the compiled artefact.")
         group.add_argument("--artefact-path", help="Where the compiled model is kept.")
     _add_ipu_only_options(parser)
+    _state_defaults(parser, stated_default)
     return parser
+
+
+def _state_defaults(parser: argparse.ArgumentParser, stated_default: StatedDefault | None) -> None:
+    """Each option's default at the end of its help (before its last full stop): said once, by the first of the
+    arguments an option has (--micro-batch-size, not --batch-size)."""
+    seen: set[str] = set()
+    for action in parser._actions:
+        if action.dest in seen or action.help in (None, argparse.SUPPRESS):
+            continue
+        seen.add(action.dest)
+        own = action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool)
+        stated = f" (default {action.default})" if own else (stated_default(action) if stated_default else "")
+        if stated:
+            action.help = (f"{action.help[:-1]}{stated}." if action.help.endswith(".") else action.help + stated)
 
 
 def option_defaults(script: str) -> dict[str, object]:
@@ -440,8 +437,11 @@ def option_defaults(script: str) -> dict[str, object]:
 
 _DESCRIPTIONS = {
     "train": "Train a CNN classifier (ResNet, ResNeXt, EfficientNet) on CIFAR or ImageNet.",
-    "validate": "Validate the checkpoints of a run, or measure inference throughput on generated data.",
+    "validate": "Validate the checkpoints of a run, or measure inference throughput on generated data. Options "
+                "not given are the run's (its arguments.json); the defaults shown are those of a new run.",
     "restore": "Continue a training run from its newest checkpoint.",
-    "weight-avg": "Average the weights of a run's checkpoints and validate the result.",
-    "infer": "Inference from an ahead-of-time compiled model (torch.export + AOTInductor).",
+    "weight-avg": "Average the weights of a run's checkpoints and validate the result. Options not given are the "
+                  "run's (its arguments.json); the defaults shown are those of a new run.",
+    "infer": "Inference from an ahead-of-time compiled model (torch.export + AOTInductor). With --restore-path, the "
+             "model's options not given are the run's; the defaults shown are those of a new run.",
 }
