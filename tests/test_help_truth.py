@@ -1,0 +1,195 @@
+"""--help tells the truth: every default it states is the value --print-config prints, for CIFAR, an ImageNet
+ResNet and EfficientNet (issue 51).
+
+--help states defaults in one form (`cnns.config.defaults.stated_default`): " (default 32; 16 on CIFAR-sized data;
+4 for EfficientNet)", parts separated by "; ", values for disjoint runs by ", ", a part "with SGD or LARS: ..."
+only for those optimisers, and where several hold a run the last one says its default. The help is read here as
+a user reads it, with this file's own reading of those words (not the code that wrote them), and each default
+that applies is compared with --print-config's value: with each optimiser, with the schedules whose options the
+default schedule leaves unused, and with float16, so that a default stated for those is compared too. An option
+given on the family's command line is not compared (its value is the one given); one that the choices leave
+unused prints null and is compared under the choice that uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+import scripts
+from cnns.config.defaults import FAMILY_RUNS
+from cnns.config.defaults import family as family_of
+from cnns.config.table import build_parser, byte_size, has_effect
+from cnns.optim import FAMILIES as OPTIMISER_FAMILIES
+from cnns.optim import OPTIMISERS
+
+COMMAND_LINES = {
+    "CIFAR": ("--dataset", "cifar-10"),
+    "ImageNet ResNet": ("--dataset", "imagenet", "--model", "resnet", "--model-size", "50", "--synthetic-data"),
+    "EfficientNet": ("--dataset", "imagenet", "--model", "efficientnet", "--model-size", "0", "--synthetic-data"),
+}
+# The optimisers' families, ResNeXt's too.
+FAMILIES_ARGV = (*COMMAND_LINES.values(), ("--dataset", "cifar-10", "--model", "efficientnet"),
+                 ("--dataset", "imagenet", "--model", "resnext", "--synthetic-data"))
+# Each family again with every optimiser, with the schedules whose options stepped leaves unused, and with float16.
+VARIANTS = ((), *(("--optimiser", name) for name in OPTIMISERS), ("--lr-schedule", "exponential"),
+            ("--lr-schedule", "polynomial"), ("--half-dtype", "float16"))
+
+CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
+MODELS = {"ResNet": "resnet", "ResNeXt": "resnext", "EfficientNet": "efficientnet"}
+CONDITION = re.compile(r"(?:for (?P<models>.+?))?(?: ?on (?P<data>CIFAR-sized data|ImageNet))?"
+                       r"(?: ?with (?P<options>--.+))?")
+ACTIONS = {action.dest: action for action in reversed(build_parser("train")._actions)}  # each dest's first
+ACTIONS_BY_FLAG = build_parser("train")._option_string_actions
+
+
+@pytest.fixture(autouse=True)
+def wide_help_and_no_data(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no word broken at a hyphen
+    monkeypatch.setenv("DATA_DIR", "/nowhere/cifar-10")  # --print-config reads no data
+
+
+def stated_defaults(help_text: str) -> dict[str, str]:
+    """The default each option's help states, "(default ...)", by dest; a description of a default that depends on
+    the machine or the data ("(default: the DATA_DIR environment variable)") is not a value to compare."""
+    entries: list[list[str]] = []
+    for line in help_text.splitlines():
+        if re.match(r"  -", line):
+            entries.append([line])
+        elif entries and line.startswith("    "):  # the option's help, continued
+            entries[-1].append(line)
+        else:
+            entries.append([])  # a group's title or description ends the option before it
+    stated = {}
+    for entry in filter(None, entries):
+        text = " ".join(part.strip() for part in entry)
+        found = re.findall(r"\(default ([^:()][^()]*)\)", text)
+        assert len(found) <= 1, f"two defaults stated: {text}"
+        if found:
+            flag = re.match(r"-\S+?(?=[ ,]|$)", text).group()
+            stated[ACTIONS_BY_FLAG[flag].dest] = found[0]
+    return stated
+
+
+def holds(condition: str, o: dict) -> bool:
+    """Whether the runs `condition` names ("for EfficientNet-B1 on ImageNet", "with --half-dtype float16") hold
+    the run whose printed options are `o`."""
+    match = CONDITION.fullmatch(condition)
+    assert match, f"a condition this test cannot read: {condition!r}"
+    if match["models"]:
+        models = []
+        for name in match["models"].split(" and "):
+            model, _, size = name.partition("-")
+            models.append((MODELS[model], size or None))
+        if not any(o["model"] == model and size in (None, o["model_size"]) for model, size in models):
+            return False
+    if match["data"] and (o["dataset"] in CIFAR_LIKE) != (match["data"] == "CIFAR-sized data"):
+        return False
+    for option in match["options"].split(" and ") if match["options"] else ():
+        flag, value = option.split(" ")
+        if str(o[ACTIONS_BY_FLAG[flag].dest]) != value:
+            return False
+    return True
+
+
+def applicable(stated: str, o: dict) -> str | None:
+    """The value `stated` gives the run of the printed options `o`, or None where it states none for it."""
+    value = None
+    for part in stated.split("; "):
+        if part.startswith("with ") and ": " in part:  # "with SGD or LARS: ..."
+            scope, part = part.split(": ", 1)
+            if o["optimiser"] not in scope.removeprefix("with ").split(" or "):
+                continue
+        for alternative in part.split(", "):
+            token, _, condition = alternative.partition(" ")
+            if not condition or holds(condition, o):
+                value = token
+    return value
+
+
+def same(token: str, printed, dest: str) -> bool:
+    if token in ("yes", "no"):  # a flag
+        return bool(printed) == (token == "yes")
+    if token in ("ON", "OFF"):
+        return printed is (token == "ON")
+    if ACTIONS[dest].type is byte_size:
+        return printed == byte_size(token)
+    if isinstance(printed, (int, float)) and not isinstance(printed, bool):
+        return math.isclose(float(token), printed)
+    return token == str(printed)
+
+
+def disagreements(stated: dict[str, str], printed: dict[tuple[str, ...], dict], given: set[str]) -> tuple[list, set]:
+    """(each stated default that --print-config contradicts, the dests compared) over the printed options of
+    each variant's command line."""
+    wrong, compared = [], set()
+    for variant, o in printed.items():
+        for dest, text in stated.items():
+            if dest in given or dest in {ACTIONS_BY_FLAG[flag].dest for flag in variant if flag.startswith("--")}:
+                continue
+            token = applicable(text, o)
+            if token is None or (o[dest] is None and not has_effect(dest, o)):
+                continue  # no default for this run, or one its choices leave unused (printed null)
+            compared.add(dest)
+            if not same(token, o[dest], dest):
+                wrong.append(f"{' '.join(variant) or 'as given'}: --help says {dest} {token} ({text}), "
+                             f"--print-config {o[dest]!r}")
+    return wrong, compared
+
+
+def train_help(capfd) -> str:
+    return scripts.run_here(capfd, "train.py", "--help").stdout
+
+
+def printed_options(capfd, *argv: str) -> dict:
+    return json.loads(scripts.run_here(capfd, "train.py", *argv, "--print-config").stdout)
+
+
+@pytest.mark.parametrize("family", COMMAND_LINES)
+def test_every_default_help_states_is_the_value_print_config_prints(family, capfd):
+    argv = COMMAND_LINES[family]
+    stated = stated_defaults(train_help(capfd))
+    assert {"groups", "convolution_groups", "image_size", "lars_weight_decay", "learning_rate_schedule",
+            "base_learning_rate_exponent", "weight_decay", "label_smoothing", "micro_batch_size"} <= set(stated)
+    printed = {variant: printed_options(capfd, *argv, *variant) for variant in VARIANTS}
+    given = {ACTIONS_BY_FLAG[flag].dest for flag in argv if flag.startswith("--")}
+    wrong, compared = disagreements(stated, printed, given)
+    assert not wrong, "\n".join(wrong)
+    # Every default stated for this family was compared under some choice (none hid behind a null).
+    for dest, text in stated.items():
+        if dest not in given and any(applicable(text, o) is not None for o in printed.values()):
+            assert dest in compared, f"{dest}: {text}"
+    assert printed[()]["image_size"] == {"CIFAR": 32, "ImageNet ResNet": 224, "EfficientNet": 224}[family]
+
+
+def test_the_comparison_finds_a_default_stated_wrongly(capfd):
+    """The check above fails where --help and --print-config disagree: a doctored --help (EfficientNet's 4 groups
+    said to be 8, the ImageNet ResNets' schedule said to be CIFAR's) is caught, per family."""
+    stated = stated_defaults(train_help(capfd))
+    doctored = {**stated, "groups": stated["groups"].replace("4 for EfficientNet", "8 for EfficientNet"),
+                "learning_rate_schedule": "0.5,0.75"}
+    for family, expected in (("EfficientNet", "groups"), ("ImageNet ResNet", "learning_rate_schedule")):
+        argv = COMMAND_LINES[family]
+        wrong, _ = disagreements(doctored, {(): printed_options(capfd, *argv)},
+                                 {ACTIONS_BY_FLAG[flag].dest for flag in argv if flag.startswith("--")})
+        assert [line.split(": --help says ")[1].split(" ")[0] for line in wrong] == [expected], wrong
+
+
+@pytest.mark.parametrize("script", scripts.COMMANDS)
+def test_no_help_states_argparses_none(script, capfd):
+    """No option ends with argparse's "(default: None)" (or its placeholder for --help)."""
+    text = scripts.run_here(capfd, script, "--help").stdout
+    assert text.startswith("usage:")
+    assert "(default: None)" not in text and "SUPPRESS" not in text and "(default: False)" not in text
+
+
+def test_the_optimisers_families_are_said_as_the_runs_they_are(capfd):
+    """--help names the optimisers' model families (`cnns.optim.FAMILIES`) by the runs `FAMILY_RUNS` says they are:
+    each family's runs hold a run of it and no other family's do."""
+    assert set(FAMILY_RUNS) == set(OPTIMISER_FAMILIES)
+    for argv in FAMILIES_ARGV:
+        o = printed_options(capfd, *argv)
+        assert [name for name, runs in FAMILY_RUNS.items() if runs.hold(o)] == [family_of(o)]
