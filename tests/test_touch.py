@@ -168,12 +168,12 @@ EXTREMES = [0, 1, -1, 2, 10**9, -10**9, 10**30, 2**63, 2**64 + 1, 1e-30, 1e300, 
 @given(st.sampled_from(_numeric_options()), st.sampled_from(EXTREMES))
 @settings(max_examples=120, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-def test_any_numeric_option_value_resolves_to_a_run_torch_takes_or_is_one_config_error(option, value):
+def test_any_numeric_option_value_resolves_to_a_run_torch_takes_or_is_one_line(option, value):
     """Resolved as train.py resolves it (no run folder yet): a ConfigError, or a configuration whose learning rate
     an optimiser takes and steps with, whose seed seeds torch, and whose counts are counts."""
     import torch
     from cnns.cli.parsing import resolve_command_line
-    from cnns.errors import ConfigError
+    from cnns.errors import CnnsError
     from cnns.optim import OptimiserSpec, build_optimiser
 
     flag, kind = option
@@ -183,7 +183,7 @@ def test_any_numeric_option_value_resolves_to_a_run_torch_takes_or_is_one_config
     try:
         cfg = resolve_command_line("train", ["--dataset", "cifar-10", "--data-dir", "/nowhere", "--model-size", "8",
                                              flag, text]).config
-    except (ConfigError, SystemExit):
+    except (CnnsError, SystemExit):  # one line (a ConfigError, or a DataError for the folder), or argparse's
         return
     o, t = cfg.optim, cfg.train
     parameter = torch.nn.Parameter(torch.ones(3))
