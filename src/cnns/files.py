@@ -36,6 +36,7 @@ import io
 import os
 import secrets
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
@@ -300,8 +301,6 @@ def own_run_folder(folder: str | Path) -> None:
     """The command owns `folder` (a run folder it made or continues, under its lock) from now on: it may replace and
     append to the files in it, though never through a symbolic link below it. A link in place of a file the run
     writes is refused here, before the command writes anything (the lock file included)."""
-    from fnmatch import fnmatch
-
     folder = Path(folder)
     try:
         links = sorted(entry.name for entry in folder.iterdir() if entry.is_symlink() and
