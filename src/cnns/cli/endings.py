@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -114,7 +115,7 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def _is_a_closed_pipe(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == 32  # EPIPE raised as a plain OSError by some writers
+    return isinstance(exc, OSError) and exc.errno == errno.EPIPE  # raised as a plain OSError by some writers
 
 
 def _silence_stdout() -> None:
