@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import scripts
-from cnns.engine.build import RunLength
+from cnns.engine.cadence import RunLength
 from cnns.engine.loop import Diverged, StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics, TrainStep
 from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups

@@ -19,7 +19,7 @@ import scripts
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.engine.build import RunLength
+from cnns.engine.cadence import RunLength
 from cnns.engine.loop import StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics
 from cnns.runlog import RunLog

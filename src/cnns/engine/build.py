@@ -10,7 +10,6 @@ import ctypes
 import os
 import random
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -127,36 +126,3 @@ def build_step(cfg: RunConfig, assembled: AssembledModel, optimiser: HalfPrecisi
                      replicated=assembled.replicated, replicas=world.replicas,
                      keep_gradient_buffers=replays_cuda_graphs(cfg.train.compile, device))
 
-
-@dataclass(frozen=True)
-class RunLength:
-    """How long the run is, in weight updates, and the cadences derived from it (Graphcore's application's rules)."""
-
-    total_iterations: int
-    iterations_per_epoch: int
-    epochs: float
-    log_every: int
-    sync_every: int
-    ckpt_every: int | None  # None: only the final checkpoint
-    ckpt_offset: int
-
-    @classmethod
-    def resolve(cls, cfg: RunConfig, num_train_samples: int) -> "RunLength":
-        t = cfg.train
-        per_epoch = max(1, num_train_samples // t.global_batch_size)
-        if t.iterations is not None:
-            total = t.iterations
-            epochs = total * t.global_batch_size / num_train_samples
-            log_every = max(1, t.log_freq)
-        else:
-            total = max(1, int(num_train_samples * t.epochs // t.global_batch_size))
-            epochs = t.epochs
-            log_every = max(1, int(per_epoch // t.logs_per_epoch)) if t.logs_per_epoch else total
-        log_every = min(log_every, total)
-        di = t.device_iterations
-        sync_every = log_every if log_every < di else max(1, log_every // max(1, round(log_every / di)))
-        ckpt_every = None
-        if t.ckpts_per_epoch:
-            ckpt_every = max(1, int(per_epoch / t.ckpts_per_epoch))
-        return cls(total, per_epoch, epochs, log_every, sync_every, ckpt_every,
-                   int(t.ckpt_epochs_offset * per_epoch))

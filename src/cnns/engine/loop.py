@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from cnns import profiling
-from cnns.engine.build import RunLength
+from cnns.engine.cadence import RunLength
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
 from cnns.engine.wrappers import compilation_failures_named
@@ -128,18 +128,6 @@ def first_divergence(rows: list[dict]) -> Diverged | None:
     return None
 
 
-def checkpoint_cadence_notice(length: RunLength, ckpts_per_epoch: float) -> str | None:
-    """One line when --ckpts-per-epoch N cannot be honoured as asked, saying what is saved instead:
-    checkpoints fall on whole updates, every int(updates per epoch / N) of them (Graphcore's rule)."""
-    every, per_epoch = length.ckpt_every, length.iterations_per_epoch
-    if every is None or ckpts_per_epoch < 1 or every * ckpts_per_epoch == per_epoch:
-        return None  # none asked, one every few epochs, or exactly N an epoch
-    reason = (f"asks for more checkpoints than an epoch's {per_epoch} updates" if ckpts_per_epoch > per_epoch
-              else f"does not divide an epoch's {per_epoch} updates")
-    saved = "one after every update" if every == 1 else f"one every {every} updates"
-    return f"--ckpts-per-epoch {ckpts_per_epoch:g} {reason}: {saved} is saved instead"
-
-
 @dataclass
 class LoopResult:
     final_iteration: int
@@ -188,11 +176,6 @@ class TrainingLoop:
         # `Compilation time:` line is the run's sign of life before the first step line.
         return self._crossed(self.length.log_every, last_log, done)
 
-    def _checkpoint_due(self, done: int) -> bool:
-        """Every `ckpt_every` updates counted from 0, from `ckpt_offset` on: the loop meets the host there."""
-        every = self.length.ckpt_every
-        return every is not None and done % every == 0 and done >= self.length.ckpt_offset
-
     def run(self, stop: StopRequest) -> LoopResult:
         with self.log.progress(self.length.total_iterations, self.start_iteration, "training", "update") as bar:
             return self._run(stop, bar)
@@ -233,7 +216,7 @@ class TrainingLoop:
             done = iteration + 1
             final = done == length.total_iterations
             stop_now = stopping()
-            checkpoint_now = self._checkpoint_due(done) or final or stop_now
+            checkpoint_now = length.checkpoint_due(done) or final or stop_now
             if not (done % length.sync_every == 0 or checkpoint_now):
                 continue
             rows = outfeed.drain()  # the host synchronisation

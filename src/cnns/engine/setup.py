@@ -23,12 +23,13 @@ from cnns.data.sources import DataSources, build_sources
 from cnns.devices import resolve_device
 from cnns.engine.assembly import AssembledModel, assemble
 from cnns.engine.averaging import training_time_averages
-from cnns.engine.build import (RunLength, build_loss_scaler, build_lr_schedule, build_mixer, build_optimiser_for,
+from cnns.engine.build import (build_loss_scaler, build_lr_schedule, build_mixer, build_optimiser_for,
                                build_step, keep_freed_host_memory, seed_everything)
+from cnns.engine.cadence import RunLength
 from cnns.engine.checkpointer import Checkpointer
 from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.feed import DeviceFeed
-from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop, checkpoint_cadence_notice
+from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
@@ -162,9 +163,8 @@ def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_fold
             return 0
         if start_iteration >= setup.length.total_iterations:
             log.print(f"Training already complete at iteration {start_iteration}.")
-        cadence = checkpoint_cadence_notice(setup.length, cfg.train.ckpts_per_epoch)
-        if cadence is not None:
-            log.notice(cadence)
+        if setup.length.ckpt_notice is not None:
+            log.notice(setup.length.ckpt_notice)
         try:
             result = _run_loop(cfg, setup, checkpointer, log, folder, start_iteration)
         except Diverged as diverged:
@@ -263,7 +263,7 @@ def _run_loop(cfg: RunConfig, setup: Setup, checkpointer: Checkpointer, log: Run
                         after_update=after_update if setup.ema is not None else None, world=setup.world)
     setup.model.train()
     with StopRequest().installed() as stop, _profiler(cfg, setup.device, folder, log):
-        if start_iteration == 0 and cfg.train.ckpts_per_epoch:
+        if start_iteration == 0 and setup.length.checkpoint_due(0):
             checkpointer.save(0)  # the initial weights; a restored run has it already
         result = loop.run(stop)
     if result.interrupted_by is None and setup.world.any(bool(stop)):
