@@ -1,4 +1,6 @@
-"""Every write into a run folder or an output file, in one place: it completes, or the folder is as it was.
+"""cnns's own writes into a run folder or an output file, in one place: each completes, or the folder is as it
+was. Libraries that write files of their own (TensorBoard's event files, the profiler's traces, wandb's offline
+folder) write them directly, into subfolders of the run folder that nothing of cnns reads back.
 
 A run folder holds days of training, so no write may leave half a file behind when the disk fills (ENOSPC),
 the quota runs out (EDQUOT), the device fails (EIO) or the folder vanishes. Three primitives, used by every
