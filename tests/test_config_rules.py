@@ -19,9 +19,14 @@ def resolved(**values) -> dict:
 # --BN-span: a span is that many replicas of one stage, so it divides --replicas (cnns.config.defaults)
 
 
-@pytest.mark.parametrize("span, replicas", [(1, 3), (2, 1), (2, 4), (4, 4), (3, 6), (2, "auto")])
+@pytest.mark.parametrize("span, replicas", [(1, 3), (1, 1), (2, 4), (4, 4), (3, 6), (2, "auto")])
 def test_a_bn_span_that_divides_the_replicas_is_accepted(span, replicas):
-    check_bn_span(span, replicas)  # (2, 1): the span needs replicas, which check_supported says before a run
+    check_bn_span(span, replicas)
+
+
+def test_a_bn_span_without_replicas_is_one_line():
+    with pytest.raises(ConfigError, match=r"^--BN-span 2 spans replicas: give --replicas \(a multiple of it\)$"):
+        check_bn_span(2, 1)
 
 
 @pytest.mark.parametrize("span, replicas", [(3, 4), (4, 6), (5, 2)])

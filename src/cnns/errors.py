@@ -33,6 +33,13 @@ class WriteError(CnnsError):
         return type(self), (self.path, self.cause)
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An exception as one line of an error message: its message's first line, cut at `limit` characters, or
+    its type's name when it has no message (a library's error can span pages)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def reason(cause: OSError) -> str:
     """An OSError in the words the system uses ("No space left on device"), without its errno prefix."""
     return cause.strerror or str(cause) or type(cause).__name__

@@ -38,7 +38,8 @@ from typing import Any, Iterator
 
 from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig, check_option_types, resolve
-from cnns.errors import CheckpointError, ConfigError
+from cnns.config.defaults import stages_compile
+from cnns.errors import CheckpointError, ConfigError, first_line
 from cnns.files import may_write, own_run_folder
 from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog, new_run_folder, read_run_text, write_arguments
@@ -123,7 +124,7 @@ def read_run_options(folder: Path) -> dict[str, Any]:
         options = json.loads(text)
     # JSONDecodeError is a ValueError; RecursionError for absurdly deep nesting.
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{arguments} is not valid JSON: {_first_line(exc)}") from None
+        raise CheckpointError(f"{arguments} is not valid JSON: {first_line(exc)}") from None
     if not isinstance(options, dict):
         raise CheckpointError(f"{arguments} is not a JSON object of options: not a cnns run folder")
     try:
@@ -135,13 +136,8 @@ def read_run_options(folder: Path) -> dict[str, Any]:
     except KeyError as exc:
         raise CheckpointError(f"{arguments} lacks the option {exc.args[0]!r}: not the arguments of a cnns run") from None
     except (TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{arguments} holds options that do not make a run: {_first_line(exc)}") from None
+        raise CheckpointError(f"{arguments} holds options that do not make a run: {first_line(exc)}") from None
     return options
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 @dataclass(frozen=True)
@@ -237,6 +233,8 @@ def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     for key in ("replicas", "shards"):
         if key not in explicit:
             merged[key] = 1  # validation runs on one unpipelined process whatever training used
+    if "replicas" not in explicit and "BN_span" not in explicit:
+        merged["BN_span"] = 1  # evaluation uses the running statistics: no batch statistics to span
     merged["pipeline"] = False
     merged["pipeline_splits"] = None
     merged["enable_recomputation"] = False
@@ -305,8 +303,8 @@ def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
         options["pipeline_splits"] = values["pipeline_splits"]
     if options["shards"] > 1 and not options.get("pipeline_splits"):
         raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
-    if options["shards"] > 1:
-        options["compile"] = False  # pipeline stages do not compile (yet); the updates are the same
+    if not stages_compile(options["shards"]):
+        options["compile"] = False
     return options  # the splits are checked against the model by the restore command
 
 

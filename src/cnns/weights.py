@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cnns.checkpoint import list_checkpoints, load_checkpoint
-from cnns.errors import CheckpointError
+from cnns.errors import CheckpointError, first_line
 from cnns.models import ModelSpec, build_model
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -45,7 +45,7 @@ def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
         try:
             return load_file(path), path
         except (SafetensorError, OSError, ValueError) as error:
-            raise CheckpointError(f"--init-path {path}: not a safetensors file ({_first_line(error)})") from None
+            raise CheckpointError(f"--init-path {path}: not a safetensors file ({first_line(error)})") from None
     try:
         state = load_checkpoint(path)  # a cnns checkpoint, checked
         return state["model"], path
@@ -55,7 +55,7 @@ def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - torch.load raises many kinds for a file that is not one
         reason = ("it holds Python objects, not only tensors" if "Weights only load failed" in str(error)
-                  else _first_line(error))
+                  else first_line(error))
         raise CheckpointError(f"--init-path {path}: not a checkpoint or state dict ({reason})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # the common {"state_dict": ...} wrapping
@@ -152,8 +152,3 @@ def _described(spec: ModelSpec) -> str:
     from cnns.models.spec import display_name
 
     return display_name(spec)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -25,7 +25,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Iterator
 
-from cnns.errors import CONTINUE_WITH
+from cnns.errors import CONTINUE_WITH, first_line
 
 
 class Terminated(BaseException):
@@ -92,14 +92,14 @@ def ending_of(exc: BaseException, command: str) -> int:
         _silence_stdout()
         return 128 + signal.SIGPIPE
     if out_of_memory(exc):
-        return say(f"error: out of memory ({_first_line(exc)}): lower --micro-batch-size (or --batch-size), "
+        return say(f"error: out of memory ({first_line(exc)}): lower --micro-batch-size (or --batch-size), "
                    "--replicas or --pipeline-num-parallel", 1)
     from cnns.parallel.world import launched, peer_failure
 
     line = peer_failure(exc) if launched() and isinstance(exc, Exception) else None
     if line is not None:
         return say(f"error: {line}", 1)
-    return say(f"error: {type(exc).__name__}: {_first_line(exc)} at {_innermost_frame(exc)} (a bug in cnns {command}; "
+    return say(f"error: {type(exc).__name__}: {first_line(exc)} at {_innermost_frame(exc)} (a bug in cnns {command}; "
                f"the traceback is in {_write_traceback(exc)})", 1)
 
 
@@ -127,11 +127,6 @@ def _silence_stdout() -> None:
         os.close(null)
     except (OSError, ValueError, AttributeError):
         pass
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0][:300] if text else "no message")
 
 
 def _innermost_frame(exc: BaseException) -> str:

@@ -173,7 +173,7 @@ def inference_options(values: dict[str, Any]) -> dict[str, Any]:
 
     values, run = inference_run_options(values)
     device_defaults(values, decided=set(run))
-    values = dict(values, replicas=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
+    values = dict(values, replicas=1, BN_span=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     if values.get("seed") is None:
         values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runs`)
     if values.get("iterations") is None:

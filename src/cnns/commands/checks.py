@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from cnns.config import RunConfig
+from cnns.config.defaults import stages_compile
 from cnns.data.checks import check_data_before_writing  # noqa: F401 - the commands' one import of their checks
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
@@ -24,11 +25,9 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
     p = cfg.parallel
     if p.shards > 1 or (p.pipeline and p.pipeline_splits and p.enable_recomputation):  # stages, or recomputation points
         check_pipeline_splits(cfg)
-    if p.shards > 1 and cfg.train.compile:
+    if cfg.train.compile and not stages_compile(p.shards):
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
                           "leave out --compile: pipeline stages run eagerly")
-    if p.BN_span > 1 and p.replicas == 1:
-        raise ConfigError(f"--BN-span {p.BN_span} spans replicas: give --replicas (a multiple of it)")
     check_machine_holds_workers(cfg, trains)
 
 

@@ -443,8 +443,17 @@ def check_bn_span(span: int, replicas: int | str) -> None:
     """--BN-span's rule: a span is that many replicas of one stage, so it divides --replicas. The only place it
     is checked: every command resolves its options here before a process joins the world (`cnns.cli` makes
     `--replicas auto` a number first; a replica count still "auto" is not one to check yet)."""
+    if span > 1 and replicas == 1:
+        raise ConfigError(f"--BN-span {span} spans replicas: give --replicas (a multiple of it)")
     if span > 1 and isinstance(replicas, int) and replicas > 1 and replicas % span:
         raise ConfigError(f"--BN-span {span} must divide --replicas {replicas}")
+
+
+def stages_compile(shards: int) -> bool:
+    """Whether a run of `shards` pipeline stages may use --compile: not yet (a stage runs eagerly; its updates
+    are the same). The one statement of that rule: the default, restore.py's new --shards and the check before
+    a run all ask here."""
+    return shards == 1
 
 
 def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype: str,
@@ -452,14 +461,14 @@ def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype:
     """What the run's device decides when the command line does not: --half-dtype (`device_half_dtype`: bfloat16
     on a CPU and on a GPU with bfloat16 arithmetic, float16 with loss scaling on one without) and --compile (on
     a GPU, as Graphcore's application always compiled its graph; not on a CPU, where it gains nothing, nor with
-    pipeline stages, which do not compile yet). Decided once, so that arguments.json records it and every later
+    pipeline stages: `stages_compile`). Decided once, so that arguments.json records it and every later
     command keeps it; `decided` names options another source (a run's arguments.json) already gives."""
     if "half_dtype" not in decided:
         values["half_dtype_given"] = values.get("half_dtype") is not None
     if values.get("half_dtype") is None and "half_dtype" not in decided:
         values["half_dtype"] = device_half_dtype
     if values.get("compile") is None and "compile" not in decided:
-        values["compile"] = device_type == "cuda" and (values.get("shards") or 1) == 1
+        values["compile"] = device_type == "cuda" and stages_compile(values.get("shards") or 1)
 
 
 def draw_seed() -> int:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame, whole_image_decoder
-from cnns.errors import ConfigError, DataError
+from cnns.errors import ConfigError, DataError, first_line
 
 CropBox = tuple[float, float, float, float]  # top, left, height, width, in source pixels
 
@@ -379,11 +379,6 @@ def _tiny_jpeg() -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
-
-
 @functools.lru_cache(maxsize=None)
 def device_jpeg_decoder(device: torch.device) -> DeviceJpegDecoder | str:
     """The first of DEVICE_JPEG_DECODERS that decodes a tiny JPEG on `device`, or why none does (one line).
@@ -393,7 +388,7 @@ def device_jpeg_decoder(device: torch.device) -> DeviceJpegDecoder | str:
         try:
             decoder.decode([_tiny_jpeg()], device)
         except Exception as error:  # noqa: BLE001 - any failure means "not here", said in one line
-            reasons.append(f"{decoder.name}: {_first_line(error)}")
+            reasons.append(f"{decoder.name}: {first_line(error)}")
             continue
         return decoder
     return "; ".join(reasons)

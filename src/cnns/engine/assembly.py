@@ -49,7 +49,7 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
        (a pipeline stage that cuts inside a recomputed block keeps it for the parts: `keep_recomputation`)
     4. cross-replica batch norm (--BN-span, the batch norms the fused passes left), then this process's
        pipeline stage (--shards > 1, replicas start equal) or data parallel (--replicas > 1, DDP)
-    5. compilation (--compile; not of a pipeline stage)
+    5. compilation (--compile, which a pipeline stage never has: `cnns.config.defaults.stages_compile`)
 
     The fused passes come before recomputation so that a recomputed block recomputes the fused forward, and
     both before the parallel wrappers, which cut (stages) or wrap (DDP) the finished single-device model.

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cnns.errors import CnnsError, ConfigError
+from cnns.errors import CnnsError, ConfigError, first_line
 
 TIMEOUT_ENV = "CNNS_DIST_TIMEOUT"
 THREADS_ENV = "CNNS_THREADS"  # threads per worker process, when several share a machine
@@ -228,7 +228,7 @@ class World:
             return self.store.get(full_key).decode()
         except RuntimeError as exc:  # the store's own timeout
             raise DistributedError(f"rank {self.rank}: rank 0 did not publish {key} within {self.timeout_s:.0f} s "
-                                   f"({TIMEOUT_ENV}): {_first_line(exc)}") from None
+                                   f"({TIMEOUT_ENV}): {first_line(exc)}") from None
 
     def check_same_options(self, options: dict[str, Any], ignore: tuple[str, ...] = ("command",)) -> None:
         """Every process must run the same configuration: the first difference is named with its rank."""
@@ -249,7 +249,7 @@ class World:
             function(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise DistributedError(f"rank {self.rank}: a peer failed or did not answer within {self.timeout_s:.0f} s "
-                                   f"({TIMEOUT_ENV}) while trying to {what}: {_first_line(exc)}") from None
+                                   f"({TIMEOUT_ENV}) while trying to {what}: {first_line(exc)}") from None
 
     def settle(self) -> None:
         """Wait until every process is done before tearing the groups down, so that none closes its
@@ -292,12 +292,7 @@ def peer_failure(exc: BaseException, rank: int | None = None) -> str | None:
                                                 and any(marker in text for marker in _TRANSPORT_MARKERS))):
         return None
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    return f"rank {rank}: a peer process failed or became unreachable during a collective: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    return f"rank {rank}: a peer process failed or became unreachable during a collective: {first_line(exc)}"
 
 
 def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -> World:
@@ -332,7 +327,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise DistributedError(f"rank {rank}: could not reach the rendezvous at {endpoint} within {seconds:.0f} s "
-                               f"({TIMEOUT_ENV}): {_first_line(exc)}") from None
+                               f"({TIMEOUT_ENV}): {first_line(exc)}") from None
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":  # the GPU `World.device` gives this process
@@ -343,7 +338,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         control = dist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, dist.DistBackendError) as exc:
         raise DistributedError(f"rank {rank}: the {size} processes did not all join at {endpoint} within "
-                               f"{seconds:.0f} s ({TIMEOUT_ENV}): {_first_line(exc)}") from None
+                               f"{seconds:.0f} s ({TIMEOUT_ENV}): {first_line(exc)}") from None
     world = World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", "0")), local_size=local_size,
                   replicas=replicas, shards=shards, restart=restart, timeout_s=seconds, control=control, store=store)
     # Every process creates every group (torch's rule); each keeps its own.
