@@ -141,6 +141,11 @@ def test_missing_data_folder(tmp_path, capfd, dataset):
     (["--dataset", "cifar-10", "--epochs", "nan"], ["--epochs must be a finite number, got nan"]),
     (["--dataset", "cifar-10", "--abs-learning-rate", "0"], ["--abs-learning-rate must be positive"]),
     (["--dataset", "cifar-10", "--base-learning-rate-exponent", "5000"], ["--base-learning-rate-exponent 5000"]),
+    # Found as the options resolve, before the run folder: Interleaved needs a micro-batch in every stage.
+    (["--dataset", "cifar-10", "--model-size", "8", "--shards", "2", "--pipeline", "--pipeline-splits",
+      "stage2/unit1/relu", "--pipeline-schedule", "Interleaved", "--gradient-accumulation-count", "1"],
+     ["--pipeline-schedule Interleaved needs at least as many micro-batches per update as stages: "
+      "--gradient-accumulation-count 1 < --shards 2"]),
 ])
 def test_unknown_names_and_contradictory_options(cifar, tmp_path, capfd, argv, fragments):
     out = scripts.run_here(capfd, "train.py", "--data-dir", str(cifar), *argv, cwd=tmp_path, expect=2)

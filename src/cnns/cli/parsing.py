@@ -191,6 +191,7 @@ class ResolvedCommandLine:
     options: dict[str, Any]
     config: RunConfig
     notices: list[str]
+    run: Any = None  # restore.py's run folder (`cnns.runs.RunFolder`), opened once, here
 
 
 def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
@@ -206,7 +207,10 @@ def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
         from cnns.runs import RunFolder, restore_options
 
         values, notices = parse_options(script, argv)
-        options = restore_options(RunFolder.open(values["restore_path"]), values)
+        run = RunFolder.open(values["restore_path"])
+        options = restore_options(run, values)
+        config = RunConfig.from_options(options)
+        return ResolvedCommandLine(values, dict(config.arguments), config, notices, run)
     elif script == "infer":
         values, notices = parse_options(script, argv)
         options = inference_options(values)

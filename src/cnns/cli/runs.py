@@ -30,9 +30,8 @@ def restore_main(argv: list[str]) -> int:
     if resolved.values.get("print_config"):
         return print_config(resolved.options)
     from cnns.commands.restore import restore
-    from cnns.runs import RunFolder
 
-    return restore(RunFolder.open(resolved.values["restore_path"]), resolved.config, relaunch=argv)
+    return restore(resolved.run, resolved.config, relaunch=argv)
 
 
 def validate_main(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from cnns.config.defaults import stages_compile
 from cnns.data.checks import check_data_before_writing  # noqa: F401 - the commands' one import of their checks
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
+from cnns.parallel.world import restart_attempt
 from cnns.runlog import files_of_a_run
 
 
@@ -89,7 +90,7 @@ def check_holds_no_run(folder: Path, option: str, continue_with: str) -> None:
     """A new run's folder holds no other run (`cnns.runlog.files_of_a_run`): writing there would replace its
     checkpoints and options and mix its rows with the new run's. Workers torchrun restarted after a failure
     continue their own first attempt's folder, which this does not refuse."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    if restart_attempt() > 0:
         return
     found = files_of_a_run(folder)
     if found:

@@ -12,30 +12,32 @@ from pathlib import Path
 from cnns.commands.checks import check_data_before_writing, check_supported, check_writable
 from cnns.config import RunConfig
 from cnns.errors import CheckpointError
-from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
-from cnns.parallel.world import World
+from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
+from cnns.parallel.world import World, launched
 from cnns.runlock import run_folder_lock
 from cnns.runlog import check_logs_readable
-from cnns.runs import RunFolder, newest_restore_point, run_log_for
+from cnns.runs import RestorePoint, RunFolder, newest_restore_point, run_log_for
 
 
 def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
-    run.require_checkpoints()
-    check_writable(run.path, f"--restore-path {run.path}")
+    if not checked_by_the_launcher():
+        run.require_checkpoints()
+        check_writable(run.path, f"--restore-path {run.path}")
     with run_folder_lock(run.path):  # this process, or the workers it starts, write the folder from here
         return _continue(run, cfg, relaunch)
 
 
 def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
-    # Read the checkpoint before anything is written: a corrupt one leaves the run folder as it was.
-    point = newest_restore_point(run.path, World())
-    if point is None:
-        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {run.path}")
-    check_logs_readable(run.path)
-    if cfg.train.seed is None and "seed" in point.state:
-        cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
-    check_supported(cfg)
-    check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
+    """The checks, once a run (a worker cnns started was checked by its launcher), the workers when several are
+    asked for, then this process's part: the checkpoint read once per process, before anything is written (a
+    corrupt one leaves the run folder as it was), by rank 0's choice where there are several."""
+    point = None
+    if not checked_by_the_launcher():
+        if not launched():  # one process, or the launcher: read here (torchrun's workers read it together below)
+            point = _newest_point(run, World())
+        check_logs_readable(run.path)
+        check_supported(cfg)
+        check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
     from cnns.commands.splits import model_to_plan
@@ -43,8 +45,10 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
 
     world, cfg, _ = join_run(cfg, model_to_plan)
     try:
-        if world.distributed:  # every process continues from the checkpoint rank 0 chose
-            point = newest_restore_point(run.path, world)
+        if point is None:  # every process continues from the checkpoint rank 0 chose
+            point = _newest_point(run, world)
+        if not cfg.train.seed_specified and "seed" in point.state:
+            cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
         log, instance_folder = run_log_for(cfg, world, run.path)
         if world.is_writer:
             for path, reason in point.skipped:
@@ -52,6 +56,13 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         return setup.train(cfg, world, log, run.path, instance_folder, restore=point)
     finally:
         world.close()
+
+
+def _newest_point(run: RunFolder, world: World) -> RestorePoint:
+    point = newest_restore_point(run.path, world)
+    if point is None:
+        raise CheckpointError(f"no checkpoints (ckpt-<iteration>.pt) found in {run.path}")
+    return point
 
 
 def set_aside(path: Path) -> Path:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from cnns.commands.checks import (check_data_before_writing, check_run_folder_place, check_supported, parallel_notices,
                                   print_split_points, wants_split_names)
 from cnns.config import RunConfig
-from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
+from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.runs import open_new_run
 
 if TYPE_CHECKING:
@@ -25,10 +25,11 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
     worker process is started with."""
     if wants_split_names(cfg):
         return print_split_points(cfg)
-    check_supported(cfg)
+    if not checked_by_the_launcher():  # once a run: a worker cnns started was checked by its launcher
+        check_supported(cfg)
+        check_run_folder_place(cfg)  # first: the built-in dataset writes its files as its data is checked
+        check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     notices = notices + parallel_notices(cfg)
-    check_run_folder_place(cfg)  # first: the built-in dataset writes its files as its data is checked
-    check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     initial = _checked_initial_weights(cfg)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)

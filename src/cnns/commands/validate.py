@@ -23,7 +23,7 @@ from cnns.engine.validation import (check_targets_match, checkpoint_files, gener
                                     validate_targets)
 from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
-from cnns.parallel.launch import join_run, needs_local_workers, spawn_local_workers
+from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
 from cnns.runlock import run_folder_lock
 from cnns.runlog import RunLog, validated_names
@@ -31,18 +31,7 @@ from cnns.runs import open_restore_path
 
 
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
-    check_supported(cfg, trains=False)
-    folder = None  # the run folder validation.csv is added to (for a random model, --logs-path's new folder)
-    if restore_path:
-        target = open_restore_path(restore_path)
-        target.checkpoints()  # a run without any is one line before the data is looked at
-        check_data_before_writing(cfg, train=False, evaluation=True)
-        folder = target.run.path
-        check_writable(folder, f"--restore-path {restore_path}")
-    elif cfg.log.logs_path:  # a random model's lines and validation.csv go to a new folder, like a new run's
-        folder = Path(cfg.log.logs_path)
-        check_holds_no_run(folder, "--logs-path", continue_with="validation.py")
-        folder.mkdir(parents=True, exist_ok=True)
+    folder = _checked_folder(cfg, restore_path)  # validation.csv's run folder (a random model's: --logs-path's)
     with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
         if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
             return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
@@ -53,6 +42,28 @@ def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: lis
             return validate_checkpoints(cfg, Path(restore_path), repeat, notices, world)
         finally:
             world.close()
+
+
+def _checked_folder(cfg: RunConfig, restore_path: str | None) -> Path | None:
+    """The run folder validation.csv is added to, checked once a run (a worker cnns started was checked by its
+    launcher, which made a random model's new folder)."""
+    checks = not checked_by_the_launcher()
+    if checks:
+        check_supported(cfg, trains=False)
+    if restore_path:
+        target = open_restore_path(restore_path)
+        if checks:
+            target.checkpoints()  # a run without any is one line before the data is looked at
+            check_data_before_writing(cfg, train=False, evaluation=True)
+            check_writable(target.run.path, f"--restore-path {restore_path}")
+        return target.run.path
+    if not cfg.log.logs_path:
+        return None
+    folder = Path(cfg.log.logs_path)  # a random model's lines and validation.csv go to a new folder, as a run's
+    if checks:
+        check_holds_no_run(folder, "--logs-path", continue_with="validation.py")
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notices: list[str], world: World) -> int:

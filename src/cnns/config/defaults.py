@@ -423,6 +423,7 @@ def _validate(o: dict[str, Any]) -> None:
     if o.get("num_classes") is not None and o["num_classes"] < 1:
         raise ConfigError(f"--num-classes must be at least 1, got {o['num_classes']}")
     check_bn_span(o["BN_span"], o["replicas"])
+    check_pipeline_schedule(o["pipeline_schedule"], o["gradient_accumulation_count"], o["shards"])
     if o["shards"] > 1 and not o["pipeline"]:
         raise ConfigError("--shards should be used in combination with --pipeline")
     if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
@@ -437,6 +438,15 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
     if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
         raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
+
+
+def check_pipeline_schedule(schedule: str, micro_batches: int, shards: int) -> None:
+    """Interleaved (1F1B) starts each micro-batch's backward before the next forwards, so it needs a micro-batch in
+    every stage at once: at least as many micro-batches per update as stages. Checked as the options resolve,
+    before any run folder is written."""
+    if schedule == "Interleaved" and shards > 1 and micro_batches < shards:
+        raise ConfigError(f"--pipeline-schedule Interleaved needs at least as many micro-batches per update as "
+                          f"stages: --gradient-accumulation-count {micro_batches} < --shards {shards}")
 
 
 def check_bn_span(span: int, replicas: int | str) -> None:

@@ -87,6 +87,13 @@ def end_with_the_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def checked_by_the_launcher() -> bool:
+    """Whether this process is a worker `spawn_local_workers` started: its launcher ran the command's checks once
+    for the whole run before starting it, so the worker does not run them again (a worker torchrun started has
+    no such launcher and checks for itself). True until the worker joins the run (`join_run`)."""
+    return LAUNCHER_ENV in os.environ
+
+
 def needs_local_workers(replicas: int, shards: int) -> bool:
     """Several processes asked for and none started by a launcher: this process starts them."""
     return replicas * shards > 1 and not launched()

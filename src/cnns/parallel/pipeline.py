@@ -152,9 +152,7 @@ def build_pipeline_schedule(name: str, stage: PipelineStage, micro_batches: int,
     kinds = {"Grouped": ScheduleGPipe, "Interleaved": Schedule1F1B, "Sequential": ScheduleSequential}
     if name not in kinds:
         raise ConfigError(f"unknown --pipeline-schedule {name}; choose one of {', '.join(kinds)}")
-    if name == "Interleaved" and micro_batches < stage.num_stages:
-        raise ConfigError(f"--pipeline-schedule Interleaved needs at least as many micro-batches per update as "
-                          f"stages: --gradient-accumulation-count {micro_batches} < --shards {stage.num_stages}")
+    # Interleaved's micro-batch count was checked as the options resolved (`cnns.config.defaults`).
     return kinds[name](stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
 
 

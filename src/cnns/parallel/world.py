@@ -43,6 +43,12 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def restart_attempt() -> int:
+    """torchrun's count of this process's restarts (0 on the first attempt): the one reader of
+    TORCHELASTIC_RESTART_COUNT."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -328,7 +334,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise DistributedError(f"rank {rank}: could not reach the rendezvous at {endpoint} within {seconds:.0f} s "
                                f"({TIMEOUT_ENV}): {first_line(exc)}") from None
-    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_attempt()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":  # the GPU `World.device` gives this process
         torch.cuda.set_device(device.index if device.index is not None else int(env.get("LOCAL_RANK", "0")))
