@@ -15,7 +15,7 @@ import cnns.engine.assembly as assembly
 from cnns.cli.parsing import resolve_command_line
 from cnns.engine.assembly import unwrap
 from cnns.engine.fusion import _FusedNormAct, _FusedUnit
-from cnns.engine.wrappers import _Recomputed
+from cnns.engine.recomputation import _Recomputed
 from cnns.kernels import norm_act as kernels
 from cnns.models import build_model
 from cnns.parallel.batchnorm import BatchNormSpan

@@ -75,7 +75,7 @@ def test_compile_with_cuda_graphs_under_accumulation_device_iterations_and_ema(d
 
 
 def test_sigterm_then_restore_ends_a_gpu_run_bitwise_like_an_uninterrupted_one(data_dir, tmp_path):
-    """--seed on a GPU computes reproducibly (`cnns.engine.wrappers.compute_reproducibly`), so a run stopped by
+    """--seed on a GPU computes reproducibly (`cnns.engine.kernel_choice.compute_reproducibly`), so a run stopped by
     SIGTERM mid-epoch and continued by restore.py ends with the uninterrupted run's weights, bit for bit."""
     common = (*SHORT, "--data-dir", str(data_dir), "--iterations", "40", "--log-freq", "1", "--device-iterations", "1",
               "--ckpts-per-epoch", "1", "--no-validation")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from cnns.engine.wrappers import CNNS, FLOAT32, NATIVE, depthwise_routes, route_slow_depthwise_backward
+from cnns.engine.kernel_choice import CNNS, FLOAT32, NATIVE, depthwise_routes, route_slow_depthwise_backward
 from cnns.kernels import depthwise, runnable_builds
 
 pytestmark = pytest.mark.skipif(not depthwise.available(), reason="the depthwise kernels were not built")

@@ -16,7 +16,7 @@ from timm.models._efficientnet_blocks import SqueezeExcite
 from torch import nn
 
 from cnns.engine.fusion import fuse_squeeze_excitation
-from cnns.engine.wrappers import recompute_blocks
+from cnns.engine.recomputation import recompute_blocks
 from cnns.kernels import norm_act
 from cnns.models import build_model
 from cnns.models.spec import ModelSpec

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnns.engine.fusion import fuse_norm_activations, fused_norms, fuses_squeeze_excitation, norm_act
-from cnns.engine.wrappers import recompute_blocks
+from cnns.engine.recomputation import recompute_blocks
 from cnns.kernels import norm_act as kernels
 from cnns.kernels import runnable_builds
 from cnns.models import build_model, recomputation_blocks

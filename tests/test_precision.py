@@ -196,7 +196,7 @@ def test_16_16_learns_as_well_as_32_32(plateau_data, plateau_run_32, tmp_path):
 
 
 def test_channels_last_gradient_hooks_change_layouts_not_gradients():
-    from cnns.engine.wrappers import keep_gradients_channels_last
+    from cnns.engine.kernel_choice import keep_gradients_channels_last
 
     def gradients(hooked: bool):
         model = _resnet8().to(memory_format=torch.channels_last)
@@ -224,7 +224,7 @@ def test_half_convolutions_on_float32_kernels_are_as_exact_as_half_arithmetic(dt
     the half type, plus the float32 sum's rounding (K terms: at most K x 2^-24 of the sum of |terms|)."""
     import copy
 
-    from cnns.engine.wrappers import compute_half_convolutions_in_float32
+    from cnns.engine.kernel_choice import compute_half_convolutions_in_float32
 
     generator = torch.Generator().manual_seed(in_channels + kernel + stride)
     conv = nn.Conv2d(in_channels, out_channels, kernel, stride, kernel // 2, groups=groups, bias=bias).to(dtype)
@@ -261,7 +261,7 @@ def test_half_convolutions_on_float32_kernels_are_as_exact_as_half_arithmetic(dt
 
 @pytest.mark.parametrize("emulated", [True, False])
 def test_a_cpu_that_emulates_the_half_type_runs_every_convolution_on_float32_kernels(monkeypatch, emulated):
-    import cnns.engine.wrappers as wrappers
+    import cnns.engine.kernel_choice as wrappers
 
     monkeypatch.setattr(wrappers, "cpu_half_is_emulated", lambda device, half: emulated)
     model = build_model(ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=32))
@@ -281,7 +281,7 @@ def test_a_cpu_that_emulates_the_half_type_runs_every_convolution_on_float32_ker
 def test_depthwise_convolutions_with_a_float32_backward_half_give_the_same_gradients(channels, kernel, stride):
     import copy
 
-    from cnns.engine.wrappers import route_slow_depthwise_backward
+    from cnns.engine.kernel_choice import route_slow_depthwise_backward
 
     torch.manual_seed(0)
     native = nn.Conv2d(channels, channels, kernel, stride=stride, padding=kernel // 2, groups=channels, bias=True)

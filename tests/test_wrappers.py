@@ -13,7 +13,8 @@ import processes
 import torch
 from torch import nn
 
-from cnns.engine.wrappers import choose_gpu_kernels, compute_reproducibly, recompute_blocks
+from cnns.engine.kernel_choice import choose_gpu_kernels, compute_reproducibly
+from cnns.engine.recomputation import recompute_blocks
 from cnns.models import ModelSpec, build_model, recomputation_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +105,7 @@ def test_graphcores_recomputation_points_keep_only_the_segment_inputs():
     """--pipeline --shards 1 --pipeline-splits A B --enable-recomputation: three segments, each
     recomputed whole; the same outputs, gradients and statistics as the plain model, and fewer saved
     tensors than even per-unit recomputation."""
-    from cnns.engine.wrappers import recompute_between_splits
+    from cnns.engine.recomputation import recompute_between_splits
     from cnns.models import resolve_splits
     from cnns.models.splits import model_pieces, stage_pieces
 
@@ -189,7 +190,7 @@ def test_a_gpu_run_times_cudnn_algorithms_unless_it_must_repeat_bit_for_bit(repr
 
 
 def test_a_model_that_cannot_compile_stops_with_one_line_naming_no_compile():
-    from cnns.engine.wrappers import compilation_failures_named
+    from cnns.engine.compilation import compilation_failures_named
     from cnns.errors import ConfigError
 
     def failing_backend(graph, example_inputs):
@@ -208,7 +209,7 @@ def test_a_stage_keeps_the_recomputation_of_a_block_it_cuts_inside():
     """A pipeline cut inside a recomputed EfficientNet block runs the block's parts on their own, not through its
     forward: keep_recomputation recomputes each part (same outputs and gradients, fewer saved tensors), and
     leaves the parts of a block recompute_blocks did not wrap, and whole pieces, as they are."""
-    from cnns.engine.wrappers import _Recomputed, keep_recomputation
+    from cnns.engine.recomputation import _Recomputed, keep_recomputation
     from cnns.models.splits import model_pieces
 
     spec = ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=32)

@@ -112,7 +112,7 @@ def cpu_half_is_emulated(device: torch.device, half: torch.dtype) -> bool:
     oneDNN computes bfloat16 natively with AVX512-BF16 or AMX; without them (AVX2-only CPUs such as
     AMD EPYC Milan) bfloat16 operations fall back to emulation through float32 conversions, and torch's half
     convolutions to a generic im2col + matrix product many times slower than float32 (a run that insists on
-    the half type computes its convolutions with float32 kernels instead: `cnns.engine.wrappers`). float16 on
+    the half type computes its convolutions with float32 kernels instead: `cnns.engine.kernel_choice`). float16 on
     the CPU needs AMX-FP16 likewise.
     """
     if device.type != "cpu":

@@ -42,7 +42,7 @@ MARKS = {profiling.DATA: "data", profiling.OPTIMISER: "optimiser", profiling.NOR
 # Substrings of operator names (lower case), tried in order: backward names before forward ones.
 _NAMES = (
     ("convolution_backward", CONV_BACKWARD), ("convolutionbackward", CONV_BACKWARD),
-    ("depthwiseconvbackward", CONV_BACKWARD),  # cnns.engine.wrappers' routed depthwise backward
+    ("depthwiseconvbackward", CONV_BACKWARD),  # cnns.engine.kernel_choice's routed depthwise backward
     ("_norm_backward", "normalisation backward"), ("normbackward", "normalisation backward"),
     ("threshold_backward", "activations"), ("relubackward", "activations"), ("silu_backward", "activations"),
     ("silubackward", "activations"), ("sigmoid_backward", "activations"), ("sigmoidbackward", "activations"),

@@ -64,7 +64,7 @@ def deployed(model: nn.Module, cfg: RunConfig, device: torch.device, dtype: torc
     Its `plain` model: one process has no replicas and no pipeline stage, and --compile's wrapper is not
     deployed (inference_embedded.py compiles ahead of time; predict and export run or trace the module). The
     fused passes, kernels and recomputation stay as training has them; in eval they compute what the plain
-    layers compute (`cnns.engine.fusion`, `cnns.engine.wrappers`).
+    layers compute (`cnns.engine.fusion`, `cnns.engine.kernel_choice`).
     """
     policy = PrecisionPolicy(weight_dtype=dtype, compute_dtype=dtype, device_type=device.type, use_autocast=False)
     return assemble(model, cfg, World(), device, policy).plain.eval()

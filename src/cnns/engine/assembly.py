@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 from cnns.config import ParallelConfig, RunConfig
 from cnns.engine.fusion import fuse_passes
 from cnns.engine.stages import Stage, build_stage
-from cnns.engine.wrappers import choose_kernels, maybe_compile, recompute
+from cnns.engine.compilation import maybe_compile
+from cnns.engine.kernel_choice import choose_kernels
+from cnns.engine.recomputation import recompute
 from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
 from cnns.parallel.pipeline import StageModule
 from cnns.parallel.replicas import data_parallel

@@ -18,7 +18,7 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.engine.assembly import AssembledModel
 from cnns.engine.step import PipelinedTrainStep, TrainStep, cross_entropy_loss
-from cnns.engine.wrappers import replays_cuda_graphs
+from cnns.engine.compilation import replays_cuda_graphs
 from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, build_sharded_optimiser,
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy

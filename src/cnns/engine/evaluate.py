@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from cnns.engine.feed import DeviceFeed
-from cnns.engine.wrappers import compilation_failures_named
+from cnns.engine.compilation import compilation_failures_named
 from cnns.precision import PrecisionPolicy
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.engine.wrappers import keep_recomputation
+from cnns.engine.recomputation import keep_recomputation
 from cnns.errors import ConfigError
 from cnns.models import ModelError
 from cnns.models.splits import model_pieces, stage_cuts, stage_pieces

@@ -3,7 +3,7 @@
 oneDNN's input gradient of a strided depthwise convolution and its weight gradient of a 5x5 one run far below
 memory speed (docs/performance-history.md has the timings per shape); these compute the same
 sums, accumulated in float32 as oneDNN's bfloat16 kernels accumulate, for float32 or bfloat16 activations.
-`cnns.engine.wrappers.route_slow_depthwise_backward` decides which convolutions use them.
+`cnns.engine.kernel_choice.route_slow_depthwise_backward` decides which convolutions use them.
 """
 
 from __future__ import annotations
