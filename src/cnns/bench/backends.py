@@ -45,6 +45,7 @@ from cnns.config import RunConfig
 from cnns.deploy.graphs import export_onnx, export_pt2, load_compiled
 from cnns.files import write_atomically
 from cnns.parallel.world import usable_cores
+from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
@@ -81,8 +82,8 @@ class BackendResult:
 def at_precision(cfg: RunConfig, backend: str) -> RunConfig:
     """`cfg` with the precision `backend` runs: 16.16 in bfloat16 for a -bf16 one, else 32.32."""
     half = backend.endswith("-bf16")
-    precision = replace(cfg.precision, precision="16.16" if half else "32.32", half_dtype="bfloat16",
-                        half_dtype_given=half)
+    precision = replace(cfg.precision, precision=HALF_PRECISION if half else FLOAT32_PRECISION,
+                        half_dtype="bfloat16", half_dtype_given=half)
     return replace(cfg, precision=precision)
 
 

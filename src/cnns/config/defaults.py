@@ -25,6 +25,7 @@ from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
 from cnns.config.files import _option_actions
 from cnns.config.table import byte_size
 from cnns.errors import ConfigError
+from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
 NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
@@ -150,7 +151,7 @@ BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
     "label_smoothing": ((ALL_RUNS, 0.0), (_EFFICIENTNET_ON_IMAGENET, 0.1)),
     # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     "loss_scaling": ((ALL_RUNS, 1.0), (_FLOAT16, 128.0),
-                     (Runs(options=(("half_dtype", "float16"), ("precision", "32.32"))), 1.0)),
+                     (Runs(options=(("half_dtype", "float16"), ("precision", FLOAT32_PRECISION))), 1.0)),
     "lr_decay_rate": ((_EXPONENTIAL, EXPONENTIAL_DECAY_RATE),),
     "lr_drops": ((_EXPONENTIAL, EXPONENTIAL_DROPS),),
 }
@@ -269,7 +270,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "pipeline": False,
     "pipeline_schedule": "Grouped",  # Graphcore's application's default
     "enable_recomputation": False,
-    "precision": "16.16",
+    "precision": HALF_PRECISION,
     "stochastic_rounding": True,
     "device_iterations": 1000,
     "ckpts_per_epoch": 1.0,

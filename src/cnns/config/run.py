@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import NUM_CLASSES, default_for, draw_seed
+from cnns.config.defaults import GENERIC_DEFAULTS, NUM_CLASSES, default_for, draw_seed
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info
-from cnns.precision import PrecisionPolicy
+from cnns.precision import PrecisionPolicy, describe_precision
 
 # ----------------------------------------------------------------------------------------------
 # Typed configuration: what the rest of the package sees
@@ -48,8 +48,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    precision: str  # "32.32" | "16.32" | "16.16"
-    half_dtype: str  # "bfloat16" | "float16"
+    # --precision and --half-dtype as given (arguments.json keeps them): only `cnns.precision` reads what they mean.
+    precision: str
+    half_dtype: str
     half_dtype_given: bool  # chosen explicitly: used even where the CPU only emulates it
     stochastic_rounding: bool
     loss_scaling: float
@@ -61,6 +62,10 @@ class PrecisionConfig:
         """The precision policy these options give on `device`: the one reading of --precision and --half-dtype
         that training, the split planner and the inference artefact share."""
         return PrecisionPolicy.resolve(self.precision, self.half_dtype, device, half_dtype_given=self.half_dtype_given)
+
+    def describe(self) -> str:
+        """The precision these options ask for, as messages name it: "32.32", "16.16 (bfloat16)"."""
+        return describe_precision(self.precision, self.half_dtype)
 
 
 @dataclass(frozen=True)

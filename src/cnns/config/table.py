@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Callable
 
 from cnns import optim
+from cnns.precision import PRECISIONS
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
@@ -63,7 +64,6 @@ MODELS = ("resnet", "resnext", "efficientnet")
 DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
-PRECISIONS = ("16.16", "16.32", "32.32")
 
 # Options that only some choices of another option use: dest -> (the choosing option's dest, the choices that
 # use it). With any other choice such an option changes nothing: --print-config shows it as null and a

@@ -147,21 +147,25 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
     """A lower bound of one worker's memory on this machine (WorkerMemory). The model is built on torch's meta
     device (no memory, no arithmetic) and run forward on a meta micro-batch, counting the tensors autograd keeps
     for the backward pass. On a GPU the model lives in the GPU's memory: only the interpreter counts here.
-    Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack."""
+    Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack.
+    Sizes are those of the precision policy the workers will run on this CPU (float32 where it would only
+    emulate the half type and none was insisted on)."""
+    import torch
+
     from cnns.devices import default_device_name
 
     if (cfg.device or default_device_name()).startswith("cuda"):
         return WorkerMemory(WORKER_FIXED_BYTES, 0, 0)
+    policy = cfg.precision.policy(torch.device("cpu"))
     parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains)
-    half = cfg.precision.precision == "16.16"  # half weights; 16.32 keeps float32 weights
-    weight_bytes = parameters * (2 if half else 4)
+    weight_bytes = parameters * policy.weight_dtype.itemsize  # 16.32 keeps float32 (master) weights
     copies = 1  # the weights
     if trains:
         state = cfg.optim.info.state_per_parameter  # its entry in the optimisers' registry (cnns.optim)
         copies += 1 + (state / cfg.parallel.replicas if cfg.parallel.rts else state)  # gradients, the state
     if trains and cfg.train.ema_decay:
         copies += 1
-    if cfg.precision.precision.startswith("16"):
+    if policy.half_compute:
         activation_bytes //= 2  # computed in the half type
     if cfg.parallel.enable_recomputation:
         activation_bytes = 0  # only block inputs are kept: not estimated, so not counted
