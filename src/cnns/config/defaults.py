@@ -308,15 +308,26 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "dataset_benchmark": False,
     "standard_imagenet": False,
     "distributed": False,
+    "threads_per_worker": "auto",  # the usable cores shared out evenly (cnns.parallel.world.threads_per_worker)
+    "dist_timeout": 600.0,  # seconds: long enough for the slowest start-up measured, a bound on a hang
+    "fused_norm": "auto",
+    "malloc_tuning": True,
 }
 
 
+def record_half_dtype_given(o: dict[str, Any], decided: set[str] | frozenset[str] = frozenset()) -> None:
+    """Whether --half-dtype was chosen rather than a device's default, recorded before any default fills it: an
+    explicit half type runs even where the hardware would only emulate it (`cnns.precision`). Recorded once: a
+    run's arguments.json (`decided`, or the options themselves) carries the answer already, and restore and
+    validation keep it."""
+    if "half_dtype" not in decided and o.get("half_dtype_given") is None:
+        o["half_dtype_given"] = o.get("half_dtype") is not None
+
+
 def _precision_defaults(o: dict[str, Any]) -> None:
-    # An explicit --half-dtype runs that type even where the hardware would only emulate it.
-    # (A run's arguments.json carries the answer already: restore and validation keep it.) train.py
-    # chooses it from the run's device before this (`device_defaults`); options
-    # from elsewhere (benchmarks, tests) without one get the CPU's.
-    o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
+    # train.py chooses the half type from the run's device before this (`device_defaults`); options from
+    # elsewhere (benchmarks, tests) without one get the CPU's.
+    record_half_dtype_given(o)
     _set_if_unset(o, "half_dtype", "bfloat16")
     _set_if_unset(o, "loss_scaling", default_for("loss_scaling", o))
 
@@ -455,8 +466,7 @@ def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype:
     a GPU, as Graphcore's application always compiled its graph; not on a CPU, where it gains nothing, nor with
     pipeline stages, which do not compile yet). Decided once, so that arguments.json records it and every later
     command keeps it; `decided` names options another source (a run's arguments.json) already gives."""
-    if "half_dtype" not in decided:
-        values["half_dtype_given"] = values.get("half_dtype") is not None
+    record_half_dtype_given(values, decided)
     if values.get("half_dtype") is None and "half_dtype" not in decided:
         values["half_dtype"] = device_half_dtype
     if values.get("compile") is None and "compile" not in decided:
