@@ -103,7 +103,7 @@ def cache_key(cfg: RunConfig) -> str:
     from cnns.engine.fusion import fused_norms
 
     m = cfg.model
-    fused = [norm.__name__ for norm in fused_norms(torch.device("cpu"))]  # the assembly's passes in the graph
+    fused = [norm.__name__ for norm in fused_norms(torch.device("cpu"), cfg.train.fused_norm)]  # the assembly's passes in the graph
     identity = json.dumps({"model": asdict(m), "batch": cfg.train.micro_batch_size, "seed": cfg.train.seed,
                            "image_size": cfg.data.image_size, "normalise": cfg.data.normalise_input,
                            "fused": fused, "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True)
@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     spec = BackendsSpec(**json.loads(argv[0]))
-    keep_freed_host_memory(torch.device("cpu"))  # as cnns's own runs do; the same for every backend here
-    results = measure_backends(RunConfig.from_options(spec.options), tuple(spec.backends), warmup=spec.warmup,
+    cfg = RunConfig.from_options(spec.options)
+    keep_freed_host_memory(torch.device("cpu"), cfg.train.malloc_tuning)  # as cnns's runs do; for every backend
+    results = measure_backends(cfg, tuple(spec.backends), warmup=spec.warmup,
                                threads=spec.threads, cache_dir=spec.cache_dir, rounds=spec.rounds,
                                log=lambda line: print(line, flush=True))
     document = {"spec": asdict(spec), "torch": torch.__version__, "results": [asdict(r) for r in results]}

@@ -447,6 +447,10 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
     if (o.get("warmup_epochs") or 0) < 0:
         raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
+    if o["dist_timeout"] <= 0:
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {o['dist_timeout']}")
+    if o["threads_per_worker"] != "auto" and o["threads_per_worker"] < 1:
+        raise ConfigError(f"--threads-per-worker must be at least 1 or auto, got {o['threads_per_worker']}")
     if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
         raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
 

@@ -106,6 +106,15 @@ def _on_off(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected ON or OFF, got {value!r}")
 
 
+def _threads(value: str) -> int | str:
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of threads or auto, got {value!r}") from None
+
+
 def _replicas(value: str) -> int | str:
     if value.strip().lower() == "auto":
         return "auto"
@@ -314,6 +323,22 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
     group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
+    _add_host_options(group)
+
+
+def _add_host_options(group: argparse._ArgumentGroup) -> None:
+    """How the processes use the machine: threads, waiting for peers, the CPU's fused passes and its allocator."""
+    group.add_argument("--threads-per-worker", type=_threads, metavar="N|auto",
+                       help="CPU threads of each of several worker processes on one machine; auto shares the "
+                            "usable cores out evenly.")
+    group.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                       help="How long a rendezvous or collective waits for a peer before the run ends naming it.")
+    group.add_argument("--fused-norm", choices=("auto", "on", "off"),
+                       help="CPU: the fused norm + activation and squeeze-excitation passes: auto where they were "
+                            "measured faster (the AVX-512 build), on wherever the kernels are built, off nowhere.")
+    group.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false", default=None,
+                       help="CPU: leave glibc's allocator as it is (by default it keeps freed tensor memory for "
+                            "the next step instead of returning it to the kernel).")
 
 
 def _add_pipeline_layout_options(group: argparse._ArgumentGroup, new_layout: bool = False) -> None:

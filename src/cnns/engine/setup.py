@@ -109,7 +109,7 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_input,
                       host_normalisation=cfg.data.hostside_norm)
 
-    keep_freed_host_memory(device)  # before the model allocates anything large
+    keep_freed_host_memory(device, cfg.train.malloc_tuning)  # before the model allocates anything large
     model = build_model(cfg.model)
     total_parameters = count_parameters(model)
     assembled = assemble(model, cfg, world, device, policy)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cnns.errors import ConfigError
-from cnns.parallel.world import join_world, launched, timeout_seconds, usable_cores
+from cnns.parallel.world import DEFAULT_TIMEOUT_S, join_world, launched, usable_cores
 
 # Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
 SHUTDOWN_TIMEOUT_S = 300
@@ -36,8 +36,10 @@ LAUNCHER_ENV = "CNNS_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
-    """Run `cnns <command> <argv>` in `processes` local worker processes; their exit code."""
+def spawn_local_workers(command: str, argv: list[str], processes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Run `cnns <command> <argv>` in `processes` local worker processes; their exit code. The workers take their
+    settings from `argv`, the launcher's own options (--threads-per-worker, --dist-timeout among them); `timeout_s`
+    bounds only the agent's rendezvous with its own local workers."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -48,7 +50,7 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_seconds())},
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the workers only: taken back below
