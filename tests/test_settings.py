@@ -131,3 +131,16 @@ def test_threads_per_worker_and_dist_timeout_reach_a_launched_worker(monkeypatch
         assert set_to == [3 if threads == "3" else usable_cores()]  # auto: the cores shared by the one local worker
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dist-timeout", "0"], "--dist-timeout must be a positive number of seconds up to 604800"),
+    (["--dist-timeout", "1e300"], "--dist-timeout must be a positive number of seconds up to 604800"),
+    (["--threads-per-worker", "0"], "--threads-per-worker must be auto or between 1 and 4096, got 0"),
+    (["--threads-per-worker", "100000"], "--threads-per-worker must be auto or between 1 and 4096, got 100000"),
+])
+def test_settings_out_of_range_are_one_line_before_anything_runs(argv, message):
+    from cnns.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_command_line("train", [*RN8, *argv])

@@ -408,6 +408,9 @@ def _training_defaults(o: dict[str, Any]) -> None:
 
 # The learning rate's range: the optimisers hold it in float32 (torch's fused and foreach steps, 16.16's update).
 FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+# Bounds of the host options: a timeout the process groups' timedelta holds (a week: longer is a hang), and more
+# threads than any machine has cores (torch would start them all).
+DIST_TIMEOUT_MAX, THREADS_MAX = 7 * 24 * 3600.0, 4096
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed or unsigned 64-bit seed; cnns derives others by adding
 
 
@@ -447,10 +450,12 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
     if (o.get("warmup_epochs") or 0) < 0:
         raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
-    if o["dist_timeout"] <= 0:
-        raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {o['dist_timeout']}")
-    if o["threads_per_worker"] != "auto" and o["threads_per_worker"] < 1:
-        raise ConfigError(f"--threads-per-worker must be at least 1 or auto, got {o['threads_per_worker']}")
+    if not 0 < o["dist_timeout"] <= DIST_TIMEOUT_MAX:
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds up to {DIST_TIMEOUT_MAX:.0f} (a week), "
+                          f"got {o['dist_timeout']}")
+    if o["threads_per_worker"] != "auto" and not 1 <= o["threads_per_worker"] <= THREADS_MAX:
+        raise ConfigError(f"--threads-per-worker must be auto or between 1 and {THREADS_MAX}, "
+                          f"got {o['threads_per_worker']}")
     if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
         raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
 
