@@ -27,7 +27,7 @@ import torch.distributed as dist
 from cnns.config.defaults import GENERIC_DEFAULTS
 from cnns.errors import CnnsError, ConfigError
 
-TIMEOUT_OPTION = "--dist-timeout"  # named in the errors a timeout ends in: what to raise
+TIMEOUT_OPTION = "--dist-timeout"  # named in a timeout's error line: the option to raise
 # Options computed from others (cnns.config): a difference in them is reported through its cause.
 DERIVED_OPTIONS = frozenset({"global_batch_size", "learning_rate", "name", "base_learning_rate_exponent",
                              "rmsprop_decay", "poly_lr_end_ratio", "lars_weight_decay"})
