@@ -30,9 +30,7 @@ def configured(*options: str):
     """A RunConfig as train.py resolves it, on generated CIFAR-sized data, with its precision policy."""
     cfg = resolve_command_line("train", ["--synthetic-data", "--dataset", "cifar-10", "--model-size", "8",
                                          "--micro-batch-size", "4", "--iterations", "1", *options]).config
-    policy = PrecisionPolicy.resolve(cfg.precision.precision, cfg.precision.half_dtype, CPU,
-                                     half_dtype_given=cfg.precision.half_dtype_given)
-    return cfg, policy
+    return cfg, cfg.precision.policy(CPU)
 
 
 def recorded_steps(monkeypatch) -> list[str]:
@@ -50,9 +48,8 @@ def recorded_steps(monkeypatch) -> list[str]:
 
 
 def test_plain_cpu_float32_is_the_model_itself_in_channels_last(monkeypatch):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "0")
     steps = recorded_steps(monkeypatch)
-    cfg, policy = configured("--precision", "32.32")
+    cfg, policy = configured("--fused-norm", "off", "--precision", "32.32")
     model = build_model(cfg.model)
     keys = list(model.state_dict())
     assembled = assembly.assemble(model, cfg, World(), CPU, policy)
@@ -70,9 +67,8 @@ def test_plain_cpu_float32_is_the_model_itself_in_channels_last(monkeypatch):
 
 @needs_fused_passes
 def test_16_16_fuses_then_recomputes_the_fused_units(monkeypatch):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "1")
     steps = recorded_steps(monkeypatch)
-    cfg, policy = configured("--precision", "16.16", "--half-dtype", "bfloat16", "--enable-recomputation")
+    cfg, policy = configured("--fused-norm", "on", "--precision", "16.16", "--half-dtype", "bfloat16", "--enable-recomputation")
     model = build_model(cfg.model)
     keys = list(model.state_dict())
     assembled = assembly.assemble(model, cfg, World(), CPU, policy)
@@ -97,7 +93,6 @@ def test_16_16_fuses_then_recomputes_the_fused_units(monkeypatch):
 
 @needs_fused_passes
 def test_replicas_with_a_bn_span_fuse_with_the_spans_statistics_then_replicate(monkeypatch):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "1")
     steps = recorded_steps(monkeypatch)
     monkeypatch.setattr("cnns.parallel.batchnorm.dist.get_world_size", lambda group: 2)
     replicated = []
@@ -105,7 +100,7 @@ def test_replicas_with_a_bn_span_fuse_with_the_spans_statistics_then_replicate(m
                         steps.append("data_parallel") or nn.Sequential(model))
     span_group = object()
     world = SimpleNamespace(bn_group=span_group, shards=1, replicas=2)
-    cfg, policy = configured("--precision", "32.32", "--replicas", "2", "--BN-span", "2")
+    cfg, policy = configured("--fused-norm", "on", "--precision", "32.32", "--replicas", "2", "--BN-span", "2")
     model = build_model(cfg.model)
     assembled = assembly.assemble(model, cfg, world, CPU, policy)
     assert steps == ["precision", "fuse_passes", "choose_kernels", "cross_replica_batch_norm", "data_parallel",
@@ -120,7 +115,6 @@ def test_replicas_with_a_bn_span_fuse_with_the_spans_statistics_then_replicate(m
 
 
 def test_pipeline_stages_cut_the_finished_single_device_model(monkeypatch):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "0")
     steps = recorded_steps(monkeypatch)
     cut = []
 
@@ -131,7 +125,7 @@ def test_pipeline_stages_cut_the_finished_single_device_model(monkeypatch):
 
     monkeypatch.setattr(assembly, "build_stage", build_stage)
     world = SimpleNamespace(bn_group=None, shards=2, replicas=1, broadcast_state=lambda module, among_replicas: None)
-    cfg, policy = configured("--precision", "32.32", "--pipeline", "--shards", "2", "--pipeline-splits",
+    cfg, policy = configured("--fused-norm", "off", "--precision", "32.32", "--pipeline", "--shards", "2", "--pipeline-splits",
                              "stage2/unit1", "--enable-recomputation")
     model = build_model(cfg.model)
     assembled = assembly.assemble(model, cfg, world, CPU, policy)
@@ -143,8 +137,7 @@ def test_pipeline_stages_cut_the_finished_single_device_model(monkeypatch):
 
 
 def test_compile_is_the_outermost_wrapper(monkeypatch):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "0")
-    cfg, policy = configured("--precision", "32.32", "--compile")
+    cfg, policy = configured("--fused-norm", "off", "--precision", "32.32", "--compile")
     model = build_model(cfg.model)
     keys = list(model.state_dict())
     assembled = assembly.assemble(model, cfg, World(), CPU, policy)

@@ -127,11 +127,10 @@ def test_workers_that_cannot_each_have_a_gpu_are_one_line_before_the_rendezvous(
 
     monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
     for name, value in {"RANK": "1", "WORLD_SIZE": str(local_size), "LOCAL_RANK": "1",
-                        "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "9",
-                        "CNNS_DIST_TIMEOUT": "5"}.items():  # without the check: a rendezvous error in 5 s
+                        "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "9"}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ConfigError) as error:
-        init_world(local_size, 1, 1, torch.device(device))
+    with pytest.raises(ConfigError) as error:  # without the check: a rendezvous error in 5 s
+        init_world(local_size, 1, 1, torch.device(device), timeout_s=5)
     assert str(error.value).startswith(message)
 
 

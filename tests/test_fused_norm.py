@@ -256,17 +256,15 @@ def test_recomputation_of_fused_units_gives_bitwise_the_same_gradients_and_stati
         assert torch.equal(a, b)  # the statistics were updated once, not twice
 
 
-def test_both_norms_are_fused_by_default_where_measured_and_only_on_cpus(monkeypatch):
-    monkeypatch.delenv("CNNS_FUSED_NORM", raising=False)
+def test_both_norms_are_fused_by_default_where_measured_and_only_on_cpus():
     default = (nn.BatchNorm2d, nn.GroupNorm)
-    assert fused_norms(torch.device("cpu")) == (default if kernels.wide_build() else ())
-    assert fuses_squeeze_excitation(torch.device("cpu")) == kernels.wide_build()
-    monkeypatch.setenv("CNNS_FUSED_NORM", "1")
-    assert fused_norms(torch.device("cpu")) == (nn.BatchNorm2d, nn.GroupNorm)
-    assert fuses_squeeze_excitation(torch.device("cpu"))
-    assert fused_norms(torch.device("cuda")) == () and not fuses_squeeze_excitation(torch.device("cuda"))
-    monkeypatch.setenv("CNNS_FUSED_NORM", "0")
-    assert fused_norms(torch.device("cpu")) == () and not fuses_squeeze_excitation(torch.device("cpu"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fused_norms(cpu, "auto") == (default if kernels.wide_build() else ())
+    assert fuses_squeeze_excitation(cpu, "auto") == kernels.wide_build()
+    assert fused_norms(cpu, "on") == (nn.BatchNorm2d, nn.GroupNorm)
+    assert fuses_squeeze_excitation(cpu, "on")
+    assert fused_norms(cuda, "on") == () and not fuses_squeeze_excitation(cuda, "on")
+    assert fused_norms(cpu, "off") == () and not fuses_squeeze_excitation(cpu, "off")
 
 
 def test_only_the_norms_asked_for_are_fused():

@@ -32,10 +32,11 @@ def modules(model: nn.Module) -> list[tuple[str, type]]:
     return [(name, type(module)) for name, module in model.named_modules()]
 
 
-def built_every_way(precision: str, tmp_path: Path) -> dict[str, nn.Module]:
-    """The model of one ResNet-8 configuration from each builder, all with the weights training drew. A
-    checkpoint holds what training saves (the plain model's state dict); the builders that read one load it."""
-    cfg = resolve_command_line("train", [*RN8, "--precision", precision]).config
+def built_every_way(precision: str, tmp_path: Path, fused: str) -> dict[str, nn.Module]:
+    """The model of one ResNet-8 configuration (--fused-norm `fused`) from each builder, all with the weights
+    training drew. A checkpoint holds what training saves (the plain model's state dict); the builders that read
+    one load it."""
+    cfg = resolve_command_line("train", [*RN8, "--precision", precision, "--fused-norm", fused]).config
     training = set_up(cfg, World())
     validation = set_up(cfg, World(), train=False)
     weights = training.plain_model.state_dict()
@@ -44,7 +45,7 @@ def built_every_way(precision: str, tmp_path: Path) -> dict[str, nn.Module]:
     planned, _ = model_to_plan(cfg, CPU)
     planned.load_state_dict(weights)
     validation.plain_model.load_state_dict(weights)
-    infer_cfg = resolve_command_line("infer", [*RN8, "--precision", precision]).config
+    infer_cfg = resolve_command_line("infer", [*RN8, "--precision", precision, "--fused-norm", fused]).config
     return {"training": training.plain_model, "validation": validation.plain_model, "planner": planned,
             "predict and export": restore_model(checkpoint, cfg).model,
             "inference_embedded": build_inference_model(infer_cfg, checkpoint, CPU).model}
@@ -58,17 +59,16 @@ def images(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, normalise(pixels, *input_normalisation(cfg), dtype)
 
 
-@pytest.mark.parametrize("fused", ["0", "1"], ids=["plain", "fused passes"])
-def test_every_builder_makes_the_same_float32_model(fused, monkeypatch, tmp_path):
-    if fused == "1" and not kernels.available():
+@pytest.mark.parametrize("fused", ["off", "on"], ids=["plain", "fused passes"])
+def test_every_builder_makes_the_same_float32_model(fused, tmp_path):
+    if fused == "on" and not kernels.available():
         pytest.skip("the fused kernels are not built")
-    monkeypatch.setenv("CNNS_FUSED_NORM", fused)
-    models = built_every_way("32.32", tmp_path)
+    models = built_every_way("32.32", tmp_path, fused)
     reference = modules(models["training"])
     for name, model in models.items():
         assert modules(model) == reference, name
     fused_modules = [m for m in models["training"].modules() if isinstance(m, (_FusedUnit, _FusedNormAct))]
-    assert bool(fused_modules) == (fused == "1")
+    assert bool(fused_modules) == (fused == "on")
 
     # One float32 computation everywhere (same modules, weights, layout, threads and kernels): equal bits.
     _, x = images(torch.float32)
@@ -83,9 +83,8 @@ def test_every_builder_makes_the_same_float32_model(fused, monkeypatch, tmp_path
 
 @pytest.mark.skipif(not kernels.available(), reason="the fused kernels are not built")
 @pytest.mark.skipif(cpu_half_is_emulated(CPU, torch.bfloat16), reason="16.16 runs in float32 on this CPU")
-def test_a_16_16_run_deploys_its_own_assembly(monkeypatch, tmp_path):
-    monkeypatch.setenv("CNNS_FUSED_NORM", "1")
-    models = built_every_way("16.16", tmp_path)
+def test_a_16_16_run_deploys_its_own_assembly(tmp_path):
+    models = built_every_way("16.16", tmp_path, "on")
     reference = modules(models["training"])
     assert all(modules(model) == reference for model in models.values())
     training, deployed = models["training"], models["predict and export"]
@@ -94,7 +93,8 @@ def test_a_16_16_run_deploys_its_own_assembly(monkeypatch, tmp_path):
     pixels, x = images(torch.bfloat16)
     with torch.no_grad():
         logits = {name: model.eval()(x).float() for name, model in models.items() if name != "predict and export"}
-        embedded = build_inference_model(resolve_command_line("infer", [*RN8, "--precision", "16.16"]).config,
+        embedded = build_inference_model(resolve_command_line("infer", [*RN8, "--precision", "16.16",
+                                                                        "--fused-norm", "on"]).config,
                                          tmp_path / "ckpt-1.pt", CPU)(pixels)  # normalising its uint8 input
         float32 = deployed(x.float())
     # The bfloat16 models (training, validation, planner, inference_embedded's) compute the same thing: equal bits.

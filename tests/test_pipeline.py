@@ -21,7 +21,8 @@ from scripts import run_here, train_here
 # CPU kernels sum in an order that depends on their thread count (one process, 1 vs 2 threads: 3e-4
 # apart after 6 group-norm updates): every process here computes with one thread, so the layouts
 # compared do the same arithmetic.
-ONE_THREAD = {"CNNS_THREADS": "1", "OMP_NUM_THREADS": "1"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+ONE_THREAD_EACH = ("--threads-per-worker", "1")  # each worker of a launcher (restore.py keeps the run's)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,7 +44,8 @@ VARIANTS = {
 
 
 def train(cwd, *args: str, script: str = "train.py"):
-    return train_with(cwd, *args, script=script, env=ONE_THREAD)
+    threads = ONE_THREAD_EACH if script != "restore.py" else ()
+    return train_with(cwd, *args, *threads, script=script, env=ONE_THREAD)
 
 
 def one_process(tmp_path, data_dir, name, *args):  # noqa: F811
@@ -176,7 +178,8 @@ def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_stat
              "--iterations", "3")
     grid = tmp_path / "grid"
     out, _ = finish(start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "train.py"), *PIPELINE,
-                           *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid)],
+                           *spans, *TWO_STAGES, "--data-dir", str(data_dir), "--logs-path", str(grid),
+                           *ONE_THREAD_EACH],
                           tmp_path, ONE_THREAD))
     reference = tmp_path / "replicas"
     train(tmp_path, *PIPELINE, *spans, "--data-dir", str(data_dir), "--logs-path", str(reference))

@@ -139,9 +139,10 @@ def test_host_memory_tuning_stops_page_faults_on_reallocation():
     code = """
 import resource, sys, torch
 from cnns.engine.build import keep_freed_host_memory
-applied = keep_freed_host_memory(torch.device("cpu"))
-assert keep_freed_host_memory(torch.device("cpu")) == applied
-assert keep_freed_host_memory(torch.device("meta")) is False
+assert keep_freed_host_memory(torch.device("cpu"), enabled=False) is False  # --no-malloc-tuning
+applied = keep_freed_host_memory(torch.device("cpu"), enabled=True)
+assert keep_freed_host_memory(torch.device("cpu"), enabled=True) == applied
+assert keep_freed_host_memory(torch.device("meta"), enabled=True) is False
 faults = []
 for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

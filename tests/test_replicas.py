@@ -31,14 +31,14 @@ pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_IMAGES, TEST_IMAGES = 512, 101  # 101: not divisible by the replicas
 TIMEOUT_S = 240
-# Ranks give up on a dead or missing peer after this many seconds: no test can wait for ever.
-ENV = {**os.environ, "CNNS_DIST_TIMEOUT": "60", "PYTHONPATH": str(ROOT / "src")}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 # ResNet-8 with group norm in float32, 12 updates: the configuration of the equivalence tests.
 COMMON = ("--dataset", "cifar-10", "--model-size", "8", "--precision", "32.32", "--group-norm", "--groups", "4",
           "--iterations", "12", "--log-freq", "6", "--ckpts-per-epoch", "5", "--seed", "5", "--optimiser", "momentum",
-          "--warmup-epochs", "0", "--base-learning-rate-exponent", "-9", "--no-validation")
+          "--warmup-epochs", "0", "--base-learning-rate-exponent", "-9", "--no-validation",
+          "--dist-timeout", "60")  # ranks give up on a dead or missing peer after 60 s: no test waits for ever
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,9 @@ def trained_here(tmp: Path, name: str, data_dir: Path, *args: str, norm: str = "
 
 # Tests that share the module's runs below go to one test worker, so each run is made once.
 SHARED_RUNS = pytest.mark.xdist_group("test_replicas-runs")
-# One thread per replica whatever the machine's cores, so that runs launched in different ways compute alike.
-ONE_THREAD = {"CNNS_THREADS": "1"}
+# One thread per replica whatever the machine's cores, so that runs launched in different ways compute alike
+# (arguments.json records it: a restore or a validation of the run keeps it).
+ONE_THREAD = ("--threads-per-worker", "1")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def replicas_run(data_dir, tmp_path_factory) -> Path:
     training: what accumulation, a restore, sharded optimiser state, two torchrun launchers and validation are
     compared with."""
     return trained(tmp_path_factory.mktemp("replicas"), "replicas", data_dir, "--replicas", "2",
-                   "--micro-batch-size", "16", validate=True, env=ONE_THREAD)
+                   "--micro-batch-size", "16", *ONE_THREAD, validate=True)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_a_restored_replicated_run_continues_the_same_samples(replicas_run, tmp_
     # from ckpt-9, in the middle of a step line's window.
     for later in ("ckpt-12.pt", "training.csv"):
         (cut / later).unlink()
-    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py", env=ONE_THREAD)
+    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
     assert "Restoring training from latest checkpoint:" in out and "ckpt-9.pt" in out
     # Bitwise: the restored run computes the same shapes on the same threads and kernels from the same
     # weights, optimiser state, random states and samples as the uninterrupted one.
@@ -196,7 +197,7 @@ def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(data
 @SHARED_RUNS
 def test_rts_shards_the_optimiser_state_and_changes_no_weight(data_dir, replicas_run, tmp_path):
     sharded = trained(tmp_path, "rts", data_dir, "--replicas", "2", "--micro-batch-size", "16", "--rts",
-                      "--log-all-instances", "true", env=ONE_THREAD)
+                      "--log-all-instances", "true", *ONE_THREAD)
     plain = replicas_run
     # Bitwise: each replica applies the same element-wise momentum update to its shard that the plain
     # optimiser applies to the whole, from the same all-reduced gradients, and broadcasts the result.
@@ -297,7 +298,7 @@ def test_two_torchrun_launchers_on_loopback_make_one_run(data_dir, replicas_run,
     launchers = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cnns-test",
                         str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder),
-                        "--replicas", "2", "--micro-batch-size", "16"], tmp_path, ONE_THREAD) for node in (0, 1)]
+                        "--replicas", "2", "--micro-batch-size", "16", *ONE_THREAD], tmp_path) for node in (0, 1)]
     outputs = [finish(launcher) for launcher in launchers]
     arguments = json.loads((folder / "arguments.json").read_text())
     assert (arguments["replicas"], arguments["global_batch_size"]) == (2, 32)
@@ -401,13 +402,14 @@ def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(da
 
 def test_a_rendezvous_that_never_completes_ends_with_one_line(tmp_path):
     env = {**ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "CNNS_DIST_TIMEOUT": "3"}
+           "MASTER_PORT": str(free_port())}
     process = processes.start([sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--generated-data",
-                                "--model-size", "8", "--replicas", "2", "--iterations", "1"], cwd=tmp_path, env=env,
+                                "--model-size", "8", "--replicas", "2", "--iterations", "1", "--dist-timeout", "3"],
+                               cwd=tmp_path, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = finish(process, expect=2)
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "rank 1" in lines[0] and "CNNS_DIST_TIMEOUT" in lines[0], err
+    assert len(lines) == 1 and "rank 1" in lines[0] and "--dist-timeout" in lines[0], err
 
 
 def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path):

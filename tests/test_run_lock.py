@@ -194,9 +194,9 @@ def test_workers_end_with_a_launcher_killed_with_sigkill(tmp_path):
     them too, at once, instead of leaving them to train on for thousands of updates, orphaned."""
     folder = tmp_path / "run"
     launcher = processes.start(root_script("train.py", *BUILTIN_RUN, "--iterations", "5000", "--replicas", "2",
-                                           "--ckpts-per-epoch", "0", "--logs-path", str(folder)),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
-                               env={**ONE_THREAD, "CNNS_THREADS": "1"})
+                                           "--ckpts-per-epoch", "0", "--logs-path", str(folder),
+                                           "--threads-per-worker", "1"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=ONE_THREAD)
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while not (folder / "training.csv").is_file() and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

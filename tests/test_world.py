@@ -40,11 +40,10 @@ def test_closing_the_world_ends_its_process_groups_threads_while_the_interpreter
     # Left alive to the interpreter's shutdown, a gloo worker thread that releases a tensor takes the GIL of
     # a finalising interpreter and aborts the process ("terminate called without an active exception").
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                        "CNNS_DIST_TIMEOUT": "30"}.items():
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     before = gloo_threads()
-    world = init_world(1, 1, 1, torch.device("cpu"))
+    world = init_world(1, 1, 1, torch.device("cpu"), timeout_s=30)
     gc.disable()  # no collection but close's own
     try:
         holder = Holder(world.control)

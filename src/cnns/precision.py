@@ -18,13 +18,29 @@ weight update is computed in float32 and rounded back to half, stochastically by
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# --precision's choices, Graphcore's compute.master names: the only place they are spelled out in code (the option
+# table offers these; tests/test_precision_reading.py fails on a comparison with one anywhere else).
+PRECISIONS = ("16.16", "16.32", "32.32")
+FLOAT32_PRECISION = "32.32"  # float32 everywhere: no half type, so --half-dtype and loss scaling mean nothing
+HALF_PRECISION = "16.16"  # half weights and compute (Graphcore's default)
+
+
+def half_parts(precision: str) -> tuple[bool, bool]:
+    """(half compute, half weights) that --precision `precision` asks for, before a device has its say."""
+    compute_bits, master_bits = precision.split(".")
+    return compute_bits == "16", master_bits == "16"
+
+
+def describe_precision(precision: str, half_dtype: str) -> str:
+    """How a run's precision is named in messages: "32.32", or "16.16 (bfloat16)" with the half type it asked for."""
+    return precision if not any(half_parts(precision)) else f"{precision} ({half_dtype})"
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
@@ -46,20 +62,55 @@ class PrecisionPolicy:
         and this CPU has no bfloat16 arithmetic, run float32 instead (see :func:`cpu_half_is_emulated`).
         """
         half = HALF_DTYPES[half_dtype]
-        if precision != "32.32" and not half_dtype_given and cpu_half_is_emulated(device, half):
+        half_compute, half_weights = half_parts(precision)
+        if half_compute and not half_dtype_given and cpu_half_is_emulated(device, half):
             return cls(torch.float32, torch.float32, device.type, use_autocast=False, note=(
                 f"precision {precision}: this CPU has no {half_dtype} arithmetic (no AVX512-BF16 or AMX), so "
                 f"{half_dtype} would be emulated, slower than float32; running in float32. "
                 f"--half-dtype {half_dtype} insists on it."))
-        compute_bits, master_bits = precision.split(".")
-        compute = half if compute_bits == "16" else torch.float32
-        weights = half if master_bits == "16" else torch.float32
+        compute = half if half_compute else torch.float32
+        weights = half if half_weights else torch.float32
         return cls(weight_dtype=weights, compute_dtype=compute, device_type=device.type,
                    use_autocast=compute != weights)
 
+    @classmethod
+    def float32(cls, device: torch.device) -> "PrecisionPolicy":
+        """float32 weights and compute: what a restored model runs in for export and prediction, whatever it
+        trained in."""
+        return cls(torch.float32, torch.float32, device.type, use_autocast=False)
+
+    def for_inference(self) -> "PrecisionPolicy":
+        """This policy without a float32 master copy (inference updates no weights): weights in the compute type,
+        no autocast."""
+        return replace(self, weight_dtype=self.compute_dtype, use_autocast=False)
+
     @property
     def half_weights(self) -> bool:
+        """The weights themselves are half (16.16): no float32 master copy."""
         return self.weight_dtype != torch.float32
+
+    @property
+    def half_compute(self) -> bool:
+        """Activations are computed in the half type (16.16 and 16.32, unless this CPU fell back to float32)."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def float32_master(self) -> bool:
+        """float32 master weights under half compute (16.32, by autocast)."""
+        return self.half_compute and not self.half_weights
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """float16's narrow range loses small gradients without a loss scale; bfloat16 has float32's range."""
+        return self.compute_dtype == torch.float16
+
+    def describe(self) -> str:
+        """What the run computes in, in words: "float32", "bfloat16 weights and compute", "float16 compute, float32
+        master weights"."""
+        half = str(self.compute_dtype).removeprefix("torch.")
+        if not self.half_compute:
+            return "float32"
+        return f"{half} compute, float32 master weights" if self.float32_master else f"{half} weights and compute"
 
     def autocast(self):
         if not self.use_autocast:

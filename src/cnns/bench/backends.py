@@ -45,6 +45,7 @@ from cnns.config import RunConfig
 from cnns.deploy.graphs import export_onnx, export_pt2, load_compiled
 from cnns.files import write_atomically
 from cnns.parallel.world import usable_cores
+from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
@@ -81,8 +82,8 @@ class BackendResult:
 def at_precision(cfg: RunConfig, backend: str) -> RunConfig:
     """`cfg` with the precision `backend` runs: 16.16 in bfloat16 for a -bf16 one, else 32.32."""
     half = backend.endswith("-bf16")
-    precision = replace(cfg.precision, precision="16.16" if half else "32.32", half_dtype="bfloat16",
-                        half_dtype_given=half)
+    precision = replace(cfg.precision, precision=HALF_PRECISION if half else FLOAT32_PRECISION,
+                        half_dtype="bfloat16", half_dtype_given=half)
     return replace(cfg, precision=precision)
 
 
@@ -102,7 +103,7 @@ def cache_key(cfg: RunConfig) -> str:
     from cnns.engine.fusion import fused_norms
 
     m = cfg.model
-    fused = [norm.__name__ for norm in fused_norms(torch.device("cpu"))]  # the assembly's passes in the graph
+    fused = [norm.__name__ for norm in fused_norms(torch.device("cpu"), cfg.train.fused_norm)]  # the assembly's passes in the graph
     identity = json.dumps({"model": asdict(m), "batch": cfg.train.micro_batch_size, "seed": cfg.train.seed,
                            "image_size": cfg.data.image_size, "normalise": cfg.data.normalise_input,
                            "fused": fused, "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True)
@@ -302,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     spec = BackendsSpec(**json.loads(argv[0]))
-    keep_freed_host_memory(torch.device("cpu"))  # as cnns's own runs do; the same for every backend here
-    results = measure_backends(RunConfig.from_options(spec.options), tuple(spec.backends), warmup=spec.warmup,
+    cfg = RunConfig.from_options(spec.options)
+    keep_freed_host_memory(torch.device("cpu"), cfg.train.malloc_tuning)  # as cnns's runs do; for every backend
+    results = measure_backends(cfg, tuple(spec.backends), warmup=spec.warmup,
                                threads=spec.threads, cache_dir=spec.cache_dir, rounds=spec.rounds,
                                log=lambda line: print(line, flush=True))
     document = {"spec": asdict(spec), "torch": torch.__version__, "results": [asdict(r) for r in results]}

@@ -42,7 +42,7 @@ from cnns.errors import ConfigError
 from cnns.files import write_atomically
 from cnns.models import ModelSpec
 from cnns.parallel.world import usable_cores
-from cnns.precision import HALF_DTYPES, cpu_half_is_emulated
+from cnns.precision import cpu_half_is_emulated
 from cnns.runlog import RunLog
 
 SCRIPTS = {"train.py": "train", "validation.py": "validate", "inference_embedded.py": "infer"}
@@ -166,16 +166,16 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
     }
     label = f"{m.arch}-{m.size} {m.image_size}px" + (f" on {entry.device}" if entry.device != "cpu" else "")
     return Plan(args, script, mode, m, label, data, batch, baseline["grad_accum"], baseline,
-                activation_dtype(cfg.precision.precision, cfg.precision.half_dtype, torch.device(entry.device)),
+                activation_dtype(cfg, torch.device(entry.device)),
                 entry.device, tuple(entry.baseline_modes or ("eager",)))
 
 
-def activation_dtype(precision: str, half_dtype: str, device: torch.device) -> torch.dtype:
-    """What both loops compute in: the run's half type for 16.x (float32 on a CPU that would emulate it)."""
-    if precision == "32.32":
-        return torch.float32
-    half = HALF_DTYPES[half_dtype]
-    return torch.float32 if device.type == "cpu" and cpu_half_is_emulated(device, half) else half
+def activation_dtype(cfg, device: torch.device) -> torch.dtype:
+    """What both loops compute in: the compute type of the run's precision policy on `device`, float32 on a CPU
+    that would only emulate it (the plain loop runs float32 there even where cnns was told to insist)."""
+    compute = cfg.precision.policy(device).compute_dtype
+    emulated = compute != torch.float32 and cpu_half_is_emulated(device, compute)
+    return torch.float32 if emulated else compute
 
 
 @dataclass

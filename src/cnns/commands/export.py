@@ -161,8 +161,8 @@ def export(checkpoint: Path, cfg: RunConfig, fmt: str, out: str | Path, batch_si
         batches = export_pt2(module, example, dynamic, out, max_batch(device))
         what = f"AOTInductor .pt2 package for {device.type} (loads with torch, not cnns)"
     print(f"Exported {restored.checkpoint} ({restored.weights} weights, {restored.description}) to {out}: {what}")
-    if restored.trained_precision == "32.32":
-        print("weights: float32 (the run trained in 32.32)")
+    if not restored.saved_half_weights:
+        print(f"weights: float32 (the {restored.trained_precision} run saved float32 weights)")
     else:
         print(f"weights: float32, converted from the half-precision weights of the {restored.trained_precision} run")
     for line in input_spec_lines(restored, batch, eight_bit_io, batches):

@@ -25,6 +25,7 @@ from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
 from cnns.config.files import _option_actions
 from cnns.config.table import byte_size
 from cnns.errors import ConfigError
+from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
 NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
@@ -150,7 +151,7 @@ BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
     "label_smoothing": ((ALL_RUNS, 0.0), (_EFFICIENTNET_ON_IMAGENET, 0.1)),
     # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     "loss_scaling": ((ALL_RUNS, 1.0), (_FLOAT16, 128.0),
-                     (Runs(options=(("half_dtype", "float16"), ("precision", "32.32"))), 1.0)),
+                     (Runs(options=(("half_dtype", "float16"), ("precision", FLOAT32_PRECISION))), 1.0)),
     "lr_decay_rate": ((_EXPONENTIAL, EXPONENTIAL_DECAY_RATE),),
     "lr_drops": ((_EXPONENTIAL, EXPONENTIAL_DROPS),),
 }
@@ -269,7 +270,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "pipeline": False,
     "pipeline_schedule": "Grouped",  # Graphcore's application's default
     "enable_recomputation": False,
-    "precision": "16.16",
+    "precision": HALF_PRECISION,
     "stochastic_rounding": True,
     "device_iterations": 1000,
     "ckpts_per_epoch": 1.0,
@@ -307,15 +308,26 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "dataset_benchmark": False,
     "standard_imagenet": False,
     "distributed": False,
+    "threads_per_worker": "auto",  # the usable cores shared out evenly (cnns.parallel.world.threads_per_worker)
+    "dist_timeout": 600.0,  # seconds: long enough for the slowest start-up measured, a bound on a hang
+    "fused_norm": "auto",
+    "malloc_tuning": True,
 }
 
 
+def record_half_dtype_given(o: dict[str, Any], decided: set[str] | frozenset[str] = frozenset()) -> None:
+    """Whether --half-dtype was chosen rather than a device's default, recorded before any default fills it: an
+    explicit half type runs even where the hardware would only emulate it (`cnns.precision`). Recorded once: a
+    run's arguments.json (`decided`, or the options themselves) carries the answer already, and restore and
+    validation keep it."""
+    if "half_dtype" not in decided and o.get("half_dtype_given") is None:
+        o["half_dtype_given"] = o.get("half_dtype") is not None
+
+
 def _precision_defaults(o: dict[str, Any]) -> None:
-    # An explicit --half-dtype runs that type even where the hardware would only emulate it.
-    # (A run's arguments.json carries the answer already: restore and validation keep it.) train.py
-    # chooses it from the run's device before this (`device_defaults`); options
-    # from elsewhere (benchmarks, tests) without one get the CPU's.
-    o.setdefault("half_dtype_given", o.get("half_dtype") is not None)
+    # train.py chooses the half type from the run's device before this (`device_defaults`); options from
+    # elsewhere (benchmarks, tests) without one get the CPU's.
+    record_half_dtype_given(o)
     _set_if_unset(o, "half_dtype", "bfloat16")
     _set_if_unset(o, "loss_scaling", default_for("loss_scaling", o))
 
@@ -396,6 +408,9 @@ def _training_defaults(o: dict[str, Any]) -> None:
 
 # The learning rate's range: the optimisers hold it in float32 (torch's fused and foreach steps, 16.16's update).
 FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+# Bounds of the host options: a timeout the process groups' timedelta holds (a week: longer is a hang), and more
+# threads than any machine has cores (torch would start them all).
+DIST_TIMEOUT_MAX, THREADS_MAX = 7 * 24 * 3600.0, 4096
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed or unsigned 64-bit seed; cnns derives others by adding
 
 
@@ -436,6 +451,12 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
     if (o.get("warmup_epochs") or 0) < 0:
         raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
+    if not 0 < o["dist_timeout"] <= DIST_TIMEOUT_MAX:
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds up to {DIST_TIMEOUT_MAX:.0f} (a week), "
+                          f"got {o['dist_timeout']}")
+    if o["threads_per_worker"] != "auto" and not 1 <= o["threads_per_worker"] <= THREADS_MAX:
+        raise ConfigError(f"--threads-per-worker must be auto or between 1 and {THREADS_MAX}, "
+                          f"got {o['threads_per_worker']}")
     if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
         raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
 
@@ -473,8 +494,7 @@ def device_defaults(values: dict[str, Any], device_type: str, device_half_dtype:
     a GPU, as Graphcore's application always compiled its graph; not on a CPU, where it gains nothing, nor with
     pipeline stages: `stages_compile`). Decided once, so that arguments.json records it and every later
     command keeps it; `decided` names options another source (a run's arguments.json) already gives."""
-    if "half_dtype" not in decided:
-        values["half_dtype_given"] = values.get("half_dtype") is not None
+    record_half_dtype_given(values, decided)
     if values.get("half_dtype") is None and "half_dtype" not in decided:
         values["half_dtype"] = device_half_dtype
     if values.get("compile") is None and "compile" not in decided:

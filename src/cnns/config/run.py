@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import NUM_CLASSES, default_for, draw_seed
+from cnns.config.defaults import GENERIC_DEFAULTS, NUM_CLASSES, default_for, draw_seed
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info
-from cnns.precision import PrecisionPolicy
+from cnns.precision import PrecisionPolicy, describe_precision
 
 # ----------------------------------------------------------------------------------------------
 # Typed configuration: what the rest of the package sees
@@ -48,8 +48,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    precision: str  # "32.32" | "16.32" | "16.16"
-    half_dtype: str  # "bfloat16" | "float16"
+    # --precision and --half-dtype as given (arguments.json keeps them): only `cnns.precision` reads what they mean.
+    precision: str
+    half_dtype: str
     half_dtype_given: bool  # chosen explicitly: used even where the CPU only emulates it
     stochastic_rounding: bool
     loss_scaling: float
@@ -61,6 +62,10 @@ class PrecisionConfig:
         """The precision policy these options give on `device`: the one reading of --precision and --half-dtype
         that training, the split planner and the inference artefact share."""
         return PrecisionPolicy.resolve(self.precision, self.half_dtype, device, half_dtype_given=self.half_dtype_given)
+
+    def describe(self) -> str:
+        """The precision these options ask for, as messages name it: "32.32", "16.16 (bfloat16)"."""
+        return describe_precision(self.precision, self.half_dtype)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class ParallelConfig:
     rts: bool
     offload_optimiser: bool
     identical_replica_seeding: bool
+    threads_per_worker: int | None  # --threads-per-worker; None (auto): the usable cores shared out evenly
+    dist_timeout: float  # --dist-timeout: seconds a rendezvous or collective waits for a peer
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ class TrainConfig:
     validation_images: int | None  # generated data: images validated per checkpoint
     init_path: str | None  # --init-path: the weights a new run starts from
     dataset_benchmark: bool  # --dataset-benchmark: time the input pipeline alone
+    fused_norm: str  # --fused-norm: "auto" | "on" | "off" (cnns.engine.fusion.fused_norms)
+    malloc_tuning: bool  # glibc keeps freed host memory for reuse (cnns.engine.build.keep_freed_host_memory)
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,8 @@ class RunConfig:
             BN_span=o["BN_span"],
             rts=o["rts"], offload_optimiser=o["offload_optimiser"],
             identical_replica_seeding=bool(o.get("identical_replica_seeding")),
+            threads_per_worker=None if _setting(o, "threads_per_worker") == "auto" else int(o["threads_per_worker"]),
+            dist_timeout=float(_setting(o, "dist_timeout")),
         )
         train = TrainConfig(
             micro_batch_size=o["micro_batch_size"],
@@ -231,6 +242,7 @@ class RunConfig:
             profile_dir=o.get("profile_dir"), compile_only=o["compile_only"],
             BN_decay=o["BN_decay"], validation_images=o.get("validation_images"),
             init_path=o.get("init_path"), dataset_benchmark=bool(o.get("dataset_benchmark")),
+            fused_norm=_setting(o, "fused_norm"), malloc_tuning=bool(_setting(o, "malloc_tuning")),
         )
         optim = OptimConfig(
             optimiser=o["optimiser"], learning_rate=o["learning_rate"],
@@ -258,6 +270,12 @@ class RunConfig:
         """The configuration with the pipeline's cut points chosen (--pipeline-splits auto)."""
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, pipeline_splits=tuple(names)),
                                    arguments=MappingProxyType({**self.arguments, "pipeline_splits": list(names)}))
+
+
+def _setting(o: Mapping[str, Any], key: str) -> Any:
+    """An option that a run of an older version did not record (its arguments.json lacks it): the default, which
+    is what that run used."""
+    return o[key] if o.get(key) is not None else GENERIC_DEFAULTS[key]
 
 
 def parse_fractions(value: Any) -> tuple[float, ...]:

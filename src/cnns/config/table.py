@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Callable
 
 from cnns import optim
+from cnns.precision import PRECISIONS
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
@@ -63,7 +64,6 @@ MODELS = ("resnet", "resnext", "efficientnet")
 DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
-PRECISIONS = ("16.16", "16.32", "32.32")
 
 # Options that only some choices of another option use: dest -> (the choosing option's dest, the choices that
 # use it). With any other choice such an option changes nothing: --print-config shows it as null and a
@@ -104,6 +104,15 @@ def _on_off(value: str) -> bool:
     if lowered in ("off", "false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected ON or OFF, got {value!r}")
+
+
+def _threads(value: str) -> int | str:
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of threads or auto, got {value!r}") from None
 
 
 def _replicas(value: str) -> int | str:
@@ -314,6 +323,22 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
     group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
+    _add_host_options(group)
+
+
+def _add_host_options(group: argparse._ArgumentGroup) -> None:
+    """How the processes use the machine: threads, waiting for peers, the CPU's fused passes and its allocator."""
+    group.add_argument("--threads-per-worker", type=_threads, metavar="N|auto",
+                       help="CPU threads of each of several worker processes on one machine; auto shares the "
+                            "usable cores out evenly.")
+    group.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                       help="How long a rendezvous or collective waits for a peer before the run ends naming it.")
+    group.add_argument("--fused-norm", choices=("auto", "on", "off"),
+                       help="CPU: the fused norm + activation and squeeze-excitation passes: auto where they were "
+                            "measured faster (the AVX-512 build), on wherever the kernels are built, off nowhere.")
+    group.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false", default=None,
+                       help="CPU: leave glibc's allocator as it is (by default it keeps freed tensor memory for "
+                            "the next step instead of returning it to the kernel).")
 
 
 def _add_pipeline_layout_options(group: argparse._ArgumentGroup, new_layout: bool = False) -> None:

@@ -38,6 +38,7 @@ class RestoredModel:
     checkpoint: Path
     weights: str  # "raw" or "ema"
     trained_precision: str  # e.g. "16.16 (bfloat16)"
+    saved_half_weights: bool  # the checkpoint holds half-precision weights (16.16 where the CPU computed half)
     mean: tuple[float, ...]
     std: tuple[float, ...]
     device: torch.device
@@ -57,16 +58,16 @@ class RestoredModel:
         return int(self.cfg.model.num_classes)
 
 
-def deployed(model: nn.Module, cfg: RunConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """`model` (built from `cfg`, its weights loaded) as `assemble` makes it the run's, on one process, with
-    weights of `dtype` (no float32 master copy: inference keeps none), in eval mode.
+def deployed(model: nn.Module, cfg: RunConfig, device: torch.device, policy: PrecisionPolicy) -> nn.Module:
+    """`model` (built from `cfg`, its weights loaded) as `assemble` makes it the run's, on one process, in the
+    inference `policy` (`PrecisionPolicy.float32`, or the run's `for_inference`: no float32 master copy), in eval
+    mode.
 
     Its `plain` model: one process has no replicas and no pipeline stage, and --compile's wrapper is not
     deployed (inference_embedded.py compiles ahead of time; predict and export run or trace the module). The
     fused passes, kernels and recomputation stay as training has them; in eval they compute what the plain
     layers compute (`cnns.engine.fusion`, `cnns.engine.kernel_choice`).
     """
-    policy = PrecisionPolicy(weight_dtype=dtype, compute_dtype=dtype, device_type=device.type, use_autocast=False)
     return assemble(model, cfg, World(), device, policy).plain.eval()
 
 
@@ -97,11 +98,16 @@ def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
     description = f"{cfg.model.arch}-{cfg.model.size}"
     check_matches_model(checkpoint, state_dict, model.state_dict(), description)
     model.load_state_dict(state_dict)  # half-precision tensors are converted to the float32 parameters
-    model = deployed(model, cfg, device)
-    precision = cfg.precision.precision
-    trained = precision if precision == "32.32" else f"{precision} ({cfg.precision.half_dtype})"
+    model = deployed(model, cfg, device, PrecisionPolicy.float32(device))
     mean, std = input_normalisation(cfg)
-    return RestoredModel(cfg, model, checkpoint, weights, trained, mean, std, device)
+    return RestoredModel(cfg, model, checkpoint, weights, cfg.precision.describe(), holds_half_weights(state_dict),
+                         mean, std, device)
+
+
+def holds_half_weights(state_dict: dict[str, torch.Tensor]) -> bool:
+    """Whether a checkpoint's weights are half precision: what its run really trained with, which the options
+    alone do not say (a CPU without bfloat16 arithmetic trains 16.16 in float32)."""
+    return any(tensor.dtype in (torch.bfloat16, torch.float16) for tensor in state_dict.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,16 +154,21 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
         weights = checkpoint_weights(checkpoint)
         check_matches_model(checkpoint, weights, model.state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
         model.load_state_dict(weights)
-    dtype, std = inference_dtype_and_std(cfg, device)
-    return NormalisedClassifier(deployed(model, cfg, device, dtype), std, dtype).eval()
+    policy = cfg.precision.policy(device).for_inference()
+    std = inference_std(cfg)
+    return NormalisedClassifier(deployed(model, cfg, device, policy), std, policy.compute_dtype).eval()
 
 
 def inference_dtype_and_std(cfg: RunConfig, device: torch.device) -> tuple[torch.dtype, tuple[float, ...]]:
     """The inference model's dtype and the standard deviations its normalisation divides by."""
     # Inference has no master weights to keep: half precision means half weights (float32 where the
     # CPU would only emulate the half type and none was asked for explicitly).
-    std = IMAGENET_STD if cfg.data.normalise_input else (1.0, 1.0, 1.0)
-    return cfg.precision.policy(device).compute_dtype, std
+    return cfg.precision.policy(device).for_inference().compute_dtype, inference_std(cfg)
+
+
+def inference_std(cfg: RunConfig) -> tuple[float, ...]:
+    """The standard deviations the inference model's normalisation divides by."""
+    return IMAGENET_STD if cfg.data.normalise_input else (1.0, 1.0, 1.0)
 
 
 def inference_batch(cfg: RunConfig) -> torch.Tensor:

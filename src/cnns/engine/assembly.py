@@ -59,7 +59,7 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     set_norm_momentum(model, cfg.train.BN_decay)
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
-    fuse_passes(model, device, batch_norm_span(world.bn_group))
+    fuse_passes(model, device, batch_norm_span(world.bn_group), cfg.train.fused_norm)
     choose_kernels(model, device, policy.compute_dtype, reproducible=cfg.train.seed_specified)
     if cfg.parallel.enable_recomputation:
         recompute(model, cfg.model, cfg.parallel.pipeline_splits,

@@ -7,7 +7,6 @@ How the model itself is made the run's is `cnns.engine.assembly.assemble` (and `
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import sys
 
@@ -37,7 +36,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
 
-def keep_freed_host_memory(device: torch.device) -> bool:
+def keep_freed_host_memory(device: torch.device, enabled: bool) -> bool:
     """Let glibc reuse freed tensor memory instead of handing it back to the kernel after every step.
 
     By default glibc serves each allocation above its mmap threshold (at most 32 MiB) with a fresh
@@ -45,10 +44,10 @@ def keep_freed_host_memory(device: torch.device) -> bool:
     kernel again: a large share of a CPU step's system time (docs/performance.md). Serving everything
     from the heap and never trimming it keeps the
     pages mapped; the process keeps its peak memory, which a training run reaches every step anyway.
-    The counterpart of LD_PRELOADing jemalloc/tcmalloc, done in-process. CNNS_MALLOC_TUNING=0 turns
-    it off. Returns whether it was applied.
+    The counterpart of LD_PRELOADing jemalloc/tcmalloc, done in-process; --no-malloc-tuning (`enabled` False)
+    leaves the allocator alone. Returns whether it was applied.
     """
-    if device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("CNNS_MALLOC_TUNING") == "0":
+    if not enabled or device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

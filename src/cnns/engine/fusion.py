@@ -24,8 +24,6 @@ passes do not take a tensor, the span's torch version (`cnns.parallel.batchnorm`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from timm.layers import BatchNormAct2d, GroupNormAct
@@ -47,19 +45,18 @@ _PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
 Norms = tuple
 
 
-def fused_norms(device: torch.device) -> Norms:
-    """The norms whose training passes a CPU run fuses: ``CNNS_FUSED_NORM=1`` all, ``=0`` none.
+def fused_norms(device: torch.device, asked: str) -> Norms:
+    """The norms whose training passes a CPU run fuses, as --fused-norm (`asked`) says: "on" all, "off" none.
 
-    By default, where the AVX-512 (bfloat16) build runs, batch norm and group norm, where they were measured
+    "auto": where the AVX-512 (bfloat16) build runs, batch norm and group norm, where they were measured
     faster than ATen's (docs/performance.md). Not measured on an AVX2-only CPU (where 16.x runs in float32), so
     nothing is fused there unless asked for.
     """
-    if device.type != "cpu" or not kernels.available():
+    if device.type != "cpu" or not kernels.available() or asked == "off":
         return ()
-    asked = os.environ.get("CNNS_FUSED_NORM")
-    if asked is not None:
-        return (nn.BatchNorm2d, nn.GroupNorm) if asked == "1" else ()
-    return (nn.BatchNorm2d, nn.GroupNorm) if kernels.wide_build() else ()
+    if asked == "on" or kernels.wide_build():
+        return (nn.BatchNorm2d, nn.GroupNorm)
+    return ()
 
 
 def _activation(module: nn.Module) -> str | None:
@@ -208,19 +205,20 @@ def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.G
     return fused
 
 
-def fuse_passes(model: nn.Module, device: torch.device, span: BatchNormSpan | None) -> int:
-    """The fused passes a run on `device` uses (`fused_norms`): norm + activation (+ residual), with a
-    --BN-span's statistics where `span` is given, and squeeze-excitation. Returns how many were fused."""
-    norms = fused_norms(device)
+def fuse_passes(model: nn.Module, device: torch.device, span: BatchNormSpan | None, asked: str) -> int:
+    """The fused passes a run on `device` uses (`fused_norms`, as --fused-norm `asked`): norm + activation
+    (+ residual), with a --BN-span's statistics where `span` is given, and squeeze-excitation. Returns how many
+    were fused."""
+    norms = fused_norms(device, asked)
     if not norms:
         return 0
     return fuse_norm_activations(model, norms, span) + fuse_squeeze_excitation(model)
 
 
-def fuses_squeeze_excitation(device: torch.device) -> bool:
-    """Whether a CPU run fuses squeeze-excitation: wherever it fuses any norm (by default the AVX-512 build;
-    ``CNNS_FUSED_NORM=1`` everything, ``=0`` nothing)."""
-    return bool(fused_norms(device))
+def fuses_squeeze_excitation(device: torch.device, asked: str) -> bool:
+    """Whether a CPU run fuses squeeze-excitation: wherever it fuses any norm (--fused-norm auto: the AVX-512
+    build; on everything, off nothing)."""
+    return bool(fused_norms(device, asked))
 
 
 def _gate_network(module: SqueezeExcite):

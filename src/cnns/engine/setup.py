@@ -110,7 +110,7 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_input,
                       host_normalisation=cfg.data.hostside_norm)
 
-    keep_freed_host_memory(device)  # before the model allocates anything large
+    keep_freed_host_memory(device, cfg.train.malloc_tuning)  # before the model allocates anything large
     model = build_model(cfg.model)
     total_parameters = count_parameters(model)
     assembled = assemble(model, cfg, world, device, policy)
@@ -168,7 +168,7 @@ def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_fold
         try:
             result = _run_loop(cfg, setup, checkpointer, log, folder, start_iteration)
         except Diverged as diverged:
-            raise CnnsError(divergence_line(diverged, checkpointer, cfg)) from None
+            raise CnnsError(divergence_line(diverged, checkpointer, cfg, setup.policy)) from None
         log.print(f"Training loop completed in {result.seconds:.3f}s.")
         if setup.stage is not None:
             _report_stage_times(cfg, setup, log)
@@ -236,15 +236,15 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
                   f"owns {mine} of {total} optimiser state elements")
 
 
-def divergence_line(diverged: Diverged, checkpointer: Checkpointer, cfg: RunConfig) -> str:
+def divergence_line(diverged: Diverged, checkpointer: Checkpointer, cfg: RunConfig, policy: PrecisionPolicy) -> str:
     """The one line a diverged run ends with: where, the last finite checkpoint, and what to try."""
     last = checkpointer.last_saved
     kept = f"the last finite checkpoint is {last}" if last is not None else "no checkpoint was written before it"
-    o, p = cfg.optim, cfg.precision
+    o = cfg.optim
     tries = [f"a smaller learning rate (this run's is {o.learning_rate:g}: --abs-learning-rate or "
              f"--base-learning-rate-exponent)",
              f"a longer warm-up (--warmup-epochs, this run's is {o.warmup_epochs:g})"]
-    if p.precision != "32.32" and p.half_dtype == "float16" and not p.auto_loss_scaling:
+    if policy.needs_loss_scaling and not cfg.precision.auto_loss_scaling:
         tries.append("dynamic loss scaling (--auto-loss-scaling)")  # float16's overflows; bfloat16 has none
     return f"{diverged}; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cnns.errors import ConfigError
-from cnns.parallel.world import join_world, launched, timeout_seconds, usable_cores
+from cnns.parallel.world import DEFAULT_TIMEOUT_S, join_world, launched, usable_cores
 
 # Seconds the workers get to write their checkpoint after a SIGTERM before the agent kills them.
 SHUTDOWN_TIMEOUT_S = 300
@@ -36,8 +36,10 @@ LAUNCHER_ENV = "CNNS_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
-    """Run `cnns <command> <argv>` in `processes` local worker processes; their exit code."""
+def spawn_local_workers(command: str, argv: list[str], processes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Run `cnns <command> <argv>` in `processes` local worker processes; their exit code. The workers take their
+    settings from `argv`, the launcher's own options (--threads-per-worker, --dist-timeout among them); `timeout_s`
+    bounds only the agent's rendezvous with its own local workers."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -48,7 +50,7 @@ def spawn_local_workers(command: str, argv: list[str], processes: int) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_seconds())},
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the workers only: taken back below
@@ -154,21 +156,25 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
     """A lower bound of one worker's memory on this machine (WorkerMemory). The model is built on torch's meta
     device (no memory, no arithmetic) and run forward on a meta micro-batch, counting the tensors autograd keeps
     for the backward pass. On a GPU the model lives in the GPU's memory: only the interpreter counts here.
-    Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack."""
+    Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack.
+    Sizes are those of the precision policy the workers will run on this CPU (float32 where it would only
+    emulate the half type and none was insisted on)."""
+    import torch
+
     from cnns.devices import default_device_name
 
     if (cfg.device or default_device_name()).startswith("cuda"):
         return WorkerMemory(WORKER_FIXED_BYTES, 0, 0)
+    policy = cfg.precision.policy(torch.device("cpu"))
     parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains)
-    half = cfg.precision.precision == "16.16"  # half weights; 16.32 keeps float32 weights
-    weight_bytes = parameters * (2 if half else 4)
+    weight_bytes = parameters * policy.weight_dtype.itemsize  # 16.32 keeps float32 (master) weights
     copies = 1  # the weights
     if trains:
         state = cfg.optim.info.state_per_parameter  # its entry in the optimisers' registry (cnns.optim)
         copies += 1 + (state / cfg.parallel.replicas if cfg.parallel.rts else state)  # gradients, the state
     if trains and cfg.train.ema_decay:
         copies += 1
-    if cfg.precision.precision.startswith("16"):
+    if policy.half_compute:
         activation_bytes //= 2  # computed in the half type
     if cfg.parallel.enable_recomputation:
         activation_bytes = 0  # only block inputs are kept: not estimated, so not counted

@@ -7,8 +7,8 @@ gradients are averaged there). It is built once, from the launcher's environment
 one cnns's own spawn of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent
 too. Nothing else in the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
 
-Every collective here and in the process groups has a bounded timeout (`CNNS_DIST_TIMEOUT`
-seconds, default 600): a peer that died or never came ends the run with one line naming the
+Every collective here and in the process groups has a bounded timeout (--dist-timeout seconds,
+`cnns.config.defaults`): a peer that died or never came ends the run with one line naming the
 rank, never a hang.
 """
 
@@ -24,14 +24,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from cnns.config.defaults import GENERIC_DEFAULTS
 from cnns.errors import CnnsError, ConfigError, first_line
 
-TIMEOUT_ENV = "CNNS_DIST_TIMEOUT"
-THREADS_ENV = "CNNS_THREADS"  # threads per worker process, when several share a machine
+TIMEOUT_OPTION = "--dist-timeout"  # named in a timeout's error line: the option to raise
 # Options computed from others (cnns.config): a difference in them is reported through its cause.
 DERIVED_OPTIONS = frozenset({"global_batch_size", "learning_rate", "name", "base_learning_rate_exponent",
                              "rmsprop_decay", "poly_lr_end_ratio", "lars_weight_decay"})
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = float(GENERIC_DEFAULTS["dist_timeout"])
 
 
 class DistributedError(CnnsError):
@@ -56,25 +56,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_worker(local_workers: int) -> int:
-    """CPU threads of each local worker: CNNS_THREADS when set, else the cores shared out evenly."""
-    value = os.environ.get(THREADS_ENV)
-    if value is None:
-        return max(1, usable_cores() // local_workers)
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{THREADS_ENV}={value!r} is not a positive number of threads")
-    return int(value)
-
-
-def timeout_seconds() -> float:
-    value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ConfigError(f"{TIMEOUT_ENV} must be positive, got {value}")
-    return seconds
+def threads_per_worker(local_workers: int, asked: int | None) -> int:
+    """CPU threads of each local worker: --threads-per-worker (`asked`), or with auto (None) the cores shared out
+    evenly."""
+    return asked if asked is not None else max(1, usable_cores() // local_workers)
 
 
 @dataclass
@@ -234,7 +219,7 @@ class World:
             return self.store.get(full_key).decode()
         except RuntimeError as exc:  # the store's own timeout
             raise DistributedError(f"rank {self.rank}: rank 0 did not publish {key} within {self.timeout_s:.0f} s "
-                                   f"({TIMEOUT_ENV}): {first_line(exc)}") from None
+                                   f"({TIMEOUT_OPTION}): {first_line(exc)}") from None
 
     def check_same_options(self, options: dict[str, Any], ignore: tuple[str, ...] = ("command",)) -> None:
         """Every process must run the same configuration: the first difference is named with its rank."""
@@ -255,7 +240,7 @@ class World:
             function(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise DistributedError(f"rank {self.rank}: a peer failed or did not answer within {self.timeout_s:.0f} s "
-                                   f"({TIMEOUT_ENV}) while trying to {what}: {first_line(exc)}") from None
+                                   f"({TIMEOUT_OPTION}) while trying to {what}: {first_line(exc)}") from None
 
     def settle(self) -> None:
         """Wait until every process is done before tearing the groups down, so that none closes its
@@ -301,8 +286,10 @@ def peer_failure(exc: BaseException, rank: int | None = None) -> str | None:
     return f"rank {rank}: a peer process failed or became unreachable during a collective: {first_line(exc)}"
 
 
-def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -> World:
-    """Join the launcher's process group, or return the single-process world.
+def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, threads: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join the launcher's process group, or return the single-process world. `threads`: --threads-per-worker
+    (None: auto); `timeout_s`: --dist-timeout, the bound on every rendezvous and collective.
 
     Under a launcher the process count must be replicas x shards. The process group's store is
     prefixed per restart attempt: torchrun's agent keeps one store across restarts, and without
@@ -325,15 +312,15 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         check_a_gpu_per_worker(device, rank, local_size)
     if device.type == "cpu":
         # The cores are shared by the local workers: one pool each would oversubscribe them.
-        torch.set_num_threads(threads_per_worker(local_size))
-    seconds = timeout_seconds()
+        torch.set_num_threads(threads_per_worker(local_size, threads))
+    seconds = timeout_s
     timeout = datetime.timedelta(seconds=seconds)
     endpoint = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
     try:
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise DistributedError(f"rank {rank}: could not reach the rendezvous at {endpoint} within {seconds:.0f} s "
-                               f"({TIMEOUT_ENV}): {first_line(exc)}") from None
+                               f"({TIMEOUT_OPTION}): {first_line(exc)}") from None
     restart = restart_attempt()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":  # the GPU `World.device` gives this process
@@ -344,7 +331,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device) -
         control = dist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, dist.DistBackendError) as exc:
         raise DistributedError(f"rank {rank}: the {size} processes did not all join at {endpoint} within "
-                               f"{seconds:.0f} s ({TIMEOUT_ENV}): {first_line(exc)}") from None
+                               f"{seconds:.0f} s ({TIMEOUT_OPTION}): {first_line(exc)}") from None
     world = World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", "0")), local_size=local_size,
                   replicas=replicas, shards=shards, restart=restart, timeout_s=seconds, control=control, store=store)
     # Every process creates every group (torch's rule); each keeps its own.
@@ -386,7 +373,7 @@ def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | N
     as every process agrees on it: rank 0's random seed, then whatever `agree(world, cfg)` returns (rank 0's choice
     of --pipeline-splits auto). Every process must have been given the same options as rank 0."""
     p = cfg.parallel
-    world = init_world(p.replicas, p.shards, p.BN_span, device)
+    world = init_world(p.replicas, p.shards, p.BN_span, device, p.threads_per_worker, p.dist_timeout)
     try:
         cfg = cfg.with_seed(world.broadcast(cfg.train.seed))
         if agree is not None:
