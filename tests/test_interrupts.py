@@ -59,7 +59,8 @@ def test_ctrl_c_during_training_saves_a_checkpoint_says_how_to_continue_and_exit
 def test_ctrl_c_during_validation_exits_130(data_dir, tmp_path):
     folder = tmp_path / "run"
     # 17 checkpoints of 512 test images each to validate after 16 quick updates.
-    process = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "16")
+    process = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "16",
+                      "--device-iterations", "1")  # the host meets the device, and so a checkpoint can be, every update
     out, err = interrupt_once(process, lambda: (folder / "validation.csv").exists())
     assert process.returncode == 130, out[-2000:] + err[-2000:]
     assert err.strip().splitlines() == [f"error: interrupted; the run is trained; validation.py --restore-path "
@@ -71,7 +72,8 @@ def test_sigterm_during_validation_py_exits_143_with_one_line_and_leaves_whole_r
     """validation.py has no update to finish: SIGTERM ends it where it is, with one line; the rows it wrote are
     whole, and running it again validates the rest."""
     folder = tmp_path / "run"
-    train = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "4", "--no-validation")
+    train = started(tmp_path, data_dir, folder, "--iterations", "16", "--ckpts-per-epoch", "4", "--no-validation",
+                    "--device-iterations", "1")
     out, err = processes.communicate(train, timeout=DEADLINE_S)
     assert train.returncode == 0, out[-2000:] + err[-2000:]
     validation = processes.start([sys.executable, str(scripts.ROOT / "validation.py"), "--restore-path", str(folder)],
