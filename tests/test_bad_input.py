@@ -601,8 +601,8 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     """arguments.json then holds both --epochs-per-ckpt and the --ckpts-per-epoch derived from it; reading
     it back (validation.py resolves the run's options again) is not a contradiction."""
     from cnns.cli import resolved_training_options
-    from cnns.runs import evaluation_options as _evaluation_options
-    from cnns.runlog import write_arguments
+    from cnns.runfolder.options import evaluation_options as _evaluation_options
+    from cnns.runfolder.log import write_arguments
 
     options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", str(cifar),
                                                      "--epochs-per-ckpt", "2"])
@@ -621,7 +621,7 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written_keeps_the_previous_one(
 
     import torch
 
-    from cnns.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+    from cnns.runfolder.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
     from cnns.errors import CheckpointError
 
     previous = checkpoint_path(tmp_path, 5)

@@ -47,7 +47,7 @@ def _plan(entry, cache_dir: Path = Path("/tmp/unused")):
 
 
 def test_the_rates_are_read_from_the_run_folders_csv_as_the_engine_writes_it(tmp_path):
-    from cnns.runlog import RunLog
+    from cnns.runfolder.log import RunLog
 
     log = RunLog(tmp_path)
     for iteration, rate in ((2, 10.5), (4, 1200.0), (6, 1400.0)):

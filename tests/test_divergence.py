@@ -18,7 +18,7 @@ from cnns.engine.loop import Diverged, StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics, TrainStep
 from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.runlog import RunLog
+from cnns.runfolder.log import RunLog
 from cnns.schedules import ScheduleSpec
 
 

@@ -14,15 +14,15 @@ import pytest
 import scripts
 import torch
 
-from cnns.checkpoint import list_checkpoints
+from cnns.cli.inference import export_main
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.data.builtin import draw_shapes
 from cnns.data.cifar import write_cifar10
-from cnns.errors import CnnsError
-from cnns.cli.inference import export_main
 from cnns.deploy.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
                                 max_batch)
 from cnns.deploy.restored import FloatClassifier
+from cnns.errors import CnnsError
+from cnns.runfolder.checkpoint import list_checkpoints
 from cnns.models import ModelSpec, build_model
 
 UNIT_STD = (1.0, 1.0, 1.0)  # the run trains without --normalise-input: mean subtraction only

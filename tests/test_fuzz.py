@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from cnns.checkpoint import load_checkpoint, save_checkpoint
-from cnns.runs import read_run_options
 from cnns.config import load_named_config
 from cnns.data import cifar, tfrecord
 from cnns.data.imagefolder import decode_rgb
 from cnns.errors import CnnsError
+from cnns.runfolder.checkpoint import load_checkpoint, save_checkpoint
+from cnns.runfolder.folder import read_run_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

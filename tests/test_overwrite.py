@@ -14,7 +14,7 @@ import pytest
 import scripts
 from faults import DiskFault
 
-from cnns.checkpoint import load_checkpoint
+from cnns.runfolder.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 
 from cnns.cli.plot import plot_main
 from cnns.errors import CnnsError
-from cnns.plots import build_figure, plot_training, read_run
-from cnns.runlog import TRAINING_COLUMNS, VALIDATION_COLUMNS
+from cnns.runfolder.log import TRAINING_COLUMNS, VALIDATION_COLUMNS
+from cnns.runfolder.plots import build_figure, plot_training, read_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

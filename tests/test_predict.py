@@ -13,10 +13,10 @@ import scripts
 import torch
 from torchvision.io import encode_jpeg, encode_png
 
-from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from cnns.cli.inference import predict_main, restored_run
 from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
 from cnns.errors import CnnsError
-from cnns.cli.inference import predict_main, restored_run
+from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
 HELD_OUT = 100
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
@@ -296,12 +296,12 @@ def test_a_relative_data_dir_is_found_from_where_training_ran(run_folder, tmp_pa
 
 
 def test_the_run_folder_reads_back_what_training_wrote(run_folder):
-    """cnns.runs.RunFolder, the object every later command starts from: its options, checkpoints in
+    """cnns.runfolder.folder.RunFolder, the object every later command starts from: its options, checkpoints in
     iteration order, raw and moving-average weights, and the class names of its data folder."""
     import torch
 
-    from cnns.checkpoint import iteration_of
-    from cnns.runs import RunFolder
+    from cnns.runfolder.checkpoint import iteration_of
+    from cnns.runfolder.folder import RunFolder
 
     run = RunFolder.open(run_folder)
     assert run.options["model_size"] == "8" and run.config.model.num_classes == 10

@@ -22,7 +22,7 @@ from cnns.cli import run_script as run_command
 from cnns.engine.cadence import RunLength
 from cnns.engine.loop import StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics
-from cnns.runlog import RunLog
+from cnns.runfolder.log import RunLog
 from cnns.schedules import ScheduleSpec
 
 TRAIN_IMAGES = 640
@@ -138,7 +138,7 @@ def test_restoring_a_finished_run_trains_nothing_more(data_dir, tmp_path, capsys
 def test_a_checkpoint_written_on_gpus_restores_validates_and_predicts_on_a_cpu(data_dir, tmp_path, capsys):
     """A 16.16 run's checkpoint with its random-state section as a 2-GPU CUDA run writes it: torch's
     CUDA streams (one Philox state of 16 bytes per GPU) and the stochastic-rounding generator on the GPU."""
-    from cnns.checkpoint import load_checkpoint, save_checkpoint
+    from cnns.runfolder.checkpoint import load_checkpoint, save_checkpoint
     from cnns.cli.inference import predict_main
 
     folder = tmp_path / "run"
@@ -222,7 +222,7 @@ def write_rows(folder: Path, iterations: list[int], validated: dict[str, int]) -
 
 
 def test_continue_after_sets_apart_the_rows_past_the_checkpoint_and_a_row_cut_short(tmp_path):
-    from cnns.runlog import validated_names
+    from cnns.runfolder.log import validated_names
 
     write_rows(tmp_path, [1, 2, 3, 4, 5, 6], {"ckpt-2": 2, "ckpt-6": 6})
     training = tmp_path / "training.csv"

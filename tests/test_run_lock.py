@@ -1,4 +1,4 @@
-"""One writer per run folder (`cnns.runlock`): a second command on a folder another one writes ends in one line
+"""One writer per run folder (`cnns.runfolder.lock`): a second command on a folder another one writes ends in one line
 naming the holder, exit 2, nothing written; the kernel drops the lock of a holder that dies, SIGKILL too."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import processes
 import scripts
 
-from cnns.runlock import LOCK_NAME
+from cnns.runfolder.lock import LOCK_NAME
 
 # A ResNet-8 on the built-in shapes (no data files), 625 updates an epoch: a row every update, and checkpoints
 # at 0, 6 and 12.
@@ -81,7 +81,7 @@ def wait_until_it_holds(process: subprocess.Popen, folder: Path) -> None:
 
 def hold(folder: Path) -> subprocess.Popen:
     """A process that holds the folder's lock until its stdin closes or it is killed (no torch: it starts at once)."""
-    code = ("import sys; from pathlib import Path; from cnns.runlock import run_folder_lock\n"
+    code = ("import sys; from pathlib import Path; from cnns.runfolder.lock import run_folder_lock\n"
             "with run_folder_lock(Path(sys.argv[1])):\n"
             "    print('holding', flush=True)\n"
             "    sys.stdin.read()\n")
@@ -245,7 +245,7 @@ def test_a_lock_whose_holder_cannot_be_written_is_given_back_with_one_line(tmp_p
     left holding it) and the command gets one line, not a traceback."""
     import errno
 
-    from cnns import runlock
+    from cnns.runfolder import lock as runlock
     from cnns.errors import CnnsError
 
     def full_disk(fd):
@@ -262,7 +262,7 @@ def test_a_lock_whose_holder_cannot_be_written_is_given_back_with_one_line(tmp_p
 
 
 def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_kept(tmp_path):
-    from cnns import runlock
+    from cnns.runfolder import lock as runlock
     from cnns.errors import CnnsError
 
     target = tmp_path / "precious.txt"

@@ -18,7 +18,7 @@ import scripts
 
 # Module -> functions counted in every process.
 COUNTED = {"cnns.commands.checks": ["check_supported", "check_data_before_writing"],
-           "cnns.checkpoint": ["load_checkpoint"]}
+           "cnns.runfolder.checkpoint": ["load_checkpoint"]}
 
 SITECUSTOMIZE = '''
 import atexit, collections, importlib.machinery, json, os, sys

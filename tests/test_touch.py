@@ -1,4 +1,4 @@
-"""What a command may touch (`cnns.files`' rule, issue 52), as a table of hostile inputs over the commands.
+"""What a command may touch (`cnns.runfolder.files`' rule, issue 52), as a table of hostile inputs over the commands.
 
 Each case builds its trap in a copy of a finished run (an existing run folder, a symbolic link planted in it, a
 checkpoint named as an output, a YAML bomb, an output over an input), runs the command as a user would, and checks

@@ -23,7 +23,7 @@ class ConfigError(CnnsError):
 
 class WriteError(CnnsError):
     """A file that could not be written whole (a full disk, a quota, an I/O error, a vanished folder); what
-    the file held before is unchanged (`cnns.files`)."""
+    the file held before is unchanged (`cnns.runfolder.files`)."""
 
     def __init__(self, path, cause: OSError):
         self.path, self.cause = path, cause

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnns.checkpoint import list_checkpoints, load_checkpoint
 from cnns.errors import CheckpointError, first_line
 from cnns.models import ModelSpec, build_model
+from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint
 
 SAFETENSORS_SUFFIX = ".safetensors"
 

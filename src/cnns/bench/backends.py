@@ -43,9 +43,9 @@ from cnns.bench.rates import in_turn
 from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
 from cnns.config import RunConfig
 from cnns.deploy.graphs import export_onnx, export_pt2, load_compiled
-from cnns.files import write_atomically
 from cnns.parallel.world import usable_cores
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
+from cnns.runfolder.files import write_atomically
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}

@@ -38,8 +38,8 @@ from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
 from cnns.data.decoding import DecodeClock
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
-from cnns.files import write_atomically
 from cnns.parallel.world import usable_cores
+from cnns.runfolder.files import write_atomically
 
 if TYPE_CHECKING:
     from cnns.data.imagenet import ImageNetTransform

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cnns.bench.spec import BACKENDS_KIND, COMMAND_KIND
-from cnns.files import write_atomically
+from cnns.runfolder.files import write_atomically
 
 # The loops a command entry measures: cnns, and the plain loop in each of its modes (spec.BASELINE_MODES).
 PLAIN_SIDES = {"eager": "plain", "compiled": "plain_compiled"}

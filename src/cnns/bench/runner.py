@@ -39,11 +39,11 @@ from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables,
 from cnns.bench.spec import (BACKENDS_KIND, COMMAND_KIND, DEFAULT_BACKENDS, BackendsSpec, Entry, load_spec,
                               select)
 from cnns.errors import ConfigError
-from cnns.files import write_atomically
 from cnns.models import ModelSpec
 from cnns.parallel.world import usable_cores
 from cnns.precision import cpu_half_is_emulated
-from cnns.runlog import RunLog
+from cnns.runfolder.files import write_atomically
+from cnns.runfolder.log import RunLog
 
 SCRIPTS = {"train.py": "train", "validation.py": "validate", "inference_embedded.py": "infer"}
 # The scripts each kind of entry runs (an inference-backends entry: the model inference_embedded.py compiles).

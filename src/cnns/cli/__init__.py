@@ -22,7 +22,7 @@ from typing import Callable
 from cnns.cli import endings
 from cnns.cli.parsing import parse_options, resolved_training_options
 from cnns.errors import CnnsError, ConfigError
-from cnns.files import command_scope
+from cnns.runfolder.files import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
             "plot", "predict", "export")
@@ -61,7 +61,7 @@ def run_script(command: str, argv: list[str] | None = None) -> int:
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        with command_scope(), endings.signals_end_the_command():  # what it may write: cnns.files
+        with command_scope(), endings.signals_end_the_command():  # what it may write: cnns.runfolder.files
             return _dispatch(command)(argv)
     except CnnsError as exc:
         return endings.say(f"error: {exc}", 2)

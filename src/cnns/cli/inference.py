@@ -33,7 +33,7 @@ def infer_main(argv: list[str]) -> int:
 
 def _checkpoint_named(restore_path: str | None) -> Path | None:
     """The checkpoint --restore-path names (a run folder's newest), as every command reads it; None without."""
-    from cnns.runs import open_restore_path
+    from cnns.runfolder.folder import open_restore_path
 
     return open_restore_path(restore_path).checkpoint() if restore_path else None
 

@@ -151,7 +151,7 @@ def bench_data_main(argv: list[str]) -> int:
     options = vars(bench_data_parser().parse_args(argv))
     overwrite = options.pop("overwrite")
     if options["json"]:  # checked before anything is measured or written (the tree --make-jpeg-tree writes too)
-        from cnns.files import check_output
+        from cnns.runfolder.files import check_output
 
         check_output(options["json"], [options["data_dir"] or options["make_jpeg_tree"] or ""], overwrite, "--json")
     from cnns.bench.data import BenchDataRequest

@@ -110,7 +110,7 @@ def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str,
     """validation.py / weight_avg.py: (values, resolved options, notices). The half type and compilation are
     the training run's (its arguments.json) or the command line's; where neither gives one, the device's, as
     for training (a validation.py without --restore-path on a GPU without bfloat16 runs float16, compiled)."""
-    from cnns.runs import evaluation_options
+    from cnns.runfolder.options import evaluation_options
 
     values, notices = parse_options(script, argv)
     if script == "weight-avg":  # averaging is file work: its one validation runs in this process
@@ -169,13 +169,13 @@ INFERENCE_ITERATIONS = 100  # inference_embedded.py's timed batches unless --ite
 def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     """inference_embedded.py's options from its command line's values: one process, no pipeline, no
     validation, and generated data unless synthetic data was asked for; a run's checkpoint in its run's model."""
-    from cnns.runs import inference_run_options
+    from cnns.runfolder.options import inference_run_options
 
     values, run = inference_run_options(values)
     device_defaults(values, decided=set(run))
     values = dict(values, replicas=1, BN_span=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     if values.get("seed") is None:
-        values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runs`)
+        values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runfolder.folder`)
     if values.get("iterations") is None:
         values["iterations"] = INFERENCE_ITERATIONS
     values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
@@ -191,12 +191,12 @@ class ResolvedCommandLine:
     options: dict[str, Any]
     config: RunConfig
     notices: list[str]
-    run: Any = None  # restore.py's run folder (`cnns.runs.RunFolder`), opened once, here
+    run: Any = None  # restore.py's run folder (`cnns.runfolder.folder.RunFolder`), opened once, here
 
 
 def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
     """train / restore / validate / weight-avg / infer: argv to the run's configuration, by the script's merge
-    rule (`cnns.runs` for a finished run's folder: restore.py continues with the run's own options and the
+    rule (`cnns.runfolder.options` for a finished run's folder: restore.py continues with the run's own options and the
     stage layout its command line gives). predict and export resolve a run as validate does
     (`cnns.cli.inference.restored_run`)."""
     if script == "train":
@@ -204,7 +204,8 @@ def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
         options = _training_options(values)
         notices += options_without_effect(values, options)
     elif script == "restore":
-        from cnns.runs import RunFolder, restore_options
+        from cnns.runfolder.folder import RunFolder
+        from cnns.runfolder.options import restore_options
 
         values, notices = parse_options(script, argv)
         run = RunFolder.open(values["restore_path"])

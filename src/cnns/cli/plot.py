@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cnns.files import check_output
-from cnns.plots import PLOT_FILE, TRAINING_FILE, VALIDATION_FILE, plot_runs, read_run
+from cnns.runfolder.files import check_output
+from cnns.runfolder.plots import PLOT_FILE, TRAINING_FILE, VALIDATION_FILE, plot_runs, read_run
 
 COMPARISON_FILE = "comparison.png"
 

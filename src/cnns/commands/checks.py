@@ -15,7 +15,7 @@ from cnns.data.checks import check_data_before_writing  # noqa: F401 - the comma
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
 from cnns.parallel.world import restart_attempt
-from cnns.runlog import files_of_a_run
+from cnns.runfolder.log import files_of_a_run
 
 
 def check_supported(cfg: RunConfig, trains: bool = True) -> None:
@@ -68,7 +68,7 @@ def print_split_points(cfg: RunConfig) -> int:
 def check_run_folder_place(cfg: RunConfig) -> None:
     """Where train.py makes its run folder (--log-dir, or --logs-path) is a folder, or can become one, that this
     process may write in: checked before any process starts or any file is written. (What only trying shows, a
-    folder in /proc say, is one line too: `cnns.runs.agree_on_run_folder`.)"""
+    folder in /proc say, is one line too: `cnns.runfolder.folder.agree_on_run_folder`.)"""
     if cfg.train.compile_only:  # writes nothing
         return
     if not cfg.log.logs_path:
@@ -87,7 +87,7 @@ def check_run_folder_place(cfg: RunConfig) -> None:
 
 
 def check_holds_no_run(folder: Path, option: str, continue_with: str) -> None:
-    """A new run's folder holds no other run (`cnns.runlog.files_of_a_run`): writing there would replace its
+    """A new run's folder holds no other run (`cnns.runfolder.log.files_of_a_run`): writing there would replace its
     checkpoints and options and mix its rows with the new run's. Workers torchrun restarted after a failure
     continue their own first attempt's folder, which this does not refuse."""
     if restart_attempt() > 0:

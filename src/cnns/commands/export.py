@@ -39,7 +39,7 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
   overlay's class count tells timm the file's classifier fits; without it timm drops the classifier
   of a class count other than its own default). Only models timm defines by name qualify
   (`cnns.weights.timm_model`); the others are one line saying so.
-* The file is written under a temporary name in the destination folder and renamed (`cnns.files`), so `--out`
+* The file is written under a temporary name in the destination folder and renamed (`cnns.runfolder.files`), so `--out`
   never holds a partial file, and a full disk is one line naming the file. An existing file (a checkpoint
   above all) is replaced only with `--overwrite`, and never the checkpoint or arguments.json the export reads.
 """
@@ -52,11 +52,11 @@ import torch
 from torch import nn
 
 from cnns.config import RunConfig
-from cnns.errors import ConfigError, WriteError
-from cnns.files import check_output, write_atomically
 from cnns.deploy.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
                                 max_batch)
 from cnns.deploy.restored import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
+from cnns.errors import ConfigError, WriteError
+from cnns.runfolder.files import check_output, write_atomically
 
 FORMATS = ("onnx", "pt2", "safetensors")
 TIMM_FILES = ("model.safetensors", "config.json")  # what --format safetensors writes into its --out folder
@@ -178,7 +178,7 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
 
     from safetensors.torch import save
 
-    from cnns.runs import checkpoint_weights
+    from cnns.runfolder.folder import checkpoint_weights
     from cnns.weights import timm_model
 
     if out.exists() and not out.is_dir():
@@ -214,7 +214,7 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
 def timm_config(restored: RestoredModel, architecture: str, model_args: dict) -> dict:
     """config.json in timm's hub layout (what timm.models.load_model_config_from_path reads)."""
     from cnns.models.spec import display_name
-    from cnns.runs import class_names
+    from cnns.runfolder.classes import class_names
     from cnns.weights import classifier_name
 
     names, _ = class_names(restored.cfg, restored.checkpoint.parent)

@@ -46,7 +46,7 @@ What it does, step by step:
   data folder or its archive subfolder; the built-in dataset's shape names; an ImageNet JPEG tree's
   class folder names (sorted: the dataset's class index). ImageNet TFRecords carry no class list that
   the reader exposes, and a file with the wrong number of names is not trusted: then, and when the
-  run's data folder is not there, the class index is the label (`cnns.runs.class_names`).
+  run's data folder is not there, the class index is the label (`cnns.runfolder.classes.class_names`).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int 
     """Print the top-k classes of every image (module docstring); 1 when an image could not be read."""
     from cnns.data.augment import normalise
     from cnns.devices import resolve_device
-    from cnns.runs import class_names
+    from cnns.runfolder.classes import class_names
 
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")

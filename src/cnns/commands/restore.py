@@ -1,7 +1,7 @@
 """restore.py: a run continued from its newest readable checkpoint, in its own folder.
 
 The configuration is the run's own arguments.json with the stage layout the command line gives
-(`cnns.runs.restore_options`), resolved once by `cnns.cli`. The run folder is locked (`cnns.runlock`) from before
+(`cnns.runfolder.options.restore_options`), resolved once by `cnns.cli`. The run folder is locked (`cnns.runfolder.lock`) from before
 its newest checkpoint is read until the run has ended: a second command on it ends in one line.
 """
 
@@ -14,9 +14,9 @@ from cnns.config import RunConfig
 from cnns.errors import CheckpointError
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World, launched
-from cnns.runlock import run_folder_lock
-from cnns.runlog import check_logs_readable
-from cnns.runs import RestorePoint, RunFolder, newest_restore_point, run_log_for
+from cnns.runfolder.folder import RestorePoint, RunFolder, newest_restore_point, run_log_for
+from cnns.runfolder.lock import run_folder_lock
+from cnns.runfolder.log import check_logs_readable
 
 
 def restore(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:

@@ -14,7 +14,7 @@ from cnns.commands.checks import (check_data_before_writing, check_run_folder_pl
                                   print_split_points, wants_split_names)
 from cnns.config import RunConfig
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
-from cnns.runs import open_new_run
+from cnns.runfolder.folder import open_new_run
 
 if TYPE_CHECKING:
     from cnns.weights import InitialWeights

@@ -1,8 +1,8 @@
 """validation.py: a run's checkpoints (or one checkpoint) validated, or a random model timed on generated data.
 
-The configuration is the run's arguments.json overridden by the command line (`cnns.runs.evaluation_options`),
-resolved once by `cnns.cli`; --restore-path is read as every command reads it (`cnns.runs.open_restore_path`),
-and the run folder is locked while validation.csv is written (`cnns.runlock`). With replicas every process
+The configuration is the run's arguments.json overridden by the command line (`cnns.runfolder.options.evaluation_options`),
+resolved once by `cnns.cli`; --restore-path is read as every command reads it (`cnns.runfolder.folder.open_restore_path`),
+and the run folder is locked while validation.csv is written (`cnns.runfolder.lock`). With replicas every process
 validates its share of the images and rank 0 writes; each process reads the checkpoints itself (the run folder
 is on a shared file system). Everything that can fail (unreadable or foreign checkpoints, a model that does not
 match, missing data) is checked before the first line is written to the run folder.
@@ -25,9 +25,9 @@ from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
-from cnns.runlock import run_folder_lock
-from cnns.runlog import RunLog, validated_names
-from cnns.runs import open_restore_path
+from cnns.runfolder.folder import open_restore_path
+from cnns.runfolder.lock import run_folder_lock
+from cnns.runfolder.log import RunLog, validated_names
 
 
 def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:

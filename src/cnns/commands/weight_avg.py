@@ -1,8 +1,8 @@
 """weight_avg.py: a run's last checkpoints averaged (the mean or exponential average of Graphcore's
 application), written beside them as weight_avg_*.pt, and validated unless the command line says
 --no-validation (the training run's does not carry over). --restore-path is a run folder, read as every
-command reads it (`cnns.runs.open_restore_path`); everything is read and checked before the run folder is
-written, under its lock (`cnns.runlock`)."""
+command reads it (`cnns.runfolder.folder.open_restore_path`); everything is read and checked before the run folder is
+written, under its lock (`cnns.runfolder.lock`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from cnns.engine.setup import set_up
 from cnns.engine.validation import Target, check_targets_match, targets_of, validate_targets
 from cnns.errors import CheckpointError, ConfigError
 from cnns.parallel.world import World
-from cnns.runlock import run_folder_lock
-from cnns.runlog import RunLog
-from cnns.runs import RunFolder
+from cnns.runfolder.folder import RunFolder
+from cnns.runfolder.lock import run_folder_lock
+from cnns.runfolder.log import RunLog
 
 DEFAULT_DECAY = 0.97  # Graphcore's application's exponential averaging decay (--decay)
 

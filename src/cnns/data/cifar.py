@@ -21,7 +21,7 @@ import torch
 
 from cnns.bounded import check_regular_file, open_regular_file
 from cnns.errors import DataError
-from cnns.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
+from cnns.runfolder.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
 
 IMAGE_SIZE = 32
 CHANNELS = 3

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from cnns.files import write_atomically
+from cnns.runfolder.files import write_atomically
 
 # (width, height) and how often each occurs: roughly ImageNet's shapes (mean about 460 x 425 px).
 IMAGENET_LIKE_SIZES = ((500, 375), (375, 500), (500, 333), (333, 500), (400, 400), (500, 500), (640, 480),

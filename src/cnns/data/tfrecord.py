@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from cnns.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
 from cnns.errors import DataError
-from cnns.files import write_atomically
+from cnns.runfolder.files import write_atomically
 
 SPLITS = ("train", "validation")
 IMAGENET_CLASSES = 1000

@@ -86,9 +86,9 @@ def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
 
     CheckpointError (one line, naming the file) for weights that do not fit the model, or --weights ema on a
     checkpoint that holds no moving average."""
-    from cnns.checkpoint import check_matches_model
+    from cnns.runfolder.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runs import checkpoint_weights
+    from cnns.runfolder.folder import checkpoint_weights
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
@@ -145,9 +145,9 @@ class NormalisedClassifier(nn.Module):
 def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch.device) -> nn.Module:
     """The model training assembles (`deployed`) in the compute type of `cfg`'s precision, behind the
     normalisation of uint8 NHWC images; `checkpoint`'s weights, or random ones from torch's generator."""
-    from cnns.checkpoint import check_matches_model
+    from cnns.runfolder.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runs import checkpoint_weights
+    from cnns.runfolder.folder import checkpoint_weights
 
     model = build_model(cfg.model)
     if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback

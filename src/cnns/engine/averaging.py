@@ -19,9 +19,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from cnns.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from cnns.errors import CheckpointError
-from cnns.runlog import RunLog
+from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from cnns.runfolder.log import RunLog
 
 Checkpoints = list[tuple[int, Path]]
 

@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from cnns.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
 from cnns.engine.assembly import unwrap
 from cnns.engine.loop import Diverged
 from cnns.engine.stages import stage_model_state, stage_optimiser_state, stage_part, whole_from_parts
 from cnns.errors import CheckpointError, CnnsError
 from cnns.parallel.replicas import average_running_statistics
 from cnns.parallel.world import World
-from cnns.runlog import RunLog
-from cnns.runs import RestorePoint
+from cnns.runfolder.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
+from cnns.runfolder.folder import RestorePoint
+from cnns.runfolder.log import RunLog
 
 
 class Checkpointer:

@@ -20,12 +20,12 @@ import torch
 
 from cnns import profiling
 from cnns.engine.cadence import RunLength
+from cnns.engine.compilation import compilation_failures_named
 from cnns.engine.feed import DeviceFeed
 from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
-from cnns.engine.compilation import compilation_failures_named
 from cnns.errors import CnnsError
 from cnns.parallel.world import World
-from cnns.runlog import RunLog
+from cnns.runfolder.log import RunLog
 from cnns.schedules import ScheduleSpec, lr_at
 
 

@@ -38,8 +38,8 @@ from cnns.models import build_model, count_parameters
 from cnns.optim import HalfPrecisionOptimiser
 from cnns.parallel.world import World
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.runlog import RunLog
-from cnns.runs import RestorePoint
+from cnns.runfolder.folder import RestorePoint
+from cnns.runfolder.log import RunLog
 from cnns.schedules import ScheduleSpec
 from cnns.weights import InitialWeights
 
@@ -182,7 +182,7 @@ def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_fold
         _report_skipped_images(setup, log)
         log.print(f"Time to train: {round(result.seconds + time.perf_counter() - start, 3)}s.")
         if world.is_writer:
-            from cnns.plots import plot_training
+            from cnns.runfolder.plots import plot_training
 
             plot_training(folder)  # training.png: loss, accuracy, learning rate, throughput
         return 0

@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnns.checkpoint import check_matches_model, iteration_of, list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.config import RunConfig
 from cnns.engine.assembly import unwrap
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
-from cnns.runlog import RunLog, validated_names
-from cnns.runs import open_restore_path
+from cnns.runfolder.checkpoint import (check_matches_model, iteration_of, list_checkpoints, list_weight_averages,
+                                       load_checkpoint)
+from cnns.runfolder.folder import open_restore_path
+from cnns.runfolder.log import RunLog, validated_names
 
 EMA_SUFFIX = "_ema"
 
@@ -59,7 +60,7 @@ def latency_line(latencies_ms: list[float]) -> str:
 
 def checkpoint_files(restore_path: Path) -> tuple[Path, list[Path]]:
     """(run folder, files): the checkpoint file --restore-path names, or its run's checkpoints by iteration then
-    its weight averages (`cnns.runs.open_restore_path`'s reading and lines)."""
+    its weight averages (`cnns.runfolder.folder.open_restore_path`'s reading and lines)."""
     target = open_restore_path(restore_path)
     if target.file is not None:
         return target.run.path, [target.file]

@@ -77,7 +77,7 @@ def end_with_the_launcher() -> None:
     PR_SET_PDEATHSIG; the agent, which starts the workers, runs in the launcher's main thread), so a launcher
     killed with SIGKILL, whose agent cannot stop them, leaves no worker behind: neither one training on, orphaned,
     nor one of restore.py or validation.py writing the run folder without the lock its launcher held
-    (`cnns.runlock`). A launcher that ended before this call is noticed by the changed parent. Not on systems
+    (`cnns.runfolder.lock`). A launcher that ended before this call is noticed by the changed parent. Not on systems
     without prctl (the workers then outlive a SIGKILLed launcher, as torchrun's do)."""
     launcher = os.environ.pop(LAUNCHER_ENV, None)  # popped: the worker's own children are not its workers
     if launcher is None or int(launcher) == os.getpid() or not sys.platform.startswith("linux"):

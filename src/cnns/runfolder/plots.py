@@ -1,6 +1,6 @@
 """Training curves as PNG: one run's `training.png`, and `cnns plot` overlaying several runs.
 
-Reads a run folder's training.csv and validation.csv (the columns of `cnns.runlog`) and draws four
+Reads a run folder's training.csv and validation.csv (the columns of `cnns.runfolder.log`) and draws four
 panels against iteration: loss, top-1 accuracy (training average as a line, validated checkpoints as
 markers), learning rate and throughput. Uses matplotlib's object API with the Agg canvas, so it needs
 no display and never touches the global pyplot backend of the process.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cnns.errors import CnnsError, WriteError
-from cnns.files import write_atomically
+from cnns.runfolder.files import write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

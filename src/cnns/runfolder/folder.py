@@ -4,49 +4,29 @@ Training writes ``<log-dir>/<run name>/`` (or ``--logs-path``): ``arguments.json
 options), ``ckpt-<iteration>.pt`` checkpoints (each may hold an ``"ema"`` moving average),
 ``weight_avg_*.pt`` averages, and the logs. Every later command starts from it: `restore.py`
 continues the run, `validation.py` and `weight_avg.py` evaluate it, `cnns predict` and `cnns export`
-rebuild its model, `inference_embedded.py` loads a checkpoint. `RunFolder` is that folder read back,
-and the merge rules here say which options of the run each of them keeps and which of its own
-command line's values override them:
-
-* **evaluation** (`evaluation_options`: validation.py, weight_avg.py, predict, export): the run's
-  options overridden by every value the command line gives; one unpipelined process (replicas,
-  shards, pipeline and recomputation reset) unless the command line asks for replicas; the training
-  run's global batch size kept (it places a checkpoint in epochs) unless ``--global-batch-size``.
-* **restore** (`restore_options`: restore.py): the run's options exactly, except the pipeline
-  layout (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because
-  checkpoints hold the whole model and pipelines compute the same updates at any stage count.
-* **inference_embedded.py** (`inference_run_options`): the run's model, dataset and precision under the
-  command line's values; the rest (generated images, one process) is its own. **cnns benchmark** takes no run
-  folder; **train.py** makes a new folder (`open_new_run`).
+rebuild its model, `inference_embedded.py` loads a checkpoint. `RunFolder` is that folder read back; which of
+its options each command keeps is `cnns.runfolder.options`'s, and **train.py** makes a new folder here
+(`open_new_run`).
 
 Every one of them reads --restore-path one way, `open_restore_path` (a run folder or a checkpoint in one, with
 the same one line for nothing there, a folder that is not a run and a run without checkpoints), and the commands
-that write a run folder hold its lock while they do (`cnns.runlock`).
-
-This module sits below `cli/` (which parses argv into the values these rules take), `commands/`, the engine
-and `bench/`, and above the modules that read the files (`checkpoint`, `config`, `runlog`).
+that write a run folder hold its lock while they do (`cnns.runfolder.lock`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from cnns.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
-from cnns.config import RunConfig, check_option_types, resolve
-from cnns.config.defaults import stages_compile
+from cnns.config import RunConfig, check_option_types
 from cnns.errors import CheckpointError, ConfigError, first_line
-from cnns.files import may_write, own_run_folder
-from cnns.runlock import run_folder_lock
-from cnns.runlog import RunLog, new_run_folder, read_run_text, write_arguments
-
-# Flags whose parser default is False: a False there cannot be told apart from "not given".
-_FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
-
+from cnns.runfolder.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
+from cnns.runfolder.files import may_write, own_run_folder
+from cnns.runfolder.lock import run_folder_lock
+from cnns.runfolder.log import RunLog, new_run_folder, read_run_text, write_arguments
 
 @dataclass(frozen=True)
 class RestorePoint:
@@ -214,101 +194,6 @@ def newest_restore_point(folder: Path, world) -> RestorePoint | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The merge rules: the run's options, overridden by a later command's
-
-
-def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """validation.py / weight_avg.py / predict / export: the command line's values over the run's
-    arguments.json, for one process.
-
-    `values` are the values of a parser of Graphcore's scripts (None where not given). Returns (resolved options, the
-    run's arguments.json or {}). As in Graphcore's application, the training run's global batch size is kept (it
-    places a checkpoint in epochs) unless --global-batch-size says otherwise.
-    """
-    base = _options_of_the_run(values)
-    explicit = _given(values)
-    merged = {**base, **explicit}
-    if "half_dtype" in explicit and "half_dtype_given" not in explicit:  # not the device's default
-        merged["half_dtype_given"] = True
-    for key in ("replicas", "shards"):
-        if key not in explicit:
-            merged[key] = 1  # validation runs on one unpipelined process whatever training used
-    if "replicas" not in explicit and "BN_span" not in explicit:
-        merged["BN_span"] = 1  # evaluation uses the running statistics: no batch statistics to span
-    merged["pipeline"] = False
-    merged["pipeline_splits"] = None
-    merged["enable_recomputation"] = False
-    options = resolve({**values, **merged})
-    if options.get("seed") is None:
-        options["seed"] = 0
-    if values.get("global_batch_size"):
-        options["global_batch_size"] = values["global_batch_size"]
-    elif "global_batch_size" in base:
-        options["global_batch_size"] = base["global_batch_size"]
-    return options, base
-
-
-# What inference_embedded.py keeps of a run: what its checkpoint holds and how the model's inputs are scaled.
-# The rest (data files, run length, parallelism) is the command line's: it times generated images in one process.
-_MODEL_OPTIONS = ("model", "model_size", "num_classes", "dataset", "image_size", "group_norm", "groups", "group_dim",
-                  "expand_ratio", "convolution_groups", "normalise_input", "precision", "half_dtype",
-                  "half_dtype_given", "micro_batch_size")
-
-
-def inference_run_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """inference_embedded.py: (the command line's values over the model options of the run --restore-path
-    names, those of the run's options it kept), so that a run's checkpoint is loaded into the run's model."""
-    run = {key: value for key, value in _options_of_the_run(values).items() if key in _MODEL_OPTIONS}
-    given = _given(values)
-    merged = {**values, **run, **given}
-    if "half_dtype" in given and run:  # the command line's half type, not the device's default
-        merged["half_dtype_given"] = True
-    return merged, run
-
-
-def _options_of_the_run(values: dict[str, Any]) -> dict[str, Any]:
-    """The arguments.json of the run --restore-path names ({} without one; one line for a path that is not a run).
-    --print-config with a path that names nothing shows the command line's own options: Graphcore's documented
-    command lines name placeholder folders (`--restore-path generated_checkpoints_dir_path`)."""
-    if not values.get("restore_path"):
-        return {}
-    if values.get("print_config") and not Path(values["restore_path"]).exists():
-        return {}
-    options = dict(open_restore_path(values["restore_path"]).run.options)
-    options.pop("name", None)
-    return options
-
-
-def _given(values: dict[str, Any]) -> dict[str, Any]:
-    """The values a command line gave (argparse's None is "not given", and so is a flag's default False)."""
-    return {k: v for k, v in values.items() if v is not None and not (v is False and k in _FALSE_BY_DEFAULT)}
-
-
-def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
-    """restore.py: the run's options with the stage layout its command line gives (`values`):
-    checkpoints hold the whole model, and pipelines compute the same updates whatever the stage
-    count, so a run continues on more or fewer devices."""
-    options = dict(run.options)
-    if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
-        return options
-    if values.get("pipeline_schedule"):
-        options["pipeline_schedule"] = values["pipeline_schedule"]
-    if values.get("shards") is not None:
-        if values["shards"] < 1:
-            raise ConfigError(f"--shards must be at least 1, got {values['shards']}")
-        options["shards"] = values["shards"]
-        options["pipeline_splits"] = values.get("pipeline_splits") if values["shards"] > 1 else None
-        options["pipeline"] = options["pipeline"] or values["shards"] > 1
-    elif values.get("pipeline_splits") is not None:
-        options["pipeline_splits"] = values["pipeline_splits"]
-    if options["shards"] > 1 and not options.get("pipeline_splits"):
-        raise ConfigError(f"--shards {options['shards']} needs --pipeline-splits")
-    if not stages_compile(options["shards"]):
-        options["compile"] = False
-    return options  # the splits are checked against the model by the restore command
-
-
-# ----------------------------------------------------------------------------------------------
 # A new run's folder and its writers
 
 
@@ -335,7 +220,7 @@ def agree_on_run_folder(cfg: RunConfig, world) -> Path | None:
 @contextmanager
 def open_new_run(cfg: RunConfig, world) -> Iterator[tuple[Path | None, RestorePoint | None, RunLog, Path | None]]:
     """train.py's run folder for this process, locked by the writer for as long as the body runs
-    (`cnns.runlock`: an existing --logs-path folder may be another command's): (the folder every process agreed
+    (`cnns.runfolder.lock`: an existing --logs-path folder may be another command's): (the folder every process agreed
     on, None for --compile-only; after the launcher restarted the workers, the first attempt's newest checkpoint
     to continue from; this process's log; the folder another rank writes its own files to, if any)."""
     folder = agree_on_run_folder(cfg, world)
@@ -360,85 +245,3 @@ def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Pat
         return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
     write_arguments(instance, cfg.arguments)
     return RunLog(None, quiet=True), instance
-
-
-# ----------------------------------------------------------------------------------------------
-# Class names
-
-
-def data_folder(cfg: RunConfig, run_folder: Path | None = None) -> Path | None:
-    """The run's data folder, if it is still there. arguments.json keeps --data-dir as it was given:
-    a relative one is tried from here, then from where training ran (the run folder is
-    <training directory>/<--log-dir>/<run name> unless --logs-path placed it elsewhere)."""
-    if cfg.data.source != "files" or not cfg.data.data_dir:
-        return None
-    folder = Path(cfg.data.data_dir)
-    candidates = [folder]
-    log_dir = Path(cfg.log.log_dir) if cfg.log.log_dir else None
-    if (not folder.is_absolute() and run_folder is not None and log_dir is not None and not log_dir.is_absolute()
-            and not cfg.log.logs_path):
-        up = len(log_dir.parts) + 1
-        parents = run_folder.resolve().parents
-        if up <= len(parents) - 1:
-            candidates.append(parents[up - 1] / folder)
-    return next((candidate for candidate in candidates if candidate.is_dir()), None)
-
-
-def class_names(cfg: RunConfig, run_folder: Path | None = None) -> tuple[list[str] | None, str]:
-    """(names in class-index order or None, where they come from).
-
-    CIFAR-10's ``batches.meta.txt`` and CIFAR-100's ``fine_label_names.txt`` (as the official binary
-    archives ship them) from the run's data folder or its archive subfolder; the built-in dataset's
-    shape names; an ImageNet JPEG tree's class folder names (sorted: the dataset's class index).
-    TFRecords carry no class list that the reader exposes, and a list with the wrong number of names
-    is not trusted: then, and when the run's data folder is not there, None."""
-    from cnns.data.builtin import BUILTIN_CLASSES
-
-    count = int(cfg.model.num_classes)
-    dataset = cfg.data.dataset
-    if dataset == "builtin":
-        return list(BUILTIN_CLASSES), "the built-in dataset"
-    folder = data_folder(cfg, run_folder)
-    if folder is None:
-        return None, "none (class indices)"
-    found: tuple[list[str], str] | None = None
-    if dataset in ("cifar-10", "cifar-100"):
-        found = _cifar_names(folder, dataset)
-    elif dataset == "imagenet":
-        found = _jpeg_tree_names(folder)
-    if found is None:
-        return None, "none (class indices)"
-    names, source = found
-    if len(names) != count:
-        print(f"notice: {source} lists {len(names)} class names for a {count}-class model: "
-              "printing class indices instead", file=sys.stderr)
-        return None, "none (class indices)"
-    return names, source
-
-
-def _cifar_names(folder: Path, dataset: str) -> tuple[list[str], str] | None:
-    filename, subfolder = (("batches.meta.txt", "cifar-10-batches-bin") if dataset == "cifar-10"
-                           else ("fine_label_names.txt", "cifar-100-binary"))
-    for place in (folder, folder / subfolder):
-        path = place / filename
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                return None
-            # The archives end the list with blank lines (and some copies with trailing spaces).
-            return [line.strip() for line in text.splitlines() if line.strip()], str(path)
-    return None
-
-
-def _jpeg_tree_names(folder: Path) -> tuple[list[str], str] | None:
-    from cnns.data.imagefolder import find_split_folder, list_classes
-
-    # The dataset numbers classes by the training folder's sub-folders when there is one.
-    for split in ("train", "validation"):
-        split_folder = find_split_folder(folder, split)
-        if split_folder is not None:
-            names = list_classes(split_folder)
-            if names:
-                return names, f"the class folders of {split_folder}"
-    return None

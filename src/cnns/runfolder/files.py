@@ -289,11 +289,11 @@ def command_scope() -> Iterator[None]:
         _scope = previous
 
 
-_run_file_patterns: tuple[str, ...] = ()  # what a run writes in its folder: cnns.runlog declares it
+_run_file_patterns: tuple[str, ...] = ()  # what a run writes in its folder: cnns.runfolder.log declares it
 
 
 def declare_run_files(patterns: Iterable[str]) -> None:
-    """The names (fnmatch patterns) of the files and folders a run writes in its folder (`cnns.runlog`, which owns
+    """The names (fnmatch patterns) of the files and folders a run writes in its folder (`cnns.runfolder.log`, which owns
     the layout): `own_run_folder` refuses a link planted under any of them before the command writes anything."""
     global _run_file_patterns
     _run_file_patterns = tuple(dict.fromkeys((*_run_file_patterns, *patterns)))
