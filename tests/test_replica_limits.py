@@ -24,7 +24,7 @@ def started(monkeypatch) -> list[int]:
 
     calls: list[int] = []
     monkeypatch.setattr(cnns.commands.train, "spawn_local_workers",
-                        lambda command, argv, processes: calls.append(processes) or 0)
+                        lambda command, argv, processes, timeout_s: calls.append(processes) or 0)
     return calls
 
 

@@ -7,6 +7,8 @@ otherwise the GPU when this machine has one. The half type that 16.x computes in
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cnns.errors import ConfigError
@@ -44,3 +46,12 @@ def resolve_device(requested: str | None, select_ipus: list | tuple | None = Non
         raise ConfigError(f"device {name} requested but this machine has {count} GPU{'s' if count != 1 else ''} "
                           f"({', '.join(f'cuda:{i}' for i in range(count))})")
     return device
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a batch system's share, not the machine's). The one
+    count of them: worker threads, local workers and data-loading workers all share these."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

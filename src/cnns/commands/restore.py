@@ -39,7 +39,8 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         check_supported(cfg)
         check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
-        return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+        return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
+                                   timeout_s=cfg.parallel.dist_timeout)
     from cnns.commands.splits import model_to_plan
     from cnns.engine import setup  # as train.py: not in a process that only starts workers
 

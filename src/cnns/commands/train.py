@@ -32,7 +32,8 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
     notices = notices + parallel_notices(cfg)
     initial = _checked_initial_weights(cfg)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
-        return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+        return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
+                                   timeout_s=cfg.parallel.dist_timeout)
     # The engine and the models (timm, torchvision, torch._dynamo: seconds of imports) are loaded by the
     # processes that train, not by one that only starts them.
     from cnns.commands.splits import model_to_plan

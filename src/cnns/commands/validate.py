@@ -34,7 +34,8 @@ def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: lis
     folder = _checked_folder(cfg, restore_path)  # validation.csv's run folder (a random model's: --logs-path's)
     with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
         if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
-            return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards)
+            return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
+                                       timeout_s=cfg.parallel.dist_timeout)
         world, cfg, _ = join_run(cfg, model_to_plan)
         try:
             if not restore_path:

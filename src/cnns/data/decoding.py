@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame, whole_image_decoder
+from cnns.devices import usable_cores
 from cnns.errors import ConfigError, DataError, first_line
 
 CropBox = tuple[float, float, float, float]  # top, left, height, width, in source pixels
@@ -329,14 +330,6 @@ class DecodeChoice:
     library: str = ""  # which library's nvJPEG decodes on the GPU (DeviceJpegDecoder.name), when device is cuda
 
 
-def usable_cpu_cores() -> int:
-    """The CPU cores this process may run on (its affinity: a batch system's share, not the machine's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def local_gpu_processes() -> int:
     """Training processes on this node, one GPU each (torchrun's LOCAL_WORLD_SIZE; 1 for a plain run)."""
     try:
@@ -412,7 +405,7 @@ def choose_decode_device(requested: str, device: torch.device, *, cores: int | N
         if requested == "cuda":
             raise ConfigError(f"--decode-device cuda needs a run on a CUDA GPU; this run is on {device}")
         return DecodeChoice("cpu", f"--decode-device auto: the run is on {device.type}")
-    cores = usable_cpu_cores() if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     gpus = local_gpu_processes() if gpus is None else gpus
     per_gpu = cores / gpus
     if requested == "auto" and per_gpu >= CPU_CORES_TO_FEED_A_GPU:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cnns.config.defaults import GENERIC_DEFAULTS
+from cnns.devices import usable_cores
 from cnns.errors import CnnsError, ConfigError, first_line
 
 TIMEOUT_OPTION = "--dist-timeout"  # named in a timeout's error line: the option to raise
@@ -47,13 +48,6 @@ def restart_attempt() -> int:
     """torchrun's count of this process's restarts (0 on the first attempt): the one reader of
     TORCHELASTIC_RESTART_COUNT."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def threads_per_worker(local_workers: int, asked: int | None) -> int:

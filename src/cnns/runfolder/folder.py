@@ -24,6 +24,7 @@ from typing import Any, Iterator
 from cnns.config import RunConfig, check_option_types
 from cnns.errors import CheckpointError, ConfigError, first_line
 from cnns.runfolder.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
+from cnns.runfolder.classes import class_names
 from cnns.runfolder.files import may_write, own_run_folder
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, new_run_folder, read_run_text, write_arguments
@@ -88,7 +89,7 @@ class RunFolder:
         return checkpoint_weights(checkpoint or self.require_checkpoints()[-1], which)
 
     def class_names(self) -> tuple[list[str] | None, str]:
-        """(class names in class-index order or None, where they come from); see `class_names`."""
+        """(class names in class-index order or None, where they come from): `cnns.runfolder.classes`."""
         return class_names(self.config, self.path)
 
 
