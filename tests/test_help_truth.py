@@ -20,6 +20,7 @@ import re
 import pytest
 
 import scripts
+from cnns.cli import COMMANDS, main
 from cnns.config.defaults import FAMILY_RUNS
 from cnns.config.defaults import family as family_of
 from cnns.config.table import build_parser, byte_size, has_effect
@@ -183,6 +184,16 @@ def test_no_help_states_argparses_none(script, capfd):
     """No option ends with argparse's "(default: None)" (or its placeholder for --help)."""
     text = scripts.run_here(capfd, script, "--help").stdout
     assert text.startswith("usage:")
+    assert "(default: None)" not in text and "SUPPRESS" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c not in scripts.COMMANDS.values()])
+def test_no_cnns_command_help_states_argparses_none(command, capfd):
+    """The same for the commands Graphcore's scripts do not have (`cnns bench-data` and its kin)."""
+    with pytest.raises(SystemExit) as ended:
+        main([command, "--help"])
+    text = capfd.readouterr().out
+    assert ended.value.code == 0 and "usage:" in text
     assert "(default: None)" not in text and "SUPPRESS" not in text and "(default: False)" not in text
 
 

@@ -93,8 +93,19 @@ def profile_main(argv: list[str]) -> int:
 # cnns bench-data
 
 
+class StatedDefaults(argparse.HelpFormatter):
+    """argparse's defaults in --help where there is one to state: not argparse's "(default: None)" for an option
+    that has none, nor "(default: False)" for a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def bench_data_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="cnns bench-data", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = OneLineErrorParser(prog="cnns bench-data", formatter_class=StatedDefaults,
                                 description="Run the input pipeline alone and report images/s (per worker core), "
                                             "and on ImageNet files the account of one image's time.")
     parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),
