@@ -391,8 +391,8 @@ class ImageBatchDataset(Dataset):
     Returns (images, labels, names of the images that could not be decoded, which skip_corrupt leaves
     out: the batch shrinks, the pool's number of the batch's buffer or -1). With `pool` the workers write
     their batches into its reusable buffers, and a batch in one of them comes back as (None, the labels as a
-    list, names, its number): the main process has the buffer (`BatchPool.receive`), so only that crosses. With `device_decoding` it returns a DeviceBatch instead, for
-    the main process to decode on that device."""
+    list, names, its number): the main process has the buffer (`BatchPool.receive`), so only that crosses.
+    With `device_decoding` it returns a DeviceBatch instead, for the main process to decode on that device."""
 
     def __init__(self, records: ImageRecords, transform: ImageNetTransform, skip_corrupt: bool = False,
                  device_decoding: torch.device | None = None, pool: BatchPool | None = None) -> None:
