@@ -98,12 +98,7 @@ def open_regular_file(path: str | os.PathLike, limit: int | None = None) -> Bina
     """`path` opened for binary reading, once it is known to be a regular file no larger than `limit`
     (check_regular_file, then again on the open descriptor); UnreadableFile otherwise."""
     check_regular_file(path, limit)
-    try:
-        # O_NONBLOCK: were the file replaced by a FIFO since the stat, the open would not wait for a writer (the
-        # fstat below then refuses it). It changes nothing for a regular file, whose reads never block.
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as error:
-        raise UnreadableFile(path, error.strerror or str(error)) from None
+    descriptor = _open_without_waiting(path)
     try:
         _check_status(path, os.fstat(descriptor), limit)
         return os.fdopen(descriptor, "rb")
@@ -114,23 +109,58 @@ def open_regular_file(path: str | os.PathLike, limit: int | None = None) -> Bina
 
 def read_bounded(path: str | os.PathLike, limit: int | None = None) -> bytes:
     """The whole of a regular file no larger than `limit` bytes (file_size_limit; module docstring); UnreadableFile
-    otherwise."""
+    otherwise.
+
+    On the descriptor itself (os.read), not through a Python file object: a worker reads every image this way, and
+    the file object's own system calls (another fstat, an isatty ioctl, a seek) cost as much as reading a photo
+    from the page cache."""
     limit = file_size_limit(limit)
-    with open_regular_file(path, limit) as file:
-        try:
-            # What the file holds now, plus one byte that shows whether it grew since: the stat's size is not
-            # trusted, but asking read() for the whole limit would make Python reserve the limit (1 GiB by
-            # default) for every small image, and fail outright under an address-space limit below it.
-            expected = os.fstat(file.fileno()).st_size
-            data = file.read(min(expected, limit) + 1)
-            if len(data) > expected and len(data) <= limit:  # it grew: read on, still no further than the limit
-                data += file.read(limit + 1 - len(data))
-        except OSError as error:
-            raise UnreadableFile(path, error.strerror or str(error)) from None
+    check_regular_file(path, limit)
+    descriptor = _open_without_waiting(path)
+    try:
+        status = os.fstat(descriptor)
+        _check_status(path, status, limit)
+        # What the file holds now, plus one byte that shows whether it grew since: the stat's size is not trusted,
+        # but asking for the whole limit would make Python reserve the limit (1 GiB by default) for every small
+        # image, and fail outright under an address-space limit below it.
+        expected = status.st_size
+        parts = _read_up_to(descriptor, min(expected, limit) + 1)
+        got = sum(map(len, parts))
+        if expected < got <= limit:  # it grew: read on, a chunk at a time, still no further than the limit
+            parts += _read_up_to(descriptor, limit + 1 - got, chunk=_GROWN_CHUNK)
+    except OSError as error:
+        raise UnreadableFile(path, error.strerror or str(error)) from None
+    finally:
+        os.close(descriptor)
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
     if len(data) > limit:
         raise UnreadableFile(path, f"more than the {describe_size(limit)} {FILE_SIZE_OPTION} allows (it grew while it "
                                    "was read)")
     return data
+
+
+_GROWN_CHUNK = 1 << 20  # a file that grows while it is read is read on in pieces this size, never the limit at once
+
+
+def _open_without_waiting(path: str | os.PathLike) -> int:
+    """A descriptor for reading `path`; O_NONBLOCK so that a file replaced by a FIFO since the stat cannot make the
+    open wait for a writer (the fstat that follows refuses it). It changes nothing for a regular file."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise UnreadableFile(path, error.strerror or str(error)) from None
+
+
+def _read_up_to(descriptor: int, size: int, chunk: int | None = None) -> list[bytes]:
+    """Up to `size` bytes from the descriptor, in the pieces os.read gave (fewer only at the end of the file)."""
+    parts: list[bytes] = []
+    while size > 0:
+        part = os.read(descriptor, size if chunk is None else min(size, chunk))
+        if not part:
+            break
+        parts.append(part)
+        size -= len(part)
+    return parts or [b""]
 
 
 __all__ = ["DEFAULT_FILE_SIZE_LIMIT", "FILE_SIZE_OPTION", "UnreadableFile", "check_regular_file", "describe_size",

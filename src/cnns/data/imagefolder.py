@@ -245,6 +245,7 @@ class ImageFolderDataset(Dataset):
             names = " or ".join(f"{name}/" for name in SPLIT_FOLDERS[split])
             raise DataError(f"{root}: no {names} folder of class sub-folders")
         self.root = folder
+        self._root_text = str(folder)  # paths joined as text: a Path per image costs as much as a syscall
         self.transform = transform or _default_decode
         self.classes = self._class_names(Path(root), folder)
         class_index = {name: index for index, name in enumerate(self.classes)}
@@ -279,17 +280,17 @@ class ImageFolderDataset(Dataset):
         return len(self.targets)
 
     def path(self, index: int) -> Path:
-        return self.root / os.fsdecode(self._relative_paths[index])
+        return Path(self.source(index))
 
     def source(self, index: int) -> str:
-        """Where image `index` is, for messages."""
-        return str(self.path(index))
+        """Where image `index` is, for messages (and for reading it)."""
+        return os.path.join(self._root_text, os.fsdecode(self._relative_paths[index]))
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(the file's encoded bytes, its class, its path for messages): what the batch loader decodes.
         UnreadableFile (a DataError) for a file that is not a regular one or is larger than the limit."""
-        path = self.path(index)
-        return read_bounded(path, self.size_limit), int(self.targets[index]), str(path)
+        path = self.source(index)
+        return read_bounded(path, self.size_limit), int(self.targets[index]), path
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         data, label, source = self.read(index)

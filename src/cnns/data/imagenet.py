@@ -390,8 +390,9 @@ class ImageBatchDataset(Dataset):
 
     Returns (images, labels, names of the images that could not be decoded, which skip_corrupt leaves
     out: the batch shrinks, the pool's number of the batch's buffer or -1). With `pool` the workers write
-    their batches into its reusable buffers. With `device_decoding` it returns a DeviceBatch instead, for
-    the main process to decode on that device."""
+    their batches into its reusable buffers, and a batch in one of them comes back as (None, the labels as a
+    list, names, its number): the main process has the buffer (`BatchPool.receive`), so only that crosses.
+    With `device_decoding` it returns a DeviceBatch instead, for the main process to decode on that device."""
 
     def __init__(self, records: ImageRecords, transform: ImageNetTransform, skip_corrupt: bool = False,
                  device_decoding: torch.device | None = None, pool: BatchPool | None = None) -> None:
@@ -408,10 +409,14 @@ class ImageBatchDataset(Dataset):
         if self.device_decoding is not None:
             return self._for_device(keys)
         size = self.transform.image_size
-        shape = (len(keys), size, size, 3)
-        images, number = self.pool.batch(shape) if self.pool is not None else (new_batch_tensor(shape), -1)
+        if self.pool is not None:
+            images, number = self.pool.batch(len(keys))
+        else:
+            images, number = new_batch_tensor((len(keys), size, size, 3)), -1
         samples = (self._read(key) for key in keys)  # read as each is decoded
         _, labels, skipped = self._decode_into_rows(samples, images)
+        if number >= 0:
+            return None, labels, skipped, number
         return images[:len(labels)], torch.tensor(labels, dtype=torch.int64), skipped, number
 
     def _read(self, key: SampleKey) -> tuple[SampleKey, bytes | None, int, str]:
@@ -518,6 +523,7 @@ def build_imagenet_loader(
     decoder: ImageDecoder | None = None,
     device_decoding: torch.device | None = None,
     size_limit: int | None = None,
+    reuse_buffers: bool = False,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
 
@@ -532,7 +538,9 @@ def build_imagenet_loader(
     (--max-file-size): it is a DataError, or with skip_corrupt left out and named.
 
     Each worker makes whole batches (ImageBatchDataset): the DataLoader's own batching is off
-    (batch_size=None) and its sampler gives the keys of one batch at a time.
+    (batch_size=None) and its sampler gives the keys of one batch at a time. With `reuse_buffers` (and
+    workers, no pinning, no device decoding) they write into the dataset's BatchPool, and such a batch comes
+    as (None, labels list, names, number) for `BatchPool.receive` (`ImageNetBatches` does that).
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
@@ -548,8 +556,8 @@ def build_imagenet_loader(
     transform = ImageNetTransform(train, image_size, seed, decoder)
     # Reusable batch buffers where the workers' batches are the ones the consumer gets: pinning copies them
     # to page-locked memory anyway, and device decoding sends encoded bytes.
-    pool = (BatchPool(workers, BATCH_BUFFERS_PER_WORKER)
-            if workers > 0 and not pin_memory and device_decoding is None else None)
+    pool = (BatchPool(workers, BATCH_BUFFERS_PER_WORKER, (batch_size, image_size, image_size, 3))
+            if reuse_buffers and workers > 0 and not pin_memory and device_decoding is None else None)
     loader = DataLoader(
         ImageBatchDataset(records, transform, skip_corrupt, device_decoding, pool),
         batch_size=None,
@@ -627,7 +635,7 @@ class ImageNetBatches:
             folder, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
             global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt,
-            decoder=decoder, device_decoding=device_decoding, size_limit=size_limit)
+            decoder=decoder, device_decoding=device_decoding, size_limit=size_limit, reuse_buffers=True)
         self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)
@@ -685,8 +693,8 @@ class ImageNetBatches:
         images, labels, skipped, number = batch
         pool = self.loader.dataset.pool
         if pool is not None:
-            pool.lend(images, number)
-        return images, labels, skipped
+            images = pool.receive(images, len(labels), number)
+        return images, torch.as_tensor(labels, dtype=torch.int64), skipped
 
     def _count_skipped(self, skipped: list[str]) -> None:
         self.skipped_images += len(skipped)

@@ -319,6 +319,36 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
     // (b0, b1), (x0, x1) that pmaddwd combines with the pair of weights.
     const __m256i spread = _mm256_setr_epi8(0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128,
                                             0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128);
+    // Four outputs at once where 16 bytes may be stored (12 of them pixels, the 4 past them written again next):
+    // the two pairs' results packed together, put in order, their X bytes dropped, one store.
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0);
+    const __m128i rgb = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -128, -128, -128, -128);
+    for (; i + 4 <= out_w && (!last_row || 3 * i + 16 <= 3 * out_w); i += 4) {
+      const uint8_t* p0 = line + offset[i];
+      const uint8_t* p1 = line + offset[i + 1];
+      const uint8_t* p2 = line + offset[i + 2];
+      const uint8_t* p3 = line + offset[i + 3];
+      const int32_t* weights01 = lanes.data() + static_cast<size_t>(i / 2) * pairs * 8;
+      const int32_t* weights23 = weights01 + static_cast<size_t>(pairs) * 8;
+      __m256i acc01 = _mm256_set1_epi32(half), acc23 = acc01;
+      for (int k = 0; k < pairs; ++k) {
+        const __m256i two01 = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+        const __m256i two23 = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p2 + 8 * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p3 + 8 * k)), 1);
+        const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights01 + 8 * k));
+        const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights23 + 8 * k));
+        acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(two01, spread), w01));
+        acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(two23, spread), w23));
+      }
+      // Per 128-bit lane: (output i, i + 2) in lane 0 and (i + 1, i + 3) in lane 1, RGBX bytes each.
+      __m256i bytes = _mm256_packs_epi32(_mm256_srai_epi32(acc01, kBits), _mm256_srai_epi32(acc23, kBits));
+      bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(bytes, bytes), order);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * i),
+                       _mm_shuffle_epi8(_mm256_castsi256_si128(bytes), rgb));
+    }
     for (; i + 2 < out_w || (i + 2 == out_w && !last_row); i += 2) {
       const uint8_t* p0 = line + offset[i];
       const uint8_t* p1 = line + offset[i + 1];
