@@ -79,6 +79,25 @@ def test_a_signal_outside_training_ends_the_command_with_128_plus_its_number(mon
     assert out.stderr.strip().splitlines() == ["error: interrupted by SIGTERM"]
 
 
+def test_sigint_ends_the_command_even_where_the_process_started_with_it_ignored(monkeypatch, capfd):
+    """A script's background job (or a test runner's child) starts with SIGINT ignored; Python leaves it so, and
+    `kill -INT` then did nothing outside training. The command installs Python's handler itself."""
+    import cnns.cli
+
+    def interrupted(argv):
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal, delivered inside the command
+        raise AssertionError("the signal did not end the command")
+
+    monkeypatch.setattr(cnns.cli, "_dispatch", lambda command: interrupted)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        out = scripts.run_here(capfd, "validation.py", expect=128 + signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the command's handler went with it
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert out.stderr.strip().splitlines() == ["error: interrupted"]
+
+
 def test_a_bug_is_one_line_naming_its_place_and_a_file_with_the_whole_traceback(monkeypatch, capfd):
     import cnns.cli
 

@@ -54,20 +54,24 @@ def make_standard_streams_safe() -> None:
 
 @contextmanager
 def signals_end_the_command() -> Iterator[None]:
-    """SIGTERM raises Terminated (SIGINT raises KeyboardInterrupt, Python's own) for the command's span."""
+    """SIGTERM raises Terminated and SIGINT KeyboardInterrupt for the command's span. SIGINT's handler is installed
+    too, not left to Python: a process started with SIGINT ignored (a script's background job, a test runner's
+    child) keeps it ignored, so `kill -INT` ended training (whose own handlers catch it) but not validation."""
     def terminate(signum, frame):
         raise Terminated(signum)
 
     CONTINUE_WITH.clear()
     try:
-        previous = signal.signal(signal.SIGTERM, terminate)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate),
+                    signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     except ValueError:  # not the main thread: signals stay as they are
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def say(line: str, code: int) -> int:
