@@ -97,10 +97,8 @@ def _too_large(size: int, limit: int) -> str:
 def open_regular_file(path: str | os.PathLike, limit: int | None = None) -> BinaryIO:
     """`path` opened for binary reading, once it is known to be a regular file no larger than `limit`
     (check_regular_file, then again on the open descriptor); UnreadableFile otherwise."""
-    check_regular_file(path, limit)
-    descriptor = _open_without_waiting(path)
+    descriptor, _ = _open_checked(path, limit)
     try:
-        _check_status(path, os.fstat(descriptor), limit)
         return os.fdopen(descriptor, "rb")
     except BaseException:
         os.close(descriptor)
@@ -115,11 +113,8 @@ def read_bounded(path: str | os.PathLike, limit: int | None = None) -> bytes:
     the file object's own system calls (another fstat, an isatty ioctl, a seek) cost as much as reading a photo
     from the page cache."""
     limit = file_size_limit(limit)
-    check_regular_file(path, limit)
-    descriptor = _open_without_waiting(path)
+    descriptor, status = _open_checked(path, limit)
     try:
-        status = os.fstat(descriptor)
-        _check_status(path, status, limit)
         # What the file holds now, plus one byte that shows whether it grew since: the stat's size is not trusted,
         # but asking for the whole limit would make Python reserve the limit (1 GiB by default) for every small
         # image, and fail outright under an address-space limit below it.
@@ -140,6 +135,23 @@ def read_bounded(path: str | os.PathLike, limit: int | None = None) -> bytes:
 
 
 _GROWN_CHUNK = 1 << 20  # a file that grows while it is read is read on in pieces this size, never the limit at once
+
+
+def _open_checked(path: str | os.PathLike, limit: int | None) -> tuple[int, os.stat_result]:
+    """(a descriptor for reading `path`, its status), once the path and then the open file itself are known to be
+    a regular file no larger than `limit` (the second look catches a file replaced since the first)."""
+    check_regular_file(path, limit)
+    descriptor = _open_without_waiting(path)
+    try:
+        status = os.fstat(descriptor)
+        _check_status(path, status, limit)
+        return descriptor, status
+    except OSError as error:
+        os.close(descriptor)
+        raise UnreadableFile(path, error.strerror or str(error)) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def _open_without_waiting(path: str | os.PathLike) -> int:

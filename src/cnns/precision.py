@@ -41,6 +41,8 @@ def half_parts(precision: str) -> tuple[bool, bool]:
 def describe_precision(precision: str, half_dtype: str) -> str:
     """How a run's precision is named in messages: "32.32", or "16.16 (bfloat16)" with the half type it asked for."""
     return precision if not any(half_parts(precision)) else f"{precision} ({half_dtype})"
+
+
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 

@@ -307,7 +307,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, t
     if device.type == "cpu":
         # The cores are shared by the local workers: one pool each would oversubscribe them.
         torch.set_num_threads(threads_per_worker(local_size, threads))
-    seconds = timeout_s
+    seconds = timeout_s  # --dist-timeout, named in every line a timeout ends with
     timeout = datetime.timedelta(seconds=seconds)
     endpoint = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
     try:
