@@ -213,20 +213,21 @@ def test_the_imagenet_folder_reader_names_such_files_or_drops_them_as_corrupt_im
 
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_the_checks_before_a_run_name_an_unreadable_first_image(tmp_path):
-    from cnns.data.checks import check_imagenet_files
+    from cnns.data.formats import FOLDER_TREE, TrainingBatch
 
+    one = TrainingBatch.of(1, 1, 1, 100)
     image_tree(tmp_path)
     first = tmp_path / "validation" / "a" / "good.JPEG"
     first.unlink()
     fifo(first)
     with pytest.raises(DataError, match=f"^{re.escape(str(first))}: cannot read: not a regular file but a FIFO"):
-        check_imagenet_files(tmp_path, ["validation"], batch=None, decode=True)
-    check_imagenet_files(tmp_path, ["validation"], batch=None, decode=False)  # --skip-corrupt-images: left to training
+        FOLDER_TREE.check(tmp_path, ["validation"], one, decode=True, size_limit=None)
+    FOLDER_TREE.check(tmp_path, ["validation"], one, decode=False, size_limit=None)  # --skip-corrupt-images: left to training
 
 
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one_line(tmp_path):
-    from cnns.data.checks import check_tfrecord_split
+    from cnns.data.formats.tfrecord import check_tfrecord_split
     from cnns.data.tfrecord import TFRecordDataset
     from test_tfrecord import write_imagenet_shards
 
@@ -250,7 +251,7 @@ def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one
     (lambda path: sparse(path, 3073 * 400_000), "1.14 GiB, more than the 1 GiB --max-file-size allows"),
 ])
 def test_a_cifar_file_that_is_not_a_file_or_is_too_large_is_one_line(tmp_path, make, reason):
-    from cnns.data.checks import TrainingBatch, check_cifar_files
+    from cnns.data.formats import CIFAR_10_BINARY, TrainingBatch
     from cnns.data.builtin import draw_shapes
     from cnns.data.cifar import load_cifar, write_cifar10
 
@@ -263,7 +264,7 @@ def test_a_cifar_file_that_is_not_a_file_or_is_too_large_is_one_line(tmp_path, m
     with pytest.raises(DataError, match=message):
         load_cifar(tmp_path, "cifar-10", train=False)
     with pytest.raises(DataError, match=message):
-        check_cifar_files(tmp_path, "cifar-10", ["validation"], TrainingBatch(1, "one batch of 1", 100))
+        CIFAR_10_BINARY.check(tmp_path, ["validation"], TrainingBatch.of(1, 1, 1, 100), decode=True, size_limit=None)
 
 
 def test_a_bad_data_file_before_a_run_is_one_line_exit_2_and_no_run_folder(tmp_path, capfd):

@@ -251,7 +251,7 @@ def test_corrupt_length_and_truncation_are_data_errors(tmp_path):
 
 
 def test_first_record_reads_a_shard_s_first_record_with_both_crcs_checked(tmp_path):
-    """What the checks before a run read of each shard (cnns.data.checks), framed and checked here, in the
+    """What the checks before a run read of each shard (cnns.data.formats.tfrecord), framed and checked here, in the
     TFRecord reader: the first record's data, and None for an empty shard."""
     path = tmp_path / "train-00000-of-00001"
     write_tfrecord(path, [b"first" * 10, b"second"])

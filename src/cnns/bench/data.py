@@ -34,7 +34,8 @@ from torch.utils.benchmark import Timer
 from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import in_turn
-from cnns.config import BUILTIN_DATA_DIR, NUM_CLASSES, DataConfig, RunConfig
+from cnns.config import DataConfig, RunConfig
+from cnns.data.formats import DATASETS, FOLDER_TREE, DataFormat, dataset_facts, find_format
 from cnns.data.decoding import DecodeClock
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
@@ -111,18 +112,14 @@ def time_pipeline(epoch_batches: Callable[[int], Iterable], measured: int, warmu
 def data_config(data_dir: str, dataset: str | None, workers: int, image_size: int, cache: bool = True,
                 decode_device: str = "auto") -> DataConfig:
     """The DataConfig training would build for these options (files, no mixing)."""
-    return DataConfig(dataset=dataset, data_dir=data_dir, source="files", num_classes=NUM_CLASSES.get(dataset, 10),
+    return DataConfig(dataset=dataset, data_dir=data_dir, source="files", num_classes=dataset_facts(dataset).num_classes,
                       image_size=image_size, pipeline_num_parallel=workers, normalise_input=False, hostside_norm=False,
                       dataset_percentage_to_use=100, dataset_cache=cache, mixup_alpha=0.0, cutmix_lambda=1.0,
                       cutmix_version=1, decode_device=decode_device)
 
 
-def data_layout(data_dir: str, dataset: str | None) -> str:
-    from cnns.data.imagenet import detect_imagenet
-    from cnns.data.sources import resolve_dataset
-
-    found, folder = resolve_dataset(data_config(data_dir, dataset, 0, 224))
-    return detect_imagenet(folder) if found == "imagenet" else found
+def data_format(data_dir: str, dataset: str | None) -> DataFormat:
+    return find_format(dataset, data_dir)[0]
 
 
 def cnns_batches(cfg: DataConfig, batch_size: int, train: bool, seed: int, device: torch.device) -> Callable:
@@ -265,7 +262,6 @@ def results_table(comparisons: list[Comparison]) -> str:
 
 STAGES = ("read", "header", "decode", "resize", "flip")
 STAGE_LABELS = {"header": "header + crop draw", "decode": "decode", "resize": "crop + resize", "flip": "flip"}
-READ_LABELS = {"folder": "read (the file's bytes)", "tfrecord": "read (the TFRecord record's image bytes)"}
 WARMUP_IMAGES = 8  # timed for nothing first: imports, first allocations
 
 
@@ -352,6 +348,7 @@ class ImageAccount:
     decode_only_decoder: str
     baseline: Measurement | None  # torchvision's loader with 1 worker
     cores: int  # the CPUs this process may run on (taskset)
+    reads: str = ""  # what one image's read is (`DataFormat.reads`)
 
     @property
     def in_process_seconds(self) -> float:
@@ -381,7 +378,7 @@ def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement |
     steps = {"stages": lambda: time_stages(dataset, indices, transform),
              "decode-only": lambda: time_whole_decoding(dataset, indices),
              "cnns 0": loader(plan, "cnns", 0), "cnns 1": loader(plan, "cnns", 1)}
-    if baseline is None and plan.found == "folder":
+    if baseline is None and plan.found == FOLDER_TREE.name:
         steps["torchvision 1"] = loader(plan, "torchvision", 1)
     found = in_rounds(steps, plan.rounds, print)
     if "torchvision 1" in found:
@@ -389,7 +386,7 @@ def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement |
     return ImageAccount(plan.found, "train" if plan.train else "eval", plan.image_size, transform.decoder.name,
                         middle(found["stages"], key=lambda times: times.step), middle(found["cnns 0"]),
                         middle(found["cnns 1"]), middle(found["decode-only"], key=float), DECODE_ONLY_DECODER,
-                        baseline, usable_cores())
+                        baseline, usable_cores(), plan.reads)
 
 
 def decode_label(stages: StageTimes) -> str:
@@ -404,7 +401,7 @@ def account_table(account: ImageAccount) -> str:
     """The account as a markdown table: the rows that add up to the delivered time with their shares of
     it, then the totals, the decode-only cap and torchvision's loader with their rates on one core."""
     delivered = account.delivered_seconds
-    labels = {"read": READ_LABELS.get(account.layout, "read"), **STAGE_LABELS, "decode": decode_label(account.stages),
+    labels = {"read": f"read ({account.reads})" if account.reads else "read", **STAGE_LABELS, "decode": decode_label(account.stages),
               "between": "between the stages (the loop, the calls)",
               "into the batch": "into the batch (0 workers - in one process)",
               "across": "across to the main process (1 worker - 0 workers)"}
@@ -468,7 +465,9 @@ class BenchDataRequest:
     decode_device: str = "auto"
     account: bool = True
     account_images: int = 400
-    found: str = ""  # the data's layout, once found (tfrecord, folder, cifar-10, ...)
+    found: str = ""  # the data's format, once found (tfrecord, folder, cifar-10, ...: `cnns.data.formats`)
+    decoded_in_workers: bool = False  # its images decoded by worker processes (else batches made in memory)
+    reads: str = ""  # what one image's read is, in the account
 
     @property
     def train(self) -> bool:
@@ -484,7 +483,7 @@ def plan_from_request(args: BenchDataRequest) -> BenchDataRequest:
                               layout=args.layout)
         print(f"Synthetic ImageNet ({args.layout}) in {args.make_jpeg_tree}: {made['train']} training and "
               f"{made['validation']} validation images")
-    data_dir = args.make_jpeg_tree or args.data_dir or (BUILTIN_DATA_DIR if args.dataset == "builtin" else None)
+    data_dir = args.make_jpeg_tree or args.data_dir or (DATASETS[args.dataset].default_data_dir if args.dataset else None)
     if not data_dir:
         raise ConfigError("bench-data needs --data-dir (or DATA_DIR) or --make-jpeg-tree DIR")
     for name in ("batch_size", "batches", "image_size", "rounds", "account_images"):
@@ -493,15 +492,14 @@ def plan_from_request(args: BenchDataRequest) -> BenchDataRequest:
     if args.warmup_batches < 0 or min(args.workers) < 0:
         raise ConfigError("--warmup-batches and --workers must not be negative")
     device = resolve_device(args.device)
-    layout = data_layout(data_dir, args.dataset)
-    if args.compare_baseline and layout != "folder":
+    found = data_format(data_dir, args.dataset)
+    if args.compare_baseline and found is not FOLDER_TREE:
         raise ConfigError(f"--compare-baseline needs a JPEG folder tree (torchvision's ImageFolder); {data_dir} "
-                          f"holds {layout}")
-    imagenet = layout in ("tfrecord", "folder")
-    # CIFAR images are 32x32, and their batches are made in the main process (0 workers).
-    image_size, workers = (args.image_size, list(args.workers)) if imagenet else (32, [0])
-    return replace(args, data_dir=str(data_dir), found=layout, workers=workers, image_size=image_size,
-                   device=str(device))
+                          f"holds {found.name}")
+    # CIFAR-sized images are 32x32, and their batches are made in the main process (0 workers).
+    image_size, workers = ((32, [0]) if found.dataset.cifar_sized else (args.image_size, list(args.workers)))
+    return replace(args, data_dir=str(data_dir), found=found.name, decoded_in_workers=found.decoded_in_workers,
+                   reads=found.reads, workers=workers, image_size=image_size, device=str(device))
 
 
 def comparison_record(comparison: Comparison) -> dict[str, Any]:
@@ -531,14 +529,14 @@ def bench_data_command(args: BenchDataRequest) -> int:
     from cnns.data.decoding import ImageDecoder, choose_decode_device, decoding_header
 
     plan = plan_from_request(args)
-    if plan.found not in ("tfrecord", "folder"):
+    if not plan.decoded_in_workers:
         print(f"{plan.found}: batches are made in the main process from the dataset held in memory (no workers)")
     cores = usable_cores()
     print(f"Input pipeline on {plan.data_dir} ({plan.found}, {'train' if plan.train else 'eval'} transforms, "
           f"batch {plan.batch_size}, image size {plan.image_size}, {plan.batches} timed batches after "
           f"{plan.warmup_batches} warm-up, {cores} of {os.cpu_count()} CPUs):")
     on_the_device = False
-    if plan.found in ("tfrecord", "folder"):
+    if plan.decoded_in_workers:
         choice = choose_decode_device(plan.decode_device, torch.device(plan.device))
         on_the_device = choice.device != "cpu"
         print(decoding_header(choice, ImageDecoder(), torch.device(plan.device)))
@@ -549,7 +547,7 @@ def bench_data_command(args: BenchDataRequest) -> int:
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
     if on_the_device and args.account:
         print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
-    elif args.account and plan.found in ("tfrecord", "folder"):
+    elif args.account and plan.decoded_in_workers:
         print(f"The account of one image ({args.account_images} images timed stage by stage in this "
               f"process, the loader with 0 and 1 worker, {plan.rounds} rounds):")
         account = measure_account(plan, args.account_images, one_worker_baseline(comparisons))
@@ -583,7 +581,7 @@ def dataset_benchmark(cfg: RunConfig, report: Callable[[str], None] = print) -> 
     warmup = min(total - 1, max(1, total // 10))
     images, seconds, startup = time_pipeline(sources.train.epoch, total - warmup, warmup)
     rate = images / seconds if seconds > 0 else 0.0
-    uses_workers = sources.dataset == "imagenet" and cfg.data.source == "files" and cfg.data.pipeline_num_parallel > 0
+    uses_workers = sources.decoded_in_workers and cfg.data.pipeline_num_parallel > 0
     per_core = rate / cfg.data.pipeline_num_parallel if uses_workers else rate
     workers = f"{cfg.data.pipeline_num_parallel} worker{'s' if cfg.data.pipeline_num_parallel > 1 else ''}"
     where = (f"{workers}: {per_core:.2f} images/sec per worker core" if uses_workers

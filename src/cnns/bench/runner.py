@@ -134,13 +134,15 @@ def plan_entry(entry: Entry, script: str, args: list[str], options: dict[str, An
     """A command entry's plan from its command line (`entry_command`) and the options that command line
     resolves to (parsed by the caller, as the script would parse it)."""
     from cnns.config import RunConfig
+    from cnns.data.formats import CIFAR_10_BINARY, formats_of
+    from cnns.data.formats.cifar import CifarBinary
 
     mode = "train" if script == "train.py" else "infer"
     cfg = RunConfig.from_options(options)
     if cfg.data.source in ("synthetic", "generated"):
         data = cfg.data.source
-    elif options["dataset"] in ("cifar-10", "builtin"):
-        data = "cifar"
+    elif all(isinstance(f, CifarBinary) and f.records == CIFAR_10_BINARY.records for f in formats_of(options["dataset"])):
+        data = "cifar"  # the plain loop reads CIFAR-10's binary records (`cnns.bench.baseline`), the built-in set's too
     else:
         raise ConfigError(f"benchmark {entry.name}: the plain loop knows synthetic, generated and CIFAR-10 data")
     m = cfg.model
@@ -358,10 +360,11 @@ def roofline_images_per_sec(plan: Plan, peak_gflops: float, bandwidth_gbs: float
 def ensure_cifar10(folder: Path, images: int = CIFAR_IMAGES) -> Path:
     """A CIFAR-10-format folder of drawn shapes (made once; reused while its files are complete)."""
     from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import detect_cifar, write_cifar10
+    from cnns.data.cifar import write_cifar10
+    from cnns.data.formats import CIFAR_10_BINARY
 
     marker = folder / f".complete-{images}"
-    if marker.is_file() and detect_cifar(folder) == "cifar-10":
+    if marker.is_file() and CIFAR_10_BINARY.recognise(folder):
         return folder
     pictures, labels = draw_shapes(images + images // 5, seed=2024)
     write_cifar10(folder, (pictures[:images], labels[:images]), (pictures[images:], labels[images:]))

@@ -13,6 +13,7 @@ from typing import Any
 
 from cnns.cli.parsing import device_defaults, inference_options, parse_options, resolve_command_line
 from cnns.config.table import OneLineErrorParser
+from cnns.data.formats import DATASETS, IMAGENET
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def bench_data_parser() -> argparse.ArgumentParser:
                                             "and on ImageNet files the account of one image's time.")
     parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),
                         help="CIFAR binaries, ImageNet TFRecords or a JPEG tree; $DATA_DIR when omitted.")
-    parser.add_argument("--dataset", choices=("imagenet", "cifar-10", "cifar-100", "builtin"),
+    parser.add_argument("--dataset", choices=tuple(DATASETS),
                         help="Inferred from the folder when omitted.")
     parser.add_argument("--make-jpeg-tree", metavar="DIR",
                         help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or TFRecords with "
@@ -183,6 +184,6 @@ def splits_main(argv: list[str]) -> int:
     # The model's shape is all it needs: no data folder (ImageNet-sized unless --dataset says otherwise).
     if not any(a.startswith(("--data-dir", "--synthetic-data", "--generated-data")) for a in argv):
         argv = [*argv, "--synthetic-data"] + ([] if any(a.startswith("--dataset") for a in argv) else
-                                              ["--dataset", "imagenet"])
+                                              ["--dataset", IMAGENET.name])
     argv = argv if "--pipeline" in argv else [*argv, "--pipeline"]
     return propose_splits(resolve_command_line("train", argv).config)

@@ -16,9 +16,10 @@ from typing import Any
 
 from dataclasses import dataclass
 
-from cnns.config import NUM_CLASSES, RunConfig, load_named_config, resolve
+from cnns.config import RunConfig, load_named_config, resolve
 from cnns.config import defaults
 from cnns.config.table import IPU_ONLY_OPTIONS, USED_ONLY_WITH, build_parser, flag_of, has_effect
+from cnns.data.formats import classes_in_folder, format_of_folder
 
 
 def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -69,28 +70,15 @@ def dataset_from_folder_contents(data_dir: str | None) -> str | None:
     Graphcore's application guessed the dataset from the folder's name; a folder named otherwise still gets the
     right model defaults this way.
     """
-    if not data_dir or not os.path.isdir(data_dir):
-        return None
-    from cnns.data.cifar import detect_cifar
-    from cnns.data.imagenet import detect_imagenet
-
-    found = detect_cifar(data_dir)
-    if found is None and detect_imagenet(data_dir) is not None:
-        found = "imagenet"
-    return found
+    found = format_of_folder(data_dir)
+    return found.dataset.name if found is not None else None
 
 
 def classes_in_the_data(options: dict[str, Any]) -> int:
     """The classifier's outputs when --num-classes is not given: a folder tree's class folders (their
     names only are read), else the dataset's (CIFAR-10 10, CIFAR-100 100, ImageNet 1,000)."""
-    dataset = options.get("dataset")
-    if dataset == "imagenet" and not (options.get("generated_data") or options.get("synthetic_data")):
-        from cnns.data.imagenet import folder_tree_classes
-
-        found = folder_tree_classes(options["data_dir"]) if options.get("data_dir") else None
-        if found is not None and found[0]:
-            return len(found[0])
-    return NUM_CLASSES.get(dataset, 10)
+    generated = options.get("generated_data") or options.get("synthetic_data")
+    return classes_in_folder(options.get("dataset"), None if generated else options.get("data_dir"))
 
 
 def device_defaults(values: dict[str, Any], decided: set[str] | frozenset[str] = frozenset()) -> None:

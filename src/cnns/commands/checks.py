@@ -1,8 +1,8 @@
 """The checks every command makes before it writes anything or starts a process, and the notices that say
 what a run's parallel options mean here. A command that fails one leaves no run folder behind.
 
-The data's checks are data/'s (`cnns.data.checks.check_data_before_writing`, given to the commands from here);
-the split names' rule is the models' (`cnns.models.splits.stage_cuts`)."""
+The data's checks are its format's (`cnns.data.formats.check_data`); the split names' rule is the models'
+(`cnns.models.splits.stage_cuts`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cnns.config import RunConfig
 from cnns.config.defaults import stages_compile
-from cnns.data.checks import check_data_before_writing  # noqa: F401 - the commands' one import of their checks
+from cnns.data.formats import TrainingBatch, check_data
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
 from cnns.parallel.world import restart_attempt
@@ -30,6 +30,23 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
                           "leave out --compile: pipeline stages run eagerly")
     check_machine_holds_workers(cfg, trains)
+
+
+def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation: bool | None = None) -> None:
+    """Every data error that can be found cheaply, before a run folder is created, so that a bad command leaves
+    nothing behind: missing data, more classes than the model has outputs, and for the splits the command reads
+    (`train`; `evaluation`, by default when the run validates) that their files are there and readable, that one
+    (global) batch fits in the training set and that the first image decodes (`cnns.data.formats`).
+    Generated and synthetic data have nothing to check."""
+    if cfg.data.source != "files":
+        return
+    evaluation = cfg.train.validation if evaluation is None else evaluation
+    splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
+    t = cfg.train
+    batch = TrainingBatch.of(t.micro_batch_size, t.gradient_accumulation_count, cfg.parallel.replicas,
+                             cfg.data.dataset_percentage_to_use)
+    check_data(cfg.data.dataset, cfg.data.data_dir, splits, batch, outputs=cfg.model.num_classes,
+               decode=not cfg.data.skip_corrupt_images, size_limit=cfg.data.max_file_size)
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:

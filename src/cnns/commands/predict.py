@@ -99,10 +99,10 @@ def evaluation_transform(cfg):
     """uint8 [3, H, W] -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring)."""
     from torchvision.transforms import v2
 
-    from cnns.config import CIFAR_LIKE
+    from cnns.data.formats import DATASETS
 
     size = int(cfg.model.image_size)
-    if cfg.data.dataset in CIFAR_LIKE:
+    if cfg.data.dataset in DATASETS and DATASETS[cfg.data.dataset].cifar_sized:
         fit = v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
 
         def cifar(image: torch.Tensor) -> torch.Tensor:

@@ -105,9 +105,9 @@ def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notice
 
 def _nominal_train_images(cfg: RunConfig) -> int:
     """Only for checkpoints that do not record their epoch (Graphcore's application's rule: the dataset's size)."""
-    from cnns.data.sources import NOMINAL_TRAIN_IMAGES
+    from cnns.data.formats import dataset_facts
 
-    return NOMINAL_TRAIN_IMAGES.get(cfg.data.dataset or "cifar-10", 50000)
+    return dataset_facts(cfg.data.dataset).train_images
 
 
 def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world: World) -> int:

@@ -11,15 +11,14 @@ rules, the frozen RunConfig.
   them reads.
 """
 
-from cnns.config.defaults import (BUILTIN_DATA_DIR, CIFAR_LIKE, EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, NUM_CLASSES,
-                                  infer_dataset_from_name, resolve, run_name)
+from cnns.config.defaults import EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, resolve, run_name
 from cnns.config.files import check_option_types, default_configs_path, load_named_config
 from cnns.config.run import (DataConfig, LogConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
                              TrainConfig, parse_fractions)
 
 __all__ = [
-    "BUILTIN_DATA_DIR", "CIFAR_LIKE", "EXPONENTIAL_DECAY_RATE", "EXPONENTIAL_DROPS", "NUM_CLASSES", "DataConfig",
+    "EXPONENTIAL_DECAY_RATE", "EXPONENTIAL_DROPS", "DataConfig",
     "LogConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "TrainConfig",
-    "check_option_types", "default_configs_path", "infer_dataset_from_name", "load_named_config",
+    "check_option_types", "default_configs_path", "load_named_config",
     "parse_fractions", "resolve", "run_name",
 ]

@@ -24,14 +24,12 @@ from cnns import optim
 from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
 from cnns.config.files import _option_actions
 from cnns.config.table import byte_size
+from cnns.data.formats import DATASETS, dataset_facts, dataset_named_in_path
 from cnns.errors import ConfigError
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 
-CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
-NUM_CLASSES = {"imagenet": 1000, "cifar-10": 10, "cifar-100": 100, "builtin": 10}
 # EfficientNet's own input sizes (Tan and Le), Graphcore's application's ImageNet default for each size.
 EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
-BUILTIN_DATA_DIR = "data/builtin"
 # Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run (these
 # defaults are stated only here: RunConfig and cnns.schedules take them from the resolved options).
 EXPONENTIAL_DECAY_RATE = 0.97
@@ -48,28 +46,20 @@ def _dataset_defaults(o: dict[str, Any]) -> None:
         o["mixup_alpha"], o["cutmix_lambda"] = 0.0, 1.0  # mixing means nothing on random data
         return
     if not o.get("data_dir"):
-        if o.get("dataset") == "builtin":
-            o["data_dir"] = BUILTIN_DATA_DIR
+        own_folder = DATASETS[o["dataset"]].default_data_dir if o.get("dataset") else None
+        if own_folder:
+            o["data_dir"] = own_folder
         elif os.environ.get("DATA_DIR"):
             o["data_dir"] = os.environ["DATA_DIR"]
         else:
             raise ConfigError("cannot find CIFAR/ImageNet data: set the DATA_DIR environment variable or use --data-dir")
     if not o.get("dataset"):
-        o["dataset"] = infer_dataset_from_name(o["data_dir"])
+        o["dataset"] = dataset_named_in_path(o["data_dir"])  # else decided from the folder's contents
 
 
-def infer_dataset_from_name(data_dir: str) -> str | None:
-    """Graphcore's application's rule: the dataset is named in the folder's path. Contents are checked later."""
-    lowered = str(data_dir).lower()
-    if "imagenet" in lowered:
-        return "imagenet"
-    if "cifar100" in lowered or "cifar-100" in lowered:
-        return "cifar-100"
-    if "cifar" in lowered:
-        return "cifar-10"
-    if "builtin" in lowered:
-        return "builtin"
-    return None  # decided from the folder's contents once data is read
+def cifar_sized(o: Mapping[str, Any]) -> bool:
+    """Whether the run's data is CIFAR-sized, or not known yet (a dataset not known yet has CIFAR's defaults)."""
+    return dataset_facts(o.get("dataset")).cifar_sized
 
 
 def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
@@ -84,20 +74,19 @@ def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Runs:
-    """The runs a default is given for: those of `models` (None: any), on `data` "cifar" (CIFAR-sized data, or
-    data not yet known, whose model defaults are CIFAR's) or "imagenet" (None: either), of model `size`, and
-    whose resolved `options` have these values."""
+    """The runs a default is given for: those of `models` (None: any), on CIFAR-sized data (`cifar_sized` True:
+    or data not yet known, whose model defaults are CIFAR's) or on ImageNet-sized data (False; None: either), of
+    model `size`, and whose resolved `options` have these values."""
 
     models: tuple[str, ...] | None = None
-    data: str | None = None
+    cifar_sized: bool | None = None
     size: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
     def hold(self, o: Mapping[str, Any]) -> bool:
         """Whether the run of the resolved options `o` is one of these."""
-        cifar = o.get("dataset") in CIFAR_LIKE or o.get("dataset") is None
         return ((self.models is None or o.get("model") in self.models)
-                and (self.data is None or (self.data == "cifar") == cifar)
+                and (self.cifar_sized is None or self.cifar_sized == cifar_sized(o))
                 and (self.size is None or str(o.get("model_size")) == self.size)
                 and all(o.get(dest) == value for dest, value in self.options))
 
@@ -108,8 +97,8 @@ class Runs:
         if self.models is not None:
             names = [_MODEL_NAMES[model] + (f"-{self.size}" if self.size else "") for model in self.models]
             words.append("for " + " and ".join(names))
-        if self.data is not None:
-            words.append("on CIFAR-sized data" if self.data == "cifar" else "on ImageNet")
+        if self.cifar_sized is not None:
+            words.append("on CIFAR-sized data" if self.cifar_sized else "on ImageNet")
         if self.options:
             words.append("with " + " and ".join(f"--{dest.replace('_', '-')} {value}" for dest, value in self.options))
         return " ".join(words)
@@ -118,12 +107,12 @@ class Runs:
 _MODEL_NAMES = {"resnet": "ResNet", "resnext": "ResNeXt", "efficientnet": "EfficientNet"}
 _RESNETS = ("resnet", "resnext")
 ALL_RUNS = Runs()
-_CIFAR = Runs(data="cifar")
-_RESNEXT, _RESNEXT_ON_CIFAR = Runs(("resnext",)), Runs(("resnext",), "cifar")
-_RESNETS_ON_CIFAR, _RESNETS_ON_IMAGENET = Runs(_RESNETS, "cifar"), Runs(_RESNETS, "imagenet")
+_CIFAR = Runs(cifar_sized=True)
+_RESNEXT, _RESNEXT_ON_CIFAR = Runs(("resnext",)), Runs(("resnext",), True)
+_RESNETS_ON_CIFAR, _RESNETS_ON_IMAGENET = Runs(_RESNETS, True), Runs(_RESNETS, False)
 _EFFICIENTNET = Runs(("efficientnet",))
-_EFFICIENTNET_ON_CIFAR = Runs(("efficientnet",), "cifar")
-_EFFICIENTNET_ON_IMAGENET = Runs(("efficientnet",), "imagenet")
+_EFFICIENTNET_ON_CIFAR = Runs(("efficientnet",), True)
+_EFFICIENTNET_ON_IMAGENET = Runs(("efficientnet",), False)
 _FLOAT16, _EXPONENTIAL = Runs(options=(("half_dtype", "float16"),)), Runs(options=(("lr_schedule", "exponential"),))
 
 # The optimisers' model families (`cnns.optim.FAMILIES`, as `family` tells a run's) as runs: any model on
@@ -143,7 +132,7 @@ BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
     "convolution_groups": ((_RESNEXT, 32), (_RESNEXT_ON_CIFAR, 8)),
     # CIFAR's images are 32 x 32 (another --image-size is refused there); EfficientNet's own sizes on ImageNet.
     "image_size": ((ALL_RUNS, 224), (_CIFAR, 32),
-                   *((Runs(("efficientnet",), "imagenet", size), pixels)
+                   *((Runs(("efficientnet",), False, size), pixels)
                      for size, pixels in EFFICIENTNET_IMAGE_SIZES.items() if pixels != 224)),
     "micro_batch_size": ((ALL_RUNS, 4), (_CIFAR, 32), (_EFFICIENTNET_ON_CIFAR, 8)),
     "epochs": ((ALL_RUNS, 100.0), (_CIFAR, 160.0), (_EFFICIENTNET, 350.0), (_EFFICIENTNET_ON_CIFAR, 300.0)),
@@ -343,7 +332,7 @@ def family(o: dict[str, Any]) -> str:
     """The run's model family as the optimisers' defaults are given (`cnns.optim.FAMILIES`; `FAMILY_RUNS` says
     them so in --help): any model on CIFAR-sized data (or on data not yet known, whose model defaults were
     CIFAR's), else the ImageNet model."""
-    if o["dataset"] in CIFAR_LIKE or o["dataset"] is None:
+    if cifar_sized(o):
         return "cifar"
     return "efficientnet" if o["model"] == "efficientnet" else "resnet"
 
@@ -443,7 +432,7 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--shards should be used in combination with --pipeline")
     if o.get("pipeline_splits") and len(o["pipeline_splits"]) > 0 and not o["pipeline"]:
         raise ConfigError("--pipeline-splits should be used in combination with --pipeline")
-    if o["dataset"] in CIFAR_LIKE and o.get("image_size") not in (None, 32):
+    if o["dataset"] is not None and cifar_sized(o) and o.get("image_size") not in (None, 32):
         raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
     if not 1 <= o["dataset_percentage_to_use"] <= 100:
         raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
@@ -519,7 +508,7 @@ def run_name(o: dict[str, Any]) -> str:
         prefix = "RNX" if o["model"] == "resnext" else "RN"
         name = f"{prefix}{o['model_size']}_bs{o['micro_batch_size']}{replica_tag}{accum_tag}{norm_tag}"
         name += f"_{o['precision']}" + ("_noSR" if not o["stochastic_rounding"] else "")
-    if o.get("image_size") and o["dataset"] == "imagenet" and o["image_size"] != 224:
+    if o.get("image_size") and not cifar_sized(o) and o["image_size"] != 224:
         name += f"_{o['image_size']}x{o['image_size']}"
     if o.get("name_suffix"):
         name += f"_{o['name_suffix']}"

@@ -16,7 +16,9 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import GENERIC_DEFAULTS, NUM_CLASSES, default_for, draw_seed
+from cnns.config.defaults import GENERIC_DEFAULTS, default_for, draw_seed
+from cnns.data.formats import dataset_facts
+from cnns.data.spec import DataConfig
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info
@@ -24,26 +26,6 @@ from cnns.precision import PrecisionPolicy, describe_precision
 
 # ----------------------------------------------------------------------------------------------
 # Typed configuration: what the rest of the package sees
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    dataset: str | None
-    data_dir: str | None
-    source: str  # "files" | "generated" | "synthetic"
-    num_classes: int
-    image_size: int  # the size the model trains at (32 for CIFAR-sized data)
-    pipeline_num_parallel: int
-    normalise_input: bool  # ImageNet mean/std; otherwise Graphcore's application's mean subtraction
-    hostside_norm: bool  # --hostside-norm, off with --eight-bit-io (whose bytes the device normalises)
-    dataset_percentage_to_use: int
-    dataset_cache: bool
-    mixup_alpha: float
-    cutmix_lambda: float
-    cutmix_version: int
-    skip_corrupt_images: bool = False  # drop and count undecodable images
-    decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" (cnns.data.decoding.choose_decode_device)
-    max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.bounded's default)
 
 
 @dataclass(frozen=True)
@@ -190,7 +172,7 @@ class RunConfig:
         # left it unset, trained at the default.
         image_size = o["image_size"] if o.get("image_size") is not None else default_for("image_size", o)
         # The run's class count (arguments.json records it; a run of an older version: the dataset's).
-        num_classes = o.get("num_classes") or NUM_CLASSES.get(dataset, 10)
+        num_classes = o.get("num_classes") or dataset_facts(dataset).num_classes
         # The architecture options its model reads (`cnns.config.defaults`: none of them for a ResNet, which
         # takes the model's own).
         shape = {key: o[key] for key in ("group_dim", "expand_ratio", "convolution_groups") if o.get(key)}

@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Callable
 
 from cnns import optim
+from cnns.data.formats import DATASETS
 from cnns.precision import PRECISIONS
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
@@ -61,7 +62,6 @@ IPU_ONLY_OPTIONS = {
 }
 
 MODELS = ("resnet", "resnext", "efficientnet")
-DATASETS = ("imagenet", "cifar-10", "cifar-100", "builtin")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 
@@ -179,12 +179,14 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-file-size", type=byte_size, metavar="SIZE",
                        help="The largest image, TFRecord record or CIFAR file read, e.g. 512M or 2G; a larger one, "
                             "or anything but a regular file, is named in one line and not read.")
-    group.add_argument("--dataset", choices=DATASETS, type=str.lower,
-                       help="imagenet, cifar-10, cifar-100 or builtin (inferred from --data-dir when omitted).")
+    group.add_argument("--dataset", choices=tuple(DATASETS), type=str.lower,
+                       help=f"{', '.join(list(DATASETS)[:-1])} or {list(DATASETS)[-1]} (inferred from --data-dir "
+                            "when omitted: its path's name, else its files).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
     group.add_argument("--num-classes", type=int,
                        help="Outputs of the classifier (default: the data's classes: a folder tree's class folders, "
-                            "10 or 100 for CIFAR, 1,000 for ImageNet TFRecords).")
+                            "else the dataset's: " + ", ".join(f"{d.num_classes:,} for {d.name}" for d in DATASETS.values())
+                            + ").")
     synthetic = group.add_mutually_exclusive_group()
     synthetic.add_argument("--generated-data", action="store_true",
                            help="Random data made on the host and fed through the input pipeline.")

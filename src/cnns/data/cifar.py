@@ -60,11 +60,13 @@ def detect_cifar(folder: str | Path) -> str | None:
     archive unpacks to; a partial copy is then reported by load_cifar naming the missing file,
     which is clearer than "no dataset found". CIFAR-10 wins if both are present.
     """
+    return next((dataset for dataset in ("cifar-10", "cifar-100") if holds_cifar(folder, dataset)), None)
+
+
+def holds_cifar(folder: str | Path, dataset: str) -> bool:
+    """Whether any of `dataset`'s files lies in `folder` or in the subfolder its archive unpacks to."""
     folder = Path(folder)
-    for dataset in ("cifar-10", "cifar-100"):
-        if any(_holds_any_file(place, dataset) for place in (folder, folder / _SUBFOLDERS[dataset])):
-            return dataset
-    return None
+    return any(_holds_any_file(place, dataset) for place in (folder, folder / _SUBFOLDERS[dataset]))
 
 
 def cifar_files(folder: str | Path, dataset: str, train: bool) -> list[Path]:

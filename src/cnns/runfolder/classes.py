@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from cnns.config import RunConfig
+from cnns.data import formats
 
 
 def data_folder(cfg: RunConfig, run_folder: Path | None = None) -> Path | None:
@@ -29,25 +30,12 @@ def data_folder(cfg: RunConfig, run_folder: Path | None = None) -> Path | None:
 def class_names(cfg: RunConfig, run_folder: Path | None = None) -> tuple[list[str] | None, str]:
     """(names in class-index order or None, where they come from).
 
-    CIFAR-10's ``batches.meta.txt`` and CIFAR-100's ``fine_label_names.txt`` (as the official binary
-    archives ship them) from the run's data folder or its archive subfolder; the built-in dataset's
-    shape names; an ImageNet JPEG tree's class folder names (sorted: the dataset's class index).
-    TFRecords carry no class list that the reader exposes, and a list with the wrong number of names
-    is not trusted: then, and when the run's data folder is not there, None."""
-    from cnns.data.builtin import BUILTIN_CLASSES
-
+    Where the run's data format carries them (`cnns.data.formats.class_names`: CIFAR's name lists as the
+    official archives ship them, the built-in set's shape names, a folder tree's class folders) and the run's
+    data folder is still there; a list with the wrong number of names is not trusted. Otherwise None."""
     count = int(cfg.model.num_classes)
-    dataset = cfg.data.dataset
-    if dataset == "builtin":
-        return list(BUILTIN_CLASSES), "the built-in dataset"
     folder = data_folder(cfg, run_folder)
-    if folder is None:
-        return None, "none (class indices)"
-    found: tuple[list[str], str] | None = None
-    if dataset in ("cifar-10", "cifar-100"):
-        found = _cifar_names(folder, dataset)
-    elif dataset == "imagenet":
-        found = _jpeg_tree_names(folder)
+    found = formats.class_names(cfg.data.dataset, folder)
     if found is None:
         return None, "none (class indices)"
     names, source = found
@@ -56,31 +44,3 @@ def class_names(cfg: RunConfig, run_folder: Path | None = None) -> tuple[list[st
               "printing class indices instead", file=sys.stderr)
         return None, "none (class indices)"
     return names, source
-
-
-def _cifar_names(folder: Path, dataset: str) -> tuple[list[str], str] | None:
-    filename, subfolder = (("batches.meta.txt", "cifar-10-batches-bin") if dataset == "cifar-10"
-                           else ("fine_label_names.txt", "cifar-100-binary"))
-    for place in (folder, folder / subfolder):
-        path = place / filename
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                return None
-            # The archives end the list with blank lines (and some copies with trailing spaces).
-            return [line.strip() for line in text.splitlines() if line.strip()], str(path)
-    return None
-
-
-def _jpeg_tree_names(folder: Path) -> tuple[list[str], str] | None:
-    from cnns.data.imagefolder import find_split_folder, list_classes
-
-    # The dataset numbers classes by the training folder's sub-folders when there is one.
-    for split in ("train", "validation"):
-        split_folder = find_split_folder(folder, split)
-        if split_folder is not None:
-            names = list_classes(split_folder)
-            if names:
-                return names, f"the class folders of {split_folder}"
-    return None
