@@ -245,11 +245,11 @@ def test_a_run_on_cuda_without_an_index_is_on_an_indexed_gpu(two_gpus, monkeypat
     """A tensor's device always has an index; the run's must too, or a batch decoded on the run's GPU
     (--decode-device cuda) compares unequal to "cuda" and is copied and pinned again (on an H200:
     "cannot pin 'torch.cuda.ByteTensor'")."""
-    from cnns.parallel.world import World
+    from cnns.parallel.world import init_world, process_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert World().device(torch.device("cuda")) == torch.device("cuda", 1)
-    assert World().device(torch.device("cuda:0")) == torch.device("cuda", 0)
-    assert World().device(torch.device("cpu")) == torch.device("cpu")
-    launched = World(rank=1, size=2, local_rank=1, local_size=2)
-    assert launched.distributed and launched.device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert process_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert process_device(torch.device("cuda:0")) == torch.device("cuda", 0)
+    assert process_device(torch.device("cpu")) == torch.device("cpu")
+    assert process_device(torch.device("cuda"), local_rank=0) == torch.device("cuda", 0)  # under a launcher
+    assert init_world(1, 1, 1, torch.device("cuda")).device == torch.device("cuda", 1)  # the world holds it

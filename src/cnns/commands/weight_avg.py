@@ -14,7 +14,8 @@ from cnns.engine.averaging import average_name, last_checkpoints, trained_checkp
 from cnns.engine.setup import set_up
 from cnns.engine.validation import Target, check_targets_match, targets_of, validate_targets
 from cnns.errors import CheckpointError, ConfigError
-from cnns.parallel.world import World
+from cnns.devices import resolve_device
+from cnns.parallel.world import World, process_device
 from cnns.runfolder.folder import RunFolder
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog
@@ -51,7 +52,8 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     # Read and check everything before writing to the run folder.
     probes = [target for target in targets_of([path for _, path in chosen]) if not target.use_ema]
     _check_same_model(probes)
-    evaluation = set_up(cfg, World(), train=False) if validate else None
+    here = World(device=process_device(resolve_device(cfg.device)))  # the averaging process alone
+    evaluation = set_up(cfg, here, train=False) if validate else None
     if evaluation is not None:
         check_targets_match(probes[:1], evaluation.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
     log = RunLog(folder)

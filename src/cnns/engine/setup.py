@@ -20,7 +20,6 @@ from torch import nn
 
 from cnns.config import RunConfig
 from cnns.data.sources import DataSources, build_sources
-from cnns.devices import resolve_device
 from cnns.engine.assembly import AssembledModel, assemble
 from cnns.engine.averaging import training_time_averages
 from cnns.engine.build import (build_loss_scaler, build_lr_schedule, build_mixer, build_optimiser_for,
@@ -95,7 +94,7 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     3. the model, built (`cnns.models.build_model`) and assembled (`assemble`); --init-path's weights
     4. with `train`: the run's length and schedule, the optimiser, the loss scaler, the step, the moving average
     """
-    device = world.device(resolve_device(cfg.device))
+    device = world.device  # resolved once, as the process joined the run (`cnns.parallel.launch.join_run`)
     # Replica 0 draws what a single process would (its initial weights are broadcast to the others).
     seed_everything(cfg.train.seed if cfg.parallel.identical_replica_seeding else cfg.train.seed + world.replica_rank)
     policy = cfg.precision.policy(device)

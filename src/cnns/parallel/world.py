@@ -67,6 +67,8 @@ class World:
     replicas: int = 1
     shards: int = 1
     restart: int = 0  # torchrun's restart count: > 0 when workers were restarted after a failure
+    # This process's device, resolved once as it joined (`process_device`); a bare World() is a CPU process's.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout_s: float = DEFAULT_TIMEOUT_S
     control: Any = None  # a gloo group for host-side agreement (stop flags, objects), whatever the device
     store: Any = None  # the launcher's store: it outlives worker restarts
@@ -113,14 +115,6 @@ class World:
     def shard(self) -> tuple[int, int]:
         """(replica rank, replicas): how data sources deal out samples."""
         return self.replica_rank, self.replicas
-
-    def device(self, requested: torch.device) -> torch.device:
-        """A CUDA device without an index means this process's own GPU: cuda:LOCAL_RANK under a launcher, the
-        current one otherwise. Always indexed, because a tensor's device is: a batch already on the run's
-        GPU (decoded there) must compare equal to the run's device, or it would be copied and pinned again."""
-        if requested.type == "cuda" and requested.index is None:
-            return torch.device("cuda", self.local_rank if self.distributed else torch.cuda.current_device())
-        return requested
 
     # -- host-side agreement (the control group) ---------------------------------------------
 
@@ -280,6 +274,15 @@ def peer_failure(exc: BaseException, rank: int | None = None) -> str | None:
     return f"rank {rank}: a peer process failed or became unreachable during a collective: {first_line(exc)}"
 
 
+def process_device(requested: torch.device, local_rank: int | None = None) -> torch.device:
+    """A CUDA device without an index means this process's own GPU: cuda:LOCAL_RANK under a launcher (`local_rank`),
+    the current one otherwise. Always indexed, because a tensor's device is: a batch already on the run's GPU
+    (decoded there) must compare equal to the run's device, or it would be copied and pinned again."""
+    if requested.type == "cuda" and requested.index is None:
+        return torch.device("cuda", local_rank if local_rank is not None else torch.cuda.current_device())
+    return requested
+
+
 def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     """Join the launcher's process group, or return the single-process world. `threads`: --threads-per-worker
@@ -294,7 +297,7 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, t
         if replicas * shards > 1:
             raise ConfigError(f"--replicas {replicas} x --shards {shards} needs {replicas * shards} processes, "
                               "but this process was not started by a launcher")
-        return World()
+        return World(device=process_device(device))
     env = os.environ
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
     if size != replicas * shards:
@@ -317,8 +320,9 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, t
                                f"({TIMEOUT_OPTION}): {first_line(exc)}") from None
     restart = restart_attempt()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    local_rank = int(env.get("LOCAL_RANK", "0"))
     if device.type == "cuda":  # the GPU `World.device` gives this process
-        torch.cuda.set_device(device.index if device.index is not None else int(env.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device.index if device.index is not None else local_rank)
     try:
         dist.init_process_group(backend, store=dist.PrefixStore(f"cnns/attempt{restart}", store), rank=rank,
                                 world_size=size, timeout=timeout)
@@ -326,8 +330,9 @@ def init_world(replicas: int, shards: int, bn_span: int, device: torch.device, t
     except (RuntimeError, dist.DistBackendError) as exc:
         raise DistributedError(f"rank {rank}: the {size} processes did not all join at {endpoint} within "
                                f"{seconds:.0f} s ({TIMEOUT_OPTION}): {first_line(exc)}") from None
-    world = World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", "0")), local_size=local_size,
-                  replicas=replicas, shards=shards, restart=restart, timeout_s=seconds, control=control, store=store)
+    world = World(rank=rank, size=size, local_rank=local_rank, local_size=local_size, replicas=replicas,
+                  shards=shards, restart=restart, device=process_device(device, local_rank), timeout_s=seconds,
+                  control=control, store=store)
     # Every process creates every group (torch's rule); each keeps its own.
     def subgroups(rank_lists: list[list[int]]):
         mine, every = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
