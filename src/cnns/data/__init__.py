@@ -1,1 +1,1 @@
-"""Datasets and host-side batch pipelines: CIFAR binary files, the built-in dataset, augmentation."""
+"""The data: its formats behind one interface (`formats`), the readers they use (CIFAR binaries, TFRecords, image folder trees, the built-in set), augmentation and mixing, and the run's batch sources (`sources`)."""
