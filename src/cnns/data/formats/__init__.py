@@ -32,7 +32,7 @@ UNNAMED = DATASETS["cifar-10"]
 
 __all__ = ["BatchSource", "CIFAR_10_BINARY", "DATASETS", "DataFormat", "Dataset", "FOLDER_TREE", "FORMATS", "IMAGENET", "FormatSources", "SourceRequest",
            "TrainingBatch", "check_data", "class_names", "classes_in_folder", "dataset_facts",
-           "dataset_named_in_path", "find_format", "format_of_folder"]
+           "dataset_named_in_path", "find_format", "format_of_folder", "formats_of"]
 
 
 def dataset_facts(name: str | None) -> Dataset:

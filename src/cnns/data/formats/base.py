@@ -139,9 +139,8 @@ class DataFormat(ABC):
         return f"no {self.name} files found in {folder}"
 
     def prepare(self, folder: Path) -> Path:
-        """The folder the files are read from, made ready (the built-in set writes its files on first use)."""
-        if not folder.is_dir():
-            raise DataError(f"data folder not found: {folder}")
+        """The folder the files are read from, made ready: as it is, but for a format that writes its files on
+        first use (the built-in set)."""
         return folder
 
     def classes(self, folder: Path) -> int:
