@@ -183,6 +183,9 @@ class FakeNative:
     class UnsupportedJpeg(JpegError):
         pass
 
+    class TooManyPixels(ValueError):
+        pass
+
     def __init__(self, corrupt: bytes = b"") -> None:
         self.calls: list[tuple] = []
         self.corrupt = corrupt
@@ -207,6 +210,17 @@ class FakeNative:
             raise self.JpegError("Corrupt JPEG data: premature end of data segment")
         out.fill_(7)
         return self.TIMINGS if timings else None
+
+    def decode_training_into(self, data, out, draw, max_pixels, timings=False):
+        """The header, the training crop drawn as cnns.data.imagenet draws it, decode_resized_into."""
+        from cnns.data.imagenet import sample_generator, training_crop
+
+        height, width, _ = self.header(data)
+        if height * width > max_pixels:
+            raise self.TooManyPixels(f"{height} {width}")
+        crop = training_crop(height, width, sample_generator(*draw[:3]))
+        result = self.decode_resized_into(data, out, crop.box, crop.flip, timings)
+        return (5, *result) if timings else None
 
     TIMINGS = (11, 13, 17)  # its clocks' nanoseconds (decode, resize, flip) when asked for them
 

@@ -294,3 +294,41 @@ def test_threads_decode_at_once_into_one_batch():
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: jpeg.decode_resized_into(jobs[i][0], batch[i], jobs[i][1], jobs[i][2]), range(len(jobs))))
     assert torch.equal(batch, one_by_one)
+
+
+def test_the_native_training_crop_is_pythons_draw_to_the_bit():
+    """The crop decode_training_into draws (numpy's PCG64 stream and Generator draws redone natively) is
+    cnns.data.imagenet.training_crop's for every size, seed, epoch and index: small and very elongated
+    images (the fallback after ten tries), seeds above 2**63."""
+    from cnns.data.imagenet import sample_generator, training_crop
+
+    rng = np.random.default_rng(5)
+    for trial in range(20000):
+        kind = trial % 4
+        height = int(rng.integers(1, 40 if kind == 0 else 5000))
+        width = int(rng.integers(1, 40 if kind == 0 else 60 if kind == 1 else 5000))
+        seed = (trial % 7, int(rng.integers(0, 2**63)), 2 * int(rng.integers(0, 2**63)) + 1)[trial % 3]
+        epoch, index = int(rng.integers(0, 1000)), int(rng.integers(0, 2_000_000))
+        crop = training_crop(height, width, sample_generator(seed, epoch, index))
+        draw = (seed, epoch, index, *transform_draw())
+        assert jpeg.training_crop(height, width, draw) == (*crop.box, crop.flip), (height, width, seed, epoch, index)
+
+
+def transform_draw():
+    from cnns.data.imagenet import _NATIVE_CROP_DRAW
+
+    return _NATIVE_CROP_DRAW
+
+
+def test_decode_training_into_is_the_drawn_crop_decoded():
+    from cnns.data.imagenet import sample_generator, training_crop
+
+    data = photo_jpeg("420", 200, 150, 3)
+    for index in range(12):
+        crop = training_crop(150, 200, sample_generator(1, 2, index))
+        one, two = torch.empty(24, 24, 3, dtype=torch.uint8), torch.zeros(24, 24, 3, dtype=torch.uint8)
+        jpeg.decode_resized_into(data, one, crop.box, crop.flip)
+        times = jpeg.decode_training_into(data, two, (1, 2, index, *transform_draw()), 10**9, timings=True)
+        assert torch.equal(one, two) and len(times) == 4 and min(times) >= 0
+    with pytest.raises(jpeg.TooManyPixels, match="^150 200$"):
+        jpeg.decode_training_into(data, two, (1, 2, 0, *transform_draw()), 150 * 200 - 1)

@@ -61,6 +61,12 @@ class UnsupportedJpeg : public JpegError {
   using JpegError::JpegError;
 };
 
+// A header declaring more pixels than the caller allows (its message: "height width").
+class TooManyPixels : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Fixed-point weights of 14 bits (PIL has 22 in int32): a weight (at most 1) fits an int16, so two taps take
 // one multiply-add (pmaddwd); rounding 14-bit weights moves a result by at most taps * 2^-15 * 255, < 0.05.
 constexpr int kBits = 14;
@@ -105,10 +111,17 @@ struct Decoder {
 
 // ---- guarded steps: each returns false where libjpeg reported an error (the message is in errors) ----
 
+// The decompressor is made once per thread and kept (see `thread_decoder`): each image first ends whatever
+// the last one left (jpeg_abort_decompress: the image's memory pool freed, the state back to the start; also
+// after an error), as libjpeg allows for reusing an object.
 bool guarded_read_header(Decoder& d, const uint8_t* data, size_t size) {
   if (setjmp(d.errors.jump)) return false;
-  jpeg_create_decompress(&d.cinfo);
-  d.created = true;
+  if (d.created) {
+    jpeg_abort_decompress(&d.cinfo);
+  } else {
+    jpeg_create_decompress(&d.cinfo);
+    d.created = true;
+  }
   jpeg_mem_src(&d.cinfo, data, static_cast<unsigned long>(size));
   jpeg_read_header(&d.cinfo, TRUE);
   return true;
@@ -411,9 +424,16 @@ void read_header_into(Decoder& d, Bytes bytes) {
   check_colour_space(d.cinfo);
 }
 
+// One decompressor per thread, reused from image to image: making one (jpeg_create_decompress) allocates and
+// clears libjpeg's permanent state every time.
+Decoder& thread_decoder() {
+  thread_local Decoder d;
+  return d;
+}
+
 pybind11::tuple header(const pybind11::buffer& data) {
   const Bytes bytes = bytes_of(data);
-  Decoder d;
+  Decoder& d = thread_decoder();
   {
     pybind11::gil_scoped_release release;
     read_header_into(d, bytes);
@@ -462,11 +482,10 @@ struct Timings {
   int64_t decode = 0, resize = 0, flip = 0;
 };
 
-Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left, double box_h,
-                       double box_w, bool flip, bool read_around) {
-  const Clock::time_point t0 = Clock::now();
-  Decoder d;
-  read_header_into(d, bytes);
+// The box's region of the JPEG whose header `d` has read, resized into out. t0: when the call began (its
+// decode time runs from there).
+Timings decode_box(Decoder& d, Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left,
+                   double box_h, double box_w, bool flip, bool read_around, Clock::time_point t0) {
   const double height = d.cinfo.image_height, width = d.cinfo.image_width;
   constexpr double kSlack = 1e-6;  // a box computed in floating point may pass the edge by a rounding error
   if (!(box_h > 0 && box_w > 0 && top >= -kSlack && left >= -kSlack && top + box_h <= height + kSlack &&
@@ -522,18 +541,138 @@ Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double t
   return {nanoseconds(t0, t1), nanoseconds(t2, t3), nanoseconds(t1, t2)};
 }
 
-// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
-pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
-                                     double left, double box_h, double box_w, bool flip, bool read_around,
-                                     bool timings) {
-  pybind11::buffer_info target = out.request(true);
+Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left, double box_h,
+                       double box_w, bool flip, bool read_around) {
+  const Clock::time_point t0 = Clock::now();
+  Decoder& d = thread_decoder();
+  read_header_into(d, bytes);
+  return decode_box(d, bytes, out, out_h, out_w, top, left, box_h, box_w, flip, read_around, t0);
+}
+
+// ---- the training crop's draw (cnns.data.imagenet.training_crop and sample_generator), to the bit ----
+
+uint64_t splitmix64(uint64_t value) {
+  value += 0x9E3779B97F4A7C15ull;
+  value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9ull;
+  value = (value ^ (value >> 27)) * 0x94D049BB133111EBull;
+  return value ^ (value >> 31);
+}
+
+// numpy's PCG64 (XSL-RR output of a 128-bit LCG), with the draws numpy's Generator makes of it: random() and
+// uniform() (53 bits of one 64-bit output), integers(0, n) for n <= 2^32 (Lemire's method on 32-bit halves of
+// the outputs, the unused half kept for the next 32-bit draw, as numpy's has_uint32 / uinteger).
+class Pcg64 {
+  using u128 = unsigned __int128;
+
+ public:
+  Pcg64(u128 state, u128 increment) : state_(state), increment_(increment) {}
+
+  uint64_t next64() {
+    constexpr u128 kMultiplier = (static_cast<u128>(2549297995355413924ull) << 64) | 4865540595714422341ull;
+    state_ = state_ * kMultiplier + increment_;
+    const uint64_t high = static_cast<uint64_t>(state_ >> 64), value = high ^ static_cast<uint64_t>(state_);
+    const unsigned rotation = static_cast<unsigned>(high >> 58);
+    return (value >> rotation) | (value << ((64 - rotation) & 63));
+  }
+
+  uint32_t next32() {
+    if (has32_) {
+      has32_ = false;
+      return kept32_;
+    }
+    const uint64_t next = next64();
+    has32_ = true;
+    kept32_ = static_cast<uint32_t>(next >> 32);
+    return static_cast<uint32_t>(next);
+  }
+
+  double next_double() { return static_cast<double>(next64() >> 11) * (1.0 / 9007199254740992.0); }
+
+  // integers(0, largest + 1) for largest < 2^32
+  uint32_t integer_to(uint32_t largest) {
+    if (largest == 0) return 0;
+    if (largest == 0xFFFFFFFFu) return next32();
+    const uint32_t count = largest + 1;
+    uint64_t m = static_cast<uint64_t>(next32()) * count;
+    uint32_t leftover = static_cast<uint32_t>(m);
+    if (leftover < count) {
+      const uint32_t threshold = (0xFFFFFFFFu - largest) % count;
+      while (leftover < threshold) {
+        m = static_cast<uint64_t>(next32()) * count;
+        leftover = static_cast<uint32_t>(m);
+      }
+    }
+    return static_cast<uint32_t>(m >> 32);
+  }
+
+ private:
+  u128 state_, increment_;
+  bool has32_ = false;
+  uint32_t kept32_ = 0;
+};
+
+// The draw's constants, as the Python side has them (its logarithms computed there by the same libm).
+struct CropDraw {
+  double area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi;
+  int tries;
+  uint64_t stream;
+};
+
+struct DrawnCrop {
+  int64_t top, left, height, width;
+  bool flip;
+};
+
+// training_crop(height, width, sample_generator(seed, epoch, index)) in the same double operations, in the
+// same order, none of them fused (Python's float arithmetic rounds every product and sum).
+__attribute__((optimize("fp-contract=off"))) DrawnCrop draw_training_crop(int64_t height, int64_t width,
+                                                                          uint64_t seed, uint64_t epoch,
+                                                                          uint64_t index, const CropDraw& p) {
+  const uint64_t mixed = splitmix64(splitmix64(splitmix64(p.stream ^ seed) ^ epoch) ^ index);
+  const uint64_t low = splitmix64(mixed), increment = splitmix64(mixed ^ ~0ull);
+  Pcg64 rng((static_cast<unsigned __int128>(mixed) << 64) | low,
+            (static_cast<unsigned __int128>(increment) << 1) | 1);
+  const double area = static_cast<double>(height * width);
+  const double area_range = p.area_hi - p.area_lo, aspect_range = p.log_aspect_hi - p.log_aspect_lo;
+  for (int t = 0; t < p.tries; ++t) {
+    const double target_area = area * (p.area_lo + area_range * rng.next_double());
+    const double aspect = std::exp(p.log_aspect_lo + aspect_range * rng.next_double());
+    const int64_t box_width = static_cast<int64_t>(std::nearbyint(std::sqrt(target_area * aspect)));
+    const int64_t box_height = static_cast<int64_t>(std::nearbyint(std::sqrt(target_area / aspect)));
+    if (0 < box_width && box_width <= width && 0 < box_height && box_height <= height) {
+      const int64_t top = rng.integer_to(static_cast<uint32_t>(height - box_height));
+      const int64_t left = rng.integer_to(static_cast<uint32_t>(width - box_width));
+      return {top, left, box_height, box_width, rng.next_double() < 0.5};
+    }
+  }
+  const double ratio = static_cast<double>(width) / static_cast<double>(height);
+  int64_t box_height = height, box_width = width;
+  if (ratio < p.aspect_lo) {
+    box_height = static_cast<int64_t>(std::nearbyint(static_cast<double>(width) / p.aspect_lo));
+  } else if (ratio > p.aspect_hi) {
+    box_width = static_cast<int64_t>(std::nearbyint(static_cast<double>(height) * p.aspect_hi));
+  }
+  const int64_t top = (height - box_height) / 2, left = (width - box_width) / 2;  // both >= 0
+  return {top, left, box_height, box_width, rng.next_double() < 0.5};
+}
+
+// The pixels of out, a writable, C-contiguous uint8 buffer [H, W, 3].
+uint8_t* output_pixels(const pybind11::buffer_info& target) {
   if (target.ndim != 3 || target.itemsize != 1 || target.format != "B" || target.shape[2] != 3 ||
       target.shape[0] < 1 || target.shape[1] < 1 || target.strides[2] != 1 || target.strides[1] != 3 ||
       target.strides[0] != 3 * target.shape[1]) {
     throw std::invalid_argument("out must be a contiguous uint8 [H, W, 3] buffer");
   }
+  return static_cast<uint8_t*>(target.ptr);
+}
+
+// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
+pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
+                                     double left, double box_h, double box_w, bool flip, bool read_around,
+                                     bool timings) {
+  pybind11::buffer_info target = out.request(true);
+  uint8_t* pixels = output_pixels(target);
   const Bytes bytes = bytes_of(data);
-  uint8_t* pixels = static_cast<uint8_t*>(target.ptr);
   const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
   Timings t;
   {
@@ -542,6 +681,55 @@ pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind1
   }
   if (!timings) return pybind11::none();
   return pybind11::make_tuple(t.decode, t.resize, t.flip);
+}
+
+CropDraw crop_draw(double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi, double aspect_lo,
+                   double aspect_hi, int tries, uint64_t stream) {
+  return {area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream};
+}
+
+// (top, left, height, width, flip) of the training crop drawn for an image of (height, width).
+pybind11::tuple training_crop(int64_t height, int64_t width, uint64_t seed, uint64_t epoch, uint64_t index,
+                              double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi,
+                              double aspect_lo, double aspect_hi, int tries, uint64_t stream) {
+  if (height < 1 || width < 1 || height > 0xFFFFFFFFll || width > 0xFFFFFFFFll) {
+    throw std::invalid_argument("image size out of range");
+  }
+  const DrawnCrop c = draw_training_crop(
+      height, width, seed, epoch, index,
+      crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream));
+  return pybind11::make_tuple(c.top, c.left, c.height, c.width, c.flip);
+}
+
+// The header read once, the training crop drawn from its size, the crop's region decoded, resized and flipped
+// into out: one call per training image. TooManyPixels, before anything is decoded, where the header declares
+// more than max_pixels pixels.
+pybind11::object decode_training_into(const pybind11::buffer& data, const pybind11::buffer& out, uint64_t seed,
+                                      uint64_t epoch, uint64_t index, double area_lo, double area_hi,
+                                      double log_aspect_lo, double log_aspect_hi, double aspect_lo, double aspect_hi,
+                                      int tries, uint64_t stream, int64_t max_pixels, bool timings) {
+  pybind11::buffer_info target = out.request(true);
+  uint8_t* pixels = output_pixels(target);
+  const Bytes bytes = bytes_of(data);
+  const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
+  const CropDraw draw = crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream);
+  Timings t;
+  int64_t drawing = 0;
+  {
+    pybind11::gil_scoped_release release;
+    const Clock::time_point t0 = Clock::now();
+    Decoder& d = thread_decoder();
+    read_header_into(d, bytes);
+    const int64_t height = d.cinfo.image_height, width = d.cinfo.image_width;
+    if (height * width > max_pixels) throw TooManyPixels(std::to_string(height) + " " + std::to_string(width));
+    const DrawnCrop c = draw_training_crop(height, width, seed, epoch, index, draw);
+    const Clock::time_point drawn = Clock::now();
+    drawing = nanoseconds(t0, drawn);
+    t = decode_box(d, bytes, pixels, out_h, out_w, static_cast<double>(c.top), static_cast<double>(c.left),
+                   static_cast<double>(c.height), static_cast<double>(c.width), c.flip, false, drawn);
+  }
+  if (!timings) return pybind11::none();
+  return pybind11::make_tuple(drawing, t.decode, t.resize, t.flip);
 }
 
 }  // namespace
@@ -555,5 +743,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("data"), pybind11::arg("out"), pybind11::arg("top"), pybind11::arg("left"),
         pybind11::arg("height"), pybind11::arg("width"), pybind11::arg("flip"), pybind11::arg("read_around"),
         pybind11::arg("timings"));
+  pybind11::register_exception<TooManyPixels>(m, "TooManyPixels", PyExc_ValueError);
+  m.def("training_crop", &training_crop, "the training crop (top, left, height, width, flip) drawn for an image");
+  m.def("decode_training_into", &decode_training_into,
+        "read the header, draw the training crop, decode its region, resize, flip, write into out");
   m.attr("LIBJPEG_TURBO_VERSION") = LIBJPEG_TURBO_VERSION_NUMBER;
 }
