@@ -332,3 +332,31 @@ def test_decode_training_into_is_the_drawn_crop_decoded():
         assert torch.equal(one, two) and len(times) == 4 and min(times) >= 0
     with pytest.raises(jpeg.TooManyPixels, match="^150 200$"):
         jpeg.decode_training_into(data, two, (1, 2, 0, *transform_draw()), 150 * 200 - 1)
+
+
+def test_the_threads_decompressor_is_reused_after_every_kind_of_failure():
+    """One decompressor serves a thread from image to image: after a corrupt, truncated, CMYK or garbage file
+    (each stopped by libjpeg mid-way) the next image decodes exactly as in a fresh thread."""
+    import threading
+
+    good = [photo_jpeg(kind, 200, 150, seed) for seed, kind in enumerate(("420", "progressive", "444", "gray"))]
+    box, size = (10, 20, 120, 160), (40, 48)
+
+    def fresh(data):
+        found = []
+        thread = threading.Thread(target=lambda: found.append(decoded(data, box, size)))
+        thread.start()
+        thread.join()
+        return found[0]
+
+    expected = [fresh(data) for data in good]
+    corrupt = bytearray(good[0])
+    start = corrupt.index(b"\xff\xda") + 2000
+    corrupt[start:start + 8] = b"\xff\xd4" * 4
+    cmyk = encode(photo_like_image(np.random.default_rng(2), 64, 48).convert("CMYK"), quality=90)
+    bad = [bytes(corrupt), good[1][:len(good[1]) // 2], cmyk, b"\xff\xd8\xff" + bytes(100), b""]
+    for failing in bad:
+        for data, want in zip(good, expected):
+            with pytest.raises(jpeg.JpegError):
+                decoded(failing, box, size)
+            assert torch.equal(decoded(data, box, size), want)
