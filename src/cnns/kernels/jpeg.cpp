@@ -15,8 +15,9 @@
 // torchvision's crop-then-resize (training's random resized crop). With read_around it reads the pixels
 // around the box too, as resizing the whole image then cropping does (evaluation's resize + centre crop).
 // The vertical pass runs first, over whole rows, so that the horizontal pass, which gathers, runs on the
-// output's rows only; libjpeg writes RGBX so that a pixel is one 32-bit lane; each pass multiplies two taps
-// at a time (pmaddwd). The flip costs nothing: the horizontal pass takes its outputs' weights in reverse.
+// output's rows only; libjpeg writes RGB (3 bytes a pixel, as little to write and to read as can be), and the
+// horizontal pass spreads each pixel over a 32-bit lane as it loads it; each pass multiplies two taps at a time
+// (pmaddwd). The flip costs nothing: the horizontal pass takes its outputs' weights in reverse.
 //
 // Errors: libjpeg's error_exit longjmps back into the guarded step that called it (each guarded step is a
 // function holding no object with a destructor) and is thrown as JpegError from there. Its warnings
@@ -70,7 +71,7 @@ class TooManyPixels : public std::runtime_error {
 // Fixed-point weights of 14 bits (PIL has 22 in int32): a weight (at most 1) fits an int16, so two taps take
 // one multiply-add (pmaddwd); rounding 14-bit weights moves a result by at most taps * 2^-15 * 255, < 0.05.
 constexpr int kBits = 14;
-constexpr int kChannels = 4;  // libjpeg writes RGBX: one pixel is one 32-bit lane in the passes
+constexpr int kChannels = 3;  // libjpeg writes RGB; the horizontal pass widens a pixel to a 32-bit lane
 constexpr int kMargin = 2;
 
 struct ErrorManager {
@@ -133,7 +134,7 @@ bool guarded_start(Decoder& d, unsigned denom, JDIMENSION* scaled_width, JDIMENS
   if (setjmp(d.errors.jump)) return false;
   d.cinfo.scale_num = 1;
   d.cinfo.scale_denom = denom;
-  d.cinfo.out_color_space = JCS_EXT_RGBX;  // grayscale and YCbCr alike; 4-byte pixels for the passes
+  d.cinfo.out_color_space = JCS_EXT_RGB;  // grayscale and YCbCr alike
   jpeg_start_decompress(&d.cinfo);
   *scaled_width = d.cinfo.output_width;
   if (*width < d.cinfo.output_width) {
@@ -313,7 +314,7 @@ void vertical_pass(const JSAMPROW* rows, int row0, int col0, const Taps& ty, int
   }
 }
 
-// The horizontal pass: each of `rows` RGBX rows of src (pixel 0 is column tx.lo) -> out_w RGB pixels of dst.
+// The horizontal pass: each of `rows` RGB rows of src (pixel 0 is column tx.lo) -> out_w RGB pixels of dst.
 // Every output takes tx.width taps, in pairs, the ones past its own count with zero weights (src holds the
 // pixels they read). Integer arithmetic throughout: every branch below gives the same bytes.
 void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& tx, uint8_t* dst) {
@@ -348,10 +349,12 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
     const bool last_row = y == rows - 1;
     int i = 0;
 #if defined(__AVX2__)
-    // Two outputs at once, one per 128-bit lane; two RGBX pixels -> the int16 pairs (r0, r1), (g0, g1),
-    // (b0, b1), (x0, x1) that pmaddwd combines with the pair of weights.
-    const __m256i spread = _mm256_setr_epi8(0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128,
-                                            0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128);
+    // Two outputs at once, one per 128-bit lane; two RGB pixels (an 8-byte load, its last 2 bytes unused) -> the
+    // int16 pairs (r0, r1), (g0, g1), (b0, b1) that pmaddwd combines with the pair of weights, and a zero pair
+    // in the fourth 32-bit lane (its sum, the rounding half alone, is dropped at the store).
+    const __m256i spread = _mm256_setr_epi8(0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128, -128,
+                                            -128, 0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128,
+                                            -128, -128);
     // Four outputs at once where 16 bytes may be stored (12 of them pixels, the 4 past them written again next):
     // the two pairs' results packed together, put in order, their X bytes dropped, one store.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0);
@@ -366,17 +369,17 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
       __m256i acc01 = _mm256_set1_epi32(half), acc23 = acc01;
       for (int k = 0; k < pairs; ++k) {
         const __m256i two01 = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 2 * kChannels * k)), 1);
         const __m256i two23 = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p2 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p3 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p2 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p3 + 2 * kChannels * k)), 1);
         const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights01 + 8 * k));
         const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights23 + 8 * k));
         acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(two01, spread), w01));
         acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(two23, spread), w23));
       }
-      // Per 128-bit lane: (output i, i + 2) in lane 0 and (i + 1, i + 3) in lane 1, RGBX bytes each.
+      // Per 128-bit lane: (output i, i + 2) in lane 0 and (i + 1, i + 3) in lane 1, RGB and a zero byte each.
       __m256i bytes = _mm256_packs_epi32(_mm256_srai_epi32(acc01, kBits), _mm256_srai_epi32(acc23, kBits));
       bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(bytes, bytes), order);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * i),
@@ -389,8 +392,8 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
       __m256i acc = _mm256_set1_epi32(half);
       for (int k = 0; k < pairs; ++k) {
         const __m256i two = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 2 * kChannels * k)), 1);
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 8 * k));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(two, spread), w));
       }
@@ -552,8 +555,9 @@ Timings decode_box(Decoder& d, Bytes bytes, uint8_t* out, int out_h, int out_w, 
   const Clock::time_point t2 = Clock::now();
 
   const int n = (tx.hi - tx.lo) * kChannels;
-  // + the pixels that the last outputs' zero-weight taps read
-  uint8_t* columns = column_buffer.get(static_cast<size_t>(out_h) * n + static_cast<size_t>(tx.width) * kChannels);
+  // + the pixels that the last outputs' zero-weight taps read, + the 2 bytes past a pair's 8-byte load
+  uint8_t* columns =
+      column_buffer.get(static_cast<size_t>(out_h) * n + static_cast<size_t>(tx.width) * kChannels + 2);
   vertical_pass(pointers.data(), static_cast<int>(row0), static_cast<int>(tx.lo - xoffset) * kChannels, ty, n,
                 columns);
   horizontal_pass(columns, n, out_h, tx, out);
