@@ -47,7 +47,7 @@
 #endif
 
 #ifndef JCS_EXTENSIONS
-#error "libjpeg-turbo's jpeglib.h is needed (JCS_EXT_RGBX)"
+#error "libjpeg-turbo's jpeglib.h is needed (JCS_EXT_RGB)"
 #endif
 
 namespace {
