@@ -34,7 +34,6 @@ JpegBytes = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]
 if _ext is not None:
     JpegError = _ext.JpegError
     UnsupportedJpeg = _ext.UnsupportedJpeg
-    TooManyPixels = _ext.TooManyPixels
 else:  # pragma: no cover - depends on the installation (no libjpeg-turbo headers at install time)
 
     class JpegError(ValueError):
@@ -42,6 +41,14 @@ else:  # pragma: no cover - depends on the installation (no libjpeg-turbo header
 
     class UnsupportedJpeg(JpegError):
         """A JPEG whose colour space the region decoder does not convert (CMYK, YCCK)."""
+
+# Whether this build draws training crops itself (decode_training_into, training_crop): a build made before
+# they existed lacks them, and the loader then draws in Python and calls decode_resized_into (the same pixels).
+TRAINING_DRAW = _ext is not None and hasattr(_ext, "decode_training_into")
+
+if TRAINING_DRAW:
+    TooManyPixels = _ext.TooManyPixels
+else:
 
     class TooManyPixels(ValueError):
         """A header declaring more pixels than allowed; the message is "height width"."""
