@@ -294,3 +294,69 @@ def test_threads_decode_at_once_into_one_batch():
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: jpeg.decode_resized_into(jobs[i][0], batch[i], jobs[i][1], jobs[i][2]), range(len(jobs))))
     assert torch.equal(batch, one_by_one)
+
+
+def test_the_native_training_crop_is_pythons_draw_to_the_bit():
+    """The crop decode_training_into draws (numpy's PCG64 stream and Generator draws redone natively) is
+    cnns.data.imagenet.training_crop's for every size, seed, epoch and index: small and very elongated
+    images (the fallback after ten tries), seeds above 2**63."""
+    from cnns.data.imagenet import sample_generator, training_crop
+
+    rng = np.random.default_rng(5)
+    for trial in range(20000):
+        kind = trial % 4
+        height = int(rng.integers(1, 40 if kind == 0 else 5000))
+        width = int(rng.integers(1, 40 if kind == 0 else 60 if kind == 1 else 5000))
+        seed = (trial % 7, int(rng.integers(0, 2**63)), 2 * int(rng.integers(0, 2**63)) + 1)[trial % 3]
+        epoch, index = int(rng.integers(0, 1000)), int(rng.integers(0, 2_000_000))
+        crop = training_crop(height, width, sample_generator(seed, epoch, index))
+        draw = (seed, epoch, index, *transform_draw())
+        assert jpeg.training_crop(height, width, draw) == (*crop.box, crop.flip), (height, width, seed, epoch, index)
+
+
+def transform_draw():
+    from cnns.data.imagenet import _NATIVE_CROP_DRAW
+
+    return _NATIVE_CROP_DRAW
+
+
+def test_decode_training_into_is_the_drawn_crop_decoded():
+    from cnns.data.imagenet import sample_generator, training_crop
+
+    data = photo_jpeg("420", 200, 150, 3)
+    for index in range(12):
+        crop = training_crop(150, 200, sample_generator(1, 2, index))
+        one, two = torch.empty(24, 24, 3, dtype=torch.uint8), torch.zeros(24, 24, 3, dtype=torch.uint8)
+        jpeg.decode_resized_into(data, one, crop.box, crop.flip)
+        times = jpeg.decode_training_into(data, two, (1, 2, index, *transform_draw()), 10**9, timings=True)
+        assert torch.equal(one, two) and len(times) == 4 and min(times) >= 0
+    with pytest.raises(jpeg.TooManyPixels, match="^150 200$"):
+        jpeg.decode_training_into(data, two, (1, 2, 0, *transform_draw()), 150 * 200 - 1)
+
+
+def test_the_threads_decompressor_is_reused_after_every_kind_of_failure():
+    """One decompressor serves a thread from image to image: after a corrupt, truncated, CMYK or garbage file
+    (each stopped by libjpeg mid-way) the next image decodes exactly as in a fresh thread."""
+    import threading
+
+    good = [photo_jpeg(kind, 200, 150, seed) for seed, kind in enumerate(("420", "progressive", "444", "gray"))]
+    box, size = (10, 20, 120, 160), (40, 48)
+
+    def fresh(data):
+        found = []
+        thread = threading.Thread(target=lambda: found.append(decoded(data, box, size)))
+        thread.start()
+        thread.join()
+        return found[0]
+
+    expected = [fresh(data) for data in good]
+    corrupt = bytearray(good[0])
+    start = corrupt.index(b"\xff\xda") + 2000
+    corrupt[start:start + 8] = b"\xff\xd4" * 4
+    cmyk = encode(photo_like_image(np.random.default_rng(2), 64, 48).convert("CMYK"), quality=90)
+    bad = [bytes(corrupt), good[1][:len(good[1]) // 2], cmyk, b"\xff\xd8\xff" + bytes(100), b""]
+    for failing in bad:
+        for data, want in zip(good, expected):
+            with pytest.raises(jpeg.JpegError):
+                decoded(failing, box, size)
+            assert torch.equal(decoded(data, box, size), want)

@@ -7,8 +7,8 @@ to measure on (--make-jpeg-tree).
 
 On ImageNet files it then prints the account of one image's time (`ImageAccount`): the stages a worker runs
 (read, header + crop draw, decode, crop + resize, flip: the worker's own decoding with a `DecodeClock`; with the
-native decoder the last three by its own clocks inside its one call, with the whole-image decoder the flip is
-part of the resize) timed in this process and one thread inside one timed step per image, so that
+native decoder the last three, and for a training crop the header + crop draw too, by its own clocks inside its
+one call, with the whole-image decoder the flip is part of the resize) timed in this process and one thread inside one timed step per image, so that
 what lies between them is a row of its own; then two costs from the real loader's delivered rate: *into the
 batch* (0 workers, per image, less the in-process step) and *across to the main process* (1 worker less 0
 workers). Every round measures all of them, in an order reversed every other round, and each row uses the
@@ -297,7 +297,8 @@ def account_indices(size: int, count: int) -> list[int]:
 def time_stages(dataset: ImageDataset, indices: Sequence[int], transform: ImageNetTransform) -> StageTimes:
     """StageTimes over `indices` (epoch 0's crops), one image at a time into a batch slot as a worker does, by
     the worker's own decoding (`ImageNetTransform.into`, its stages on a `DecodeClock`)."""
-    slot = torch.empty((transform.image_size, transform.image_size, 3), dtype=torch.uint8)
+    # A numpy row, as the worker's batch loop gives the decoder (ImageBatchDataset._decode_into_rows).
+    slot = torch.empty((transform.image_size, transform.image_size, 3), dtype=torch.uint8).numpy()
     times = StageTimes()
 
     def step(index: int, clock: StageTimes | None) -> int:

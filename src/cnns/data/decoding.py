@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -192,7 +193,37 @@ class ImageDecoder:
                               whole=0)
                 return
             except native.JpegError:  # CMYK / YCCK, or bytes it rejects: decoded whole, or the fault named
-                start = time.perf_counter_ns()
+                pass
+        self._decode_whole_into(data, source, place, out, clock)
+
+    def decode_training_into(self, data: bytes, source: str, draw: tuple, place: Placement,
+                             out: torch.Tensor | np.ndarray, clock: DecodeClock | None = None) -> None:
+        """`decode_into` for a training crop that `draw` describes (`cnns.kernels.jpeg.CropDraw`, the same crop
+        as `place` draws): the native decoder reads the header, draws the crop and decodes it in one call; the
+        whole-image path draws with `place`. `out` may also be a numpy array (a row of a batch's numpy view)."""
+        native = native_jpeg() if self.use_native else None
+        if native is not None and not native.TRAINING_DRAW:  # a build older than its source: drawn in Python
+            self.decode_into(data, source, place, torch.from_numpy(out) if isinstance(out, np.ndarray) else out, clock)
+            return
+        if native is not None and data[:2] == b"\xff\xd8":
+            try:
+                times = native.decode_training_into(data, out, draw, MAX_IMAGE_PIXELS, clock is not None)
+            except native.TooManyPixels as error:
+                _check_pixels(*(int(part) for part in str(error).split()), source)
+                raise  # not reached: the size is over the limit
+            except native.JpegError:  # CMYK / YCCK, or bytes it rejects: decoded whole, or the fault named
+                pass
+            else:
+                if clock is not None:
+                    clock.add(*times, whole=0)
+                return
+        self._decode_whole_into(data, source, place, torch.from_numpy(out) if isinstance(out, np.ndarray) else out,
+                                clock)
+
+    @staticmethod
+    def _decode_whole_into(data: bytes, source: str, place: Placement, out: torch.Tensor,
+                           clock: DecodeClock | None) -> None:
+        start = time.perf_counter_ns()
         image = decode_whole(data, source)
         decoded = time.perf_counter_ns()
         crop = place(image.shape[0], image.shape[1])

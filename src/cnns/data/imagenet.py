@@ -42,6 +42,10 @@ CROP_TRIES = 10
 # Labels the crop's random stream apart from the other streams of (seed, epoch, index).
 _CROP_STREAM = 0xC409
 _MASK64 = (1 << 64) - 1
+# training_crop's constants as the native decoder draws with them (cnns.kernels.jpeg.CropDraw after the
+# sample's seed, epoch and index); the logarithms are training_crop's own (the same libm).
+_NATIVE_CROP_DRAW = (CROP_AREA[0], CROP_AREA[1], math.log(CROP_ASPECT[0]), math.log(CROP_ASPECT[1]),
+                     CROP_ASPECT[0], CROP_ASPECT[1], CROP_TRIES, _CROP_STREAM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,10 +156,20 @@ class ImageNetTransform:
         index, epoch = key
         return training_crop(height, width, sample_generator(self.seed, epoch, index))
 
-    def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor,
+    def into(self, data: bytes, source: str, key: SampleKey, out: torch.Tensor | np.ndarray,
              clock: DecodeClock | None = None) -> None:
-        """Write the sample's crop into `out` (uint8 [image_size, image_size, 3]); DataError naming
-        `source` when the bytes cannot be decoded; with `clock`, each stage's time added to it."""
+        """Write the sample's crop into `out` (uint8 [image_size, image_size, 3], a CPU tensor or numpy array
+        such as a row of a batch's numpy view); DataError naming
+        `source` when the bytes cannot be decoded; with `clock`, each stage's time added to it. A training
+        crop is drawn by the native decoder itself where it decodes the file (the same crop as `crop`'s)."""
+        if self.train:
+            index, epoch = key
+            self.decoder.decode_training_into(
+                data, source, (self.seed & _MASK64, epoch & _MASK64, index & _MASK64, *_NATIVE_CROP_DRAW),
+                lambda height, width: self.crop(height, width, key), out, clock)
+            return
+        if isinstance(out, np.ndarray):
+            out = torch.from_numpy(out)
         self.decoder.decode_into(data, source, lambda height, width: self.crop(height, width, key), out, clock)
 
     def __call__(self, data: bytes, source: str, key: SampleKey = (0, 0)) -> torch.Tensor:
@@ -439,12 +453,13 @@ class ImageBatchDataset(Dataset):
         decoded: list[int] = []
         labels: list[int] = []
         skipped: list[str] = []
+        rows = images.numpy()  # a row of the numpy view costs a tenth of a tensor's row, and the same memory
         for position, (key, data, label, source) in enumerate(samples):
             if data is None:
                 skipped.append(source)
                 continue
             try:
-                self.transform.into(data, source, key, images[len(labels)])
+                self.transform.into(data, source, key, rows[len(labels)])
             except DataError:
                 if not self.skip_corrupt:
                     raise

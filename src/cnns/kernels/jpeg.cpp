@@ -15,8 +15,9 @@
 // torchvision's crop-then-resize (training's random resized crop). With read_around it reads the pixels
 // around the box too, as resizing the whole image then cropping does (evaluation's resize + centre crop).
 // The vertical pass runs first, over whole rows, so that the horizontal pass, which gathers, runs on the
-// output's rows only; libjpeg writes RGBX so that a pixel is one 32-bit lane; each pass multiplies two taps
-// at a time (pmaddwd). The flip costs nothing: the horizontal pass takes its outputs' weights in reverse.
+// output's rows only; libjpeg writes RGB (3 bytes a pixel, as little to write and to read as can be), and the
+// horizontal pass spreads each pixel over a 32-bit lane as it loads it; each pass multiplies two taps at a time
+// (pmaddwd). The flip costs nothing: the horizontal pass takes its outputs' weights in reverse.
 //
 // Errors: libjpeg's error_exit longjmps back into the guarded step that called it (each guarded step is a
 // function holding no object with a destructor) and is thrown as JpegError from there. Its warnings
@@ -46,7 +47,7 @@
 #endif
 
 #ifndef JCS_EXTENSIONS
-#error "libjpeg-turbo's jpeglib.h is needed (JCS_EXT_RGBX)"
+#error "libjpeg-turbo's jpeglib.h is needed (JCS_EXT_RGB)"
 #endif
 
 namespace {
@@ -61,10 +62,16 @@ class UnsupportedJpeg : public JpegError {
   using JpegError::JpegError;
 };
 
+// A header declaring more pixels than the caller allows (its message: "height width").
+class TooManyPixels : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Fixed-point weights of 14 bits (PIL has 22 in int32): a weight (at most 1) fits an int16, so two taps take
 // one multiply-add (pmaddwd); rounding 14-bit weights moves a result by at most taps * 2^-15 * 255, < 0.05.
 constexpr int kBits = 14;
-constexpr int kChannels = 4;  // libjpeg writes RGBX: one pixel is one 32-bit lane in the passes
+constexpr int kChannels = 3;  // libjpeg writes RGB; the horizontal pass widens a pixel to a 32-bit lane
 constexpr int kMargin = 2;
 
 struct ErrorManager {
@@ -105,10 +112,17 @@ struct Decoder {
 
 // ---- guarded steps: each returns false where libjpeg reported an error (the message is in errors) ----
 
+// The decompressor is made once per thread and kept (see `thread_decoder`): each image first ends whatever
+// the last one left (jpeg_abort_decompress: the image's memory pool freed, the state back to the start; also
+// after an error), as libjpeg allows for reusing an object.
 bool guarded_read_header(Decoder& d, const uint8_t* data, size_t size) {
   if (setjmp(d.errors.jump)) return false;
-  jpeg_create_decompress(&d.cinfo);
-  d.created = true;
+  if (d.created) {
+    jpeg_abort_decompress(&d.cinfo);
+  } else {
+    jpeg_create_decompress(&d.cinfo);
+    d.created = true;
+  }
   jpeg_mem_src(&d.cinfo, data, static_cast<unsigned long>(size));
   jpeg_read_header(&d.cinfo, TRUE);
   return true;
@@ -120,7 +134,7 @@ bool guarded_start(Decoder& d, unsigned denom, JDIMENSION* scaled_width, JDIMENS
   if (setjmp(d.errors.jump)) return false;
   d.cinfo.scale_num = 1;
   d.cinfo.scale_denom = denom;
-  d.cinfo.out_color_space = JCS_EXT_RGBX;  // grayscale and YCbCr alike; 4-byte pixels for the passes
+  d.cinfo.out_color_space = JCS_EXT_RGB;  // grayscale and YCbCr alike
   jpeg_start_decompress(&d.cinfo);
   *scaled_width = d.cinfo.output_width;
   if (*width < d.cinfo.output_width) {
@@ -255,6 +269,26 @@ void vertical_pass(const JSAMPROW* rows, int row0, int col0, const Taps& ty, int
     uint8_t* out = dst + static_cast<size_t>(y) * n;
     int x = 0;
 #if defined(__AVX2__)
+    // 32 bytes at a time: the bytes of two rows interleaved (within each 128-bit lane), then widened to int16
+    // pairs against zero, pmaddwd with their two weights: three shuffles per 16 bytes and pair, not four. The
+    // two packs (within lanes) put the four sums' bytes back in order.
+    const __m256i zero = _mm256_setzero_si256();
+    for (; x + 32 <= n; x += 32) {
+      __m256i acc0 = _mm256_set1_epi32(half), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int k = 0; k < pairs; ++k) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[2 * k] + x));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[2 * k + 1] + x));
+        const __m256i weights = _mm256_set1_epi32(pair[k]);
+        const __m256i low = _mm256_unpacklo_epi8(a, b), high = _mm256_unpackhi_epi8(a, b);
+        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_unpacklo_epi8(low, zero), weights));   // 0-3, 16-19
+        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_unpackhi_epi8(low, zero), weights));   // 4-7, 20-23
+        acc2 = _mm256_add_epi32(acc2, _mm256_madd_epi16(_mm256_unpacklo_epi8(high, zero), weights));  // 8-11, 24-27
+        acc3 = _mm256_add_epi32(acc3, _mm256_madd_epi16(_mm256_unpackhi_epi8(high, zero), weights));  // 12-15, 28-31
+      }
+      const __m256i words01 = _mm256_packs_epi32(_mm256_srai_epi32(acc0, kBits), _mm256_srai_epi32(acc1, kBits));
+      const __m256i words23 = _mm256_packs_epi32(_mm256_srai_epi32(acc2, kBits), _mm256_srai_epi32(acc3, kBits));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + x), _mm256_packus_epi16(words01, words23));
+    }
     // 16 bytes at a time: the bytes of two rows interleaved as int16 pairs, pmaddwd with their two weights.
     for (; x + 16 <= n; x += 16) {
       __m256i low = _mm256_set1_epi32(half), high = low;
@@ -280,7 +314,7 @@ void vertical_pass(const JSAMPROW* rows, int row0, int col0, const Taps& ty, int
   }
 }
 
-// The horizontal pass: each of `rows` RGBX rows of src (pixel 0 is column tx.lo) -> out_w RGB pixels of dst.
+// The horizontal pass: each of `rows` RGB rows of src (pixel 0 is column tx.lo) -> out_w RGB pixels of dst.
 // Every output takes tx.width taps, in pairs, the ones past its own count with zero weights (src holds the
 // pixels they read). Integer arithmetic throughout: every branch below gives the same bytes.
 void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& tx, uint8_t* dst) {
@@ -315,10 +349,12 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
     const bool last_row = y == rows - 1;
     int i = 0;
 #if defined(__AVX2__)
-    // Two outputs at once, one per 128-bit lane; two RGBX pixels -> the int16 pairs (r0, r1), (g0, g1),
-    // (b0, b1), (x0, x1) that pmaddwd combines with the pair of weights.
-    const __m256i spread = _mm256_setr_epi8(0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128,
-                                            0, -128, 4, -128, 1, -128, 5, -128, 2, -128, 6, -128, 3, -128, 7, -128);
+    // Two outputs at once, one per 128-bit lane; two RGB pixels (an 8-byte load, its last 2 bytes unused) -> the
+    // int16 pairs (r0, r1), (g0, g1), (b0, b1) that pmaddwd combines with the pair of weights, and a zero pair
+    // in the fourth 32-bit lane (its sum, the rounding half alone, is dropped at the store).
+    const __m256i spread = _mm256_setr_epi8(0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128, -128,
+                                            -128, 0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128,
+                                            -128, -128);
     // Four outputs at once where 16 bytes may be stored (12 of them pixels, the 4 past them written again next):
     // the two pairs' results packed together, put in order, their X bytes dropped, one store.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0);
@@ -333,17 +369,17 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
       __m256i acc01 = _mm256_set1_epi32(half), acc23 = acc01;
       for (int k = 0; k < pairs; ++k) {
         const __m256i two01 = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 2 * kChannels * k)), 1);
         const __m256i two23 = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p2 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p3 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p2 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p3 + 2 * kChannels * k)), 1);
         const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights01 + 8 * k));
         const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights23 + 8 * k));
         acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(two01, spread), w01));
         acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(two23, spread), w23));
       }
-      // Per 128-bit lane: (output i, i + 2) in lane 0 and (i + 1, i + 3) in lane 1, RGBX bytes each.
+      // Per 128-bit lane: (output i, i + 2) in lane 0 and (i + 1, i + 3) in lane 1, RGB and a zero byte each.
       __m256i bytes = _mm256_packs_epi32(_mm256_srai_epi32(acc01, kBits), _mm256_srai_epi32(acc23, kBits));
       bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(bytes, bytes), order);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * i),
@@ -356,8 +392,8 @@ void horizontal_pass(const uint8_t* src, int src_stride, int rows, const Taps& t
       __m256i acc = _mm256_set1_epi32(half);
       for (int k = 0; k < pairs; ++k) {
         const __m256i two = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 8 * k))),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 8 * k)), 1);
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0 + 2 * kChannels * k))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1 + 2 * kChannels * k)), 1);
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 8 * k));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(two, spread), w));
       }
@@ -411,9 +447,16 @@ void read_header_into(Decoder& d, Bytes bytes) {
   check_colour_space(d.cinfo);
 }
 
+// One decompressor per thread, reused from image to image: making one (jpeg_create_decompress) allocates and
+// clears libjpeg's permanent state every time.
+Decoder& thread_decoder() {
+  thread_local Decoder d;
+  return d;
+}
+
 pybind11::tuple header(const pybind11::buffer& data) {
   const Bytes bytes = bytes_of(data);
-  Decoder d;
+  Decoder& d = thread_decoder();
   {
     pybind11::gil_scoped_release release;
     read_header_into(d, bytes);
@@ -462,11 +505,10 @@ struct Timings {
   int64_t decode = 0, resize = 0, flip = 0;
 };
 
-Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left, double box_h,
-                       double box_w, bool flip, bool read_around) {
-  const Clock::time_point t0 = Clock::now();
-  Decoder d;
-  read_header_into(d, bytes);
+// The box's region of the JPEG whose header `d` has read, resized into out. t0: when the call began (its
+// decode time runs from there).
+Timings decode_box(Decoder& d, Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left,
+                   double box_h, double box_w, bool flip, bool read_around, Clock::time_point t0) {
   const double height = d.cinfo.image_height, width = d.cinfo.image_width;
   constexpr double kSlack = 1e-6;  // a box computed in floating point may pass the edge by a rounding error
   if (!(box_h > 0 && box_w > 0 && top >= -kSlack && left >= -kSlack && top + box_h <= height + kSlack &&
@@ -513,8 +555,9 @@ Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double t
   const Clock::time_point t2 = Clock::now();
 
   const int n = (tx.hi - tx.lo) * kChannels;
-  // + the pixels that the last outputs' zero-weight taps read
-  uint8_t* columns = column_buffer.get(static_cast<size_t>(out_h) * n + static_cast<size_t>(tx.width) * kChannels);
+  // + the pixels that the last outputs' zero-weight taps read, + the 2 bytes past a pair's 8-byte load
+  uint8_t* columns =
+      column_buffer.get(static_cast<size_t>(out_h) * n + static_cast<size_t>(tx.width) * kChannels + 2);
   vertical_pass(pointers.data(), static_cast<int>(row0), static_cast<int>(tx.lo - xoffset) * kChannels, ty, n,
                 columns);
   horizontal_pass(columns, n, out_h, tx, out);
@@ -522,18 +565,138 @@ Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double t
   return {nanoseconds(t0, t1), nanoseconds(t2, t3), nanoseconds(t1, t2)};
 }
 
-// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
-pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
-                                     double left, double box_h, double box_w, bool flip, bool read_around,
-                                     bool timings) {
-  pybind11::buffer_info target = out.request(true);
+Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double top, double left, double box_h,
+                       double box_w, bool flip, bool read_around) {
+  const Clock::time_point t0 = Clock::now();
+  Decoder& d = thread_decoder();
+  read_header_into(d, bytes);
+  return decode_box(d, bytes, out, out_h, out_w, top, left, box_h, box_w, flip, read_around, t0);
+}
+
+// ---- the training crop's draw (cnns.data.imagenet.training_crop and sample_generator), to the bit ----
+
+uint64_t splitmix64(uint64_t value) {
+  value += 0x9E3779B97F4A7C15ull;
+  value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9ull;
+  value = (value ^ (value >> 27)) * 0x94D049BB133111EBull;
+  return value ^ (value >> 31);
+}
+
+// numpy's PCG64 (XSL-RR output of a 128-bit LCG), with the draws numpy's Generator makes of it: random() and
+// uniform() (53 bits of one 64-bit output), integers(0, n) for n <= 2^32 (Lemire's method on 32-bit halves of
+// the outputs, the unused half kept for the next 32-bit draw, as numpy's has_uint32 / uinteger).
+class Pcg64 {
+  using u128 = unsigned __int128;
+
+ public:
+  Pcg64(u128 state, u128 increment) : state_(state), increment_(increment) {}
+
+  uint64_t next64() {
+    constexpr u128 kMultiplier = (static_cast<u128>(2549297995355413924ull) << 64) | 4865540595714422341ull;
+    state_ = state_ * kMultiplier + increment_;
+    const uint64_t high = static_cast<uint64_t>(state_ >> 64), value = high ^ static_cast<uint64_t>(state_);
+    const unsigned rotation = static_cast<unsigned>(high >> 58);
+    return (value >> rotation) | (value << ((64 - rotation) & 63));
+  }
+
+  uint32_t next32() {
+    if (has32_) {
+      has32_ = false;
+      return kept32_;
+    }
+    const uint64_t next = next64();
+    has32_ = true;
+    kept32_ = static_cast<uint32_t>(next >> 32);
+    return static_cast<uint32_t>(next);
+  }
+
+  double next_double() { return static_cast<double>(next64() >> 11) * (1.0 / 9007199254740992.0); }
+
+  // integers(0, largest + 1) for largest < 2^32
+  uint32_t integer_to(uint32_t largest) {
+    if (largest == 0) return 0;
+    if (largest == 0xFFFFFFFFu) return next32();
+    const uint32_t count = largest + 1;
+    uint64_t m = static_cast<uint64_t>(next32()) * count;
+    uint32_t leftover = static_cast<uint32_t>(m);
+    if (leftover < count) {
+      const uint32_t threshold = (0xFFFFFFFFu - largest) % count;
+      while (leftover < threshold) {
+        m = static_cast<uint64_t>(next32()) * count;
+        leftover = static_cast<uint32_t>(m);
+      }
+    }
+    return static_cast<uint32_t>(m >> 32);
+  }
+
+ private:
+  u128 state_, increment_;
+  bool has32_ = false;
+  uint32_t kept32_ = 0;
+};
+
+// The draw's constants, as the Python side has them (its logarithms computed there by the same libm).
+struct CropDraw {
+  double area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi;
+  int tries;
+  uint64_t stream;
+};
+
+struct DrawnCrop {
+  int64_t top, left, height, width;
+  bool flip;
+};
+
+// training_crop(height, width, sample_generator(seed, epoch, index)) in the same double operations, in the
+// same order, none of them fused (Python's float arithmetic rounds every product and sum).
+__attribute__((optimize("fp-contract=off"))) DrawnCrop draw_training_crop(int64_t height, int64_t width,
+                                                                          uint64_t seed, uint64_t epoch,
+                                                                          uint64_t index, const CropDraw& p) {
+  const uint64_t mixed = splitmix64(splitmix64(splitmix64(p.stream ^ seed) ^ epoch) ^ index);
+  const uint64_t low = splitmix64(mixed), increment = splitmix64(mixed ^ ~0ull);
+  Pcg64 rng((static_cast<unsigned __int128>(mixed) << 64) | low,
+            (static_cast<unsigned __int128>(increment) << 1) | 1);
+  const double area = static_cast<double>(height * width);
+  const double area_range = p.area_hi - p.area_lo, aspect_range = p.log_aspect_hi - p.log_aspect_lo;
+  for (int t = 0; t < p.tries; ++t) {
+    const double target_area = area * (p.area_lo + area_range * rng.next_double());
+    const double aspect = std::exp(p.log_aspect_lo + aspect_range * rng.next_double());
+    const int64_t box_width = static_cast<int64_t>(std::nearbyint(std::sqrt(target_area * aspect)));
+    const int64_t box_height = static_cast<int64_t>(std::nearbyint(std::sqrt(target_area / aspect)));
+    if (0 < box_width && box_width <= width && 0 < box_height && box_height <= height) {
+      const int64_t top = rng.integer_to(static_cast<uint32_t>(height - box_height));
+      const int64_t left = rng.integer_to(static_cast<uint32_t>(width - box_width));
+      return {top, left, box_height, box_width, rng.next_double() < 0.5};
+    }
+  }
+  const double ratio = static_cast<double>(width) / static_cast<double>(height);
+  int64_t box_height = height, box_width = width;
+  if (ratio < p.aspect_lo) {
+    box_height = static_cast<int64_t>(std::nearbyint(static_cast<double>(width) / p.aspect_lo));
+  } else if (ratio > p.aspect_hi) {
+    box_width = static_cast<int64_t>(std::nearbyint(static_cast<double>(height) * p.aspect_hi));
+  }
+  const int64_t top = (height - box_height) / 2, left = (width - box_width) / 2;  // both >= 0
+  return {top, left, box_height, box_width, rng.next_double() < 0.5};
+}
+
+// The pixels of out, a writable, C-contiguous uint8 buffer [H, W, 3].
+uint8_t* output_pixels(const pybind11::buffer_info& target) {
   if (target.ndim != 3 || target.itemsize != 1 || target.format != "B" || target.shape[2] != 3 ||
       target.shape[0] < 1 || target.shape[1] < 1 || target.strides[2] != 1 || target.strides[1] != 3 ||
       target.strides[0] != 3 * target.shape[1]) {
     throw std::invalid_argument("out must be a contiguous uint8 [H, W, 3] buffer");
   }
+  return static_cast<uint8_t*>(target.ptr);
+}
+
+// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
+pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
+                                     double left, double box_h, double box_w, bool flip, bool read_around,
+                                     bool timings) {
+  pybind11::buffer_info target = out.request(true);
+  uint8_t* pixels = output_pixels(target);
   const Bytes bytes = bytes_of(data);
-  uint8_t* pixels = static_cast<uint8_t*>(target.ptr);
   const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
   Timings t;
   {
@@ -542,6 +705,55 @@ pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind1
   }
   if (!timings) return pybind11::none();
   return pybind11::make_tuple(t.decode, t.resize, t.flip);
+}
+
+CropDraw crop_draw(double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi, double aspect_lo,
+                   double aspect_hi, int tries, uint64_t stream) {
+  return {area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream};
+}
+
+// (top, left, height, width, flip) of the training crop drawn for an image of (height, width).
+pybind11::tuple training_crop(int64_t height, int64_t width, uint64_t seed, uint64_t epoch, uint64_t index,
+                              double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi,
+                              double aspect_lo, double aspect_hi, int tries, uint64_t stream) {
+  if (height < 1 || width < 1 || height > 0xFFFFFFFFll || width > 0xFFFFFFFFll) {
+    throw std::invalid_argument("image size out of range");
+  }
+  const DrawnCrop c = draw_training_crop(
+      height, width, seed, epoch, index,
+      crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream));
+  return pybind11::make_tuple(c.top, c.left, c.height, c.width, c.flip);
+}
+
+// The header read once, the training crop drawn from its size, the crop's region decoded, resized and flipped
+// into out: one call per training image. TooManyPixels, before anything is decoded, where the header declares
+// more than max_pixels pixels.
+pybind11::object decode_training_into(const pybind11::buffer& data, const pybind11::buffer& out, uint64_t seed,
+                                      uint64_t epoch, uint64_t index, double area_lo, double area_hi,
+                                      double log_aspect_lo, double log_aspect_hi, double aspect_lo, double aspect_hi,
+                                      int tries, uint64_t stream, int64_t max_pixels, bool timings) {
+  pybind11::buffer_info target = out.request(true);
+  uint8_t* pixels = output_pixels(target);
+  const Bytes bytes = bytes_of(data);
+  const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
+  const CropDraw draw = crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream);
+  Timings t;
+  int64_t drawing = 0;
+  {
+    pybind11::gil_scoped_release release;
+    const Clock::time_point t0 = Clock::now();
+    Decoder& d = thread_decoder();
+    read_header_into(d, bytes);
+    const int64_t height = d.cinfo.image_height, width = d.cinfo.image_width;
+    if (height * width > max_pixels) throw TooManyPixels(std::to_string(height) + " " + std::to_string(width));
+    const DrawnCrop c = draw_training_crop(height, width, seed, epoch, index, draw);
+    const Clock::time_point drawn = Clock::now();
+    drawing = nanoseconds(t0, drawn);
+    t = decode_box(d, bytes, pixels, out_h, out_w, static_cast<double>(c.top), static_cast<double>(c.left),
+                   static_cast<double>(c.height), static_cast<double>(c.width), c.flip, false, drawn);
+  }
+  if (!timings) return pybind11::none();
+  return pybind11::make_tuple(drawing, t.decode, t.resize, t.flip);
 }
 
 }  // namespace
@@ -555,5 +767,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("data"), pybind11::arg("out"), pybind11::arg("top"), pybind11::arg("left"),
         pybind11::arg("height"), pybind11::arg("width"), pybind11::arg("flip"), pybind11::arg("read_around"),
         pybind11::arg("timings"));
+  pybind11::register_exception<TooManyPixels>(m, "TooManyPixels", PyExc_ValueError);
+  m.def("training_crop", &training_crop, "the training crop (top, left, height, width, flip) drawn for an image");
+  m.def("decode_training_into", &decode_training_into,
+        "read the header, draw the training crop, decode its region, resize, flip, write into out");
   m.attr("LIBJPEG_TURBO_VERSION") = LIBJPEG_TURBO_VERSION_NUMBER;
 }

@@ -42,6 +42,22 @@ else:  # pragma: no cover - depends on the installation (no libjpeg-turbo header
     class UnsupportedJpeg(JpegError):
         """A JPEG whose colour space the region decoder does not convert (CMYK, YCCK)."""
 
+# Whether this build draws training crops itself (decode_training_into, training_crop): a build made before
+# they existed lacks them, and the loader then draws in Python and calls decode_resized_into (the same pixels).
+TRAINING_DRAW = _ext is not None and hasattr(_ext, "decode_training_into")
+
+if TRAINING_DRAW:
+    TooManyPixels = _ext.TooManyPixels
+else:
+
+    class TooManyPixels(ValueError):
+        """A header declaring more pixels than allowed; the message is "height width"."""
+
+# The training crop's draw as decode_training_into and training_crop take it: (seed, epoch, index) of the
+# sample, each below 2**64, then the constants of cnns.data.imagenet.training_crop: area range, log-aspect
+# range, aspect range, tries, and the stream's label of sample_generator.
+CropDraw = tuple[int, int, int, float, float, float, float, float, float, int, int]
+
 
 def available() -> bool:
     """Whether the region decoder was built and imports here."""
@@ -84,6 +100,26 @@ def decode_resized_into(data: JpegBytes, out: torch.Tensor, box: tuple[float, fl
     top, left, height, width = box
     return _ext.decode_resized_into(_buffer(data), _pixels(out), float(top), float(left), float(height),
                                     float(width), bool(flip), bool(read_around_box), bool(timings))
+
+
+def training_crop(height: int, width: int, draw: CropDraw) -> tuple[int, int, int, int, bool]:
+    """(top, left, height, width, flip) of the training crop that ``draw`` gives an image of (height, width):
+    ``cnns.data.imagenet.training_crop`` of ``sample_generator(seed, epoch, index)``, bit for bit (numpy's PCG64
+    stream and Generator draws, the same double arithmetic), drawn natively."""
+    _require()
+    return _ext.training_crop(height, width, *draw)
+
+
+def decode_training_into(data: JpegBytes, out: torch.Tensor | np.ndarray, draw: CropDraw, max_pixels: int,
+                         timings: bool = False) -> tuple[int, int, int, int] | None:
+    """One training image in one call: the header read, the crop drawn from its size (``training_crop``),
+    the crop's region decoded, resized and flipped into ``out`` as ``decode_resized_into`` does. ``out``: a
+    contiguous uint8 [H, W, 3] CPU tensor or numpy array. TooManyPixels (message "height width"), before any
+    decoding, where the header declares more than ``max_pixels``; JpegError / UnsupportedJpeg as
+    ``decode_resized_into``. With ``timings``, the nanoseconds (header + draw, decode, resize, flip)."""
+    _require()
+    return _ext.decode_training_into(_buffer(data), out if isinstance(out, np.ndarray) else _pixels(out), *draw,
+                                     max_pixels, timings)
 
 
 def _pixels(out: torch.Tensor) -> np.ndarray:
