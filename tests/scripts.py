@@ -4,8 +4,10 @@ tests: in a child process, or in the test's own process.
 A child interpreter imports torch, torch._dynamo, timm and torchvision again before its first line of work
 (about 5 CPU seconds on a 2-core CI machine), which is most of what a small test run costs. So a test runs the
 script's command here (`run_here`, through `cnns.cli.run_script`, which the root scripts call) unless the
-process itself is what it checks: signals, exit codes of the interpreter, several processes, environment
-variables read at import, or a run that must start from a clean interpreter. tests/test_cli.py runs every
+process itself is what it checks: signals, exit codes of the interpreter, torchrun, environment variables read
+at import, or a run that must start from a clean interpreter. A run of several processes (--replicas,
+--shards) has this process as its launcher unless the launcher is what is checked: its workers are real
+processes either way, started by torch's agent as a user's run starts them. tests/test_cli.py runs every
 root script as a child at least once.
 """
 
@@ -17,6 +19,8 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import uuid
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,7 +69,7 @@ def run_here(capfd, script: str, *args: str, cwd: Path | None = None,
     seen, as a child's would be; warnings and log records too, which pytest would otherwise keep to itself)."""
     previous = os.getcwd()
     capfd.readouterr()
-    with _torch_state_kept():
+    with _torch_state_kept(), _children_bounded():
         try:
             if cwd is not None:
                 os.chdir(cwd)
@@ -79,10 +83,46 @@ def run_here(capfd, script: str, *args: str, cwd: Path | None = None,
     return done
 
 
-def train_here(*args: str) -> None:
-    """train.py's command in this process where a test needs only the run folder it writes (output not captured)."""
-    with _torch_state_kept():
-        assert _exit_code("train", list(args)) == 0
+def train_here(*args: str, cwd: Path | None = None) -> None:
+    """train.py's command in this process where a test needs only the run folder it writes (output not captured).
+    With --replicas or --shards this process is the launcher: the workers it starts are real processes."""
+    previous = os.getcwd()
+    with _torch_state_kept(), _children_bounded():
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            assert _exit_code("train", list(args)) == 0
+        finally:
+            os.chdir(previous)
+
+
+@contextmanager
+def _children_bounded(timeout: float = processes.TIMEOUT_S):
+    """What a command run here starts (a launcher's workers, a probe's child) is bounded as a child of
+    tests/processes.py is: it carries a tag in its environment, is SIGKILLed at the deadline (the command then
+    fails as a run whose worker died does) and, if still running when the command returns, is killed and the
+    test fails. (This process's own /proc environment, fixed at its start, never holds the tag.)"""
+    tag = uuid.uuid4().hex
+    os.environ[processes.TAG] = tag  # _torch_state_kept puts the environment back
+    deadline = threading.Timer(timeout, _kill_family, (tag,))
+    deadline.daemon = True
+    deadline.start()
+    try:
+        yield
+    finally:
+        deadline.cancel()
+        left = _kill_family(tag)
+    assert not left, f"the command left processes running: {left}"
+
+
+def _kill_family(tag: str) -> list[int]:
+    pids = processes.family(tag)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
 
 
 def _exit_code(command: str, argv: list[str]) -> int:

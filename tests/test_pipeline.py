@@ -44,8 +44,17 @@ VARIANTS = {
 
 
 def train(cwd, *args: str, script: str = "train.py"):
+    """The root script as a child, the launcher of its stage processes."""
     threads = ONE_THREAD_EACH if script != "restore.py" else ()
     return train_with(cwd, *args, *threads, script=script, env=ONE_THREAD)
+
+
+def launched_here(capfd, cwd, *args: str, script: str = "train.py", threads: tuple[str, ...] = ONE_THREAD_EACH):
+    """The root script's command with this process as the launcher (tests/scripts.py `run_here`; one thread, as
+    conftest sets for the suite): its stage processes are real processes on gloo, as a user's run starts them,
+    without a launcher interpreter's seconds of start-up. (stdout, stderr), the workers' lines included."""
+    done = run_here(capfd, script, *args, *(threads if script != "restore.py" else ()), cwd=cwd)
+    return done.stdout, done.stderr
 
 
 def one_process(tmp_path, data_dir, name, *args):  # noqa: F811
@@ -96,14 +105,14 @@ TWO_STAGE_CASES = [
 
 @SHARED_RUNS
 @pytest.mark.parametrize("variant, schedule", TWO_STAGE_CASES, ids=[f"{v}-{s}" for v, s in TWO_STAGE_CASES])
-def test_two_stages_update_as_one_process_with_accumulation(data_dir, references, uninterrupted, tmp_path,
+def test_two_stages_update_as_one_process_with_accumulation(data_dir, references, uninterrupted, tmp_path, capfd,
                                                             schedule, variant):  # noqa: F811
     if (variant, schedule) == ("group-norm", "Grouped"):
         folder, out = uninterrupted
     else:
         folder = tmp_path / "pipelined"
-        out, _ = train(tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule", schedule,
-                       "--data-dir", str(data_dir), "--logs-path", str(folder))
+        out, _ = launched_here(capfd, tmp_path, *PIPELINE, *VARIANTS[variant], *TWO_STAGES, "--pipeline-schedule",
+                               schedule, "--data-dir", str(data_dir), "--logs-path", str(folder))
     reference = references[variant.replace("-recomputed", "")]
     # Bitwise: the stages run the model's pieces on the same micro-batches, shapes, kernels and thread count (one
     # per process) as the one process, and add the micro-batches' gradients into the same (float32) sums in the
@@ -163,14 +172,14 @@ def test_a_pipelined_run_restores_at_any_stage_count(uninterrupted, tmp_path, la
     if layout:  # one process: this one
         out = run_here(capfd, "restore.py", "--restore-path", str(cut), *layout).stdout
     else:
-        out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
+        out, _ = launched_here(capfd, tmp_path, "--restore-path", str(cut), script="restore.py")
     assert "Restoring training from latest checkpoint:" in out and "ckpt-3.pt" in out
     # Bitwise at either stage count: stages compute as one process does (test above), and the restored
     # run starts from the same state.
     assert relative_difference(cut / "ckpt-6.pt", uninterrupted / "ckpt-6.pt") == 0.0
 
 
-def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_state_as_the_replicas_alone(data_dir, tmp_path):  # noqa: F811,E501
+def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_state_as_the_replicas_alone(data_dir, tmp_path, capfd):  # noqa: F811,E501
     """Under torchrun the world is stages x replicas: 4 processes, rank r stage r % 2 of replica r // 2. Batch-norm
     statistics over the two replicas of each stage, the optimiser state of each stage sharded over its replicas:
     the weights of the same two replicas without stages (test_replicas checks those against one process)."""
@@ -182,7 +191,7 @@ def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_stat
                            *ONE_THREAD_EACH],
                           tmp_path, ONE_THREAD))
     reference = tmp_path / "replicas"
-    train(tmp_path, *PIPELINE, *spans, "--data-dir", str(data_dir), "--logs-path", str(reference))
+    launched_here(capfd, tmp_path, *PIPELINE, *spans, "--data-dir", str(data_dir), "--logs-path", str(reference))
     # Bitwise: the same replicas, cut into stages that compute as the whole model does.
     assert relative_difference(grid / "ckpt-3.pt", reference / "ckpt-3.pt") == 0.0
     assert " Batch Size: 32 (micro-batch 8 x accumulation 2 x replicas 2)" in out
@@ -216,10 +225,11 @@ GRAPHCORE_PIPELINES = {
 
 
 @pytest.mark.parametrize("name", list(GRAPHCORE_PIPELINES))
-def test_graphcores_pipelining_command_lines_train(tmp_path, name):
+def test_graphcores_pipelining_command_lines_train(tmp_path, capfd, name):
     args, expected = GRAPHCORE_PIPELINES[name]
-    out, err = train_with(tmp_path, "--dataset", "imagenet", "--generated-data", "--pipeline", "--no-validation",
-                          "--enable-recomputation", "--iterations", "1", *args, "--log-dir", str(tmp_path / "logs"))
+    out, err = launched_here(capfd, tmp_path, "--dataset", "imagenet", "--generated-data", "--pipeline",
+                             "--no-validation", "--enable-recomputation", "--iterations", "1", *args, "--log-dir",
+                             str(tmp_path / "logs"), threads=())
     for line in expected:
         assert line in out, out
     (folder,) = (tmp_path / "logs").iterdir()  # named as Graphcore's application names runs (..._240x240 for B1)
@@ -241,9 +251,9 @@ def test_splits_auto_then_validation_with_the_whole_model_counting_every_image_o
     from test_replicas import TEST_IMAGES
 
     folder = tmp_path / "auto"
-    out, _ = train(tmp_path, *(a for a in PIPELINE if a != "--no-validation"), *VARIANTS["group-norm"], "--shards", "2",
-                   "--pipeline", "--pipeline-splits", "auto", "--iterations", "2", "--data-dir", str(data_dir),
-                   "--logs-path", str(folder))
+    out, _ = launched_here(capfd, tmp_path, *(a for a in PIPELINE if a != "--no-validation"), *VARIANTS["group-norm"],
+                           "--shards", "2", "--pipeline", "--pipeline-splits", "auto", "--iterations", "2",
+                           "--data-dir", str(data_dir), "--logs-path", str(folder))
     chosen = re.search(r"--pipeline-splits auto: (\S+) \(measured", out).group(1)
     assert json.loads((folder / "arguments.json").read_text())["pipeline_splits"] == [chosen]
     assert chosen.startswith("stage") and "Pipeline time by stage (Grouped, 2 stages" in out

@@ -95,11 +95,14 @@ def relative_difference(a: Path, b: Path) -> float:
     return float((x - y).norm() / y.norm())
 
 
-def trained(tmp: Path, name: str, data_dir: Path, *args: str, validate: bool = False, norm: str = "--group-norm",
-            env: dict[str, str] | None = None) -> Path:
+def trained(tmp: Path, name: str, data_dir: Path, *args: str, validate: bool = False,
+            norm: str = "--group-norm") -> Path:
+    """A run of COMMON whose launcher is this process (tests/scripts.py `train_here`): its workers are real processes
+    on gloo, started as a user's train.py starts them, without a launcher interpreter's seconds of start-up. The
+    launcher itself is under test where it runs as a child: signals, exit codes, --replicas auto's affinity."""
     folder = tmp / name
     common = [norm if a == "--group-norm" else a for a in COMMON if not (validate and a == "--no-validation")]
-    train(tmp, *common, "--data-dir", str(data_dir), "--logs-path", str(folder), *args, env=env)
+    train_here(*common, "--data-dir", str(data_dir), "--logs-path", str(folder), *args, cwd=tmp)
     return folder
 
 
@@ -165,14 +168,14 @@ def test_replicas_with_accumulation_train_as_one_process_with_more_accumulation(
 
 
 @SHARED_RUNS
-def test_a_restored_replicated_run_continues_the_same_samples(replicas_run, tmp_path):
+def test_a_restored_replicated_run_continues_the_same_samples(replicas_run, tmp_path, capfd):
     cut = tmp_path / "cut"
     shutil.copytree(replicas_run, cut)
     # A checkpoint every 3 updates (16 an epoch, 5 checkpoints asked), between the step lines (every 6): continue
     # from ckpt-9, in the middle of a step line's window.
     for later in ("ckpt-12.pt", "training.csv"):
         (cut / later).unlink()
-    out, _ = train(tmp_path, "--restore-path", str(cut), script="restore.py")
+    out = run_here(capfd, "restore.py", "--restore-path", str(cut), cwd=tmp_path).stdout  # its 2 workers: processes
     assert "Restoring training from latest checkpoint:" in out and "ckpt-9.pt" in out
     # Bitwise: the restored run computes the same shapes on the same threads and kernels from the same
     # weights, optimiser state, random states and samples as the uninterrupted one.
@@ -255,14 +258,16 @@ def test_replicas_auto_on_a_cpu_is_one_process_where_it_has_matrix_units_else_on
 def test_replicas_auto_picks_the_process_count_for_this_cpu(data_dir, tmp_path):
     from cnns.precision import cpu_half_is_emulated
 
-    two_cores = sorted(os.sched_getaffinity(0))[:2]
+    cores = os.sched_getaffinity(0)
     folder = tmp_path / "auto"
-    process = processes.start([sys.executable, str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir),
-                               "--logs-path", str(folder), "--replicas", "auto", "--micro-batch-size", "16",
-                               "--log-all-instances", "true"],
-                              cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=lambda: os.sched_setaffinity(0, two_cores))
-    finish(process)
+    # This process is the launcher (its workers are real processes), on two cores while it runs: the affinity
+    # --replicas auto reads, which the workers inherit.
+    os.sched_setaffinity(0, sorted(cores)[:2])
+    try:
+        train_here(*COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder), "--replicas", "auto",
+                   "--micro-batch-size", "16", "--log-all-instances", "true", cwd=tmp_path)
+    finally:
+        os.sched_setaffinity(0, cores)
     arguments = json.loads((folder / "arguments.json").read_text())
     if not cpu_half_is_emulated(torch.device("cpu"), torch.bfloat16):  # matrix units: one process is faster
         assert (arguments["replicas"], arguments["global_batch_size"]) == (1, 16)
@@ -287,7 +292,8 @@ def test_distributed_validation_counts_every_image_once(replicas_run, tmp_path, 
     accuracy = float(re.search(r"Validation top-1 accuracy:\s+([\d.]+)%", out).group(1))
     assert accuracy == pytest.approx(float(rows[-1]["val_acc"]), abs=5e-4)  # printed with 3 decimals
     # validation.py itself over 2 processes (Graphcore's application runs it under poprun): the same count and accuracy.
-    out, _ = train(single, "--restore-path", str(folder / "ckpt-12.pt"), "--replicas", "2", script="validation.py")
+    out = run_here(capfd, "validation.py", "--restore-path", str(folder / "ckpt-12.pt"), "--replicas", "2",
+                   cwd=single).stdout
     assert f"{accuracy:6.3f}%" in out
     with open(folder / "validation.csv") as f:
         assert [int(row["val_size"]) for row in csv.DictReader(f)][-1] == TEST_IMAGES
@@ -388,7 +394,7 @@ def started_long_run(folder: Path, data_dir: Path, cwd: Path) -> subprocess.Pope
     return run
 
 
-def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(data_dir, tmp_path):
+def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(data_dir, tmp_path, capfd):
     folder = tmp_path / "stopped"
     run = started_long_run(folder, data_dir, tmp_path)
     workers = descendants(run.pid)
@@ -398,7 +404,7 @@ def test_sigterm_to_a_self_spawned_run_checkpoints_once_and_restore_continues(da
     assert 0 < stopped_at < LONG_RUN
     assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == [f"ckpt-{stopped_at}.pt"]
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker processes left"
-    out, _ = train(tmp_path, "--restore-path", str(folder), script="restore.py")
+    out = run_here(capfd, "restore.py", "--restore-path", str(folder), cwd=tmp_path).stdout
     assert f"ckpt-{stopped_at}.pt" in out and (folder / f"ckpt-{LONG_RUN}.pt").is_file()
 
 

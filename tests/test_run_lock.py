@@ -91,7 +91,7 @@ def hold(folder: Path) -> subprocess.Popen:
     return holder
 
 
-def test_two_restores_of_one_run_write_each_row_once(run_copy, tmp_path):
+def test_two_restores_of_one_run_write_each_row_once(run_copy, tmp_path, capfd):
     """Two restore.py on one run at once: the second ends in one line naming the first, exit 2, and writes
     nothing; the first continues the run alone, so training.csv holds every iteration once, in order."""
     cut_back_to(run_copy, 6)
@@ -101,8 +101,8 @@ def test_two_restores_of_one_run_write_each_row_once(run_copy, tmp_path):
     first.send_signal(signal.SIGSTOP)  # it holds the lock, and goes no further while the second one tries
     try:
         before = digest(run_copy)
-        second = processes.run(root_script("restore.py", "--restore-path", str(run_copy)), text=True, cwd=tmp_path,
-                               env=ONE_THREAD, timeout=CHILD_TIMEOUT_S)
+        # The second command in this process (tests/scripts.py): the lock is the first process's.
+        second = scripts.run_here(capfd, "restore.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=None)
         assert digest(run_copy) == before  # not a row, not a line of log.txt
     finally:
         first.send_signal(signal.SIGCONT)
@@ -118,14 +118,13 @@ def test_two_restores_of_one_run_write_each_row_once(run_copy, tmp_path):
     assert not (run_copy / LOCK_NAME).exists()  # given back, the folder as the run left it
 
 
-def test_two_validations_of_one_run_validate_each_checkpoint_once(run_copy, tmp_path):
+def test_two_validations_of_one_run_validate_each_checkpoint_once(run_copy, tmp_path, capfd):
     first = processes.start(root_script("validation.py", "--restore-path", str(run_copy)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ONE_THREAD)
     wait_until_it_holds(first, run_copy)
     first.send_signal(signal.SIGSTOP)
     try:
-        second = processes.run(root_script("validation.py", "--restore-path", str(run_copy)), text=True,
-                               cwd=tmp_path, env=ONE_THREAD, timeout=CHILD_TIMEOUT_S)
+        second = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy), cwd=tmp_path, expect=None)
     finally:
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr[-3000:]
