@@ -163,7 +163,9 @@ def build_figure(runs: list[RunCurves], title: str | None = None) -> Figure:
         title = runs[0].name
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    # Fixed margins, wide enough for the panels' tick labels (up to six digits, or a power-of-ten offset):
+    # tight_layout would draw every label once more to measure it, half of a plot's time.
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.08, top=0.91 if title else 0.95, wspace=0.25, hspace=0.38)
     return fig
 
 
