@@ -109,7 +109,9 @@ class Stripes(DataFormat):
     name = "stripes"
     dataset = Dataset("stripes", num_classes=4, cifar_sized=True, train_images=100, eval_images=20,
                       path_words=("stripes",))
-    checked: list = []
+
+    def __init__(self):
+        self.checked: list = []
 
     def recognise(self, folder: Path) -> bool:
         return (folder / "stripes.txt").is_file()
@@ -139,6 +141,6 @@ def test_a_format_added_to_the_registry_reaches_the_options_the_defaults_and_the
     assert resolve_command_line("train", ["--dataset", "stripes", "--data-dir", str(folder), "--model-size", "8",
                                           "--iterations", "1"]).config.data.dataset == "stripes"  # a choice
     check_data_before_writing(run.config)
-    assert Stripes.checked == [(folder, ["train", "validation"], run.config.train.global_batch_size)]
+    assert stripes.checked == [(folder, ["train", "validation"], run.config.train.global_batch_size)]
     with pytest.raises(ConfigError, match="image-size is not supported for CIFAR-sized datasets"):
         resolve_command_line("train", ["--data-dir", str(folder), "--image-size", "48"])

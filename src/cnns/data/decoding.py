@@ -172,12 +172,13 @@ class ImageDecoder:
             return f"{NATIVE_NAME}; {whole} for other files"
         return f"{whole}; the native region decoder is not built"
 
-    def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor,
+    def decode_into(self, data: bytes, source: str, place: Placement, out: torch.Tensor | np.ndarray,
                     clock: DecodeClock | None = None) -> None:
-        """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3]).
-        DataError naming `source` when the bytes cannot be decoded. `place` may be called twice (a JPEG the
-        native decoder gives up on is decoded whole): it must give the same crop for the same size. With
-        `clock`, the time of each stage is added to it."""
+        """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3], a CPU
+        tensor or numpy array). DataError naming `source` when the bytes cannot be decoded. `place` may be called
+        twice (a JPEG the native decoder gives up on is decoded whole): it must give the same crop for the same
+        size. With `clock`, the time of each stage is added to it."""
+        out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
         native = native_jpeg() if self.use_native else None
         start = time.perf_counter_ns()
         if native is not None and data[:2] == b"\xff\xd8":
@@ -203,7 +204,7 @@ class ImageDecoder:
         whole-image path draws with `place`. `out` may also be a numpy array (a row of a batch's numpy view)."""
         native = native_jpeg() if self.use_native else None
         if native is not None and not native.TRAINING_DRAW:  # a build older than its source: drawn in Python
-            self.decode_into(data, source, place, torch.from_numpy(out) if isinstance(out, np.ndarray) else out, clock)
+            self.decode_into(data, source, place, out, clock)
             return
         if native is not None and data[:2] == b"\xff\xd8":
             try:

@@ -168,8 +168,6 @@ class ImageNetTransform:
                 data, source, (self.seed & _MASK64, epoch & _MASK64, index & _MASK64, *_NATIVE_CROP_DRAW),
                 lambda height, width: self.crop(height, width, key), out, clock)
             return
-        if isinstance(out, np.ndarray):
-            out = torch.from_numpy(out)
         self.decoder.decode_into(data, source, lambda height, width: self.crop(height, width, key), out, clock)
 
     def __call__(self, data: bytes, source: str, key: SampleKey = (0, 0)) -> torch.Tensor:
