@@ -290,6 +290,24 @@ def test_kernels_belong_to_the_update_that_launched_them():
     assert second.busy_us == 150 + 300 + 60 + 10 + 10 + 10
 
 
+def test_traces_read_with_torch_2_11s_function_event_which_takes_no_correlation_keyword(monkeypatch):
+    # The H200's torch (2.11.0+cu130) failed here: its FunctionEvent has no linked_correlation_id keyword.
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from cnns.bench import opprofile
+
+    class FunctionEventOf2_11(FunctionEvent):
+        def __init__(self, *args, **kwargs):
+            assert not {"linked_correlation_id", "is_user_annotation"} & kwargs.keys(), "keyword torch 2.11 lacks"
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(opprofile, "FunctionEvent", FunctionEventOf2_11)
+    events = [_update(0, 1000), _update(2000, 1000), _launch(2100, 11), _kernel(CONV, 3500, 400, correlation=11),
+              _flow_start(2200, 13), _kernel(ADD_KERNEL, 2300, 30, correlation=13), _update(5000, 100)]
+    first, _ = gpu_updates(events, skip=1)
+    assert first.family_us == {CONVOLUTION: 400, ADD: 30}
+
+
 def test_kernels_launched_from_autograds_thread_belong_to_the_update_in_whose_time_they_were_launched():
     # On a GPU the backward pass runs on autograd's own thread: its launches are outside the update's mark on
     # the main thread, inside its time.

@@ -75,10 +75,14 @@ def function_events(trace: list[dict[str, Any]]) -> EventList:
     ``linked_correlation_id``."""
     def event(index: int, e: dict[str, Any], category: str, end: float, correlation: int) -> FunctionEvent:
         on_device = category in DEVICE_CATEGORIES
-        return FunctionEvent(index, e["name"], f"{e.get('pid')}/{e.get('tid')}", e["ts"], end,
-                             linked_correlation_id=correlation, is_user_annotation=category == "user_annotation",
+        made = FunctionEvent(index, e["name"], f"{e.get('pid')}/{e.get('tid')}", e["ts"], end,
                              device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
                              use_device="cuda" if on_device else None)
+        # Set, not passed: the constructor's keywords for these came late (torch 2.11's has neither
+        # linked_correlation_id nor, before it, is_user_annotation), the attributes are read the same way.
+        made.linked_correlation_id = correlation
+        made.is_user_annotation = category == "user_annotation"
+        return made
 
     events, launched = EventList(), set()
     for index, e in enumerate(trace):
