@@ -1,7 +1,8 @@
 """The kernels a run computes with, none of which changes a result beyond its rounding (`choose_kernels`):
 gradients kept channels_last, cuDNN's fastest or deterministic algorithms on a GPU, the bfloat16 depthwise
 backward routed away from oneDNN's slow one, float32 kernels for the half convolutions of a CPU that only
-emulates the half type.
+emulates the half type, and the float32 backward of convolutions with a few output positions as two matrix
+products.
 
 The GPU choice sets process-wide flags (cuDNN's benchmark and deterministic modes, torch's deterministic
 algorithms, cuBLAS's workspace): a process trains one run, so they are the run's. The rest changes the model's
@@ -25,7 +26,9 @@ def choose_kernels(model: nn.Module, device: torch.device, compute_dtype: torch.
     """The kernels a run computes with, none of which changes a result beyond its rounding: on a GPU cuDNN's
     fastest or (with --seed) deterministic ones; on a CPU that only emulates the half type, float32 kernels for
     its convolutions; on one that computes bfloat16, another backward for the depthwise convolutions whose
-    oneDNN one is slow; everywhere, gradients kept channels_last."""
+    oneDNN one is slow; on a CPU computing in float32, matrix products for the backward of convolutions with few
+    output positions (the emulated half type's float32 kernels choose them too); everywhere, gradients kept
+    channels_last."""
     if device.type == "cuda":
         choose_gpu_kernels(model, reproducible)
     half = compute_dtype in (torch.bfloat16, torch.float16)  # 16.16 and 16.32
@@ -33,6 +36,8 @@ def choose_kernels(model: nn.Module, device: torch.device, compute_dtype: torch.
         compute_half_convolutions_in_float32(model)
     elif device.type == "cpu" and compute_dtype == torch.bfloat16:
         route_slow_depthwise_backward(model)
+    elif device.type == "cpu" and compute_dtype == torch.float32:
+        route_few_position_backward(model)
     keep_gradients_channels_last(model)  # last: hooks the pooling layers as the GPU choice left them
 
 # ------------------------------------------------------------------------------------------------
@@ -241,7 +246,8 @@ def route_slow_depthwise_backward(model: nn.Module) -> int:
 
 
 class _Float32ComputedConv(torch.autograd.Function):
-    """A half-precision convolution computed by oneDNN's float32 kernels, forward and backward.
+    """A convolution computed by float32 kernels, forward and backward: oneDNN's, and for a backward with few
+    output positions two matrix products (`float32_convolution_backward`). Float32 operands pass unconverted.
 
     Without AVX512-BF16 or AMX (AMX-FP16 for float16), oneDNN has no half convolution and torch falls back to a
     generic im2col + matrix product, many times slower than float32. The half operands convert to float32
@@ -266,9 +272,8 @@ class _Float32ComputedConv(torch.autograd.Function):
         stride, padding, dilation, groups, has_bias = ctx.conv
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         with torch.autocast("cpu", enabled=False):
-            grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-                grad.float(), x.float(), weight.float(), [weight.shape[0]] if has_bias else None, stride, padding,
-                dilation, False, [0, 0], groups, mask)
+            grad_input, grad_weight, grad_bias = float32_convolution_backward(
+                grad.float(), x.float(), weight.float(), stride, padding, dilation, groups, mask)
         return (grad_input.to(x.dtype) if mask[0] else None, grad_weight.to(weight.dtype) if mask[1] else None,
                 grad_bias.to(weight.dtype) if mask[2] else None, None, None, None, None)
 
@@ -291,9 +296,112 @@ def compute_half_convolutions_in_float32(model: nn.Module) -> int:
     """Every zero-padded nn.Conv2d of `model` with numeric padding (the backward's form; not "same") computes its
     half-precision convolutions with float32 kernels (above). Returns the number of convolutions changed."""
     changed = 0
+    for module in _plain_zero_padded_convolutions(model):
+        specialise(module, _Float32ComputedHalfConv)
+        changed += 1
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------
+# float32 convolutions with few output positions
+
+
+# A dense convolution whose output has at most this many positions per image has its float32 backward computed
+# as two matrix products. oneDNN's backward is slow there: on one core of an AVX2 EPYC (Zen 3), batch 32,
+# channels_last, ResNet-18's last 3x3 convolutions at 2 x 2 took 80-150 ms against 27-32 ms, at 1 x 1 70-100
+# against 8-11, a strided 1 x 1 from 3 x 3 to 2 x 2 (ResNet-50's) 56-131 against 12-23; at 3 x 3 positions
+# oneDNN is already as fast or faster (docs/performance.md, "Convolutions with few output positions").
+FEW_OUTPUT_POSITIONS = 4
+
+
+def has_few_output_positions(output_size, groups: int, dilation) -> bool:
+    """Whether this convolution's backward is computed as matrix products (above): a dense one (no groups, no
+    dilation) whose output, of spatial size ``output_size``, has at most FEW_OUTPUT_POSITIONS positions."""
+    height, width = output_size
+    return groups == 1 and tuple(dilation) == (1, 1) and height * width <= FEW_OUTPUT_POSITIONS
+
+
+def float32_convolution_backward(grad, x, weight, stride, padding, dilation, groups, mask):
+    """`aten.convolution_backward` of float32 operands (bias: its gradient when ``mask[2]``): oneDNN's, or two
+    matrix products where the output has few positions (`has_few_output_positions`)."""
+    if not has_few_output_positions(grad.shape[-2:], groups, dilation):
+        return torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]] if mask[2] else None, stride,
+                                                  padding, dilation, False, [0, 0], groups, mask)
+    return _matmul_convolution_backward(grad, x, weight, stride, padding, mask)
+
+
+def _matmul_convolution_backward(grad, x, weight, stride, padding, mask):
+    """A dense convolution's backward as matrix products over its unfolded input (im2col): one row per output
+    position, one column per weight tap (input channel, kernel row, kernel column). The weight gradient is
+    rows^T x grad, the input gradient grad x weight folded back onto the input's positions (col2im sums the
+    overlapping windows). The same sums as oneDNN's in another order.
+
+    The columns follow the weight's memory order, so that neither the weight nor its gradient is transposed: a
+    channels_last weight is (out, kernel row, kernel column, in) in memory; only the batch-sized rows are."""
+    batch, out_channels = grad.shape[:2]
+    in_channels, taps = weight.shape[1], weight.shape[2] * weight.shape[3]
+    positions = grad.shape[2] * grad.shape[3]
+    channels_last = weight.stride(1) == 1
+    grad_rows = grad.permute(0, 2, 3, 1).reshape(batch * positions, out_channels)  # a view when channels_last
+    grad_input = grad_weight = grad_bias = None
+    if mask[1]:
+        columns = F.unfold(x, weight.shape[2:], padding=padding, stride=stride).view(
+            batch, in_channels, taps, positions)
+        rows = columns.permute(0, 3, 2, 1) if channels_last else columns.permute(0, 3, 1, 2)
+        products = grad_rows.t() @ rows.reshape(batch * positions, -1)
+        grad_weight = _in_layout_of(weight, products.view(out_channels, *weight.shape[2:], in_channels).permute(
+            0, 3, 1, 2) if channels_last else products.view(weight.shape))
+    if mask[0]:
+        weight_rows = weight.permute(0, 2, 3, 1) if channels_last else weight
+        windows = grad_rows @ weight_rows.reshape(out_channels, -1)
+        windows = windows.view(batch, positions, taps, in_channels).permute(0, 3, 2, 1) if channels_last else \
+            windows.view(batch, positions, in_channels, taps).permute(0, 2, 3, 1)
+        grad_input = _in_layout_of(x, F.fold(windows.reshape(batch, in_channels * taps, positions), x.shape[2:],
+                                             weight.shape[2:], padding=padding, stride=stride))
+    if mask[2]:
+        grad_bias = grad_rows.sum(0)
+    return grad_input, grad_weight, grad_bias
+
+
+def _in_layout_of(tensor: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` with `tensor`'s strides, as oneDNN gives a gradient (a channels_last 1 x 1 weight's too)."""
+    return values if values.stride() == tensor.stride() else torch.empty_like(tensor).copy_(values)
+
+
+class _FewPositionConv:
+    """An nn.Conv2d whose float32 training convolutions with few output positions are `_Float32ComputedConv`:
+    oneDNN's forward, the backward as matrix products."""
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias):
+        if torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32 \
+                and not torch.is_autocast_enabled("cpu") \
+                and has_few_output_positions(_output_size(self, x), self.groups, self.dilation):
+            return _Float32ComputedConv.apply(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        return super()._conv_forward(x, weight, bias)
+
+
+def _output_size(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, int]:
+    """The spatial size `conv` gives `x`, without computing it."""
+    height, width = ((size + 2 * pad - dil * (k - 1) - 1) // step + 1 for size, pad, dil, k, step in
+                     zip(x.shape[-2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride))
+    return height, width
+
+
+def route_few_position_backward(model: nn.Module) -> int:
+    """Every zero-padded nn.Conv2d of `model` with numeric padding computes the float32 backward of an output with
+    few positions as matrix products (above); whether an output has few positions is decided per call, from the
+    input's size. Returns the number of convolutions changed."""
+    changed = 0
+    for module in _plain_zero_padded_convolutions(model):
+        specialise(module, _FewPositionConv)
+        changed += 1
+    return changed
+
+
+def _plain_zero_padded_convolutions(model: nn.Module):
+    """The nn.Conv2d modules of `model` with zero padding given as numbers (the backward's form; not "same") whose
+    convolution no other choice has changed."""
     for module in model.modules():
         if isinstance(module, nn.Conv2d) and module.padding_mode == "zeros" and not isinstance(module.padding, str) \
                 and type(module)._conv_forward is nn.Conv2d._conv_forward:
-            specialise(module, _Float32ComputedHalfConv)
-            changed += 1
-    return changed
+            yield module
