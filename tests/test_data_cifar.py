@@ -205,3 +205,49 @@ def test_builtin_dataset_is_not_regenerated_when_present(tmp_path, monkeypatch):
     damaged.write_bytes(b"\x00" * 100)
     ensure_builtin_dataset(tmp_path)
     assert damaged.stat().st_size == 1000 * 3073
+
+
+def test_commands_preparing_the_builtin_set_at_once_keep_each_others_files(tmp_path, monkeypatch):
+    """Two commands start on a missing built-in set; the other writes every file while this one draws. This one
+    keeps them (the same bytes) instead of stopping at "data_batch_1.bin exists and this command did not make it",
+    which two test workers met on one checkout's data/builtin."""
+    from cnns.runfolder.files import command_scope
+
+    real = builtin.cifar10_file_contents
+    draws = []
+
+    def drawn_while_another_command_writes(*args):
+        draws.append(args)
+        if len(draws) == 1:
+            with command_scope():  # the other command, start to end
+                ensure_builtin_dataset(tmp_path)
+        return real(*args)
+
+    monkeypatch.setattr(builtin, "cifar10_file_contents", drawn_while_another_command_writes)
+    with command_scope():
+        assert ensure_builtin_dataset(tmp_path) == tmp_path
+    assert len(draws) == 2  # both drew: neither found the files complete before it began
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(names)  # no temporary file left
+    fresh = real(*draws[0])
+    assert all((tmp_path / name).read_bytes() == fresh[name] for name in names)
+
+
+def test_write_once_never_replaces_or_writes_through_what_is_there(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from cnns.runfolder.files import write_once
+
+    assert write_once(tmp_path / "a.bin", b"first") and (tmp_path / "a.bin").read_bytes() == b"first"
+    assert not write_once(tmp_path / "a.bin", b"second") and (tmp_path / "a.bin").read_bytes() == b"first"
+    (tmp_path / "link.bin").symlink_to(tmp_path / "target.bin")  # a dangling link: not followed, not replaced
+    assert not write_once(tmp_path / "link.bin", b"x") and not (tmp_path / "target.bin").exists()
+
+    def no_hard_links(source, destination):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)  # a file system without hard links renames instead
+    assert write_once(tmp_path / "b.bin", b"b") and (tmp_path / "b.bin").read_bytes() == b"b"
+    assert not write_once(tmp_path / "b.bin", b"c") and (tmp_path / "b.bin").read_bytes() == b"b"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.bin", "b.bin", "link.bin"]

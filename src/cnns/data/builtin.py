@@ -13,11 +13,14 @@ width. (No sin, sqrt or randn, whose vectorised kernels may differ in the last b
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import torch
 
-from cnns.data.cifar import CIFAR10_FILES, IMAGE_SIZE, record_size, write_cifar10
+from cnns.data.cifar import CIFAR10_FILES, IMAGE_SIZE, cifar10_file_contents, record_size
+from cnns.runfolder.files import write_atomically, write_once
 
 BUILTIN_CLASSES = [
     "circle",
@@ -48,31 +51,43 @@ HALF_SIZE_RANGE = (4.0, 11.0)  # pixels from the shape's centre to the edge of i
 def ensure_builtin_dataset(folder: str | Path) -> Path:
     """Make sure `folder` holds the built-in dataset as CIFAR-10 binary files; return `folder`.
 
-    Files already present with the right sizes are kept (generation is deterministic, so they
-    can only be what we would write); otherwise all are rewritten. Each file is written under a
-    temporary name and renamed, so an interrupted run, or several processes starting together,
-    never leave a partial file.
+    Files already present with the right sizes are kept (generation is deterministic, so they can only be what we
+    would write). A missing file is written once (`write_once`): several commands starting together each write
+    it under a temporary name and the first to link it into place wins, the others keep its identical bytes, so
+    none sees a partial file or is refused another's. A file of another size is replaced, as any write replaces
+    a file: within a command only one that command made.
     """
     folder = Path(folder)
-    if not _builtin_files_present(folder):
-        write_cifar10(
-            folder,
-            train=draw_shapes(TRAIN_IMAGES, TRAIN_SEED),
-            test=draw_shapes(TEST_IMAGES, TEST_SEED),
-            num_train_files=TRAIN_FILES,
-        )
+    sizes = {name: _size(folder / name) for name in _expected_sizes()}
+    to_write = [name for name, size in _expected_sizes().items() if sizes[name] != size]
+    if not to_write:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    contents = cifar10_file_contents(draw_shapes(TRAIN_IMAGES, TRAIN_SEED), draw_shapes(TEST_IMAGES, TEST_SEED),
+                                     TRAIN_FILES)
+    for name in to_write:
+        if sizes[name] is None:  # missing when looked at: another command may have written it since
+            write_once(folder / name, contents[name])
+        else:
+            write_atomically(folder / name, contents[name])
     return folder
 
 
-def _builtin_files_present(folder: Path) -> bool:
+def _size(path: Path) -> int | None:
+    """The size of the regular file at `path`; -1 for anything else there (a link, a folder); None where nothing
+    is."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else -1
+
+
+def _expected_sizes() -> dict[str, int]:
     record = record_size("cifar-10")
     expected = {name: TRAIN_IMAGES // TRAIN_FILES * record for name in CIFAR10_FILES["train"]}
     expected[CIFAR10_FILES["test"][0]] = TEST_IMAGES * record
-    return all(_has_size(folder / name, size) for name, size in expected.items())
-
-
-def _has_size(path: Path, size: int) -> bool:
-    return path.is_file() and path.stat().st_size == size
+    return expected
 
 
 def draw_shapes(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

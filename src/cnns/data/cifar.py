@@ -119,17 +119,24 @@ def write_cifar10(
     data_batch_{num_train_files}.bin. load_cifar reads exactly the five standard files, so other
     values give a layout it rejects (useful in tests); each file must receive at least one image.
     """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in cifar10_file_contents(train, test, num_train_files).items():
+        write_atomically(folder / name, content)
+
+
+def cifar10_file_contents(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor],
+                          num_train_files: int = 5) -> dict[str, bytes]:
+    """The bytes of each file `write_cifar10` writes, by name."""
     if num_train_files < 1:
         raise ValueError(f"num_train_files must be at least 1, got {num_train_files}")
     train_records = _make_records(*train, num_classes=10, coarse_labels=False)
     test_records = _make_records(*test, num_classes=10, coarse_labels=False)
     if len(train_records) < num_train_files:
         raise ValueError(f"{len(train_records)} training images cannot fill {num_train_files} files")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for index, chunk in enumerate(np.array_split(train_records, num_train_files), start=1):
-        write_atomically(folder / f"data_batch_{index}.bin", chunk.tobytes())
-    write_atomically(folder / CIFAR10_FILES["test"][0], test_records.tobytes())
+    contents = {f"data_batch_{index}.bin": chunk.tobytes()
+                for index, chunk in enumerate(np.array_split(train_records, num_train_files), start=1)}
+    return {**contents, CIFAR10_FILES["test"][0]: test_records.tobytes()}
 
 
 def write_cifar100(

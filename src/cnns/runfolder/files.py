@@ -3,7 +3,7 @@ was. Libraries that write files of their own (TensorBoard's event files, the pro
 folder) write them directly, into subfolders of the run folder that nothing of cnns reads back.
 
 A run folder holds days of training, so no write may leave half a file behind when the disk fills (ENOSPC),
-the quota runs out (EDQUOT), the device fails (EIO) or the folder vanishes. Three primitives, used by every
+the quota runs out (EDQUOT), the device fails (EIO) or the folder vanishes. Four primitives, used by every
 write site of cnns:
 
 * `write_atomically(path, content)`: bytes, text, or a callable that writes to a file object, go to a
@@ -11,6 +11,8 @@ write site of cnns:
   the rename is durable too). A reader sees the old file or the new one, never a part.
 * `write_atomically_by_name(path, produce)`: the same for libraries that write only to a file name they are
   given (ONNX, AOTInductor packages).
+* `write_once(path, content)`: a missing file whose bytes are fixed, which several commands may write at once
+  (the built-in dataset): linked into place from a temporary file, never replacing what another put there first.
 * `append(path, data)`: one row or line added at the end; a failed append truncates the file back to its size
   before (or removes it if the append created it), so no row is ever cut short.
 
@@ -34,6 +36,7 @@ tests inject their faults there and at `os.fsync` and `os.replace` (tests/faults
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import secrets
@@ -83,6 +86,49 @@ def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], 
             raise
         raise WriteError(path, cause) from None
     _fsync_folder(path.parent)
+
+
+def write_once(path: str | Path, content: bytes) -> bool:
+    """`content` as the missing file `path`, for files whose bytes are fixed (the built-in dataset, generated the
+    same everywhere) that several commands may write at once: written under a temporary name, then linked into
+    place, which fails if a file (or a link) is there by then. So a reader never sees part of it, nothing existing
+    is replaced or written through, and the first writer's file stays. Returns whether this call wrote it."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with _Destination(fd) as destination:
+            destination.write(content)
+        _fsync_file(temporary)
+        if not _link_unless_present(temporary, path):
+            return False
+        _scope.created.add(_key(path))
+    except BaseException as exc:
+        cause = disk_failure(exc)
+        if cause is None:
+            raise
+        raise WriteError(path, cause) from None
+    finally:
+        _remove(temporary)
+    _fsync_folder(path.parent)
+    return True
+
+
+def _link_unless_present(temporary: Path, path: Path) -> bool:
+    """`temporary` linked as `path` unless something is there already (False then)."""
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+    # A file system without hard links: a rename, which another writer of the same bytes may just precede
+    if os.path.lexists(path):
+        return False
+    os.replace(temporary, path)
+    return True
 
 
 def append(path: str | Path, data: bytes | str) -> None:
