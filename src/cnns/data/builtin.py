@@ -59,7 +59,7 @@ def ensure_builtin_dataset(folder: str | Path) -> Path:
     """
     folder = Path(folder)
     sizes = {name: _size(folder / name) for name in _expected_sizes()}
-    to_write = [name for name, size in _expected_sizes().items() if sizes[name] != size]
+    to_write = [name for name, expected in _expected_sizes().items() if sizes[name] != expected]
     if not to_write:
         return folder
     folder.mkdir(parents=True, exist_ok=True)

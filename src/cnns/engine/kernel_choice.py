@@ -307,10 +307,9 @@ def compute_half_convolutions_in_float32(model: nn.Module) -> int:
 
 
 # A dense convolution whose output has at most this many positions per image has its float32 backward computed
-# as two matrix products. oneDNN's backward is slow there: on one core of an AVX2 EPYC (Zen 3), batch 32,
-# channels_last, ResNet-18's last 3x3 convolutions at 2 x 2 took 80-150 ms against 27-32 ms, at 1 x 1 70-100
-# against 8-11, a strided 1 x 1 from 3 x 3 to 2 x 2 (ResNet-50's) 56-131 against 12-23; at 3 x 3 positions
-# oneDNN is already as fast or faster (docs/performance.md, "Convolutions with few output positions").
+# as two matrix products: oneDNN's backward is several times slower there (a ResNet's last stage on small
+# images), while from 3 x 3 positions on it is as fast or faster (docs/performance.md, "Convolutions with few
+# output positions", has the measurements).
 FEW_OUTPUT_POSITIONS = 4
 
 

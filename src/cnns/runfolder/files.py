@@ -53,17 +53,17 @@ Content = Union[bytes, str, Callable[[BinaryIO], None]]
 def write_atomically(path: str | Path, content: Content) -> None:
     """`content` (bytes, text as UTF-8, or a callable writing to the file object it is given) as the whole
     of `path`, replacing it only once every byte is on the disk."""
-    path = Path(path)
+    write_atomically_by_name(path, lambda temporary: _write_new_file(temporary, content))
 
-    def produce(temporary: Path) -> None:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
-        with _Destination(fd) as destination:
-            if callable(content):
-                content(destination)
-            else:
-                destination.write(content.encode() if isinstance(content, str) else content)
 
-    write_atomically_by_name(path, produce)
+def _write_new_file(path: Path, content: Content) -> None:
+    """`content` as the new file `path` (refused if anything is there), through `os.write`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    with _Destination(fd) as destination:
+        if callable(content):
+            content(destination)
+        else:
+            destination.write(content.encode() if isinstance(content, str) else content)
 
 
 def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], suffix: str = ".tmp") -> None:
@@ -96,9 +96,7 @@ def write_once(path: str | Path, content: bytes) -> bool:
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with _Destination(fd) as destination:
-            destination.write(content)
+        _write_new_file(temporary, content)
         _fsync_file(temporary)
         if not _link_unless_present(temporary, path):
             return False
