@@ -238,15 +238,22 @@ def test_every_root_script_starts_as_its_own_program(script):
 def test_a_process_that_only_starts_workers_or_reads_options_loads_no_engine():
     """Parsing a command line, checking it and starting a run's workers import torch only: timm, torchvision and
     torch._dynamo (seconds of start-up, in every worker anyway) stay out of the launcher and of --help, also where
-    the launcher builds a CIFAR ResNet to check the --pipeline-splits of its stages."""
+    the launcher builds a CIFAR ResNet to check the --pipeline-splits of its stages. The engine's modules, and
+    fusing a CIFAR ResNet's passes, import neither timm nor torch's pipelining either: a CIFAR worker pays for
+    neither (torch._dynamo it pays for anyway: torch's optimisers import it when built)."""
     code = ("import sys; import cnns.cli.runs, cnns.commands.train, cnns.commands.restore, cnns.models; "
             "from cnns.models import ModelSpec, build_model, resolve_splits; "
             "spec = ModelSpec(arch='resnet', size='20', num_classes=10, image_size=32, norm='group', groups=4); "
             "assert resolve_splits(spec, build_model(spec), ['stage2/unit1/relu']); "
-            "print(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules))")
+            "print(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules)); "
+            "import cnns.engine.setup, cnns.engine.assembly, cnns.engine.ema; "
+            "from cnns.engine.fusion import fuse_norm_activations, fuse_squeeze_excitation; "
+            "model = build_model(spec); assert fuse_norm_activations(model) == 9 + 1; "
+            "assert fuse_squeeze_excitation(model) == 0; "
+            "print(sorted(m for m in ('timm', 'torchvision', 'torch.distributed.pipelining') if m in sys.modules))")
     out = processes.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout + out.stderr
 
 
 def test_run_name_pipeline_and_replica_tags():

@@ -19,7 +19,6 @@ step). A check of ModelEmaV3's signature instead would leave two update paths, e
 from __future__ import annotations
 
 import torch
-from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from cnns.errors import ConfigError
@@ -29,6 +28,8 @@ class WeightEma:
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
             raise ConfigError(f"--ema-decay must be between 0 and 1, got {decay}")
+        from timm.utils.model_ema import ModelEmaV3  # here, not with the module: timm takes seconds to import
+
         self.decay = decay
         self._ema = ModelEmaV3(model, decay=decay)
         self._ema.module.to(dtype=torch.float32)  # floating-point tensors only: integer buffers stay

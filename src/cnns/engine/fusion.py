@@ -24,11 +24,12 @@ passes do not take a tensor, the span's torch version (`cnns.parallel.batchnorm`
 
 from __future__ import annotations
 
+import functools
+import sys
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
-from timm.layers import BatchNormAct2d, GroupNormAct
-from timm.models import resnet as timm_resnet
-from timm.models._efficientnet_blocks import SqueezeExcite
 from torch import nn
 
 from cnns.engine.wrappers import specialise
@@ -43,6 +44,23 @@ _PLAIN_ACT = {"relu": F.relu, "silu": F.silu, "none": lambda x: x}
 
 # What a run fuses: norm classes (each fused with whatever activation follows it).
 Norms = tuple
+
+
+def _timm_classes() -> SimpleNamespace | None:
+    """timm's classes that are fused, or None where timm is not imported: a model built without timm (the CIFAR
+    ResNets) holds none of them. Not imported for such a model because importing timm costs every process about
+    3.5 s on a 2-core EPYC (its layers import torchvision's models, whose detection ops import torch._dynamo)."""
+    return _imported_timm_classes() if "timm" in sys.modules else None
+
+
+@functools.cache
+def _imported_timm_classes() -> SimpleNamespace:
+    from timm.layers import BatchNormAct2d, GroupNormAct
+    from timm.models import resnet as timm_resnet
+    from timm.models._efficientnet_blocks import SqueezeExcite
+
+    return SimpleNamespace(basic_block=timm_resnet.BasicBlock, bottleneck=timm_resnet.Bottleneck,
+                           norm_acts=(BatchNormAct2d, GroupNormAct), squeeze_excite=SqueezeExcite)
 
 
 def fused_norms(device: torch.device, asked: str) -> Norms:
@@ -127,21 +145,26 @@ def _claim(span: BatchNormSpan | None, norm: nn.Module) -> None:
 def _fuse_norm_act_module(module: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
     """timm's BatchNormAct2d / GroupNormAct (EfficientNet) with a ReLU, SiLU or no activation, no dropout."""
     act = _activation(module.act)
-    kind = nn.BatchNorm2d if isinstance(module, BatchNormAct2d) else nn.GroupNorm
+    kind = nn.BatchNorm2d if isinstance(module, nn.BatchNorm2d) else nn.GroupNorm  # timm's are subclasses
     if act is None or kind not in norms or not isinstance(module.drop, nn.Identity):
         return False
     _fused_norm(module, act, span)
     return True
 
 
-# Residual units: the attribute names of (norm, activation) pairs, and of the last norm and final ReLU that
-# take the shortcut. Everything else in the unit must be absent for its forward to be replaced.
-_UNITS = {
-    timm_resnet.BasicBlock: ((("bn1", "act1"),), ("conv2", "bn2", "act2")),
-    timm_resnet.Bottleneck: ((("bn1", "act1"), ("bn2", "act2")), ("conv3", "bn3", "act3")),
-    cifar_resnet.BasicBlock: ((("bn1", "act1"),), ("conv2", "bn2", "act2")),
-    cifar_resnet.Bottleneck: ((("bn1", "act1"), ("bn2", "act2")), ("conv3", "bn3", "act3")),
-}
+# Residual units, by kind: the attribute names of (norm, activation) pairs, and of the last norm and final ReLU
+# that take the shortcut. Everything else in the unit must be absent for its forward to be replaced.
+_BASIC_UNIT = ((("bn1", "act1"),), ("conv2", "bn2", "act2"))
+_BOTTLENECK_UNIT = ((("bn1", "act1"), ("bn2", "act2")), ("conv3", "bn3", "act3"))
+
+
+def _units() -> dict[type, tuple]:
+    """The residual units fused, by class (the CIFAR ResNets', and timm's where it is imported): their names."""
+    units = {cifar_resnet.BasicBlock: _BASIC_UNIT, cifar_resnet.Bottleneck: _BOTTLENECK_UNIT}
+    timm = _timm_classes()
+    if timm is not None:
+        units.update({timm.basic_block: _BASIC_UNIT, timm.bottleneck: _BOTTLENECK_UNIT})
+    return units
 
 
 def _plain_timm_unit(unit: nn.Module) -> bool:
@@ -153,7 +176,7 @@ def _plain_timm_unit(unit: nn.Module) -> bool:
 
 class _FusedUnit:
     """A residual unit whose norm+activation pairs are fused and whose last norm, shortcut addition and ReLU
-    run as one pass; ``_cnns_unit`` holds the names (pairs, last, shortcut) of `_UNITS`."""
+    run as one pass; ``_cnns_unit`` holds the names (pairs, last, shortcut) of `_units`."""
 
     _cnns_unit: tuple
     _cnns_span: BatchNormSpan | None
@@ -169,9 +192,9 @@ class _FusedUnit:
                         span=self._cnns_span)
 
 
-def _fuse_unit(unit: nn.Module, norms: Norms, span: BatchNormSpan | None) -> bool:
-    pairs, last = _UNITS[type(unit)]
-    timm_unit = type(unit) in (timm_resnet.BasicBlock, timm_resnet.Bottleneck)
+def _fuse_unit(unit: nn.Module, names: tuple, norms: Norms, span: BatchNormSpan | None) -> bool:
+    pairs, last = names
+    timm_unit = type(unit) not in (cifar_resnet.BasicBlock, cifar_resnet.Bottleneck)
     if timm_unit and not _plain_timm_unit(unit):
         return False
     norm_last, act_last = getattr(unit, last[1]), getattr(unit, last[2])
@@ -192,14 +215,15 @@ def fuse_norm_activations(model: nn.Module, norms: Norms = (nn.BatchNorm2d, nn.G
     passes; returns how many were fused. With ``span`` (--BN-span), batch norms take the span's statistics,
     and `cnns.parallel.batchnorm.cross_replica_batch_norm` converts the batch norms left unfused."""
     fused = 0
+    units, timm = _units(), _timm_classes()
     for module in list(model.modules()):
-        if type(module) in _UNITS:
-            fused += _fuse_unit(module, norms, span)
-        elif type(module) in (BatchNormAct2d, GroupNormAct):
+        if type(module) in units:
+            fused += _fuse_unit(module, units[type(module)], norms, span)
+        elif timm is not None and type(module) in timm.norm_acts:
             fused += _fuse_norm_act_module(module, norms, span)
     # The ResNets' stem: conv1, bn1, act1 on the model itself (a unit's own pairs are fused above).
     for owner in model.modules():
-        if not isinstance(owner, _FusedUnit) and type(owner) not in _UNITS and hasattr(owner, "bn1") \
+        if not isinstance(owner, _FusedUnit) and type(owner) not in units and hasattr(owner, "bn1") \
                 and hasattr(owner, "act1"):
             fused += _fuse_pair(owner, "bn1", "act1", norms, span)
     return fused
@@ -221,7 +245,7 @@ def fuses_squeeze_excitation(device: torch.device, asked: str) -> bool:
     return bool(fused_norms(device, asked))
 
 
-def _gate_network(module: SqueezeExcite):
+def _gate_network(module: nn.Module):
     def gate(squeezed: torch.Tensor) -> torch.Tensor:
         return module.gate(module.conv_expand(module.act1(module.conv_reduce(squeezed))))
 
@@ -239,9 +263,12 @@ class _FusedSqueezeExcite:
 
 def fuse_squeeze_excitation(model: nn.Module) -> int:
     """Give timm's squeeze-excitation blocks the fused passes in training; returns how many."""
+    timm = _timm_classes()
+    if timm is None:
+        return 0
     fused = 0
     for module in model.modules():
-        if type(module) is SqueezeExcite:
+        if type(module) is timm.squeeze_excite:
             specialise(module, _FusedSqueezeExcite)
             fused += 1
     return fused

@@ -22,7 +22,7 @@ from cnns.models import ModelError
 from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
 from cnns.optim import parameter_names
 from cnns.parallel.pipeline import (StageModule, merge_optimiser_states, optimiser_state_by_index,
-                                    optimiser_state_by_name, stage_of)
+                                    optimiser_state_by_name)
 from cnns.parallel.world import World
 from cnns.precision import PrecisionPolicy
 
@@ -41,6 +41,8 @@ class Stage:
 def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.device,
                 policy: PrecisionPolicy) -> Stage:
     """Cut the whole, wrapped `model` at the run's --pipeline-splits and keep this process's stage."""
+    from cnns.parallel.schedules import stage_of  # torch's pipelining: only a run with stages imports it
+
     splits = list(cfg.parallel.pipeline_splits or [])
     try:
         cuts = stage_cuts(cfg.model, model, splits, world.shards)
