@@ -153,6 +153,12 @@ def test_dataset_dependent_defaults_and_run_names():
     effnet, _ = resolved_training_options("train", ["--model", "efficientnet", "--data-dir", "/data/imagenet",
                                                     "--gradient-accumulation-count", "16"])
     assert effnet["name"] == "EfficientNet-B0_bs4x16a_GN4"
+    # Graphcore's EfficientNet-B1 pipelining line: B1's own 240 px, which its run name carries.
+    b1, _ = resolved_training_options("train", ["--model", "efficientnet", "--model-size", "B1", "--dataset", "imagenet",
+                                                "--generated-data", "--shards", "4", "--pipeline", "--pipeline-splits",
+                                                "block2a/c", "block4a", "block5c", "--micro-batch-size", "2",
+                                                "--gradient-accumulation-count", "4"])
+    assert (b1["image_size"], b1["name"]) == (240, "EfficientNet-B1_bs2x4p_GN4_240x240")
     resnext, _ = resolved_training_options("train", ["--model", "resnext", "--dataset", "cifar-10", "--data-dir", "/x",
                                                      "--no-stochastic-rounding", "--name-suffix", "try"])
     assert resnext["name"] == "RNX29_bs32_BN_16.16_noSR_try"

@@ -203,8 +203,8 @@ def test_torchrun_runs_stages_by_replicas_with_batch_norm_spans_and_sharded_stat
 # counts.
 GRAPHCORE_PIPELINES = {
     # Small images where those lines do not depend on the size (parameters, batch), so that one update
-    # stays small: 64x64, and 48x48 for EfficientNet-B0, whose update is 512 images. EfficientNet-B1's run
-    # name carries its 240x240.
+    # stays small: 64x64, and 48x48 for EfficientNet-B0, whose update is 512 images. (EfficientNet-B1's own
+    # 240x240, which its run name carries, is test_cli's.)
     "resnext14-2-stages": (("--model", "resnext", "--model-size", "14", "--shards", "2",
                             "--pipeline-splits", "stage3/unit1/relu", "--micro-batch-size", "2",
                             "--gradient-accumulation-count", "2", "--image-size", "64"), ["Total Parameters:9411880"]),
@@ -214,8 +214,8 @@ GRAPHCORE_PIPELINES = {
                                  ["Total Parameters:5288548", " Batch Size: 512 "]),
     "efficientnet-b1-4-stages": (("--model", "efficientnet", "--model-size", "B1", "--shards", "4",
                                   "--pipeline-splits", "block2a/c", "block4a", "block5c", "--micro-batch-size", "2",
-                                  "--gradient-accumulation-count", "4"),
-                                 ["Total Parameters:7794184", "240x240"]),
+                                  "--gradient-accumulation-count", "4", "--image-size", "64"),
+                                 ["Total Parameters:7794184", "64x64"]),
     "resnet50-2-stages-x-2-replicas": (("--model", "resnet", "--model-size", "50", "--shards", "2", "--replicas", "2",
                                         "--pipeline-splits", "b3/3/relu", "--pipeline-schedule", "Grouped",
                                         "--micro-batch-size", "2", "--gradient-accumulation-count", "2",
@@ -232,7 +232,7 @@ def test_graphcores_pipelining_command_lines_train(tmp_path, capfd, name):
                              str(tmp_path / "logs"), threads=())
     for line in expected:
         assert line in out, out
-    (folder,) = (tmp_path / "logs").iterdir()  # named as Graphcore's application names runs (..._240x240 for B1)
+    (folder,) = (tmp_path / "logs").iterdir()  # named as Graphcore's application names runs
     assert re.search(r"loss: +\d+\.\d+", out)
     assert "Traceback" not in err
     # The checkpoint holds the whole model, as one process's would.
