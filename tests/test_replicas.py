@@ -363,8 +363,8 @@ def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int | None:
 def test_a_worker_killed_under_torchrun_max_restarts_is_recovered(data_dir, replicas_run, tmp_path):
     """torchrun --max-restarts 1 starts both workers again after one is killed; they restore the latest checkpoint
     and end where the uninterrupted replicas (the module's run, 12 updates) end. Killed once checkpoint 3 is
-    written: 9 updates remain, about a second even on 2 shared cores, against the 50 ms the test takes to see the
-    checkpoint and kill."""
+    written: 9 updates and two checkpoints remain, each longer than the test's 50 ms poll between seeing the
+    checkpoint and killing."""
     folder = tmp_path / "recovered"
     launcher = start([*TORCHRUN, "--standalone", "--max-restarts", "1", "--nproc-per-node", "2",
                       str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path", str(folder),

@@ -48,8 +48,8 @@ Norms = tuple
 
 def _timm_classes() -> SimpleNamespace | None:
     """timm's classes that are fused, or None where timm is not imported: a model built without timm (the CIFAR
-    ResNets) holds none of them. Not imported for such a model because importing timm costs every process about
-    3.5 s on a 2-core EPYC (its layers import torchvision's models, whose detection ops import torch._dynamo)."""
+    ResNets) holds none of them. Not imported for such a model: importing timm adds seconds to every process's
+    start-up (its layers import torchvision's models, whose detection ops import torch._dynamo)."""
     return _imported_timm_classes() if "timm" in sys.modules else None
 
 
