@@ -21,7 +21,6 @@ from cnns.engine.setup import set_up
 from cnns.engine.fusion import _FusedNormAct, _FusedUnit
 from cnns.kernels import norm_act as kernels
 from cnns.parallel.world import World
-from cnns.precision import cpu_half_is_emulated
 
 CPU = torch.device("cpu")
 RN8 = ["--model", "resnet", "--model-size", "8", "--dataset", "cifar-10", "--micro-batch-size", "4",
@@ -32,11 +31,17 @@ def modules(model: nn.Module) -> list[tuple[str, type]]:
     return [(name, type(module)) for name, module in model.named_modules()]
 
 
+def precision_options(precision: str) -> list[str]:
+    """--precision, with 16.16's half type given: a CPU without bfloat16 arithmetic then trains in bfloat16 too
+    (emulated) instead of falling back to float32, so the 16.16 assembly is checked on every CPU."""
+    return ["--precision", precision, *(["--half-dtype", "bfloat16"] if precision == "16.16" else [])]
+
+
 def built_every_way(precision: str, tmp_path: Path, fused: str) -> dict[str, nn.Module]:
     """The model of one ResNet-8 configuration (--fused-norm `fused`) from each builder, all with the weights
     training drew. A checkpoint holds what training saves (the plain model's state dict); the builders that read
     one load it."""
-    cfg = resolve_command_line("train", [*RN8, "--precision", precision, "--fused-norm", fused]).config
+    cfg = resolve_command_line("train", [*RN8, *precision_options(precision), "--fused-norm", fused]).config
     training = set_up(cfg, World())
     validation = set_up(cfg, World(), train=False)
     weights = training.plain_model.state_dict()
@@ -45,7 +50,7 @@ def built_every_way(precision: str, tmp_path: Path, fused: str) -> dict[str, nn.
     planned, _ = model_to_plan(cfg, CPU)
     planned.load_state_dict(weights)
     validation.plain_model.load_state_dict(weights)
-    infer_cfg = resolve_command_line("infer", [*RN8, "--precision", precision, "--fused-norm", fused]).config
+    infer_cfg = resolve_command_line("infer", [*RN8, *precision_options(precision), "--fused-norm", fused]).config
     return {"training": training.plain_model, "validation": validation.plain_model, "planner": planned,
             "predict and export": restore_model(checkpoint, cfg).model,
             "inference_embedded": build_inference_model(infer_cfg, checkpoint, CPU).model}
@@ -82,7 +87,6 @@ def test_every_builder_makes_the_same_float32_model(fused, tmp_path):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the fused kernels are not built")
-@pytest.mark.skipif(cpu_half_is_emulated(CPU, torch.bfloat16), reason="16.16 runs in float32 on this CPU")
 def test_a_16_16_run_deploys_its_own_assembly(tmp_path):
     models = built_every_way("16.16", tmp_path, "on")
     reference = modules(models["training"])
@@ -99,7 +103,7 @@ def test_a_16_16_run_deploys_its_own_assembly(tmp_path):
     pixels, x = images(torch.bfloat16)
     with torch.no_grad():
         logits = {name: model.eval()(x).float() for name, model in models.items() if name != "predict and export"}
-        embedded = build_inference_model(resolve_command_line("infer", [*RN8, "--precision", "16.16",
+        embedded = build_inference_model(resolve_command_line("infer", [*RN8, *precision_options("16.16"),
                                                                         "--fused-norm", "on"]).config,
                                          tmp_path / "ckpt-1.pt", CPU)(pixels)  # normalising its uint8 input
         float32 = deployed(x.float())
