@@ -185,11 +185,15 @@ def test_16_16_learns_as_well_as_32_32(plateau_data, plateau_run_32, tmp_path):
     acc_16, acc_32 = float(validation_16[0]["val_acc"]), float(raw_32["val_acc"])
     assert losses_16[-1] < 0.3 * losses_16[0], losses_16  # 16.16 learns: a falling loss ...
     assert acc_32 > 85.0 and acc_16 > 85.0, (acc_16, acc_32)  # ... to a plateau far above chance (10 %)
-    # ... and as well as 32.32. Trained to a plateau and validated on 1,000 images, the two precisions
-    # land within 1.3 points of each other over seeds 11-14 (16.16: 88.6-89.2 %, 32.32: 88.5-89.8 %;
-    # last-epoch loss within 9 %): a 16.16 regression of 3 points or 15 % in loss fails here.
+    # ... and as well as 32.32, within what two runs of either precision differ by. Seeds 11-13, both precisions,
+    # on a CPU with bfloat16 arithmetic and with it hidden (the emulated path: float32-computed convolutions, the
+    # AVX2 kernels), 12 runs: validation accuracy 88.1-90.0 % (sd 0.5 point), last-epoch loss 0.334-0.397 (sd
+    # 6.7 % of the mean). Runs that differ in any rounding part ways within a few epochs, so the same seed does
+    # not pair them: two runs' difference has sd sqrt(2) x 0.5 = 0.7 point and their loss ratio sd
+    # sqrt(2) x 6.7 % = 9.5 %. Bounds at about 3 sd: 2.5 points and 1.3x (measured 16.16 / 32.32 ratios:
+    # 0.96-1.17). A 16.16 that learns worse by more than that fails here.
     assert acc_16 >= acc_32 - 2.5, (acc_16, acc_32)
-    assert losses_16[-1] <= 1.15 * loss_32, (losses_16[-1], loss_32)
+    assert losses_16[-1] <= 1.3 * loss_32, (losses_16[-1], loss_32)
 
 
 # ------------------------------------------------------------------------------------------------
