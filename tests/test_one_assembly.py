@@ -96,8 +96,8 @@ def test_a_16_16_run_deploys_its_own_assembly(tmp_path):
     training, deployed = models["training"], models["predict and export"]
     # predict and export compute in float32, so they hold the float32 model of this configuration: its kernel
     # choice (`cnns.engine.kernel_choice`) is float32's, not bfloat16's.
-    float32 = resolve_command_line("train", [*RN8, "--precision", "32.32", "--fused-norm", "on"]).config
-    assert modules(deployed) == modules(set_up(float32, World()).plain_model)
+    float32_config = resolve_command_line("train", [*RN8, "--precision", "32.32", "--fused-norm", "on"]).config
+    assert modules(deployed) == modules(set_up(float32_config, World()).plain_model)
     assert training.conv1.weight.dtype == torch.bfloat16 and training.bn1.weight.dtype == torch.float32
     assert deployed.conv1.weight.dtype == torch.float32  # predict and export compute in float32 (their docstrings)
     pixels, x = images(torch.bfloat16)
