@@ -1,8 +1,10 @@
 """Builds the optional C++ kernels (src/cnns/kernels/*.cpp) when the package is installed.
 
-Everything else is in pyproject.toml. The extensions are compiled once, at install time, never at run
-time. Where they cannot be built (no C++ compiler, no torch headers) the install goes on without them and
-cnns runs torch's own modules and kernels (`cnns.kernels.norm_act.available()`,
+Everything else is in pyproject.toml. The kernels are plain shared libraries with a C ABI, loaded with ctypes
+(cnns/kernels/__init__.py): they include no torch or Python header, so the build needs neither torch nor
+more than a few seconds a library. They are compiled once, at install time, never at run time. Where they
+cannot be built (no C++ compiler) the install goes on without them and cnns runs torch's own modules and
+kernels (`cnns.kernels.norm_act.available()`,
 `cnns.kernels.depthwise.available()`, `cnns.kernels.rounding.available()`). The region JPEG decoder
 (`cnns.kernels.jpeg.available()`) also needs libjpeg-turbo's headers; without them whole images are decoded.
 """
@@ -13,48 +15,46 @@ import shlex
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def extensions():
-    try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except ImportError:
-        print("cnns: torch is not importable at build time; installing without the fused kernels", file=sys.stderr)
-        return [], {}
-    # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends.
-    flags = ["-O3", "-fno-trapping-math"]
-    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers, so without it the
-    # kernels ran on one thread whatever torch.set_num_threads said (the fused passes were 1.0x on 2 threads).
-    # The extension then needs libgomp.so.1, which resolves to the one torch has already loaded: one thread pool.
+    """The numeric kernels as plain shared libraries with a C ABI (cnns/kernels/__init__.py loads them with
+    ctypes): no torch or Python header, so each compiles in seconds and the build needs no torch."""
+    # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends. -g0: no debug
+    # information (Python's own CFLAGS may ask for it), which is most of what a build writes.
+    flags = ["-std=c++17", "-O3", "-g0", "-fno-trapping-math"]
+    # -fopenmp: parallel.h's `#pragma omp parallel`. The library then needs libgomp.so.1, which resolves to the
+    # one torch has already loaded (cnns.kernels imports torch first): one thread pool.
     link = []
     if sys.platform.startswith("linux"):
         flags.append("-fopenmp")
         link.append("-fopenmp")
     exts = []
-    headers = ["src/cnns/kernels/vectors.h"]  # a changed header rebuilds every extension
+    headers = ["src/cnns/kernels/vectors.h", "src/cnns/kernels/parallel.h"]  # a changed header rebuilds each
     for name in ("norm_act", "depthwise", "rounding"):
         source = [f"src/cnns/kernels/{name}.cpp"]
         if platform.machine() not in ("x86_64", "AMD64"):
-            exts.append(CppExtension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags,
-                                     extra_link_args=link))
+            exts.append(Extension(f"cnns.kernels._{name}", source, depends=headers, extra_compile_args=flags,
+                                  extra_link_args=link, language="c++"))
             continue
-        # Two builds of the same kernels, chosen when imported (cnns.kernels.load_build): AVX2 + FMA for every
-        # x86 CPU the project meets, and AVX-512 with its bfloat16 conversions (AVX512-BF16) for the CPUs with
-        # bfloat16 arithmetic (AVX512-BF16 or AMX, which have both). There the AVX2 build's bfloat16
+        # Two builds of the same kernels, chosen when imported (cnns.kernels.runnable_builds): AVX2 + FMA for
+        # every x86 CPU the project meets, and AVX-512 with its bfloat16 conversions (AVX512-BF16) for the CPUs
+        # with bfloat16 arithmetic (AVX512-BF16 or AMX, which have both). There the AVX2 build's bfloat16
         # conversions, done with integer operations, keep the memory-bound passes well below the memory
-        # bandwidth that the AVX-512 build's native conversions reach.
-        exts += [CppExtension(f"cnns.kernels._{name}", source, depends=headers,
-                              extra_compile_args=flags + ["-march=x86-64-v3"], extra_link_args=link),
-                 CppExtension(f"cnns.kernels._{name}_avx512", [f"src/cnns/kernels/{name}_avx512.cpp"],
-                              depends=headers + source,
-                              extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"],
-                              extra_link_args=link)]
-    exts += _jpeg_extension(CppExtension)
-    return exts, _build_ext(BuildExtension)
+        # bandwidth that the AVX-512 build's native conversions reach. Both are built whatever this CPU is, so
+        # a container moved to another host runs the build for that host.
+        exts += [Extension(f"cnns.kernels._{name}", source, depends=headers,
+                           extra_compile_args=flags + ["-march=x86-64-v3"], extra_link_args=link, language="c++"),
+                 Extension(f"cnns.kernels._{name}_avx512", [f"src/cnns/kernels/{name}_avx512.cpp"],
+                           depends=headers + source, extra_compile_args=flags + ["-march=x86-64-v4", "-mavx512bf16"],
+                           extra_link_args=link, language="c++")]
+    exts += _jpeg_extension()
+    return exts, _build_ext()
 
 
-def _jpeg_extension(CppExtension) -> list:
+def _jpeg_extension() -> list:
     """The region JPEG decoder (src/cnns/kernels/jpeg.cpp), where libjpeg-turbo's headers are found: in the
     compiler's own include path (Debian's libjpeg62-turbo-dev / libjpeg-dev) or in $CONDA_PREFIX/include
     (conda's libjpeg-turbo). Without them cnns decodes whole images with its general decoder."""
@@ -64,12 +64,12 @@ def _jpeg_extension(CppExtension) -> list:
               "installing without the region JPEG decoder", file=sys.stderr)
         return []
     library_dirs = [os.path.join(os.path.dirname(d), "lib") for d in include_dirs]
-    flags = ["-O3"]
+    flags = ["-std=c++17", "-O3", "-g0"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=x86-64-v3")  # the resize's vector loops; libjpeg-turbo picks its own SIMD at run time
-    return [CppExtension("cnns.kernels._jpeg", ["src/cnns/kernels/jpeg.cpp"], include_dirs=include_dirs,
-                         library_dirs=library_dirs, runtime_library_dirs=library_dirs, libraries=["jpeg"],
-                         extra_compile_args=flags)]
+    return [Extension("cnns.kernels._jpeg", ["src/cnns/kernels/jpeg.cpp"], include_dirs=include_dirs,
+                      library_dirs=library_dirs, runtime_library_dirs=library_dirs, libraries=["jpeg"],
+                      extra_compile_args=flags, language="c++")]
 
 
 def _jpeg_include_dirs() -> list[str] | None:
@@ -88,18 +88,15 @@ def _jpeg_include_dirs() -> list[str] | None:
     return None
 
 
-def _build_ext(BuildExtension):
+def _build_ext():
 
-    class OptionalBuildExtension(BuildExtension):
+    class OptionalBuildExtension(build_ext):
         def finalize_options(self):
             super().finalize_options()
-            # Six builds of one source file each (each AVX-512 build has its own file, so no two write the
-            # same object file): one per core at a time, with setuptools' threads, 3.3 -> 1.7 minutes on 2
-            # cores. torch's single-file compile swaps the compiler command on the shared compiler object and
-            # puts it back; without a ccache wrapper every thread swaps in the same command: harmless.
+            # Seven builds of one source file each (each AVX-512 build has its own file, so no two write the
+            # same object file): one per core at a time, with setuptools' threads.
             if self.parallel is None:
                 self.parallel = os.cpu_count() or 1
-                os.environ["TORCH_NO_COMPILER_WRAPPER"] = "1"
 
         def run(self):
             try:
@@ -115,7 +112,7 @@ def _build_ext(BuildExtension):
                 print(f"cnns: the C++ kernels were not built ({exc}); torch's own will be used",
                       file=sys.stderr)
 
-    return {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}
+    return {"build_ext": OptionalBuildExtension}
 
 
 ext_modules, cmdclass = extensions()

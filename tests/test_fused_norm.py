@@ -71,20 +71,12 @@ CASES = [
 ]
 
 
-def _builds() -> list[str]:
-    """The builds of the passes installed here (setup.py: AVX2 and AVX-512 on x86) that this CPU can run."""
-    from cnns.kernels import runnable_builds
-
-    return [build.__name__.rsplit(".", 1)[1] for build in runnable_builds("norm_act")]
-
-
-@pytest.fixture(params=_builds())
+@pytest.fixture(params=kernels.builds(), ids=lambda build: build.name)
 def build(request, monkeypatch):
-    """Each build in turn: the one not chosen for this CPU must be as exact as the chosen one."""
-    import importlib
-
-    monkeypatch.setattr(kernels, "_ext", importlib.import_module(f"cnns.kernels.{request.param}"))
-    return request.param
+    """Each build in turn (setup.py: AVX2 and AVX-512 on x86, those this CPU runs): the one not chosen for this
+    CPU must be as exact as the chosen one."""
+    monkeypatch.setattr(kernels, "_ext", request.param)
+    return request.param.name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -282,13 +274,17 @@ def test_only_the_norms_asked_for_are_fused():
 
 @pytest.mark.parametrize("name", ["norm_act", "depthwise", "rounding"])
 def test_every_build_runs_on_torchs_threads(name):
-    """at::parallel_for is an inline OpenMP pragma in ATen's headers: built without OpenMP, every pass ran on
-    one thread whatever torch.set_num_threads said."""
+    """The kernels' parallel_for is an OpenMP pragma: built without OpenMP, every pass ran on one thread whatever
+    torch.set_num_threads said."""
+    import importlib
+
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for build in runnable_builds(name):
-            assert build.parallel_threads(64) == 2, build.__name__
-            assert build.parallel_threads(1) == 1, build.__name__
+        builds = importlib.import_module(f"cnns.kernels.{name}").builds()
+        assert builds, f"no build of {name} here"
+        for build in builds:
+            assert build.parallel_threads(64) == 2, build.name
+            assert build.parallel_threads(1) == 1, build.name
     finally:
         torch.set_num_threads(threads)

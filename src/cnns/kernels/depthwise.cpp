@@ -10,10 +10,9 @@
 //
 // Layouts: x (N, H, W, C), grad (N, Ho, Wo, C), both channels_last views' storage, float32 or bfloat16;
 // the weight arrives as (k, k, C) float32 (one vector of C per tap), and the results are a float32 weight
-// gradient (k, k, C) and an input gradient in grad's dtype. Threads split rows with at::parallel_for.
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// gradient (k, k, C) and an input gradient in grad's dtype. Threads split rows with parallel_for (parallel.h).
+// The C entry points at the end take raw pointers and sizes; cnns/kernels/depthwise.py checks the operands
+// (layouts, dtypes, the geometry) and allocates the results.
 
 #include "vectors.h"
 
@@ -26,28 +25,10 @@ using namespace cnns_kernels;
 
 struct Geometry {
   int64_t N, H, W, C, Ho, Wo, stride_h, stride_w, pad_h, pad_w;
-  Geometry(const at::Tensor& grad, int64_t h, int64_t w, int64_t sh, int64_t sw, int64_t ph, int64_t pw)
-      : N(grad.size(0)), H(h), W(w), C(grad.size(3)), Ho(grad.size(1)), Wo(grad.size(2)), stride_h(sh),
-        stride_w(sw), pad_h(ph), pad_w(pw) {}
   // The input row (or column) that tap k of output row o reads; may fall in the padding.
   int64_t input_row(int64_t o, int64_t k) const { return o * stride_h - pad_h + k; }
   int64_t input_col(int64_t o, int64_t k) const { return o * stride_w - pad_w + k; }
 };
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 4 && t.is_contiguous(), name, " must be a contiguous (N, H, W, C) tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
-}
-
-void check_geometry(const Geometry& d, int64_t kernel) {
-  TORCH_CHECK(d.stride_h >= 1 && d.stride_w >= 1 && d.pad_h >= 0 && d.pad_w >= 0 && kernel >= 1 &&
-                  d.pad_h < kernel && d.pad_w < kernel,
-              "bad stride or padding");
-  TORCH_CHECK(d.Ho == (d.H + 2 * d.pad_h - kernel) / d.stride_h + 1 &&
-                  d.Wo == (d.W + 2 * d.pad_w - kernel) / d.stride_w + 1,
-              "grad's spatial size does not match the convolution");
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Weight gradient: dw[kh][kw][c] = sum over n, oh, ow of grad[n, oh, ow, c] * x[n, oh*s - p + kh, ow*s - p + kw, c].
@@ -107,24 +88,20 @@ void weight_gradient_rows(const T* grad, const T* x, const Geometry& d, int64_t 
 }
 
 template <int K, typename T>
-at::Tensor weight_gradient_impl(const at::Tensor& grad, const at::Tensor& x, const Geometry& d) {
-  const int threads = at::get_num_threads();
-  std::vector<float> partial(int64_t(threads) * K * K * d.C, 0.0f);
-  const T* g = data_of<T>(grad);
-  const T* xp = data_of<T>(x);
+void weight_gradient_impl(int64_t threads, const T* g, const T* xp, const Geometry& d, float* o) {
+  threads = std::max<int64_t>(threads, 1);
+  std::vector<float> partial(threads * K * K * d.C, 0.0f);
   const int64_t rows = d.N * d.Ho;
-  // Row tasks of at least a few thousand taps each; at::parallel_for gives each thread contiguous rows.
+  // Row tasks of at least a few thousand taps each; parallel_for gives each thread contiguous rows.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, d.Wo * d.C / kLanes));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(threads, 0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> slab;
-    float* acc = partial.data() + int64_t(at::get_thread_num()) * K * K * d.C;
+    float* acc = partial.data() + thread_index() * K * K * d.C;
     weight_gradient_rows<K, T>(g, xp, d, begin, end, acc, slab);
   });
-  at::Tensor out = at::zeros({K, K, d.C}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  for (int t = 0; t < threads; ++t)
-    for (int64_t i = 0; i < K * K * d.C; ++i) o[i] += partial[int64_t(t) * K * K * d.C + i];
-  return out;
+  std::fill(o, o + K * K * d.C, 0.0f);
+  for (int64_t t = 0; t < threads; ++t)
+    for (int64_t i = 0; i < K * K * d.C; ++i) o[i] += partial[t * K * K * d.C + i];
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -148,17 +125,12 @@ std::vector<std::vector<Tap>> taps_reaching(int64_t size, int64_t out_size, int6
 }
 
 template <typename T>
-at::Tensor input_gradient_impl(const at::Tensor& grad, const at::Tensor& weight, const Geometry& d,
-                               int64_t kernel) {
-  at::Tensor dx = at::empty({d.N, d.H, d.W, d.C}, grad.options());
+void input_gradient_impl(int64_t threads, const T* g, const float* w, const Geometry& d, int64_t kernel, T* out) {
   const auto row_taps = taps_reaching(d.H, d.Ho, kernel, d.stride_h, d.pad_h);
   const auto col_taps = taps_reaching(d.W, d.Wo, kernel, d.stride_w, d.pad_w);
-  const T* g = data_of<T>(grad);
-  const float* w = weight.data_ptr<float>();
-  T* out = data_of<T>(dx);
   const int64_t C = d.C, vector_end = C - C % kLanes;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, d.W * C / kLanes));
-  at::parallel_for(0, d.N * d.H, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(threads, 0, d.N * d.H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / d.H, ih = row % d.H;
       for (int64_t iw = 0; iw < d.W; ++iw) {
@@ -181,49 +153,45 @@ at::Tensor input_gradient_impl(const at::Tensor& grad, const at::Tensor& weight,
       }
     }
   });
-  return dx;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Entry points.
-
-// (K, K, C) float32 weight gradient of a depthwise convolution with a square K x K kernel, K in 3, 5, 7.
-at::Tensor weight_gradient(const at::Tensor& grad, const at::Tensor& x, int64_t kernel, int64_t stride_h,
-                           int64_t stride_w, int64_t pad_h, int64_t pad_w) {
-  check_rows(grad, "grad");
-  check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == grad.scalar_type(), "x and grad must have one dtype");
-  TORCH_CHECK(x.size(0) == grad.size(0) && x.size(3) == grad.size(3), "x and grad must agree in N and C");
-  const Geometry d(grad, x.size(1), x.size(2), stride_h, stride_w, pad_h, pad_w);
-  check_geometry(d, kernel);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  switch (kernel) {
-    case 3: return bf16 ? weight_gradient_impl<3, uint16_t>(grad, x, d) : weight_gradient_impl<3, float>(grad, x, d);
-    case 5: return bf16 ? weight_gradient_impl<5, uint16_t>(grad, x, d) : weight_gradient_impl<5, float>(grad, x, d);
-    case 7: return bf16 ? weight_gradient_impl<7, uint16_t>(grad, x, d) : weight_gradient_impl<7, float>(grad, x, d);
-    default: TORCH_CHECK(false, "depthwise weight gradient: kernel sizes 3, 5 and 7 only, not ", kernel);
-  }
-}
-
-// (N, H, W, C) input gradient in grad's dtype, from the (K, K, C) float32 weight, for an (H, W) input.
-at::Tensor input_gradient(const at::Tensor& grad, const at::Tensor& weight, int64_t H, int64_t W,
-                          int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w) {
-  check_rows(grad, "grad");
-  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == weight.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat && weight.size(2) == grad.size(3),
-              "the weight must be a contiguous (K, K, C) float32 tensor");
-  const int64_t kernel = weight.size(0);
-  const Geometry d(grad, H, W, stride_h, stride_w, pad_h, pad_w);
-  check_geometry(d, kernel);
-  return grad.scalar_type() == at::kBFloat16 ? input_gradient_impl<uint16_t>(grad, weight, d, kernel)
-                                             : input_gradient_impl<float>(grad, weight, d, kernel);
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Depthwise convolution backward over channels_last (N, H, W, C) activations (cnns).";
-  m.def("weight_gradient", &weight_gradient, "(K, K, C) float32 weight gradient");
-  m.def("input_gradient", &input_gradient, "(N, H, W, C) input gradient");
-  m.def("parallel_threads", &cnns_kernels::parallel_threads, "threads at::parallel_for runs this many tasks on");
+// ---------------------------------------------------------------------------------------------------------
+// The C entry points. grad (N, Ho, Wo, C) and x (N, H, W, C) in one dtype (Dtype: 0 float32, 1 bfloat16 bits).
+
+extern "C" {
+
+// (K, K, C) float32 weight gradient into out, K in 3, 5, 7 (depthwise.py checks K and the geometry).
+void cnns_depthwise_weight_gradient(int64_t threads, int dtype, const void* grad, const void* x, int64_t N, int64_t H,
+                                    int64_t W, int64_t C, int64_t Ho, int64_t Wo, int64_t kernel, int64_t stride_h,
+                                    int64_t stride_w, int64_t pad_h, int64_t pad_w, float* out) {
+  const Geometry d{N, H, W, C, Ho, Wo, stride_h, stride_w, pad_h, pad_w};
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    const T* g = static_cast<const T*>(grad);
+    const T* xp = static_cast<const T*>(x);
+    switch (kernel) {
+      case 3: weight_gradient_impl<3, T>(threads, g, xp, d, out); break;
+      case 5: weight_gradient_impl<5, T>(threads, g, xp, d, out); break;
+      case 7: weight_gradient_impl<7, T>(threads, g, xp, d, out); break;
+    }
+  };
+  if (dtype == kBFloat16) run(uint16_t{}); else run(float{});
 }
+
+// (N, H, W, C) input gradient in grad's dtype into dx, from the (K, K, C) float32 weight.
+void cnns_depthwise_input_gradient(int64_t threads, int dtype, const void* grad, const float* weight, int64_t N,
+                                   int64_t H, int64_t W, int64_t C, int64_t Ho, int64_t Wo, int64_t kernel,
+                                   int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, void* dx) {
+  const Geometry d{N, H, W, C, Ho, Wo, stride_h, stride_w, pad_h, pad_w};
+  if (dtype == kBFloat16)
+    input_gradient_impl<uint16_t>(threads, static_cast<const uint16_t*>(grad), weight, d, kernel,
+                                  static_cast<uint16_t*>(dx));
+  else
+    input_gradient_impl<float>(threads, static_cast<const float*>(grad), weight, d, kernel, static_cast<float*>(dx));
+}
+
+int64_t cnns_parallel_threads(int64_t threads, int64_t tasks) { return parallel_threads(threads, tasks); }
+
+}  // extern "C"

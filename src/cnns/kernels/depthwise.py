@@ -10,11 +10,86 @@ from __future__ import annotations
 
 import torch
 
-from cnns.kernels import load_build
-
-_ext = load_build("depthwise")
+from cnns.kernels import DTYPE_CODES, INT, INT64, POINTER, Library, runnable_builds, threads
 
 KERNEL_SIZES = (3, 5, 7)
+
+
+class Backward:
+    """The two loops of one build of depthwise.cpp, on tensors: this class checks the operands and the geometry
+    (the C code trusts them) and allocates the results."""
+
+    def __init__(self, library: Library):
+        self.name = library.name
+        self.instructions = library.instructions
+        geometry = (INT64,) * 11  # N, H, W, C, Ho, Wo, kernel, stride_h, stride_w, pad_h, pad_w
+        self._weight_gradient = library.entry("cnns_depthwise_weight_gradient", None, INT64, INT, POINTER, POINTER,
+                                              *geometry, POINTER)
+        self._input_gradient = library.entry("cnns_depthwise_input_gradient", None, INT64, INT, POINTER, POINTER,
+                                             *geometry, POINTER)
+        self._parallel_threads = library.entry("cnns_parallel_threads", INT64, INT64, INT64)
+
+    def weight_gradient(self, grad: torch.Tensor, x: torch.Tensor, kernel: int, stride_h: int, stride_w: int,
+                        pad_h: int, pad_w: int) -> torch.Tensor:
+        """(K, K, C) float32 weight gradient from grad (N, Ho, Wo, C) and x (N, H, W, C), one dtype."""
+        _check_nhwc(grad, "grad")
+        _check_nhwc(x, "x")
+        if x.dtype != grad.dtype:
+            raise ValueError("x and grad must have one dtype")
+        n, h, w, c = x.shape
+        if grad.shape[0] != n or grad.shape[3] != c:
+            raise ValueError("x and grad must agree in N and C")
+        if kernel not in KERNEL_SIZES:
+            raise ValueError(f"depthwise weight gradient: kernel sizes 3, 5 and 7 only, not {kernel}")
+        geometry = _geometry(grad, h, w, kernel, stride_h, stride_w, pad_h, pad_w)
+        out = torch.empty((kernel, kernel, c), dtype=torch.float32)
+        self._weight_gradient(threads(), DTYPE_CODES[x.dtype], grad.data_ptr(), x.data_ptr(), *geometry,
+                              out.data_ptr())
+        return out
+
+    def input_gradient(self, grad: torch.Tensor, weight: torch.Tensor, h: int, w: int, stride_h: int,
+                       stride_w: int, pad_h: int, pad_w: int) -> torch.Tensor:
+        """(N, H, W, C) input gradient in grad's dtype, from the (K, K, C) float32 weight."""
+        _check_nhwc(grad, "grad")
+        if (weight.dim() != 3 or weight.shape[0] != weight.shape[1] or not weight.is_contiguous()
+                or weight.dtype != torch.float32 or weight.shape[2] != grad.shape[3]):
+            raise ValueError("the weight must be a contiguous (K, K, C) float32 tensor")
+        kernel = weight.shape[0]
+        geometry = _geometry(grad, h, w, kernel, stride_h, stride_w, pad_h, pad_w)
+        dx = torch.empty((grad.shape[0], h, w, grad.shape[3]), dtype=grad.dtype)
+        self._input_gradient(threads(), DTYPE_CODES[grad.dtype], grad.data_ptr(), weight.data_ptr(), *geometry,
+                             dx.data_ptr())
+        return dx
+
+    def parallel_threads(self, tasks: int) -> int:
+        """How many threads this build runs ``tasks`` one-item tasks on."""
+        return self._parallel_threads(threads(), tasks)
+
+
+def _check_nhwc(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 4 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous (N, H, W, C) CPU tensor")
+    if t.dtype not in DTYPE_CODES:
+        raise ValueError(f"{name} must be float32 or bfloat16")
+
+
+def _geometry(grad: torch.Tensor, h: int, w: int, kernel: int, stride_h: int, stride_w: int, pad_h: int,
+              pad_w: int) -> tuple[int, ...]:
+    """(N, H, W, C, Ho, Wo, kernel, strides, paddings) for the C loops, once grad's size is the convolution's."""
+    n, ho, wo, c = grad.shape
+    if not (stride_h >= 1 and stride_w >= 1 and 0 <= pad_h < kernel and 0 <= pad_w < kernel and kernel >= 1):
+        raise ValueError("bad stride or padding")
+    if ho != (h + 2 * pad_h - kernel) // stride_h + 1 or wo != (w + 2 * pad_w - kernel) // stride_w + 1:
+        raise ValueError("grad's spatial size does not match the convolution")
+    return n, h, w, c, ho, wo, kernel, stride_h, stride_w, pad_h, pad_w
+
+
+def builds() -> list[Backward]:
+    """Every build installed here that this CPU runs, the widest first (tests check each)."""
+    return [Backward(library) for library in runnable_builds("depthwise")]
+
+
+_ext: Backward | None = next(iter(builds()), None)
 
 
 def available() -> bool:

@@ -25,8 +25,12 @@
 // its general decoder, which decides as it does for every other image. A file that does not end with the
 // EOI marker may be truncated after the region: it is decoded to its end (entropy decoding only for the rows
 // past the region) so that truncation is reported wherever it is.
+//
+// The entry points at the end have a plain C ABI (cnns/kernels/jpeg.py loads them with ctypes, which releases
+// the GIL for each call): each returns a status that names the exception to raise, with its message.
 
-#include <pybind11/pybind11.h>
+#include <cstddef>  // jpeglib.h uses size_t and FILE without including their headers
+#include <cstdio>
 
 #include <jpeglib.h>
 
@@ -35,7 +39,6 @@
 #include <cmath>
 #include <csetjmp>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -424,14 +427,6 @@ struct Bytes {
   size_t size;
 };
 
-Bytes bytes_of(const pybind11::buffer& data) {
-  pybind11::buffer_info info = data.request();
-  if (info.ndim != 1 || info.itemsize != 1 || (info.shape[0] > 1 && info.strides[0] != 1)) {
-    throw std::invalid_argument("JPEG data must be contiguous bytes (bytes, memoryview or a 1-D uint8 array)");
-  }
-  return {static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.shape[0])};
-}
-
 void check_colour_space(const jpeg_decompress_struct& cinfo) {
   if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
     throw UnsupportedJpeg("CMYK/YCCK JPEG: not decoded by the region decoder");
@@ -452,16 +447,6 @@ void read_header_into(Decoder& d, Bytes bytes) {
 Decoder& thread_decoder() {
   thread_local Decoder d;
   return d;
-}
-
-pybind11::tuple header(const pybind11::buffer& data) {
-  const Bytes bytes = bytes_of(data);
-  Decoder& d = thread_decoder();
-  {
-    pybind11::gil_scoped_release release;
-    read_header_into(d, bytes);
-  }
-  return pybind11::make_tuple(d.cinfo.image_height, d.cinfo.image_width, d.cinfo.num_components);
 }
 
 bool ends_with_eoi(Bytes bytes) {
@@ -680,67 +665,103 @@ __attribute__((optimize("fp-contract=off"))) DrawnCrop draw_training_crop(int64_
   return {top, left, box_height, box_width, rng.next_double() < 0.5};
 }
 
-// The pixels of out, a writable, C-contiguous uint8 buffer [H, W, 3].
-uint8_t* output_pixels(const pybind11::buffer_info& target) {
-  if (target.ndim != 3 || target.itemsize != 1 || target.format != "B" || target.shape[2] != 3 ||
-      target.shape[0] < 1 || target.shape[1] < 1 || target.strides[2] != 1 || target.strides[1] != 3 ||
-      target.strides[0] != 3 * target.shape[1]) {
-    throw std::invalid_argument("out must be a contiguous uint8 [H, W, 3] buffer");
-  }
-  return static_cast<uint8_t*>(target.ptr);
-}
-
-// out: a writable, C-contiguous uint8 buffer [H, W, 3] (the numpy view of a tensor, shared memory included).
-pybind11::object decode_resized_into(const pybind11::buffer& data, const pybind11::buffer& out, double top,
-                                     double left, double box_h, double box_w, bool flip, bool read_around,
-                                     bool timings) {
-  pybind11::buffer_info target = out.request(true);
-  uint8_t* pixels = output_pixels(target);
-  const Bytes bytes = bytes_of(data);
-  const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
-  Timings t;
-  {
-    pybind11::gil_scoped_release release;
-    t = decode_resized(bytes, pixels, out_h, out_w, top, left, box_h, box_w, flip, read_around);
-  }
-  if (!timings) return pybind11::none();
-  return pybind11::make_tuple(t.decode, t.resize, t.flip);
-}
-
 CropDraw crop_draw(double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi, double aspect_lo,
                    double aspect_hi, int tries, uint64_t stream) {
   return {area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream};
 }
 
-// (top, left, height, width, flip) of the training crop drawn for an image of (height, width).
-pybind11::tuple training_crop(int64_t height, int64_t width, uint64_t seed, uint64_t epoch, uint64_t index,
-                              double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi,
-                              double aspect_lo, double aspect_hi, int tries, uint64_t stream) {
-  if (height < 1 || width < 1 || height > 0xFFFFFFFFll || width > 0xFFFFFFFFll) {
-    throw std::invalid_argument("image size out of range");
+// What a call ended with, as jpeg.py's STATUS_ERRORS maps it to an exception.
+enum Status : int { kOk = 0, kJpegError = 1, kUnsupportedJpeg = 2, kTooManyPixels = 3, kInvalidArgument = 4,
+                    kFailed = 5 };
+
+// Runs body, turning the exception it throws into a status and its message (cut to message_size - 1 bytes).
+template <typename Body>
+int guarded_call(char* message, int64_t message_size, const Body& body) {
+  auto report = [&](int status, const std::exception& e) {
+    if (message != nullptr && message_size > 0) {
+      std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+      message[message_size - 1] = '\0';
+    }
+    return status;
+  };
+  try {
+    body();
+    return kOk;
+  } catch (const UnsupportedJpeg& e) {
+    return report(kUnsupportedJpeg, e);
+  } catch (const JpegError& e) {
+    return report(kJpegError, e);
+  } catch (const TooManyPixels& e) {
+    return report(kTooManyPixels, e);
+  } catch (const std::invalid_argument& e) {
+    return report(kInvalidArgument, e);
+  } catch (const std::exception& e) {
+    return report(kFailed, e);
   }
-  const DrawnCrop c = draw_training_crop(
-      height, width, seed, epoch, index,
-      crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream));
-  return pybind11::make_tuple(c.top, c.left, c.height, c.width, c.flip);
+}
+
+}  // namespace
+
+// ---- the C entry points: bytes as (pointer, size), out a contiguous uint8 [out_h, out_w, 3] buffer ----
+
+extern "C" {
+
+// (height, width, components) from the JPEG header into dims.
+int cnns_jpeg_header(const uint8_t* data, int64_t size, int64_t* dims, char* message, int64_t message_size) {
+  return guarded_call(message, message_size, [&] {
+    Decoder& d = thread_decoder();
+    read_header_into(d, Bytes{data, static_cast<size_t>(size)});
+    dims[0] = d.cinfo.image_height;
+    dims[1] = d.cinfo.image_width;
+    dims[2] = d.cinfo.num_components;
+  });
+}
+
+// Decode the box's region, resize, flip, write into out; the nanoseconds (decode, resize, flip) into timings.
+int cnns_jpeg_decode_resized_into(const uint8_t* data, int64_t size, uint8_t* out, int64_t out_h, int64_t out_w,
+                                  double top, double left, double box_h, double box_w, int flip, int read_around,
+                                  int64_t* timings, char* message, int64_t message_size) {
+  return guarded_call(message, message_size, [&] {
+    const Timings t = decode_resized(Bytes{data, static_cast<size_t>(size)}, out, static_cast<int>(out_h),
+                                     static_cast<int>(out_w), top, left, box_h, box_w, flip != 0, read_around != 0);
+    timings[0] = t.decode;
+    timings[1] = t.resize;
+    timings[2] = t.flip;
+  });
+}
+
+// The training crop (top, left, height, width, flip) drawn for an image of (height, width), into crop.
+int cnns_jpeg_training_crop(int64_t height, int64_t width, uint64_t seed, uint64_t epoch, uint64_t index,
+                            double area_lo, double area_hi, double log_aspect_lo, double log_aspect_hi,
+                            double aspect_lo, double aspect_hi, int tries, uint64_t stream, int64_t* crop,
+                            char* message, int64_t message_size) {
+  return guarded_call(message, message_size, [&] {
+    if (height < 1 || width < 1 || height > 0xFFFFFFFFll || width > 0xFFFFFFFFll) {
+      throw std::invalid_argument("image size out of range");
+    }
+    const DrawnCrop c = draw_training_crop(
+        height, width, seed, epoch, index,
+        crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream));
+    crop[0] = c.top;
+    crop[1] = c.left;
+    crop[2] = c.height;
+    crop[3] = c.width;
+    crop[4] = c.flip;
+  });
 }
 
 // The header read once, the training crop drawn from its size, the crop's region decoded, resized and flipped
 // into out: one call per training image. TooManyPixels, before anything is decoded, where the header declares
-// more than max_pixels pixels.
-pybind11::object decode_training_into(const pybind11::buffer& data, const pybind11::buffer& out, uint64_t seed,
-                                      uint64_t epoch, uint64_t index, double area_lo, double area_hi,
-                                      double log_aspect_lo, double log_aspect_hi, double aspect_lo, double aspect_hi,
-                                      int tries, uint64_t stream, int64_t max_pixels, bool timings) {
-  pybind11::buffer_info target = out.request(true);
-  uint8_t* pixels = output_pixels(target);
-  const Bytes bytes = bytes_of(data);
-  const int out_h = static_cast<int>(target.shape[0]), out_w = static_cast<int>(target.shape[1]);
-  const CropDraw draw = crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries, stream);
-  Timings t;
-  int64_t drawing = 0;
-  {
-    pybind11::gil_scoped_release release;
+// more than max_pixels pixels. The nanoseconds (header + draw, decode, resize, flip) into timings.
+int cnns_jpeg_decode_training_into(const uint8_t* data, int64_t size, uint8_t* out, int64_t out_h, int64_t out_w,
+                                   uint64_t seed, uint64_t epoch, uint64_t index, double area_lo, double area_hi,
+                                   double log_aspect_lo, double log_aspect_hi, double aspect_lo, double aspect_hi,
+                                   int tries, uint64_t stream, int64_t max_pixels, int64_t* timings, char* message,
+                                   int64_t message_size) {
+  return guarded_call(message, message_size, [&] {
+    const Bytes bytes{data, static_cast<size_t>(size)};
+    const CropDraw draw = crop_draw(area_lo, area_hi, log_aspect_lo, log_aspect_hi, aspect_lo, aspect_hi, tries,
+                                    stream);
     const Clock::time_point t0 = Clock::now();
     Decoder& d = thread_decoder();
     read_header_into(d, bytes);
@@ -748,28 +769,14 @@ pybind11::object decode_training_into(const pybind11::buffer& data, const pybind
     if (height * width > max_pixels) throw TooManyPixels(std::to_string(height) + " " + std::to_string(width));
     const DrawnCrop c = draw_training_crop(height, width, seed, epoch, index, draw);
     const Clock::time_point drawn = Clock::now();
-    drawing = nanoseconds(t0, drawn);
-    t = decode_box(d, bytes, pixels, out_h, out_w, static_cast<double>(c.top), static_cast<double>(c.left),
-                   static_cast<double>(c.height), static_cast<double>(c.width), c.flip, false, drawn);
-  }
-  if (!timings) return pybind11::none();
-  return pybind11::make_tuple(drawing, t.decode, t.resize, t.flip);
+    const Timings t = decode_box(d, bytes, out, static_cast<int>(out_h), static_cast<int>(out_w),
+                                 static_cast<double>(c.top), static_cast<double>(c.left),
+                                 static_cast<double>(c.height), static_cast<double>(c.width), c.flip, false, drawn);
+    timings[0] = nanoseconds(t0, drawn);
+    timings[1] = t.decode;
+    timings[2] = t.resize;
+    timings[3] = t.flip;
+  });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Region JPEG decoding (libjpeg-turbo) with antialiased resize and flip into a uint8 HWC buffer (cnns).";
-  auto jpeg_error = pybind11::register_exception<JpegError>(m, "JpegError", PyExc_ValueError);
-  pybind11::register_exception<UnsupportedJpeg>(m, "UnsupportedJpeg", jpeg_error.ptr());
-  m.def("header", &header, "(height, width, components) from the JPEG header");
-  m.def("decode_resized_into", &decode_resized_into, "decode the box's region, resize, flip, write into out",
-        pybind11::arg("data"), pybind11::arg("out"), pybind11::arg("top"), pybind11::arg("left"),
-        pybind11::arg("height"), pybind11::arg("width"), pybind11::arg("flip"), pybind11::arg("read_around"),
-        pybind11::arg("timings"));
-  pybind11::register_exception<TooManyPixels>(m, "TooManyPixels", PyExc_ValueError);
-  m.def("training_crop", &training_crop, "the training crop (top, left, height, width, flip) drawn for an image");
-  m.def("decode_training_into", &decode_training_into,
-        "read the header, draw the training crop, decode its region, resize, flip, write into out");
-  m.attr("LIBJPEG_TURBO_VERSION") = LIBJPEG_TURBO_VERSION_NUMBER;
-}
+}  // extern "C"

@@ -11,11 +11,10 @@
 // statistics (1 for batch norm, N for group norm: a sample), R rows (pixels), C contiguous channels. The
 // passes are float loops over C that the compiler vectorises, with explicit vector loops where it did worse
 // (the statistics sums, and in the AVX-512 build the bfloat16 loads and stores; setup.py builds x86-64-v3 and
-// x86-64-v4 with AVX512-BF16); threads split rows with at::parallel_for, so torch.set_num_threads governs them. `forward` and
-// `backward` at the end compute the float64 per-channel statistics and coefficients between the passes.
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// x86-64-v4 with AVX512-BF16); threads split rows with parallel_for (parallel.h) on torch.get_num_threads()
+// threads. `forward` and `backward` at the end compute the float64 per-channel statistics and coefficients
+// between the passes. The C entry points take raw pointers and sizes: cnns/kernels/norm_act.py checks the
+// operands and allocates every result.
 
 #include "vectors.h"
 
@@ -156,8 +155,8 @@ constexpr int64_t kMinWidth = 256;
 // How a (G, R, C) array is walked: tasks of about kBlockRows rows (a multiple of k), super-rows of k rows.
 struct Walk {
   int64_t G, R, C, k, block_rows, blocks;
-  Walk(const at::Tensor& x)
-      : G(x.size(0)), R(x.size(1)), C(x.size(2)), k(std::max<int64_t>(1, kMinWidth / std::max<int64_t>(1, C))),
+  Walk(int64_t groups, int64_t rows, int64_t channels)
+      : G(groups), R(rows), C(channels), k(std::max<int64_t>(1, kMinWidth / std::max<int64_t>(1, C))),
         block_rows(((kBlockRows + k - 1) / k) * k), blocks((R + block_rows - 1) / block_rows) {}
   int64_t width() const { return k * C; }
   // A task's first row within its group and its row count.
@@ -185,18 +184,6 @@ inline void fold(const std::vector<float>& acc, const Walk& w, double* out) {
     for (int64_t j = 0; j < w.k; ++j) sum += acc[j * w.C + c];
     out[c] = sum;
   }
-}
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3 && t.is_contiguous(), name, " must be a contiguous (G, R, C) tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
-}
-
-void check_coefficients(const at::Tensor& t, const at::Tensor& x, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
-              " must be a contiguous float32 (G, C) tensor");
-  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(2), name, " must be (G, C) of the input");
 }
 
 // Rows read at a time by column_moments: few enough that their cache lines stay in L1 while every column
@@ -253,15 +240,12 @@ void block_moments(const T* x, int64_t stride, int64_t rows, int64_t width, cons
 // Each block of rows sums x - K and (x - K)^2 in float, K being the group's first row (the shifted-data
 // algorithm: exact enough when the mean is far larger than the spread), and the blocks are added in double.
 template <typename T>
-std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
-  const Walk w(x);
+void moments_impl(int64_t threads, const T* __restrict__ data, const Walk& w, double* pm, double* pv) {
   const int64_t G = w.G, R = w.R, C = w.C, blocks = w.blocks;
-  const T* __restrict__ data = data_of<T>(x);
-  auto opts = x.options().dtype(at::kDouble);
-  at::Tensor s1 = at::zeros({G * blocks, C}, opts), s2 = at::zeros({G * blocks, C}, opts);
-  double* p1 = s1.data_ptr<double>();
-  double* p2 = s2.data_ptr<double>();
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<double> s1(G * blocks * C, 0.0), s2(G * blocks * C, 0.0);
+  double* p1 = s1.data();
+  double* p2 = s2.data();
+  parallel_for(threads, 0, G * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> a(w.width()), b(w.width()), first(C), shift;
     for (int64_t task = begin; task < end; ++task) {
       const T* group = data + (task / blocks) * R * C;
@@ -278,9 +262,6 @@ std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
       fold(b, w, p2 + task * C);
     }
   });
-  at::Tensor mean = at::empty({G, C}, opts), m2 = at::empty({G, C}, opts);
-  double* pm = mean.data_ptr<double>();
-  double* pv = m2.data_ptr<double>();
   std::vector<double> sa(C), sb(C);
   for (int64_t g = 0; g < G; ++g) {
     std::fill(sa.begin(), sa.end(), 0.0);
@@ -297,21 +278,14 @@ std::vector<at::Tensor> moments_impl(const at::Tensor& x) {
       pv[g * C + c] = std::max(0.0, sb[c] - sa[c] * shifted_mean);
     }
   }
-  return {mean, m2};
 }
 
 // y = act(x * scale + shift [+ residual]), scale and shift per (group, channel).
+// residual may be null.
 template <typename T>
-at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
-                           const c10::optional<at::Tensor>& residual, int64_t act) {
-  const Walk w(x);
-  at::Tensor y = at::empty_like(x);
-  const T* px = data_of<T>(x);
-  const T* pr = residual.has_value() ? data_of<T>(*residual) : nullptr;
-  T* py = data_of<T>(y);
-  const float* ps = scale.data_ptr<float>();
-  const float* pt = shift.data_ptr<float>();
-  at::parallel_for(0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
+void affine_act_impl(int64_t threads, const T* px, const Walk& w, const float* ps, const float* pt, const T* pr,
+                     int64_t act, T* py) {
+  parallel_for(threads, 0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> st, tt;
     int64_t tiled = -1;  // the group whose coefficients st, tt hold
     for (int64_t task = begin; task < end; ++task) {
@@ -362,32 +336,22 @@ at::Tensor affine_act_impl(const at::Tensor& x, const at::Tensor& scale, const a
       });
     }
   });
-  return y;
 }
 
 // The backward reduction pass. gz = dL/dz, z the pre-activation (x * scale + shift [+ residual]), in the
 // activation's dtype (as ATen's activation backward hands it on); also the residual's gradient. From the
 // stored gz, per (group, channel): s1 = sum gz and s2 = sum gz * (x - mean), float64 over blocks.
-// ReLU reads its mask from the output y; SiLU recomputes z from x (no residual with SiLU).
+// ReLU reads its mask from the output y (py, null for the other activations); SiLU recomputes z from x (no
+// residual with SiLU). Without an activation gz is grad itself: pz is not written (the caller passes grad).
+// The sums per (group, channel) go to sum1 and sum2, (G, C) float64.
 template <typename T>
-std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::Tensor& x,
-                                             const c10::optional<at::Tensor>& out, const at::Tensor& scale,
-                                             const at::Tensor& shift, const at::Tensor& mean, int64_t act) {
-  const Walk w(x);
+void backward_reduce_impl(int64_t threads, const T* pg, const T* px, const T* py, const Walk& w, const float* ps,
+                          const float* pt, const float* pm, int64_t act, T* pz, double* sum1, double* sum2) {
   const int64_t G = w.G, C = w.C, blocks = w.blocks;
-  at::Tensor gz = act == kNone ? grad : at::empty_like(grad);
-  auto opts = x.options().dtype(at::kDouble);
-  at::Tensor s1 = at::empty({G * blocks, C}, opts), s2 = at::empty({G * blocks, C}, opts);
-  const T* pg = data_of<T>(grad);
-  const T* px = data_of<T>(x);
-  const T* py = out.has_value() ? data_of<T>(*out) : nullptr;
-  T* pz = data_of<T>(gz);
-  const float* ps = scale.data_ptr<float>();
-  const float* pt = shift.data_ptr<float>();
-  const float* pm = mean.data_ptr<float>();
-  double* q1 = s1.data_ptr<double>();
-  double* q2 = s2.data_ptr<double>();
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<double> s1(G * blocks * C), s2(G * blocks * C);
+  double* q1 = s1.data();
+  double* q2 = s2.data();
+  parallel_for(threads, 0, G * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> a(w.width()), b(w.width()), st, tt, mt;
     int64_t tiled = -1;
     for (int64_t task = begin; task < end; ++task) {
@@ -460,24 +424,23 @@ std::vector<at::Tensor> backward_reduce_impl(const at::Tensor& grad, const at::T
       fold(b, w, q2 + task * C);
     }
   });
-  auto per_group = [&](const at::Tensor& partial) { return partial.view({G, blocks, C}).sum(1); };
-  return {gz, per_group(s1), per_group(s2)};
+  // The blocks' sums per group, block by block: contiguous rows of C.
+  std::fill(sum1, sum1 + G * C, 0.0);
+  std::fill(sum2, sum2 + G * C, 0.0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t block = 0; block < blocks; ++block)
+      for (int64_t c = 0; c < C; ++c) {
+        sum1[g * C + c] += q1[(g * blocks + block) * C + c];
+        sum2[g * C + c] += q2[(g * blocks + block) * C + c];
+      }
 }
 
 // dx = a * gz + b * x + d, coefficients per (group, channel): the input gradient of any affine
 // normalisation once its reductions are known (see cnns/kernels/norm_act.py for a, b, d).
 template <typename T>
-at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const at::Tensor& a,
-                               const at::Tensor& b, const at::Tensor& d) {
-  const Walk w(x);
-  at::Tensor dx = at::empty_like(x);
-  const T* pz = data_of<T>(gz);
-  const T* px = data_of<T>(x);
-  T* pd = data_of<T>(dx);
-  const float* pa = a.data_ptr<float>();
-  const float* pb = b.data_ptr<float>();
-  const float* pc = d.data_ptr<float>();
-  at::parallel_for(0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
+void input_gradient_impl(int64_t threads, const T* pz, const T* px, const Walk& w, const float* pa, const float* pb,
+                         const float* pc, T* pd) {
+  parallel_for(threads, 0, w.G * w.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> at_, bt, dt;
     int64_t tiled = -1;
     for (int64_t task = begin; task < end; ++task) {
@@ -498,91 +461,29 @@ at::Tensor input_gradient_impl(const at::Tensor& gz, const at::Tensor& x, const 
       });
     }
   });
-  return dx;
-}
-
-std::vector<at::Tensor> moments(const at::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.size(1) > 0, "moments of an empty group");
-  if (x.scalar_type() == at::kBFloat16) return moments_impl<uint16_t>(x);
-  return moments_impl<float>(x);
-}
-
-at::Tensor affine_act(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
-                      const c10::optional<at::Tensor>& residual, int64_t act) {
-  check_rows(x, "x");
-  check_coefficients(scale, x, "scale");
-  check_coefficients(shift, x, "shift");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
-                residual->scalar_type() == x.scalar_type(), "residual must be laid out as x");
-    TORCH_CHECK(act == kNone || act == kRelu, "a residual is added before no activation or ReLU");
-  }
-  if (x.scalar_type() == at::kBFloat16) return affine_act_impl<uint16_t>(x, scale, shift, residual, act);
-  return affine_act_impl<float>(x, scale, shift, residual, act);
-}
-
-std::vector<at::Tensor> backward_reduce(const at::Tensor& grad, const at::Tensor& x,
-                                        const c10::optional<at::Tensor>& out, const at::Tensor& scale,
-                                        const at::Tensor& shift, const at::Tensor& mean, int64_t act) {
-  check_rows(x, "x");
-  TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous() && grad.scalar_type() == x.scalar_type(),
-              "grad must be laid out as x");
-  TORCH_CHECK(act != kRelu || (out.has_value() && out->sizes() == x.sizes() && out->is_contiguous() &&
-                               out->scalar_type() == x.scalar_type()), "ReLU's backward needs its output");
-  check_coefficients(scale, x, "scale");
-  check_coefficients(shift, x, "shift");
-  check_coefficients(mean, x, "mean");
-  if (x.scalar_type() == at::kBFloat16)
-    return backward_reduce_impl<uint16_t>(grad, x, out, scale, shift, mean, act);
-  return backward_reduce_impl<float>(grad, x, out, scale, shift, mean, act);
-}
-
-at::Tensor input_gradient(const at::Tensor& gz, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                          const at::Tensor& d) {
-  check_rows(x, "x");
-  TORCH_CHECK(gz.sizes() == x.sizes() && gz.is_contiguous() && gz.scalar_type() == x.scalar_type(),
-              "gz must be laid out as x");
-  check_coefficients(a, x, "a");
-  check_coefficients(b, x, "b");
-  check_coefficients(d, x, "d");
-  if (x.scalar_type() == at::kBFloat16) return input_gradient_impl<uint16_t>(gz, x, a, b, d);
-  return input_gradient_impl<float>(gz, x, a, b, d);
 }
 
 // The per-channel arithmetic between the passes, in float64 loops over (G, C), in the same C++ call: as ~20
 // small torch operators per call, their dispatch cost more than the passes of a late ResNet layer or a
 // CIFAR one.
 
-// The parameter as (C) float64, or `fill` where the norm has none.
-std::vector<double> per_channel(const c10::optional<at::Tensor>& p, int64_t C, double fill) {
+// The parameter (C float32 values) as float64, or `fill` where the norm has none (null).
+std::vector<double> per_channel(const float* p, int64_t C, double fill) {
   std::vector<double> out(C, fill);
-  if (p.has_value() && p->defined()) {
-    const at::Tensor d = p->detach().to(at::kDouble).contiguous();
-    TORCH_CHECK(d.numel() == C, "a norm parameter must have one value per channel");
-    std::memcpy(out.data(), d.data_ptr<double>(), C * sizeof(double));
-  }
+  if (p != nullptr)
+    for (int64_t c = 0; c < C; ++c) out[c] = p[c];
   return out;
 }
 
-at::Tensor to_float32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
-
 // Forward: y = act(norm(x) [+ residual]) over the (G, R, C) rows of x, G = 1 for batch norm (groups = 0), N for
-// group norm. Returns y, the per (G, C) mean and 1/std in float64 and the float32 scale and shift that made y
-// (the backward's inputs), and each channel's moments (C) for batch norm's running statistics.
-std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                                int64_t groups, double eps, int64_t act) {
-  const auto moments_c = moments(x);
-  const at::Tensor& mean_c = moments_c[0];
-  const at::Tensor& m2_c = moments_c[1];
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
-  TORCH_CHECK(groups == 0 || C % groups == 0, "channels must divide into the groups");
-  at::Tensor mean = groups ? at::empty_like(mean_c) : mean_c, invstd = at::empty_like(mean_c);
-  const double* pm_c = mean_c.data_ptr<double>();
-  const double* pv_c = m2_c.data_ptr<double>();
-  double* pm = mean.data_ptr<double>();
-  double* pi = invstd.data_ptr<double>();
+// group norm. Writes y, the per (G, C) mean and 1/std in float64 and the float32 scale and shift that made y
+// (the backward's inputs), and each channel's moments (mean_c, m2_c) for batch norm's running statistics.
+template <typename T>
+void forward_impl(int64_t threads, const T* x, const Walk& w, const float* weight, const float* bias, const T* residual,
+                  int64_t groups, double eps, int64_t act, T* y, double* pm, double* pi, float* ps, float* pt,
+                  double* pm_c, double* pv_c) {
+  const int64_t G = w.G, R = w.R, C = w.C;
+  moments_impl<T>(threads, x, w, pm_c, pv_c);
   if (groups) {
     // Channel moments -> group moments (Chan et al.'s pairwise combination), broadcast to the group's channels.
     const int64_t per = C / groups;
@@ -598,48 +499,42 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
         for (int64_t c = c0; c < c0 + per; ++c) { pm[c] = group_mean; pi[c] = inv; }
       }
   } else {
-    for (int64_t c = 0; c < G * C; ++c) pi[c] = 1.0 / std::sqrt(pv_c[c] / double(R) + eps);
+    for (int64_t c = 0; c < G * C; ++c) {
+      pm[c] = pm_c[c];
+      pi[c] = 1.0 / std::sqrt(pv_c[c] / double(R) + eps);
+    }
   }
-  const std::vector<double> w = per_channel(weight, C, 1.0), b = per_channel(bias, C, 0.0);
-  at::Tensor scale = at::empty({G, C}, x.options().dtype(at::kFloat)), shift = at::empty_like(scale);
-  float* ps = scale.data_ptr<float>();
-  float* pt = shift.data_ptr<float>();
+  const std::vector<double> wd = per_channel(weight, C, 1.0), bd = per_channel(bias, C, 0.0);
   for (int64_t i = 0; i < G * C; ++i) {
-    const double s = w[i % C] * pi[i];
+    const double s = wd[i % C] * pi[i];
     ps[i] = float(s);
-    pt[i] = float(b[i % C] - pm[i] * s);
+    pt[i] = float(bd[i % C] - pm[i] * s);
   }
-  const at::Tensor y = affine_act(x, scale, shift, residual, act);
-  return {y, mean, invstd, scale, shift, mean_c, m2_c};
+  affine_act_impl<T>(threads, x, w, ps, pt, residual, act, y);
 }
 
-// Backward of `forward`: from dL/dy, the input gradient (undefined unless asked for), the weight and bias
-// gradients (C, float64) and dL/dz, z the pre-activation (the residual's gradient).
-std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& x, const c10::optional<at::Tensor>& out,
-                                 const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& scale,
-                                 const at::Tensor& shift, const c10::optional<at::Tensor>& weight, int64_t groups,
-                                 int64_t act, bool input_grad) {
-  const auto reduced = backward_reduce(grad, x, out, scale, shift, to_float32(mean), act);
-  const at::Tensor &gz = reduced[0], &s1 = reduced[1], &s2 = reduced[2];
-  const int64_t G = x.size(0), R = x.size(1), C = x.size(2);
-  const std::vector<double> w = per_channel(weight, C, 1.0);
-  const double* p1 = s1.data_ptr<double>();
-  const double* p2 = s2.data_ptr<double>();
-  const double* pm = mean.data_ptr<double>();
-  const double* pi = invstd.data_ptr<double>();
-  auto opts = x.options().dtype(at::kDouble);
-  at::Tensor grad_w = at::zeros({C}, opts), grad_b = at::zeros({C}, opts);
-  at::Tensor cg = at::empty({G, C}, opts.dtype(at::kFloat)), cx = at::empty_like(cg), cd = at::empty_like(cg);
-  double* pw = grad_w.data_ptr<double>();
-  double* pb = grad_b.data_ptr<double>();
-  float* qg = cg.data_ptr<float>();
-  float* qx = cx.data_ptr<float>();
-  float* qd = cd.data_ptr<float>();
+// Backward of `forward`: from dL/dy, the input gradient (dx null: not asked for), the weight and bias gradients
+// (C, float64) and dL/dz, z the pre-activation (the residual's gradient; without an activation gz is grad and
+// is not written).
+template <typename T>
+void backward_impl(int64_t threads, const T* grad, const T* x, const T* out, const Walk& w, const double* pm,
+                   const double* pi, const float* scale, const float* shift, const float* weight, int64_t groups,
+                   int64_t act, T* dx, double* pw, double* pb, T* gz) {
+  const int64_t G = w.G, R = w.R, C = w.C;
+  std::vector<float> mean32(G * C);
+  for (int64_t i = 0; i < G * C; ++i) mean32[i] = float(pm[i]);
+  std::vector<double> s1(G * C), s2(G * C);
+  backward_reduce_impl<T>(threads, grad, x, out, w, scale, shift, mean32.data(), act, gz, s1.data(), s2.data());
+  const T* pz = act == kNone ? grad : gz;
+  const std::vector<double> wd = per_channel(weight, C, 1.0);
+  const double* p1 = s1.data();
+  const double* p2 = s2.data();
+  std::vector<float> cg(G * C), cx(G * C), cd(G * C);
   // dx = coef_g * gz + coef_x * (x - mean) + coef_d, written as one pass with the mean folded into the shift.
   auto put = [&](int64_t i, double coef_g, double coef_x, double coef_d) {
-    qg[i] = float(coef_g);
-    qx[i] = float(coef_x);
-    qd[i] = float(coef_d - coef_x * pm[i]);
+    cg[i] = float(coef_g);
+    cx[i] = float(coef_x);
+    cd[i] = float(coef_d - coef_x * pm[i]);
   };
   if (groups) {
     // Per sample and group: the means of w * gz and of w * gz * xhat (the group norm backward).
@@ -650,36 +545,93 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& x, co
         const int64_t c0 = g * C + k * per;
         double a = 0.0, b = 0.0;
         for (int64_t i = c0; i < c0 + per; ++i) {
-          a += w[i % C] * p1[i];
-          b += w[i % C] * p2[i] * pi[i];
+          a += wd[i % C] * p1[i];
+          b += wd[i % C] * p2[i] * pi[i];
         }
         a /= count;
         b /= count;
-        for (int64_t i = c0; i < c0 + per; ++i) put(i, pi[i] * w[i % C], -pi[i] * pi[i] * b, -pi[i] * a);
+        for (int64_t i = c0; i < c0 + per; ++i) put(i, pi[i] * wd[i % C], -pi[i] * pi[i] * b, -pi[i] * a);
       }
   } else {
     const double count = double(R);
     for (int64_t c = 0; c < C; ++c)
-      put(c, w[c] * pi[c], -w[c] * pi[c] * pi[c] * pi[c] * p2[c] / count, -w[c] * pi[c] * p1[c] / count);
+      put(c, wd[c] * pi[c], -wd[c] * pi[c] * pi[c] * pi[c] * p2[c] / count, -wd[c] * pi[c] * p1[c] / count);
   }
+  std::fill(pw, pw + C, 0.0);
+  std::fill(pb, pb + C, 0.0);
   for (int64_t i = 0; i < G * C; ++i) {
     pw[i % C] += p2[i] * pi[i];
     pb[i % C] += p1[i];
   }
-  const at::Tensor dx = input_grad ? input_gradient(gz, x, cg, cx, cd) : at::Tensor();
-  return {dx, grad_w, grad_b, gz};
+  if (dx != nullptr) input_gradient_impl<T>(threads, pz, x, w, cg.data(), cx.data(), cd.data(), dx);
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused normalisation + activation passes over channels_last (G, R, C) activations (cnns).";
-  m.def("moments", &moments, "per (group, channel) mean and sum of squared deviations, float64");
-  m.def("affine_act", &affine_act, "act(x * scale + shift [+ residual])", py::arg("x"), py::arg("scale"),
-        py::arg("shift"), py::arg("residual") = py::none(), py::arg("act") = 0);
-  m.def("backward_reduce", &backward_reduce, "pre-activation gradient and its two per-channel sums");
-  m.def("input_gradient", &input_gradient, "a * gz + b * x + d");
-  m.def("forward", &forward, "act(norm(x) [+ residual]) with its statistics and coefficients");
-  m.def("backward", &backward, "input, weight, bias and pre-activation gradients of forward");
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs this many tasks on");
+// The C entry points. Activations are (G, R, C) contiguous rows in one dtype (Dtype: 0 float32, 1 bfloat16 as its
+// bits), passed as void*; per (group, channel) coefficients are (G, C) float32, statistics (G, C) float64.
+// `threads`: torch.get_num_threads().
+extern "C" {
+
+#define CNNS_DISPATCH(dtype, call)                                                        \
+  do {                                                                                    \
+    if ((dtype) == kBFloat16) { using T = uint16_t; call; } else { using T = float; call; } \
+  } while (0)
+
+// Per (group, channel) mean and sum of squared deviations, float64.
+void cnns_norm_moments(int64_t threads, int dtype, const void* x, int64_t G, int64_t R, int64_t C, double* mean,
+                       double* m2) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, moments_impl<T>(threads, static_cast<const T*>(x), w, mean, m2));
 }
+
+// y = act(x * scale + shift [+ residual]); residual null or laid out as x (then act is none or ReLU).
+void cnns_norm_affine_act(int64_t threads, int dtype, const void* x, int64_t G, int64_t R, int64_t C,
+                          const float* scale, const float* shift, const void* residual, int64_t act, void* y) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, affine_act_impl<T>(threads, static_cast<const T*>(x), w, scale, shift,
+                                          static_cast<const T*>(residual), act, static_cast<T*>(y)));
+}
+
+// The pre-activation gradient gz (not written without an activation) and its two per-channel sums.
+void cnns_norm_backward_reduce(int64_t threads, int dtype, const void* grad, const void* x, const void* out,
+                               int64_t G, int64_t R, int64_t C, const float* scale, const float* shift,
+                               const float* mean, int64_t act, void* gz, double* sum1, double* sum2) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, backward_reduce_impl<T>(threads, static_cast<const T*>(grad), static_cast<const T*>(x),
+                                               static_cast<const T*>(out), w, scale, shift, mean, act,
+                                               static_cast<T*>(gz), sum1, sum2));
+}
+
+// dx = a * gz + b * x + d.
+void cnns_norm_input_gradient(int64_t threads, int dtype, const void* gz, const void* x, int64_t G, int64_t R,
+                              int64_t C, const float* a, const float* b, const float* d, void* dx) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, input_gradient_impl<T>(threads, static_cast<const T*>(gz), static_cast<const T*>(x), w, a, b,
+                                              d, static_cast<T*>(dx)));
+}
+
+// act(norm(x) [+ residual]) with its statistics and coefficients; weight and bias: C float32 values or null.
+void cnns_norm_forward(int64_t threads, int dtype, const void* x, int64_t G, int64_t R, int64_t C, const float* weight,
+                       const float* bias, const void* residual, int64_t groups, double eps, int64_t act, void* y,
+                       double* mean, double* invstd, float* scale, float* shift, double* mean_c, double* m2_c) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, forward_impl<T>(threads, static_cast<const T*>(x), w, weight, bias,
+                                       static_cast<const T*>(residual), groups, eps, act, static_cast<T*>(y), mean,
+                                       invstd, scale, shift, mean_c, m2_c));
+}
+
+// Input (dx null: not asked for), weight and bias (C float64) and pre-activation gradients of forward.
+void cnns_norm_backward(int64_t threads, int dtype, const void* grad, const void* x, const void* out, int64_t G,
+                        int64_t R, int64_t C, const double* mean, const double* invstd, const float* scale,
+                        const float* shift, const float* weight, int64_t groups, int64_t act, void* dx,
+                        double* grad_weight, double* grad_bias, void* gz) {
+  const Walk w(G, R, C);
+  CNNS_DISPATCH(dtype, backward_impl<T>(threads, static_cast<const T*>(grad), static_cast<const T*>(x),
+                                        static_cast<const T*>(out), w, mean, invstd, scale, shift, weight, groups, act,
+                                        static_cast<T*>(dx), grad_weight, grad_bias, static_cast<T*>(gz)));
+}
+
+int64_t cnns_parallel_threads(int64_t threads, int64_t tasks) { return parallel_threads(threads, tasks); }
+
+}  // extern "C"

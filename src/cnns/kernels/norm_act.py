@@ -13,7 +13,7 @@ sum and sum of squares over the span (one all-reduce), and runs the scale-shift-
 statistics; the backward runs its reduction pass, sums the two per-channel sums over the span (one
 all-reduce) and runs the input-gradient pass with them, as torch's SyncBatchNorm does on GPUs.
 
-The extension is built when the package is installed (setup.py). Where it could not be (no compiler),
+The passes are built when the package is installed (setup.py). Where they could not be (no compiler),
 ``available()`` is False and nothing here is used: the models run torch's modules (see
 `cnns.engine.fusion`).
 """
@@ -25,15 +25,181 @@ from typing import Callable
 import torch
 
 from cnns import profiling
-from cnns.kernels import load_build
+from cnns.kernels import DOUBLE, DTYPE_CODES, INT, INT64, POINTER, Library, address, runnable_builds, threads
 
 # Sums a float64 tensor over the processes of a --BN-span (`cnns.parallel.batchnorm.BatchNormSpan.sum`).
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
-_ext = load_build("norm_act")
-
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Passes:
+    """The passes of one build of norm_act.cpp, on tensors: each checks its operands (the C code trusts them),
+    allocates its results and calls the build's C entry point."""
+
+    def __init__(self, library: Library):
+        self.name = library.name
+        self.instructions = library.instructions
+        rows = (INT64, INT, POINTER, INT64, INT64, INT64)  # threads, dtype, x, G, R, C
+        self._moments = library.entry("cnns_norm_moments", None, *rows, POINTER, POINTER)
+        self._affine_act = library.entry("cnns_norm_affine_act", None, *rows, POINTER, POINTER, POINTER, INT64,
+                                         POINTER)
+        self._backward_reduce = library.entry("cnns_norm_backward_reduce", None, INT64, INT, POINTER, POINTER,
+                                              POINTER, INT64, INT64, INT64, POINTER, POINTER, POINTER, INT64,
+                                              POINTER, POINTER, POINTER)
+        self._input_gradient = library.entry("cnns_norm_input_gradient", None, *rows, POINTER, POINTER, POINTER,
+                                             POINTER, POINTER)
+        self._forward = library.entry("cnns_norm_forward", None, *rows, POINTER, POINTER, POINTER, INT64, DOUBLE,
+                                      INT64, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER)
+        self._backward = library.entry("cnns_norm_backward", None, INT64, INT, POINTER, POINTER, POINTER, INT64,
+                                       INT64, INT64, POINTER, POINTER, POINTER, POINTER, POINTER, INT64, INT64,
+                                       POINTER, POINTER, POINTER, POINTER)
+        self._parallel_threads = library.entry("cnns_parallel_threads", INT64, INT64, INT64)
+
+    def moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (group, channel) mean and sum of squared deviations of (G, R, C) rows, float64 (G, C) each."""
+        g, r, c = _check_rows(x, "x")
+        if r == 0:
+            raise ValueError("moments of an empty group")
+        mean, m2 = _outputs(2, (g, c), torch.float64)
+        self._moments(threads(), DTYPE_CODES[x.dtype], x.data_ptr(), g, r, c, mean.data_ptr(), m2.data_ptr())
+        return mean, m2
+
+    def affine_act(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                   residual: torch.Tensor | None = None, act: int = 0) -> torch.Tensor:
+        """act(x * scale + shift [+ residual]), scale and shift (G, C) float32."""
+        g, r, c = _check_rows(x, "x")
+        _check_coefficients(x, scale=scale, shift=shift)
+        if residual is not None:
+            _check_like(x, residual=residual)
+            if act not in (ACTIVATIONS["none"], ACTIVATIONS["relu"]):
+                raise ValueError("a residual is added before no activation or ReLU")
+        y = torch.empty_like(x)
+        self._affine_act(threads(), DTYPE_CODES[x.dtype], x.data_ptr(), g, r, c, scale.data_ptr(), shift.data_ptr(),
+                         address(residual), act, y.data_ptr())
+        return y
+
+    def backward_reduce(self, grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor,
+                        shift: torch.Tensor, mean: torch.Tensor, act: int):
+        """gz = dL/dz (grad itself without an activation), and per (group, channel) sum gz and
+        sum gz * (x - mean), float64 (G, C); ReLU's mask comes from its output ``out``."""
+        g, r, c = _check_rows(x, "x")
+        _check_like(x, grad=grad)
+        if act == ACTIVATIONS["relu"]:
+            if out is None:
+                raise ValueError("ReLU's backward needs its output")
+            _check_like(x, out=out)
+        _check_coefficients(x, scale=scale, shift=shift, mean=mean)
+        gz = grad if act == ACTIVATIONS["none"] else torch.empty_like(grad)
+        s1, s2 = _outputs(2, (g, c), torch.float64)
+        self._backward_reduce(threads(), DTYPE_CODES[x.dtype], grad.data_ptr(), x.data_ptr(), address(out), g, r, c,
+                              scale.data_ptr(), shift.data_ptr(), mean.data_ptr(), act, gz.data_ptr(),
+                              s1.data_ptr(), s2.data_ptr())
+        return gz, s1, s2
+
+    def input_gradient(self, gz: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       d: torch.Tensor) -> torch.Tensor:
+        """a * gz + b * x + d, the coefficients (G, C) float32."""
+        g, r, c = _check_rows(x, "x")
+        _check_like(x, gz=gz)
+        _check_coefficients(x, a=a, b=b, d=d)
+        dx = torch.empty_like(x)
+        self._input_gradient(threads(), DTYPE_CODES[x.dtype], gz.data_ptr(), x.data_ptr(), g, r, c, a.data_ptr(),
+                             b.data_ptr(), d.data_ptr(), dx.data_ptr())
+        return dx
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, groups: int, eps: float, act: int):
+        """y = act(norm(x) [+ residual]) with the per (G, C) mean and 1/std (float64), the float32 scale and
+        shift that made y, and each channel's mean and sum of squared deviations (float64)."""
+        g, r, c = _check_rows(x, "x")
+        if r == 0:
+            raise ValueError("moments of an empty group")
+        if groups and c % groups:
+            raise ValueError("channels must divide into the groups")
+        if residual is not None:
+            _check_like(x, residual=residual)
+        weight32, bias32 = _parameter(weight, c), _parameter(bias, c)
+        y = torch.empty_like(x)
+        mean, invstd, mean_c, m2_c = _outputs(4, (g, c), torch.float64)
+        scale, shift = _outputs(2, (g, c), torch.float32)
+        self._forward(threads(), DTYPE_CODES[x.dtype], x.data_ptr(), g, r, c, address(weight32), address(bias32),
+                      address(residual), groups, eps, act, y.data_ptr(), mean.data_ptr(), invstd.data_ptr(),
+                      scale.data_ptr(), shift.data_ptr(), mean_c.data_ptr(), m2_c.data_ptr())
+        return y, mean, invstd, scale, shift, mean_c, m2_c
+
+    def backward(self, grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, mean: torch.Tensor,
+                 invstd: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor | None,
+                 groups: int, act: int, input_grad: bool):
+        """The input gradient (None unless asked for), the weight and bias gradients (C, float64) and dL/dz, z
+        the pre-activation (the residual's gradient), from dL/dy and what `forward` returned."""
+        g, r, c = _check_rows(x, "x")
+        _check_like(x, grad=grad)
+        if act == ACTIVATIONS["relu"]:
+            if out is None:
+                raise ValueError("ReLU's backward needs its output")
+            _check_like(x, out=out)
+        weight32 = _parameter(weight, c)
+        dx = torch.empty_like(x) if input_grad else None
+        gz = grad if act == ACTIVATIONS["none"] else torch.empty_like(grad)
+        grad_w, grad_b = _outputs(2, (c,), torch.float64)
+        self._backward(threads(), DTYPE_CODES[x.dtype], grad.data_ptr(), x.data_ptr(), address(out), g, r, c,
+                       mean.data_ptr(), invstd.data_ptr(), scale.data_ptr(), shift.data_ptr(), address(weight32),
+                       groups, act, address(dx), grad_w.data_ptr(), grad_b.data_ptr(), gz.data_ptr())
+        return dx, grad_w, grad_b, gz
+
+    def parallel_threads(self, tasks: int) -> int:
+        """How many threads this build runs ``tasks`` one-item tasks on (torch's thread count, if built with
+        OpenMP)."""
+        return self._parallel_threads(threads(), tasks)
+
+
+def _outputs(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``count`` contiguous result tensors of one shape, from one allocation."""
+    return torch.empty((count, *shape), dtype=dtype).unbind(0)
+
+
+def _check_rows(t: torch.Tensor, name: str) -> torch.Size:
+    """(G, R, C) of a contiguous float32/bfloat16 CPU row tensor (anything else would be read out of bounds)."""
+    if t.dim() != 3 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous (G, R, C) CPU tensor")
+    if t.dtype not in DTYPE_CODES:
+        raise ValueError(f"{name} must be float32 or bfloat16")
+    return t.shape
+
+
+def _check_like(x: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.shape != x.shape or not t.is_contiguous() or t.dtype != x.dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be laid out as x")
+
+
+def _check_coefficients(x: torch.Tensor, **coefficients: torch.Tensor) -> None:
+    for name, t in coefficients.items():
+        if (t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float32
+                or t.shape[0] != x.shape[0] or t.shape[1] != x.shape[2]):
+            raise ValueError(f"{name} must be a contiguous float32 (G, C) tensor of the input's G and C")
+
+
+def _parameter(p: torch.Tensor | None, channels: int) -> torch.Tensor | None:
+    """A norm's weight or bias as C contiguous float32 values (float32 and bfloat16 convert exactly)."""
+    if p is None:
+        return None
+    p = p.detach()
+    if p.dtype != torch.float32 or not p.is_contiguous():
+        p = p.float().contiguous()
+    if p.numel() != channels:
+        raise ValueError("a norm parameter must have one value per channel")
+    return p
+
+
+def builds() -> list[Passes]:
+    """Every build of the passes installed here that this CPU runs, the widest first (tests check each)."""
+    return [Passes(library) for library in runnable_builds("norm_act")]
+
+
+_ext: Passes | None = next(iter(builds()), None)
 
 
 def available() -> bool:
@@ -43,7 +209,7 @@ def available() -> bool:
 
 def wide_build() -> bool:
     """Whether the AVX-512 (AVX512-BF16) build runs (the one measured against ATen's kernels)."""
-    return _ext is not None and _ext.__name__.endswith("_avx512")
+    return _ext is not None and _ext.name.endswith("_avx512")
 
 
 def supports(x: torch.Tensor) -> bool:

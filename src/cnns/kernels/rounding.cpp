@@ -16,11 +16,9 @@
 // value can carry at most into the infinity pattern, infinities have a zero low half, and NaNs are written as
 // quiet NaNs of the same sign (a NaN whose payload sat in the low half alone would otherwise become infinity).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
-#include "vectors.h"
-
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -39,16 +37,16 @@ inline uint16_t round_with(uint32_t bits, uint32_t noise16) {
   return nan ? static_cast<uint16_t>((bits >> 16) | 0x0040u) : carried;
 }
 
-at::Tensor stochastic_round_bfloat16(const at::Tensor& x, int64_t key) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "stochastic_round_bfloat16 takes a contiguous float32 CPU tensor");
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
-  uint16_t* rounded = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t n = x.numel();
+}  // namespace
+
+// The C entry points (cnns/kernels/rounding.py checks the operands and allocates the result).
+extern "C" {
+
+// n float32 values (their bits) rounded stochastically into n bfloat16 values (their bits), noise stream `key`.
+void cnns_stochastic_round_bfloat16(int64_t threads, const uint32_t* in, int64_t n, int64_t key, uint16_t* rounded) {
   const uint64_t base = static_cast<uint64_t>(key);
   // Block b holds elements 4b .. 4b+3 and takes the sequence's (b+1)-th value.
-  at::parallel_for(0, (n + 3) / 4, 4096, [&](int64_t first, int64_t last) {
+  cnns_kernels::parallel_for(threads, 0, (n + 3) / 4, 4096, [&](int64_t first, int64_t last) {
     const int64_t full = std::min(last, n / 4);
     for (int64_t b = first; b < full; ++b) {
       const uint64_t noise = mix(base + static_cast<uint64_t>(b + 1) * kGamma);
@@ -63,13 +61,8 @@ at::Tensor stochastic_round_bfloat16(const at::Tensor& x, int64_t key) {
       }
     }
   });
-  return out;
 }
 
-}  // namespace
+int64_t cnns_parallel_threads(int64_t threads, int64_t tasks) { return cnns_kernels::parallel_threads(threads, tasks); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Stochastic rounding of float32 to bfloat16 with counter-based noise (cnns).";
-  m.def("stochastic_round_bfloat16", &stochastic_round_bfloat16, "float32 -> bfloat16, noise from (key, index)");
-  m.def("parallel_threads", &cnns_kernels::parallel_threads, "threads at::parallel_for runs this many tasks on");
-}
+}  // extern "C"

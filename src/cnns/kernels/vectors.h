@@ -1,12 +1,12 @@
 // Vector helpers shared by the hand-written CPU kernels (norm_act.cpp, depthwise.cpp): element access by
 // storage type (float32, or bfloat16 as its bits), and a vector of the build's widest float registers with
 // bfloat16 loads and rounding stores. Each kernel source is compiled twice by setup.py (x86-64-v3 and
-// x86-64-v4), so these pick their instructions from the build's ISA.
+// x86-64-v4), so these pick their instructions from the build's ISA. No torch header: the kernels take raw
+// pointers and sizes through a plain C ABI (cnns/kernels/native.py), so they compile in seconds.
 
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -39,11 +39,8 @@ template <> inline uint16_t from_float<uint16_t>(float v) {
   return v != v ? uint16_t(0x7FC0) : uint16_t(rounded);
 }
 
-// The storage type behind a tensor's data: bfloat16 as its bits.
-template <typename T> inline T* data_of(const at::Tensor& t) {
-  if constexpr (std::is_same_v<T, uint16_t>) return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
-  else return t.data_ptr<T>();
-}
+// The storage type of an activation, as its C entry point names it (cnns/kernels/native.py's DTYPE codes).
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1 };
 
 // A vector of the build's widest float registers (16 floats with AVX-512, 8 otherwise), as a GCC/Clang vector
 // extension so that one source builds for every ISA and the compiler keeps such values in registers, which
@@ -109,15 +106,5 @@ constexpr bool kVectorLoops = true;
 #else
 constexpr bool kVectorLoops = false;
 #endif
-
-// How many threads at::parallel_for runs `tasks` tasks on in this build: torch's thread count, unless the build
-// lost OpenMP (its parallel_for is an inline `#pragma omp parallel`, ignored without -fopenmp: one thread).
-inline int64_t parallel_threads(int64_t tasks) {
-  std::vector<int64_t> seen(at::get_num_threads(), 0);
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
-  int64_t threads = 0;
-  for (int64_t s : seen) threads += s;
-  return threads;
-}
 
 }  // namespace cnns_kernels
