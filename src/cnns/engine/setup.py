@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cnns import kernels
 from cnns.config import RunConfig
 from cnns.data.sources import DataSources, build_sources
 from cnns.engine.assembly import AssembledModel, assemble
@@ -220,6 +221,8 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
               f" x accumulation {t.gradient_accumulation_count} x replicas {cfg.parallel.replicas})")
     log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.summary})")
     log.print(f"Total Parameters:{setup.total_parameters}")
+    if setup.device.type == "cpu":  # the C++ kernels this CPU runs, or torch's where they were not built
+        log.print(kernels.describe())
     if setup.sources.decoding:
         log.print(setup.sources.decoding)
     if setup.stage is not None:  # what this process holds of the model (each stage's log with --log-all-instances)

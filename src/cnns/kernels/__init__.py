@@ -103,3 +103,25 @@ def threads() -> int:
 def address(tensor: torch.Tensor | None) -> int | None:
     """A tensor's data pointer for a C entry point (None: a null pointer)."""
     return None if tensor is None else tensor.data_ptr()
+
+
+# The numeric kernels a CPU run may use, as the header names them.
+NUMERIC_KERNELS = {"norm_act": "fused norms", "depthwise": "depthwise backward", "rounding": "stochastic rounding"}
+
+
+def describe() -> str:
+    """One line for a CPU run's header: which build of each numeric kernel this CPU runs, or that torch's own
+    kernels stand in where one was not built (the run is then correct, only slower)."""
+    chosen = {name: load_build(name) for name in NUMERIC_KERNELS}
+    built = {name: build for name, build in chosen.items() if build is not None}
+    missing = [NUMERIC_KERNELS[name] for name, build in chosen.items() if build is None]
+    if not built:
+        return ("CPU kernels: torch's own (cnns's C++ kernels are not built here: `pip install -e .` with a C++ "
+                "compiler builds them)")
+    groups: dict[str, list[str]] = {}
+    for name, build in built.items():
+        groups.setdefault(build.instructions, []).append(NUMERIC_KERNELS[name])
+    parts = [f"cnns {isa} ({', '.join(names)})" for isa, names in groups.items()]
+    if missing:
+        parts.append(f"torch's own for {', '.join(missing)} (not built here)")
+    return "CPU kernels: " + "; ".join(parts)

@@ -67,7 +67,7 @@ class Backward:
 
 
 def _check_nhwc(t: torch.Tensor, name: str) -> None:
-    if t.dim() != 4 or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dim() != 4 or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"{name} must be a contiguous (N, H, W, C) CPU tensor")
     if t.dtype not in DTYPE_CODES:
         raise ValueError(f"{name} must be float32 or bfloat16")

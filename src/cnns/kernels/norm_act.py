@@ -162,7 +162,7 @@ def _outputs(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[to
 
 def _check_rows(t: torch.Tensor, name: str) -> torch.Size:
     """(G, R, C) of a contiguous float32/bfloat16 CPU row tensor (anything else would be read out of bounds)."""
-    if t.dim() != 3 or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dim() != 3 or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"{name} must be a contiguous (G, R, C) CPU tensor")
     if t.dtype not in DTYPE_CODES:
         raise ValueError(f"{name} must be float32 or bfloat16")
@@ -171,7 +171,7 @@ def _check_rows(t: torch.Tensor, name: str) -> torch.Size:
 
 def _check_like(x: torch.Tensor, **others: torch.Tensor) -> None:
     for name, t in others.items():
-        if t.shape != x.shape or not t.is_contiguous() or t.dtype != x.dtype or t.device.type != "cpu":
+        if t.shape != x.shape or not t.is_contiguous() or t.dtype != x.dtype or not t.is_cpu:
             raise ValueError(f"{name} must be laid out as x")
 
 

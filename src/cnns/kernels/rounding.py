@@ -24,7 +24,7 @@ class Rounding:
 
     def stochastic_round_bfloat16(self, x: torch.Tensor, key: int) -> torch.Tensor:
         """``x`` (contiguous float32, CPU) rounded to bfloat16 stochastically with the noise stream ``key``."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        if not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError("stochastic_round_bfloat16 takes a contiguous float32 CPU tensor")
         out = torch.empty(x.shape, dtype=torch.bfloat16)
         self._round(threads(), x.data_ptr(), x.numel(), key, out.data_ptr())
