@@ -6,12 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: train test test-gpu venv benchmark clean
 
-# torch first, then the package without build isolation: setup.py compiles the fused CPU kernels
-# (src/cnns/kernels) against the venv's own torch instead of a second copy in a build environment.
-# pyproject.toml holds ranges; constraints.txt the exact versions installed here (and so in CI).
+# pyproject.toml holds ranges; constraints.txt the exact versions installed here (and so in CI), which are
+# also every package cnns needs: `pip install -r constraints.txt` installs them all but cnns itself.
+# The C++ kernels (src/cnns/kernels) need neither torch nor Python headers, so setup.py compiles them in the
+# background while pip unpacks torch (gigabytes of disk writes): the set-up costs what the install costs.
+# The editable install at the end, without build isolation, takes the libraries compiled in place
+# (setup.py's _built_in_place) and adds the `cnns` command. setuptools comes first: torch needs a newer one
+# than a new venv has, and replacing it while the compile runs would pull it from under that process.
 $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/cnns/kernels/*.cpp src/cnns/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt 'setuptools>=68' wheel torch
+	$(PY) -m pip install --quiet 'setuptools>=77.0.3' wheel
+	$(PY) setup.py --quiet build_ext --inplace > $(VENV)/kernels.log 2>&1 & compile=$$!; \
+	$(PY) -m pip install --quiet -r constraints.txt; installed=$$?; \
+	wait $$compile || { cat $(VENV)/kernels.log; exit 1; }; exit $$installed
 	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 

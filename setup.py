@@ -12,6 +12,7 @@ kernels (`cnns.kernels.norm_act.available()`,
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -24,7 +25,9 @@ def extensions():
     ctypes): no torch or Python header, so each compiles in seconds and the build needs no torch."""
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends. -g0: no debug
     # information (Python's own CFLAGS may ask for it), which is most of what a build writes.
-    flags = ["-std=c++17", "-O3", "-g0", "-fno-trapping-math"]
+    # -Wno-maybe-uninitialized: GCC 12 flags AVX-512's own intrinsics (`__m512i __Y = __Y;` in avx512fintrin.h)
+    # 68 times under Python's -Wall; nothing of the kernels'.
+    flags = ["-std=c++17", "-O3", "-g0", "-fno-trapping-math", "-Wno-maybe-uninitialized"]
     # -fopenmp: parallel.h's `#pragma omp parallel`. The library then needs libgomp.so.1, which resolves to the
     # one torch has already loaded (cnns.kernels imports torch first): one thread pool.
     link = []
@@ -106,6 +109,15 @@ def _build_ext():
                       file=sys.stderr)
 
         def build_extension(self, extension):
+            built = _built_in_place(self, extension)
+            if built is not None:
+                # `setup.py build_ext --inplace` already compiled it from these sources (the Makefile does, while
+                # pip installs torch): an editable install's build, made in a temporary folder, takes that file.
+                target = self.get_ext_fullpath(extension.name)
+                if os.path.abspath(built) != os.path.abspath(target):
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy2(built, target)
+                return
             try:
                 super().build_extension(extension)
             except Exception as exc:
@@ -113,6 +125,18 @@ def _build_ext():
                       file=sys.stderr)
 
     return {"build_ext": OptionalBuildExtension}
+
+
+def _built_in_place(command, extension) -> str | None:
+    """The library `extension` compiled in the source tree, where it is newer than every source, header and
+    this file (whose flags it was built with); else None."""
+    package, _, name = extension.name.rpartition(".")
+    path = os.path.join("src", *package.split("."), command.get_ext_filename(name))
+    if not os.path.isfile(path):
+        return None
+    inputs = [*extension.sources, *extension.depends, __file__]
+    built = os.path.getmtime(path)
+    return path if all(os.path.getmtime(p) < built for p in inputs if os.path.exists(p)) else None
 
 
 ext_modules, cmdclass = extensions()
