@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print("cnns.bench.passes: the fused kernels are not built here")
         return 1
     keep_freed_host_memory(torch.device("cpu"), enabled=True)  # as a run does unless --no-malloc-tuning
-    print(f"build {norm_act._ext.__name__.rsplit('.', 1)[-1]}, {torch.get_num_threads()} threads, bfloat16")
+    print(f"build {norm_act._ext.name}, {torch.get_num_threads()} threads, bfloat16")
     for shape in [tuple(s) for s in args.shape] if args.shape else SHAPES:
         megabytes = torch.Size(shape).numel() * 2 / 1e6
         times = pass_times(shape, args.calls)
