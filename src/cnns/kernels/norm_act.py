@@ -84,12 +84,7 @@ class Passes:
                         shift: torch.Tensor, mean: torch.Tensor, act: int):
         """gz = dL/dz (grad itself without an activation), and per (group, channel) sum gz and
         sum gz * (x - mean), float64 (G, C); ReLU's mask comes from its output ``out``."""
-        g, r, c = _check_rows(x, "x")
-        _check_like(x, grad=grad)
-        if act == ACTIVATIONS["relu"]:
-            if out is None:
-                raise ValueError("ReLU's backward needs its output")
-            _check_like(x, out=out)
+        g, r, c = _check_gradient(grad, x, out, act)
         _check_coefficients(x, scale=scale, shift=shift, mean=mean)
         gz = grad if act == ACTIVATIONS["none"] else torch.empty_like(grad)
         s1, s2 = _outputs(2, (g, c), torch.float64)
@@ -134,12 +129,7 @@ class Passes:
                  groups: int, act: int, input_grad: bool):
         """The input gradient (None unless asked for), the weight and bias gradients (C, float64) and dL/dz, z
         the pre-activation (the residual's gradient), from dL/dy and what `forward` returned."""
-        g, r, c = _check_rows(x, "x")
-        _check_like(x, grad=grad)
-        if act == ACTIVATIONS["relu"]:
-            if out is None:
-                raise ValueError("ReLU's backward needs its output")
-            _check_like(x, out=out)
+        g, r, c = _check_gradient(grad, x, out, act)
         weight32 = _parameter(weight, c)
         dx = torch.empty_like(x) if input_grad else None
         gz = grad if act == ACTIVATIONS["none"] else torch.empty_like(grad)
@@ -167,6 +157,17 @@ def _check_rows(t: torch.Tensor, name: str) -> torch.Size:
     if t.dtype not in DTYPE_CODES:
         raise ValueError(f"{name} must be float32 or bfloat16")
     return t.shape
+
+
+def _check_gradient(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, act: int) -> torch.Size:
+    """(G, R, C) of a backward's operands: x's rows, grad laid out as x, and ReLU's output (its mask) too."""
+    shape = _check_rows(x, "x")
+    _check_like(x, grad=grad)
+    if act == ACTIVATIONS["relu"]:
+        if out is None:
+            raise ValueError("ReLU's backward needs its output")
+        _check_like(x, out=out)
+    return shape
 
 
 def _check_like(x: torch.Tensor, **others: torch.Tensor) -> None:
