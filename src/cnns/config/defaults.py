@@ -313,6 +313,14 @@ def record_half_dtype_given(o: dict[str, Any], decided: set[str] | frozenset[str
         o["half_dtype_given"] = o.get("half_dtype") is not None
 
 
+def _input_defaults(o: dict[str, Any]) -> None:
+    """8-bit I/O is what runs unless --hostside-norm asks for float images from the host (and --eight-bit-io, given
+    with it, wins): both options are recorded as the run does them, so --print-config and arguments.json say what
+    crosses to the device (`cnns.engine.feed.DeviceFeed` normalises uint8 batches on the device)."""
+    o["hostside_norm"] = bool(o.get("hostside_norm")) and not o["eight_bit_io"]
+    o["eight_bit_io"] = not o["hostside_norm"]
+
+
 def _precision_defaults(o: dict[str, Any]) -> None:
     # train.py chooses the half type from the run's device before this (`device_defaults`); options from
     # elsewhere (benchmarks, tests) without one get the CPU's.
@@ -523,6 +531,7 @@ def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
         _set_if_unset(o, key, value)
     _dataset_defaults(o)
     _model_defaults(o)
+    _input_defaults(o)
     _precision_defaults(o)
     _training_defaults(o)
     _validate(o)
