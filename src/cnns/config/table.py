@@ -277,7 +277,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                          help="Checkpoints per epoch, 0 for only the last (where: the rule under Logging).")
     cadence.add_argument("--epochs-per-ckpt", type=float,
                          help="Epochs between checkpoints, instead of --ckpts-per-epoch; 0: by --ckpts-per-epoch.")
-    group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
+    group.add_argument("--ckpt-epochs-offset", type=float,
+                       help="No checkpoints of the cadence during the first N epochs (the initial weights and the "
+                            "last update are saved still).")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
     group.add_argument("--validation-images", type=int,
