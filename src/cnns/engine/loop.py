@@ -2,8 +2,8 @@
 
 Per-update metrics stay on the device in the outfeed and are read back at the host's synchronisations, which
 `RunLength` places (at most `--device-iterations` updates apart, and at every step line, checkpoint and epoch's
-end), so the loop never blocks on the step's results in between. Divergence is found in those read-back metrics: a non-finite loss costs no
-read-back of its own.
+end), so the loop never blocks on the step's results in between. Divergence is found in those read-back
+metrics: a non-finite loss costs no read-back of its own.
 """
 
 from __future__ import annotations
