@@ -336,7 +336,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp-exceptions", action="store_true", default=None,
                        help="Stop at the first NaN/Inf in loss or gradients.")
     group.add_argument("--profile", action="store_true", default=None, help="Write a PyTorch profiler trace.")
-    group.add_argument("--profile-dir", help="Folder for the profiler trace (default: the run folder).")
+    group.add_argument("--profile-dir", help="Folder for the profiler trace (default: profile/ in the run folder).")
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
     group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
