@@ -207,10 +207,12 @@ def test_the_optimisers_families_are_said_as_the_runs_they_are(capfd):
         assert [name for name, runs in FAMILY_RUNS.items() if runs.hold(o)] == [family_of(o)]
 
 
-# The README's statements of defaults (issue 65), each as the README says it and the value --print-config must print
+# The README's statements of defaults and figures (issue 65), each as the README says it and the value --print-config must print
 # for the run it speaks of: (words the README holds, the run's command line, option, value the words state).
 CIFAR, IMAGENET = ("--dataset", "cifar-10"), ("--dataset", "imagenet", "--synthetic-data")
 EFFICIENTNET = (*IMAGENET, "--model", "efficientnet")
+RN50_16IPUS = ("--config", "resnet50_bn_16ipus", "--synthetic-data")
+RN50_ON_8_GPUS = (*RN50_16IPUS, "--replicas", "8", "--shards", "1", "--gradient-accumulation-count", "128")
 README_DEFAULTS = [
     ("| `--eight-bit-io` | works, and is on by default", CIFAR, "eight_bit_io", True),
     ("unless `--hostside-norm` is given without it", (*CIFAR, "--hostside-norm"), "eight_bit_io", False),
@@ -239,6 +241,12 @@ README_DEFAULTS = [
     ("before the run ends in one line naming the rank (default 600)", CIFAR, "dist_timeout", 600),
     ("1024-based; default `1G`", CIFAR, "max_file_size", 2**30),
     ("gradients are summed over micro-batches in float32 by default", CIFAR, "gradient_accumulation_dtype", "float32"),
+    # The figures of "Configurations": a named configuration as written, and fitted to 8 GPUs.
+    ("(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "replicas", 4),
+    ("(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "shards", 4),
+    ("global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "global_batch_size", 16384),
+    ("global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "micro_batch_size", 16),
+    ("`--replicas 8 --shards 1 --gradient-accumulation-count 128`", RN50_ON_8_GPUS, "global_batch_size", 16384),
 ]
 
 
