@@ -383,7 +383,7 @@ def _training_defaults(o: dict[str, Any]) -> None:
             raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
                               f"{o['learning_rate']:g}, which float32 cannot hold: choose one between about -120 "
                               "and 120")
-    for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
+    for key in ("epochs_per_ckpt", "ckpts_per_epoch", "logs_per_epoch"):  # 0: none but the last
         if o.get(key) is not None and o[key] < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
     if o.get("epochs_per_ckpt"):
@@ -422,7 +422,8 @@ def _check_finite(o: dict[str, Any]) -> None:
 def _check_counts(o: dict[str, Any]) -> None:
     """The counts the batch and the learning rate are made of, first: a zero one is named as itself, not as the
     learning rate it would give."""
-    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations"):
+    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations",
+                "log_freq"):
         if o[key] is not None and o[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
 

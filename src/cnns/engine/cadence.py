@@ -35,8 +35,8 @@ RATIO_DENOMINATOR_LIMIT = 10**6
 
 
 def exact(value: float | int) -> Fraction:
-    """An option's number as the exact ratio it names."""
-    return Fraction(value).limit_denominator(RATIO_DENOMINATOR_LIMIT)
+    """An option's number as the exact ratio it names (a number too small for the limit taken as it is)."""
+    return Fraction(value).limit_denominator(RATIO_DENOMINATOR_LIMIT) or Fraction(value)
 
 
 @dataclass(frozen=True)
