@@ -143,8 +143,8 @@ class TrainingLoop:
 
     Step lines, checkpoints and host synchronisations fall where `RunLength` says (positions counted from
     iteration 0 whatever the start, so a restored run keeps the uninterrupted run's cadence); an interrupt adds
-    one of each. Each synchronisation checks the read-back losses,
-    and a non-finite one stops the run (`Diverged`) before anything of it is logged or saved.
+    one of each. Each synchronisation checks the read-back losses, and a non-finite one stops the run
+    (`Diverged`) before anything of it is logged or saved.
     """
 
     def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
@@ -214,7 +214,7 @@ class TrainingLoop:
             if diverged is not None:
                 raise diverged
             window.extend(rows)
-            # The first update's `Compilation time:` line is the run's sign of life before the first step line.
+            # Where the cadence puts a line (before the first, `Compilation time:` is the run's sign of life).
             if length.line_due(done) or stop_now:
                 elapsed = time.perf_counter() - interval_start
                 images, timed = sum(r["samples"] for r in window), len(window)
