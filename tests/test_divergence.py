@@ -6,6 +6,7 @@ backs off from (float16's overflows) is not divergence."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import scripts
-from cnns.engine.cadence import RunLength
+from cnns.engine.cadence import Every, RunLength
 from cnns.engine.loop import Diverged, StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics, TrainStep
 from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
@@ -85,7 +86,7 @@ class Batches:
             yield torch.zeros(2, 1), torch.zeros(1, dtype=torch.long)
 
 
-def loop_of(losses: dict[int, tuple[float, bool]], saved: list[int], sync_every: int = 4) -> TrainingLoop:
+def loop_of(losses: dict[int, tuple[float, bool]], saved: list[int]) -> TrainingLoop:
     """A loop over 8 updates whose step reports `losses[update] = (loss, backed_off)` (1.0 elsewhere)."""
     updates = iter(range(1, 9))
 
@@ -93,8 +94,9 @@ def loop_of(losses: dict[int, tuple[float, bool]], saved: list[int], sync_every:
         loss, backed_off = losses.get(next(updates), (1.0, False))
         return StepMetrics(torch.tensor(loss), torch.tensor(1), 1, backed_off)
 
-    length = RunLength(total_iterations=8, iterations_per_epoch=4, epochs=2.0, log_every=sync_every,
-                       sync_every=sync_every, ckpt_every=2, ckpt_offset=0)
+    # The host syncs every 2 updates, where a checkpoint is due too; a step line every 4.
+    length = RunLength(total_iterations=8, iterations_per_epoch=4, epochs=2.0, device_iterations=2,
+                       lines=Every(Fraction(4)), checkpoints=Every(Fraction(2)))
     return TrainingLoop(step, lambda batches: batches, Batches(), ScheduleSpec("cosine", 0.1, 8), length,
                         grad_accum=1, global_batch_size=2, num_train_samples=8, log=RunLog(None, quiet=True),
                         save_checkpoint=saved.append)

@@ -20,3 +20,20 @@ def test_every_test_the_readme_names_exists():
     missing = sorted(f"{file}::{name}" for file, name in named
                      if not (ROOT / "tests" / file).is_file() or name not in defined_tests(ROOT / "tests" / file))
     assert not missing, f"the README names tests that do not exist: {missing}"
+
+
+def test_the_readme_s_default_cifar10_checkpoints_are_the_cadence_s():
+    """"a default CIFAR-10 run (1,562 updates an epoch) saves at 1,562, 3,124, ...": the figures the README gives,
+    against the run length the defaults resolve to for CIFAR-10's 50,000 training images."""
+    from cnns.config import RunConfig, resolve
+    from cnns.config.table import option_defaults
+    from cnns.engine.cadence import RunLength
+
+    said = re.search(r"a default CIFAR-10\s+run \(([\d,]+) updates an epoch\) saves at ([\d,]+), ([\d,]+),",
+                     (ROOT / "README.md").read_text())
+    assert said, "the README no longer states the default CIFAR-10 checkpoints"
+    per_epoch, first, second = (int(text.replace(",", "")) for text in said.groups())
+    options = resolve({**option_defaults("train"), "dataset": "cifar-10", "synthetic_data": True, "seed": 1})
+    length = RunLength.resolve(RunConfig.from_options(options), 50_000)
+    assert length.iterations_per_epoch == per_epoch
+    assert [p for p in range(1, second + 1) if length.checkpoint_due(p)] == [first, second]

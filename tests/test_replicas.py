@@ -35,7 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 # ResNet-8 with group norm in float32, 12 updates: the configuration of the equivalence tests. 16 updates an epoch,
-# a checkpoint every 3 (the host meets the device every 3 updates, so it can be there).
+# 5 checkpoints an epoch: at floor(k x 16 / 5) = 3, 6, 9, 12 (the host syncs there too).
 COMMON = ("--dataset", "cifar-10", "--model-size", "8", "--precision", "32.32", "--group-norm", "--groups", "4",
           "--iterations", "12", "--log-freq", "6", "--device-iterations", "3", "--ckpts-per-epoch", "5", "--seed", "5",
           "--optimiser", "momentum",

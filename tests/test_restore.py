@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import scripts
 import torch
 
 from cnns.cli import run_script as run_command
-from cnns.engine.cadence import RunLength
+from cnns.engine.cadence import Every, RunLength
 from cnns.engine.loop import StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics
 from cnns.runfolder.log import RunLog
@@ -274,8 +275,8 @@ def counting_loop(seen: list, saved: list, start: int, signal_at: int | None = N
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, in the middle of the run
         return StepMetrics(torch.tensor(1.0), torch.tensor(1), 2)
 
-    length = RunLength(total_iterations=10, iterations_per_epoch=4, epochs=2.5, log_every=5, sync_every=5,
-                       ckpt_every=4, ckpt_offset=0)
+    length = RunLength(total_iterations=10, iterations_per_epoch=4, epochs=2.5, device_iterations=4,
+                       lines=Every(Fraction(5)), checkpoints=Every(Fraction(4)))
     return TrainingLoop(step, lambda batches: batches, CountingSource(), ScheduleSpec("cosine", 0.1, 10), length,
                         grad_accum=2, global_batch_size=4, num_train_samples=16, log=RunLog(None, quiet=True),
                         save_checkpoint=saved.append, start_iteration=start)

@@ -38,7 +38,8 @@ def run_folder(stdout: str) -> Path:
 
 
 def test_graphcores_lines_in_their_order_and_training_png(tmp_path, capfd):
-    # Generated CIFAR has 3125 updates of 16 an epoch: a checkpoint every 10 updates, where the step lines are.
+    # Generated CIFAR has 3125 updates of 16 an epoch: a checkpoint asked every 10 updates, more often than the
+    # host syncs (--device-iterations 1000), so saved at the next sync, the run's last update and step line (20).
     out = scripts.run_here(capfd, "train.py", *QUICK, "--iterations", "20", "--ckpts-per-epoch", "312.5",
                            cwd=tmp_path).stdout
     folder = tmp_path / run_folder(out)

@@ -106,6 +106,12 @@ class PrecisionPolicy:
         """float16's narrow range loses small gradients without a loss scale; bfloat16 has float32's range."""
         return self.compute_dtype == torch.float16
 
+    @property
+    def name(self) -> str:
+        """The compute.master name of what runs ("32.32" where a CPU without bfloat16 arithmetic fell back from
+        16.x): the header names this, not the option as typed."""
+        return next(name for name in PRECISIONS if half_parts(name) == (self.half_compute, self.half_weights))
+
     def describe(self) -> str:
         """What the run computes in, in words: "float32", "bfloat16 weights and compute", "float16 compute, float32
         master weights"."""

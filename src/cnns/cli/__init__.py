@@ -1,7 +1,8 @@
 """Command line: `cnns <command>` and Graphcore's root scripts, the top floor of the package.
 
-The only reader of sys.argv, and imported by nothing else in the package. Every command parses its
-command line into plain values (`cnns.cli.parsing` for Graphcore's options) and calls one entry point,
+Every command's reader of sys.argv, and imported by nothing else in the package but `python -m cnns` (the run
+lock reads the command line only to name its holder, and bench's two stand-alone scripts read their own). Every
+command parses its command line into plain values (`cnns.cli.parsing` for Graphcore's options) and calls one entry point,
 grouped by what the commands do: `cnns.cli.runs` (make and read run folders: train, restore, validate,
 weight-avg), `cnns.cli.inference` (use a trained model: infer, predict, export), `cnns.cli.measure`
 (benchmark, profile, bench-data, splits) and `cnns.cli.plot`. A `CnnsError` anywhere becomes one line on

@@ -313,6 +313,14 @@ def record_half_dtype_given(o: dict[str, Any], decided: set[str] | frozenset[str
         o["half_dtype_given"] = o.get("half_dtype") is not None
 
 
+def _input_defaults(o: dict[str, Any]) -> None:
+    """8-bit I/O is what runs unless --hostside-norm asks for float images from the host (and --eight-bit-io, given
+    with it, wins): both options are recorded as the run does them, so --print-config and arguments.json say what
+    crosses to the device (`cnns.engine.feed.DeviceFeed` normalises uint8 batches on the device)."""
+    o["hostside_norm"] = bool(o.get("hostside_norm")) and not o["eight_bit_io"]
+    o["eight_bit_io"] = not o["hostside_norm"]
+
+
 def _precision_defaults(o: dict[str, Any]) -> None:
     # train.py chooses the half type from the run's device before this (`device_defaults`); options from
     # elsewhere (benchmarks, tests) without one get the CPU's.
@@ -375,7 +383,7 @@ def _training_defaults(o: dict[str, Any]) -> None:
             raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
                               f"{o['learning_rate']:g}, which float32 cannot hold: choose one between about -120 "
                               "and 120")
-    for key in ("epochs_per_ckpt", "ckpts_per_epoch"):
+    for key in ("epochs_per_ckpt", "ckpts_per_epoch", "logs_per_epoch"):  # 0: none but the last
         if o.get(key) is not None and o[key] < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
     if o.get("epochs_per_ckpt"):
@@ -414,7 +422,8 @@ def _check_finite(o: dict[str, Any]) -> None:
 def _check_counts(o: dict[str, Any]) -> None:
     """The counts the batch and the learning rate are made of, first: a zero one is named as itself, not as the
     learning rate it would give."""
-    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations"):
+    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations",
+                "log_freq"):
         if o[key] is not None and o[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
 
@@ -523,6 +532,7 @@ def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
         _set_if_unset(o, key, value)
     _dataset_defaults(o)
     _model_defaults(o)
+    _input_defaults(o)
     _precision_defaults(o)
     _training_defaults(o)
     _validate(o)

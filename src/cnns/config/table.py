@@ -23,6 +23,16 @@ from cnns.precision import PRECISIONS
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
 # notice. Keys are argparse dests; values are the spelled flag.
+# The cadence rule in words: --help prints it under "Logging" and the README quotes it word for word
+# (tests/test_checkpoint_cadence.py compares both, and the positions `cnns.engine.cadence.RunLength` gives with it).
+CADENCE_RULE = ("Step lines and training.csv rows fall at the multiples of --log-freq F (with --iterations), or at "
+                "updates floor(k x U / N), k = 1, 2, ..., for --logs-per-epoch N (with --epochs; U is the updates "
+                "per epoch, the training images // the global batch). --ckpts-per-epoch N saves at updates "
+                "floor(k x U / N) (N per epoch, the last at the epoch's last update) from --ckpt-epochs-offset on, "
+                "the initial weights and the run's last update. The host syncs every --device-iterations D updates "
+                "and wherever a line, a checkpoint or an epoch's end is due; checkpoints asked more often than every "
+                "D updates (U / N below D) are saved at the first sync at or after each asked update instead.")
+
 IPU_ONLY_OPTIONS = {
     # dest: (flag, kind) with kind "flag" (store_true), "value" (one value) or "list" (one or more values)
     "available_memory_proportion": ("--available-memory-proportion", "list"),
@@ -200,7 +210,8 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     host_norm.add_argument("--no-hostside-norm", dest="hostside_norm", action="store_false",
                            help="Normalise images on the device (the default here: images cross as uint8).")
     group.add_argument("--eight-bit-io", action="store_true", default=None,
-                       help="Images cross from host to device as uint8 and are normalised on the device.")
+                       help="Images cross from host to device as uint8 and are normalised on the device: what runs "
+                            "unless --hostside-norm is given without it.")
     group.add_argument("--pipeline-num-parallel", type=int,
                        help="Number of host data-loading worker processes.")
     group.add_argument("--decode-device", choices=("auto", "cpu", "cuda"),
@@ -262,10 +273,13 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                             "(.pt, .pth or .safetensors). The model only: optimiser, schedule and data order start "
                             "fresh; a classifier of another class count is initialised anew.")
     cadence = group.add_mutually_exclusive_group()
-    cadence.add_argument("--ckpts-per-epoch", type=float, help="Checkpoints per epoch, 0 for only the last.")
+    cadence.add_argument("--ckpts-per-epoch", type=float,
+                         help="Checkpoints per epoch, 0 for only the last (where: the rule under Logging).")
     cadence.add_argument("--epochs-per-ckpt", type=float,
                          help="Epochs between checkpoints, instead of --ckpts-per-epoch; 0: by --ckpts-per-epoch.")
-    group.add_argument("--ckpt-epochs-offset", type=float, help="Skip checkpoints during the first N epochs.")
+    group.add_argument("--ckpt-epochs-offset", type=float,
+                       help="No checkpoints of the cadence during the first N epochs (the initial weights and the "
+                            "last update are saved still).")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
     group.add_argument("--validation-images", type=int,
@@ -311,7 +325,8 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-recomputation", "--enable-recompute", dest="enable_recomputation",
                        action="store_true", default=None, help="Activation checkpointing at stage/block boundaries.")
     group.add_argument("--device-iterations", type=int,
-                       help="Weight updates between host synchronisations (metrics fetched every N updates).")
+                       help="The most weight updates between host synchronisations, where the metrics are fetched "
+                            "(the rule under Logging).")
     group.add_argument("--rts", "--replicated-tensor-sharding", dest="rts", action="store_true", default=None,
                        help="Shard optimiser state across replicas (ZeRO stage 1).")
     group.add_argument("--offload-optimiser", action="store_true", default=None,
@@ -321,7 +336,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp-exceptions", action="store_true", default=None,
                        help="Stop at the first NaN/Inf in loss or gradients.")
     group.add_argument("--profile", action="store_true", default=None, help="Write a PyTorch profiler trace.")
-    group.add_argument("--profile-dir", help="Folder for the profiler trace (default: the run folder).")
+    group.add_argument("--profile-dir", help="Folder for the profiler trace (default: profile/ in the run folder).")
     group.add_argument("--compile-only", action="store_true", default=None,
                        help="Build everything, print the start-up lines and exit without training.")
     group.add_argument("--distributed", action="store_true", default=None, help="Graphcore's option: multi-process run (use --replicas).")
@@ -369,7 +384,7 @@ def _add_ipu_only_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_logging_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Logging")
+    group = parser.add_argument_group("Logging", description=CADENCE_RULE)
     group.add_argument("--log-dir", help="Folder for run folders.")
     group.add_argument("--name-suffix", help="Appended to the run name.")
     group.add_argument("--logs-per-epoch", type=float, help="Step lines per epoch, with --epochs.")

@@ -1,9 +1,9 @@
 """The training loop: updates, the metrics outfeed, step lines, checkpoints, interrupts, divergence.
 
-Per-update metrics stay on the device in the outfeed and are read back once every `sync_every`
-updates (Graphcore's application's device iterations) and at every checkpoint, so the loop never blocks on the
-step's results in between. Divergence is found in those read-back metrics: a non-finite loss costs no
-read-back of its own.
+Per-update metrics stay on the device in the outfeed and are read back at the host's synchronisations, which
+`RunLength` places (at most `--device-iterations` updates apart, and at every step line, checkpoint and epoch's
+end), so the loop never blocks on the step's results in between. Divergence is found in those read-back
+metrics: a non-finite loss costs no read-back of its own.
 """
 
 from __future__ import annotations
@@ -141,10 +141,10 @@ class LoopResult:
 class TrainingLoop:
     """Runs updates from `start_iteration` to the end of the run.
 
-    Host synchronisations fall on multiples of `sync_every` (step lines) and of the checkpoint cadence,
-    counted from iteration 0 whatever the start, so a restored run keeps the uninterrupted run's
-    cadence; an interrupt or the last update adds one. Each synchronisation checks the read-back losses,
-    and a non-finite one stops the run (`Diverged`) before anything of it is logged or saved.
+    Step lines, checkpoints and host synchronisations fall where `RunLength` says (positions counted from
+    iteration 0 whatever the start, so a restored run keeps the uninterrupted run's cadence); an interrupt adds
+    one of each. Each synchronisation checks the read-back losses, and a non-finite one stops the run
+    (`Diverged`) before anything of it is logged or saved.
     """
 
     def __init__(self, step: TrainStep, feed: DeviceFeed, source, schedule: ScheduleSpec, length: RunLength,
@@ -167,14 +167,6 @@ class TrainingLoop:
 
     def epoch_of(self, iteration: int) -> float:
         return self.global_batch_size * iteration / self.num_train_samples
-
-    def _crossed(self, every: int | None, before: int, after: int) -> bool:
-        return every is not None and before // every < after // every
-
-    def _log_due(self, last_log: int, done: int) -> bool:
-        # Exactly the cadence --log-freq / --logs-per-epoch asks (as Graphcore's application logs); the first update's
-        # `Compilation time:` line is the run's sign of life before the first step line.
-        return self._crossed(self.length.log_every, last_log, done)
 
     def run(self, stop: StopRequest) -> LoopResult:
         with self.log.progress(self.length.total_iterations, self.start_iteration, "training", "update") as bar:
@@ -214,17 +206,16 @@ class TrainingLoop:
             if bar is not None:
                 bar.update(1)
             done = iteration + 1
-            final = done == length.total_iterations
             stop_now = stopping()
-            checkpoint_now = length.checkpoint_due(done) or final or stop_now
-            if not (done % length.sync_every == 0 or checkpoint_now):
+            if not (length.sync_due(done) or stop_now):
                 continue
             rows = outfeed.drain()  # the host synchronisation
             diverged = first_divergence(rows)
             if diverged is not None:
                 raise diverged
             window.extend(rows)
-            if self._log_due(last_log, done) or final or stop_now:
+            # Where the cadence puts a line (before the first, `Compilation time:` is the run's sign of life).
+            if length.line_due(done) or stop_now:
                 elapsed = time.perf_counter() - interval_start
                 images, timed = sum(r["samples"] for r in window), len(window)
                 if last_log == self.start_iteration:
@@ -240,7 +231,7 @@ class TrainingLoop:
                 window = []
                 last_log = done
                 interval_start = time.perf_counter()
-            if checkpoint_now:
+            if length.checkpoint_due(done) or stop_now:
                 self.save_checkpoint(done)
                 result.checkpoints.append(done)
             result.final_iteration = done

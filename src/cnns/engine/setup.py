@@ -163,8 +163,6 @@ def train(cfg: RunConfig, world: World, log: RunLog, folder: Path, instance_fold
             return 0
         if start_iteration >= setup.length.total_iterations:
             log.print(f"Training already complete at iteration {start_iteration}.")
-        if setup.length.ckpt_notice is not None:
-            log.notice(setup.length.ckpt_notice)
         try:
             result = _run_loop(cfg, setup, checkpointer, log, folder, start_iteration)
         except Diverged as diverged:
@@ -210,16 +208,21 @@ def _continue_from(restore: RestorePoint, checkpointer: Checkpointer, log: RunLo
 
 
 def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list[str]) -> None:
-    """The run's header: what trains on what, its batch and learning rate, what this process holds."""
-    t, p = cfg.train, cfg.precision
+    """The run's header: what trains on what, its batch and learning rate, its cadence, what this process holds.
+
+    Written from what the run set up (the policy applied, the optimiser's rounding, the device, the decoder, the
+    run's length), never from an option as typed: where the hardware changed the precision, the header says what
+    runs and the policy's note says why."""
+    t = cfg.train
     log.print(f"Command line: {cfg.log.command}")
     log.print(f"{cfg.model.arch}-{cfg.model.size} on {cfg.data.dataset}, device {setup.device}, precision "
-              f"{p.precision} ({'stochastic rounding' if p.stochastic_rounding else 'round to nearest'})")
+              f"{precision_words(setup.policy, setup.optimiser)}")
     if setup.policy.note:
         log.print(setup.policy.note)
     log.print(f" Batch Size: {t.global_batch_size} (micro-batch {t.micro_batch_size}"
-              f" x accumulation {t.gradient_accumulation_count} x replicas {cfg.parallel.replicas})")
+              f" x accumulation {t.gradient_accumulation_count} x replicas {setup.world.replicas})")
     log.print(f" Learning Rate: {cfg.optim.learning_rate:.6g} ({cfg.optim.lr_schedule}, {cfg.optim.summary})")
+    log.print(setup.length.describe())
     log.print(f"Total Parameters:{setup.total_parameters}")
     if setup.device.type == "cpu":  # the C++ kernels this CPU runs, or torch's where they were not built
         log.print(kernels.describe())
@@ -236,6 +239,15 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
     if mine != total:
         log.print(f" Optimiser state sharded over {setup.world.replicas} replicas (--rts): this process "
                   f"owns {mine} of {total} optimiser state elements")
+
+
+def precision_words(policy: PrecisionPolicy, optimiser: HalfPrecisionOptimiser) -> str:
+    """"16.16 (bfloat16 weights and compute, stochastic rounding)", "32.32 (float32)": the precision that runs, and
+    how updates are rounded only where the weights are half (float32 weights are updated in place, unrounded)."""
+    rounding = ""
+    if policy.half_weights:
+        rounding = ", stochastic rounding" if optimiser.stochastic_rounding else ", round to nearest"
+    return f"{policy.name} ({policy.describe()}{rounding})"
 
 
 def divergence_line(diverged: Diverged, checkpointer: Checkpointer, cfg: RunConfig, policy: PrecisionPolicy) -> str:

@@ -1,10 +1,10 @@
 """One weight update: forward and backward over the micro-batches, then the optimiser.
 
 Everything option-dependent (precision, loss scaling, gradient accumulation dtype, label smoothing,
-mixing) was resolved into objects before the loop; the step only calls them. It returns tensors, so
-`--device-iterations` updates run without a sync, with two exceptions the user asked for: `--auto-loss-scaling`
-reads one overflow flag back per update (it decides whether the update is applied), and `--fp-exceptions`
-checks the loss and gradients on the host after every backward.
+mixing) was resolved into objects before the loop; the step only calls them. It returns tensors, so the
+updates between the host's syncs (`cnns.engine.cadence`) run without one, with two exceptions the user asked
+for: `--auto-loss-scaling` reads one overflow flag back per update (it decides whether the update is applied),
+and `--fp-exceptions` checks the loss and gradients on the host after every backward.
 """
 
 from __future__ import annotations

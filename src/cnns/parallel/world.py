@@ -5,7 +5,8 @@ replica r // shards; the stages of one replica form its pipeline group (activati
 pass between them), the processes running the same stage form that stage's replica group (its
 gradients are averaged there). It is built once, from the launcher's environment: torchrun's, or the
 one cnns's own spawn of `--replicas N` sets up (`cnns.parallel.launch`), which is torchrun's agent
-too. Nothing else in the package reads RANK or WORLD_SIZE: the engine gets a `World` and asks it.
+too. The engine gets a `World` and asks it; the only other reader of RANK and WORLD_SIZE is the run lock
+(`cnns.runfolder.lock`), which runs before the world is built and asks only whether this is rank 0.
 
 Every collective here and in the process groups has a bounded timeout (--dist-timeout seconds,
 `cnns.config.defaults`): a peer that died or never came ends the run with one line naming the

@@ -4,7 +4,8 @@ A `Dataset` is what `--dataset` names (its class count, whether its images are C
 generated or synthetic data, the words that name it in a folder's path); a `DataFormat` is one way its files
 are laid out (CIFAR's binary records, ImageNet's TFRecords or folder tree, the built-in set), which
 recognises a folder from its file names, checks it before anything is written, counts and names its classes
-and builds its batch sources. `cnns.data.formats` lists the formats; nothing else asks which one a run has.
+and builds its batch sources. `cnns.data.formats` lists the formats and picks a run's; `cnns.data.imagenet` still
+tells ImageNet's two layouts apart again where it reads them (`detect_imagenet`).
 """
 
 from __future__ import annotations
