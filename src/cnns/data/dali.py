@@ -27,6 +27,7 @@ auto on a GPU with hardware decoders) chose it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ from cnns.data.imagenet import (CACHE_MEMORY_FRACTION, SKIPPED_NAMES_KEPT, Batch
                                 imagenet_dataset, physical_memory_bytes, training_subset)
 from cnns.errors import ConfigError, DataError, first_line
 
-# Batches handed to DALI before the one being taken out, so that decoding the next overlaps the step.
+# Batches handed to DALI before the one being taken out, so that decoding the next overlaps the step. Each is
+# fed and scheduled on its own (`schedule_run`), so that the pipeline never runs an iteration it was not fed:
+# DALI's own prefetching (prefetch_queue_depth > 1) would, at an epoch's end.
 BATCHES_AHEAD = 2
 
 
@@ -75,7 +78,7 @@ def build_pipeline(train: bool, batch_size: int, image_size: int, threads: int, 
     from nvidia.dali.pipeline import Pipeline
 
     pipe = Pipeline(batch_size=batch_size, num_threads=max(1, threads), device_id=_device_id(device),
-                    prefetch_queue_depth=BATCHES_AHEAD, exec_async=True, exec_pipelined=True)
+                    prefetch_queue_depth=1, exec_async=True, exec_pipelined=True)
     with pipe:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
         anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
@@ -138,11 +141,11 @@ def decode_alone(data: np.ndarray, device: torch.device) -> None:
         pipe.set_outputs(fn.decoders.image(encoded, output_type=types.RGB, **_decoder_options(device)))
     pipe.build()
     pipe.feed_input("encoded", [data])
-    pipe.run()
+    pipe.run()  # one iteration, fed and run at once (exec_pipelined False)
 
 
 def feed(pipe, train: bool, samples: list[DaliSample]) -> None:
-    """Queue one batch's inputs on the pipeline (it decodes them at a later `run`, in the order fed)."""
+    """Queue one batch's inputs on the pipeline and schedule its iteration (batches come out in the order fed)."""
     pipe.feed_input("encoded", [sample.data for sample in samples])
     pipe.feed_input("anchor", [np.array(sample.anchor, dtype=np.int32) for sample in samples])
     if train:
@@ -151,18 +154,42 @@ def feed(pipe, train: bool, samples: list[DaliSample]) -> None:
     else:
         # fn.resize's `size` is in the image's layout order (HWC: height, width)
         pipe.feed_input("size", [np.array(sample.size[::-1], dtype=np.float32) for sample in samples])
+    pipe.schedule_run()
 
 
-def as_torch(images, device: torch.device) -> torch.Tensor:
-    """DALI's output batch (uniform uint8 [n, S, S, 3], on the GPU or the CPU) copied into a new torch tensor on
-    `device` (DALI's own copy, on torch's current stream there)."""
+def take_output(pipe, device: torch.device) -> torch.Tensor:
+    """The oldest scheduled batch (uniform uint8 [n, S, S, 3]) copied out of DALI's buffer into a new torch tensor
+    on `device`, and the buffer given back to DALI."""
+    (images,) = pipe.share_outputs()  # waits for the batch: host-synchronous
+    try:
+        return as_torch(images.as_tensor(), device)
+    finally:
+        pipe.release_outputs()
+
+
+def as_torch(tensor, device: torch.device) -> torch.Tensor:
+    """A copy of DALI's tensor in a new torch tensor on `device`. On a GPU the copy runs on a stream of its own and
+    is waited for, so that DALI may reuse its buffer at once, without waiting for the training step queued on
+    torch's current stream; the tensor is then handed to the current stream."""
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    tensor = images.as_tensor()
-    out = torch.empty(tuple(tensor.shape()), dtype=torch.uint8, device=device)
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    feed_ndarray(tensor, out, cuda_stream=stream)
+    shape = tuple(tensor.shape())
+    if device.type != "cuda":
+        out = torch.empty(shape, dtype=torch.uint8)
+        feed_ndarray(tensor, out)
+        return out
+    copies = copy_stream(device)
+    with torch.cuda.stream(copies):  # allocated from the copy stream's memory, so no queued kernel still uses it
+        out = torch.empty(shape, dtype=torch.uint8, device=device)
+        feed_ndarray(tensor, out, cuda_stream=copies)
+    copies.synchronize()
+    out.record_stream(torch.cuda.current_stream(device))
     return out
+
+
+@functools.cache
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +365,7 @@ class DaliBatches:
         decoded = None
         while batch.dali_samples:
             try:
-                decoded = as_torch(self.pipe.run()[0], self.device)
+                decoded = take_output(self.pipe, self.device)
                 break
             except RuntimeError as error:
                 self._pipe = None
