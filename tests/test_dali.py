@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-pytest.importorskip("nvidia.dali", reason="the optional extra 'dali' (pip install 'cnns[dali]') is not installed")
+pytest.importorskip("nvidia.dali", reason="the optional extra 'dali' (pip install -e '.[dali]') is not installed")
 
 from cnns.data import dali  # noqa: E402
 from cnns.data.decoding import ImageDecoder, device_jpeg_size  # noqa: E402
@@ -235,16 +235,3 @@ def test_train_py_decodes_with_dali_and_says_so(tree, tmp_path, capfd):
                            "4", "--seed", "3", "--decode-device", "dali", "--no-validation", cwd=tmp_path)
     assert "Images decoded by NVIDIA DALI" in out.stdout and "on the CPU (its CPU backend)" in out.stdout
     assert "(--decode-device dali)" in out.stdout
-
-
-def test_without_dali_the_option_ends_in_one_line_naming_the_extra_before_any_run_folder(tree, tmp_path, capfd,
-                                                                                         monkeypatch):
-    from cnns.data import dali_probe
-
-    monkeypatch.setattr(dali_probe, "dali_missing", lambda: "No module named 'nvidia.dali'")
-    out = scripts.run_here(capfd, "train.py", "--model", "resnet", "--model-size", "18", "--dataset", "imagenet",
-                           "--data-dir", str(tree), "--image-size", "48", "--iterations", "2", "--micro-batch-size",
-                           "4", "--decode-device", "dali", cwd=tmp_path, expect=2)
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'cnns[dali]'" in lines[0] and "--decode-device dali" in lines[0]
-    assert not (tmp_path / "logs").exists()

@@ -99,7 +99,26 @@ def test_dali_asked_for_where_it_does_not_load_names_the_extra_in_one_line():
             choose_decode_device("dali", device, dali_missing=no_dali)
         message = str(error.value)
         assert message == ("--decode-device dali needs NVIDIA DALI, which does not load here (No module named "
-                           "'nvidia.dali'): pip install 'cnns[dali]' (installs nvidia-dali-cuda130)")
+                           "'nvidia.dali'): install the optional extra `dali`: pip install -e '.[dali]' in "
+                           "cnns's checkout (nvidia-dali-cuda130==2.4.0)")
+
+
+def test_train_py_without_dali_ends_in_one_line_naming_the_extra_before_any_run_folder(tmp_path, capfd,
+                                                                                      monkeypatch):
+    """Where the optional extra is not installed (faked here, so that it runs whether it is or not)."""
+    import scripts
+    from cnns.data import dali_probe
+
+    write_tree(tmp_path / "imagenet", "train", [2, 2], size=(48, 48))
+    monkeypatch.setattr(dali_probe, "dali_missing", lambda: "No module named 'nvidia.dali'")
+    out = scripts.run_here(capfd, "train.py", "--model", "resnet", "--model-size", "18", "--dataset", "imagenet",
+                           "--data-dir", str(tmp_path / "imagenet"), "--image-size", "48", "--iterations", "1",
+                           "--micro-batch-size", "2", "--no-validation", "--decode-device", "dali", cwd=tmp_path,
+                           expect=2)
+    assert out.stderr.strip().splitlines() == [
+        "error: --decode-device dali needs NVIDIA DALI, which does not load here (No module named 'nvidia.dali'): "
+        "install the optional extra `dali`: pip install -e '.[dali]' in cnns's checkout (nvidia-dali-cuda130==2.4.0)"]
+    assert not (tmp_path / "logs").exists()
 
 
 def test_auto_takes_the_hardware_decoder_through_dali_without_measuring_anything():

@@ -21,7 +21,7 @@ CPU decoder in the main process and put into their rows, as the nvJPEG path does
 out as every source's: (uint8 [N, S, S, 3], int64 [N]), on the run's GPU or on the CPU; the device feed
 normalises them (8-bit I/O).
 
-DALI is an optional extra (`pip install 'cnns[dali]'`): nothing imports it unless --decode-device dali (or
+DALI is an optional extra (`pip install -e '.[dali]'`): nothing imports it unless --decode-device dali (or
 auto on a GPU with hardware decoders) chose it.
 """
 

@@ -11,8 +11,8 @@ import torch
 from cnns.errors import ConfigError, first_line
 
 EXTRA = "dali"  # pyproject.toml's optional extra that installs DALI
-DALI_PACKAGE = "nvidia-dali-cuda130"
-INSTALL = f"pip install 'cnns[{EXTRA}]' (installs {DALI_PACKAGE})"
+DALI_PACKAGE = "nvidia-dali-cuda130==2.4.0"
+INSTALL = f"install the optional extra `{EXTRA}`: pip install -e '.[{EXTRA}]' in cnns's checkout ({DALI_PACKAGE})"
 
 # GPUs that carry hardware JPEG decoders (NVJPG engines), by compute capability: A100 and A30 (8.0), H100,
 # H200 and GH200 (9.0), B200 (10.0). The other GPUs decode JPEGs on their compute units (nvJPEG's CUDA
