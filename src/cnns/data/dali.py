@@ -94,7 +94,8 @@ def build_pipeline(train: bool, batch_size: int, image_size: int, threads: int, 
             size = fn.external_source(name="size", dtype=types.FLOAT, ndim=1)
             images = fn.decoders.image(encoded, output_type=types.RGB, **_decoder_options(device))
             images = fn.resize(images, size=size, interp_type=types.INTERP_LINEAR, antialias=True)
-            images = fn.slice(images, anchor, np.array([image_size, image_size], dtype=np.int32), axis_names="WH")
+            # start as an argument input (on the CPU, as a GPU slice needs it), the shape a constant
+            images = fn.slice(images, start=anchor, shape=[image_size, image_size], axis_names="WH")
         pipe.set_outputs(images)
     pipe.build()
     return pipe

@@ -495,7 +495,8 @@ def choose_from_rates(device: torch.device, hardware_decoder: bool, dali_missing
 def decoding_header(choice: DecodeChoice, decoder: ImageDecoder, device: torch.device) -> str:
     """The run's header line saying how its images are decoded."""
     if choice.device == "dali":
-        return f"{dali_probe.describe(device)}; files DALI is not given by {decoder.name} ({choice.reason})"
+        return (f"{dali_probe.describe(device)}; files DALI is not given (CMYK JPEGs, other formats) by cnns's CPU "
+                f"decoder in the main process ({choice.reason})")
     if choice.device == "cuda":
         return (f"Images decoded on {device} by nvJPEG ({choice.library}, whole images in batches), cropped and resized "
                 f"there; files nvJPEG does not take by {decoder.name} in the workers ({choice.reason})")
