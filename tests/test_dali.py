@@ -39,16 +39,21 @@ def photo(index: int, mode: str = "RGB") -> Image.Image:
     return Image.fromarray(pixels.astype(np.uint8)).convert(mode)
 
 
-def jpeg(image: Image.Image, file_format: str = "JPEG") -> bytes:
+def jpeg(image: Image.Image, file_format: str = "JPEG", orientation: int | None = None) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, file_format, quality=92)
+    options = {}
+    if orientation is not None:  # an EXIF orientation tag, which cnns's decoders leave unapplied
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        options["exif"] = exif.tobytes()
+    image.save(buffer, file_format, quality=92, **options)
     return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
     """3 classes: 7 training images each (one CMYK JPEG and one PNG named .JPEG among them, which DALI is not
-    given), 3 validation images each."""
+    given, and a grey JPEG and one with an EXIF orientation, which it is), 3 validation images each."""
     root = tmp_path_factory.mktemp("dali-tree")
     index = 0
     for split, per_class in (("train", 7), ("validation", 3)):
@@ -60,6 +65,10 @@ def tree(tmp_path_factory) -> Path:
                     data = jpeg(photo(index, "CMYK"))
                 elif split == "train" and (label, item) == (2, 5):
                     data = jpeg(photo(index), "PNG")
+                elif (label, item) == (0, 1):
+                    data = jpeg(photo(index, "L"))
+                elif (label, item) == (2, 0):
+                    data = jpeg(photo(index), orientation=6)
                 else:
                     data = jpeg(photo(index))
                 (folder / f"{item}.JPEG").write_bytes(data)

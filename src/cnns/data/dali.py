@@ -55,10 +55,16 @@ BATCHES_AHEAD = 2
 
 
 def _decoder_options(device: torch.device) -> dict:
-    """DALI's decoder device: "mixed" on a GPU (the hardware decoder where there is one), else the CPU."""
+    """DALI's decoder device: "mixed" on a GPU (the hardware decoder where there is one), else the CPU. The pixels
+    in the file's stored orientation, as every cnns decoder gives them (`stored_orientation`): the crops are drawn
+    from the header's stored size."""
+    from nvidia.dali import types
+
+    common = dict(output_type=types.RGB, adjust_orientation=False)
     if device.type == "cuda":
-        return dict(device="mixed", hw_decoder_load=HW_DECODER_LOAD)
-    return dict(device="cpu")
+        return dict(device="mixed", hw_decoder_load=HW_DECODER_LOAD, **common)
+    return dict(device="cpu", **common)
+
 
 
 def _device_id(device: torch.device) -> int | None:
@@ -85,14 +91,13 @@ def build_pipeline(train: bool, batch_size: int, image_size: int, threads: int, 
         if train:
             shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
             flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-            images = fn.decoders.image_slice(encoded, anchor, shape, output_type=types.RGB,
-                                             **_decoder_options(device))
+            images = fn.decoders.image_slice(encoded, anchor, shape, **_decoder_options(device))
             images = fn.resize(images, resize_x=image_size, resize_y=image_size, interp_type=types.INTERP_LINEAR,
                                antialias=True)
             images = fn.flip(images, horizontal=flip)
         else:
             size = fn.external_source(name="size", dtype=types.FLOAT, ndim=1)
-            images = fn.decoders.image(encoded, output_type=types.RGB, **_decoder_options(device))
+            images = fn.decoders.image(encoded, **_decoder_options(device))
             images = fn.resize(images, size=size, interp_type=types.INTERP_LINEAR, antialias=True)
             # start as an argument input (on the CPU, as a GPU slice needs it), the shape a constant
             images = fn.slice(images, start=anchor, shape=[image_size, image_size], axis_names="WH")
@@ -139,7 +144,7 @@ def decode_alone(data: np.ndarray, device: torch.device) -> None:
                     exec_pipelined=False, prefetch_queue_depth=1)
     with pipe:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-        pipe.set_outputs(fn.decoders.image(encoded, output_type=types.RGB, **_decoder_options(device)))
+        pipe.set_outputs(fn.decoders.image(encoded, **_decoder_options(device)))
     pipe.build()
     pipe.feed_input("encoded", [data])
     pipe.run()  # one iteration, fed and run at once (exec_pipelined False)
