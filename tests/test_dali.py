@@ -241,6 +241,7 @@ def test_a_corrupt_jpeg_is_named_in_one_line_or_left_out_and_counted(tree, tmp_p
 def test_train_py_decodes_with_dali_and_says_so(tree, tmp_path, capfd):
     out = scripts.run_here(capfd, "train.py", "--model", "resnet", "--model-size", "18", "--dataset", "imagenet",
                            "--data-dir", str(tree), "--image-size", "48", "--iterations", "2", "--micro-batch-size",
-                           "4", "--seed", "3", "--decode-device", "dali", "--no-validation", cwd=tmp_path)
+                           "4", "--seed", "3", "--decode-device", "dali", cwd=tmp_path)
     assert "Images decoded by NVIDIA DALI" in out.stdout and "on the CPU (its CPU backend)" in out.stdout
     assert "(--decode-device dali)" in out.stdout
+    assert "Validation top-1 accuracy" in out.stdout  # the evaluation pipeline, after training
