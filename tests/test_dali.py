@@ -245,3 +245,14 @@ def test_train_py_decodes_with_dali_and_says_so(tree, tmp_path, capfd):
     assert "Images decoded by NVIDIA DALI" in out.stdout and "on the CPU (its CPU backend)" in out.stdout
     assert "(--decode-device dali)" in out.stdout
     assert "Validation top-1 accuracy" in out.stdout  # the evaluation pipeline, after training
+
+
+def test_train_py_names_a_corrupt_jpeg_in_its_last_line_without_a_traceback(tree, tmp_path, capfd):
+    """cnns's line is the last on stderr; nvImageCodec, under DALI, logs its own "[ERROR] [jpeg_parser] ..." lines
+    before it (from its native threads: no option of DALI 2.4 turns them off)."""
+    root, bad = truncated_tree(tree, tmp_path)
+    out = scripts.run_here(capfd, "train.py", "--model", "resnet", "--model-size", "18", "--dataset", "imagenet",
+                           "--data-dir", str(root), "--image-size", "48", "--epochs", "1", "--micro-batch-size", "4",
+                           "--decode-device", "dali", "--no-validation", cwd=tmp_path, expect=2)
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: cannot decode image")
