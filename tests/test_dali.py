@@ -256,3 +256,17 @@ def test_train_py_names_a_corrupt_jpeg_in_its_last_line_without_a_traceback(tree
                            "--decode-device", "dali", "--no-validation", cwd=tmp_path, expect=2)
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: cannot decode image")
+
+
+def test_tfrecord_shards_give_the_cpu_loaders_batches_too(tmp_path):
+    from test_tfrecord import imagenet_example, write_tfrecord
+
+    records = [imagenet_example(jpeg(photo(index)), index % 3 + 1) for index in range(14)]
+    write_tfrecord(tmp_path / "train-00000-of-00002", records[:7])
+    write_tfrecord(tmp_path / "train-00001-of-00002", records[7:])
+    for epoch in (0, 1):
+        got, expected = list(dali_batches(tmp_path).epoch(epoch)), list(cpu_batches(tmp_path).epoch(epoch))
+        assert len(got) == len(expected) > 0
+        for (images, labels), (images_ref, labels_ref) in zip(got, expected):
+            assert torch.equal(labels, labels_ref)
+            assert_close_inside(images, images_ref)
