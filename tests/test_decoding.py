@@ -17,8 +17,8 @@ from PIL import Image
 
 from cnns.data import decoding
 from cnns.data.decoding import (
-    CPU_CORES_TO_FEED_A_GPU,
     Crop,
+    DecodeRates,
     DeviceBatch,
     ImageDecoder,
     choose_decode_device,
@@ -56,34 +56,132 @@ def no_problem(device: torch.device) -> decoding.DeviceJpegDecoder:
     return decoding.DeviceJpegDecoder("TorchCodec", lambda encoded, device: [])
 
 
-def test_a_cpu_run_decodes_in_the_workers_and_cannot_be_told_otherwise():
-    assert choose_decode_device("auto", torch.device("cpu"), find=no_problem).device == "cpu"
+def no_hardware(device: torch.device) -> bool:
+    return False
+
+
+def dali_loads() -> None:
+    return None
+
+
+def no_dali() -> str:
+    return "No module named 'nvidia.dali'"
+
+
+def rates(cpu: float, step: float | None, workers: int = 8, calls: list | None = None):
+    """A `rates` callable giving these figures, recording that it was asked in `calls`."""
+    def measured() -> DecodeRates:
+        if calls is not None:
+            calls.append(True)
+        return DecodeRates(cpu, workers, step)
+
+    return measured
+
+
+def test_a_cpu_run_decodes_in_the_workers_unless_dali_is_asked_for():
+    asked = []
+    for dali in (dali_loads, no_dali):  # auto never picks DALI on a CPU run, installed or not
+        choice = choose_decode_device("auto", torch.device("cpu"), find=no_problem, dali_missing=dali,
+                                      rates=rates(1.0, 1e9, calls=asked))
+        assert choice.device == "cpu" and choice.reason == "--decode-device auto: the run is on cpu"
+    assert not asked  # nothing measured where there is no choice
     assert choose_decode_device("cpu", torch.device("cpu")).device == "cpu"
+    assert choose_decode_device("dali", torch.device("cpu"), dali_missing=dali_loads).device == "dali"  # its CPU backend
     with pytest.raises(ConfigError, match="^--decode-device cuda needs a run on a CUDA GPU; this run is on cpu$"):
         choose_decode_device("cuda", torch.device("cpu"), find=no_problem)
-    with pytest.raises(ConfigError, match="must be one of auto, cpu, cuda"):
+    with pytest.raises(ConfigError, match="must be one of auto, cpu, cuda, dali"):
         choose_decode_device("gpu", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("cores, gpus, expected", [
-    (4, 1, "cuda"),  # 4 cores for one GPU: too few to feed it
-    (CPU_CORES_TO_FEED_A_GPU - 1, 1, "cuda"),
-    (CPU_CORES_TO_FEED_A_GPU, 1, "cpu"),
-    (64, 8, "cpu"),  # 8 per GPU
-    (48, 8, "cuda"),  # 6 per GPU (torchrun's LOCAL_WORLD_SIZE processes share the node's cores)
+def test_dali_asked_for_where_it_does_not_load_names_the_extra_in_one_line():
+    for device in (torch.device("cpu"), CUDA):
+        with pytest.raises(ConfigError) as error:
+            choose_decode_device("dali", device, dali_missing=no_dali)
+        message = str(error.value)
+        assert message == ("--decode-device dali needs NVIDIA DALI, which does not load here (No module named "
+                           "'nvidia.dali'): install the optional extra `dali`: pip install -e '.[dali]' in "
+                           "cnns's checkout (nvidia-dali-cuda130==2.4.0)")
+
+
+def test_train_py_without_dali_ends_in_one_line_naming_the_extra_before_any_run_folder(tmp_path, capfd,
+                                                                                      monkeypatch):
+    """Where the optional extra is not installed (faked here, so that it runs whether it is or not)."""
+    import scripts
+    from cnns.data import dali_probe
+
+    write_tree(tmp_path / "imagenet", "train", [2, 2], size=(48, 48))
+    monkeypatch.setattr(dali_probe, "dali_missing", lambda: "No module named 'nvidia.dali'")
+    out = scripts.run_here(capfd, "train.py", "--model", "resnet", "--model-size", "18", "--dataset", "imagenet",
+                           "--data-dir", str(tmp_path / "imagenet"), "--image-size", "48", "--iterations", "1",
+                           "--micro-batch-size", "2", "--no-validation", "--decode-device", "dali", cwd=tmp_path,
+                           expect=2)
+    assert out.stderr.strip().splitlines() == [
+        "error: --decode-device dali needs NVIDIA DALI, which does not load here (No module named 'nvidia.dali'): "
+        "install the optional extra `dali`: pip install -e '.[dali]' in cnns's checkout (nvidia-dali-cuda130==2.4.0)"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_auto_takes_the_hardware_decoder_through_dali_without_measuring_anything():
+    asked = []
+    choice = choose_decode_device("auto", CUDA, hardware=lambda device: True, dali_missing=dali_loads,
+                                  rates=rates(1e9, 1.0, calls=asked), find=no_problem)
+    assert choice.device == "dali" and not asked
+    assert choice.reason == "--decode-device auto: cuda:0 has a hardware JPEG decoder and DALI is installed"
+
+
+@pytest.mark.parametrize("hardware, dali, why", [
+    (False, dali_loads, "no hardware JPEG decoder on this GPU"),
+    (True, no_dali, "DALI, which would decode on its hardware JPEG decoder, does not load"),
+    (False, no_dali, "no hardware JPEG decoder on this GPU"),
 ])
-def test_auto_decodes_on_the_gpu_when_the_cores_per_gpu_are_too_few(cores, gpus, expected):
-    choice = choose_decode_device("auto", CUDA, cores=cores, gpus=gpus, find=no_problem)
+@pytest.mark.parametrize("cpu, step, expected", [
+    (4_400.0, 6_800.0, "cuda"),  # the H200 host's 16 workers against ResNet-50 compiled: short
+    (6_800.0, 6_800.0, "cpu"),  # enough: the workers cover the step
+    (9_000.0, 2_000.0, "cpu"),
+])
+def test_auto_without_the_hardware_path_weighs_the_cpu_decoders_rate_against_the_steps(hardware, dali, why, cpu,
+                                                                                      step, expected):
+    choice = choose_decode_device("auto", CUDA, hardware=lambda device: hardware, dali_missing=dali,
+                                  rates=rates(cpu, step, workers=16), find=no_problem)
     assert choice.device == expected
-    assert f"{cores / gpus:g} CPU cores per GPU" in choice.reason
+    assert choice.reason.startswith(f"--decode-device auto: {why}; the CPU decoder's {cpu:,.0f} images/s on 16 "
+                                    f"workers {'cover' if expected == 'cpu' else 'fall short of'} the step's "
+                                    f"estimated {step:,.0f}")
 
 
-def test_cores_per_gpu_come_from_the_affinity_and_torchruns_local_world(monkeypatch):
-    monkeypatch.setattr(decoding.os, "sched_getaffinity", lambda pid: set(range(12)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert choose_decode_device("auto", CUDA, find=no_problem).reason.endswith("3 CPU cores per GPU, fewer than 8")
+def test_auto_stays_on_the_cpu_where_the_step_is_unknown_or_nothing_decodes_on_the_gpu():
+    def broken(device: torch.device) -> str:
+        return "no CUDA build of TorchCodec"
+
+    unknown = choose_decode_device("auto", CUDA, hardware=no_hardware, dali_missing=dali_loads,
+                                   rates=rates(100.0, None), find=no_problem)
+    assert unknown.device == "cpu" and unknown.reason.endswith("the step's rate not known here")
+    assert choose_decode_device("auto", CUDA, hardware=no_hardware, dali_missing=dali_loads, rates=None,
+                                find=no_problem).reason.endswith("the step's rate is not known here")
+    short = choose_decode_device("auto", CUDA, hardware=no_hardware, dali_missing=dali_loads,
+                                 rates=rates(100.0, 5_000.0), find=broken)
+    assert short.device == "cpu" and short.reason.endswith(
+        "fall short of the step's estimated 5,000, but JPEGs cannot be decoded on cuda:0 here "
+        "(no CUDA build of TorchCodec)")
+
+
+def test_the_cpu_decoders_rate_counts_the_workers_cores_per_gpu(monkeypatch):
+    from cnns.data import decode_rates
+
+    monkeypatch.setattr(decode_rates, "usable_cores", lambda: 12)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's processes on the node share its cores
+    assert decode_rates.worker_cores(8) == 3
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert choose_decode_device("auto", CUDA, find=no_problem).device == "cpu"  # 12 for the one GPU
+    assert decode_rates.worker_cores(8) == 8 and decode_rates.worker_cores(0) == 1
+    monkeypatch.setattr(decode_rates, "cpu_decoder_rate", lambda image_size: 250.0)
+    measured = decode_rates.measured_rates(8, 64, lambda: 6_000.0)()
+    assert measured == DecodeRates(2_000.0, 8, 6_000.0)
+
+
+def test_the_cpu_decoders_rate_is_measured_on_photo_like_jpegs():
+    from cnns.data.decode_rates import cpu_decoder_rate
+
+    assert cpu_decoder_rate(32, seconds=0.05) > 0
 
 
 def test_forcing_either_way_and_falling_back_when_torchcodec_cannot_decode_there():
@@ -93,14 +191,11 @@ def test_forcing_either_way_and_falling_back_when_torchcodec_cannot_decode_there
         called.append(device)
         return "no CUDA build of TorchCodec"
 
-    # Forced: cpu whatever the cores; cuda whatever the cores, unless TorchCodec cannot decode there.
-    assert choose_decode_device("cpu", CUDA, cores=1, gpus=1, find=broken).device == "cpu" and not called
-    assert choose_decode_device("cuda", CUDA, cores=128, gpus=1, find=no_problem).device == "cuda"
+    assert choose_decode_device("cpu", CUDA, find=broken).device == "cpu" and not called
+    assert choose_decode_device("cuda", CUDA, find=no_problem).device == "cuda"
     with pytest.raises(ConfigError, match=re.escape("--decode-device cuda: cannot decode JPEGs on cuda:0 "
                                                     "here (no CUDA build of TorchCodec)")):
-        choose_decode_device("cuda", CUDA, cores=128, gpus=1, find=broken)
-    auto = choose_decode_device("auto", CUDA, cores=2, gpus=1, find=broken)
-    assert auto.device == "cpu" and "cannot decode JPEGs on cuda:0 here (no CUDA build of TorchCodec)" in auto.reason
+        choose_decode_device("cuda", CUDA, find=broken)
 
 
 def test_the_probe_names_what_stops_each_library_on_a_device():
@@ -122,8 +217,7 @@ def test_torchvision_decodes_on_the_device_where_torchcodec_cannot(monkeypatch):
     decoding.device_jpeg_decoder.cache_clear()
     try:
         assert decoding.device_jpeg_decoder(torch.device("cpu")).name == "torchvision"
-        choice = choose_decode_device("cuda", CUDA, cores=4, gpus=1,
-                                      find=lambda device: decoding.device_jpeg_decoder(torch.device("cpu")))
+        choice = choose_decode_device("cuda", CUDA, find=lambda device: decoding.device_jpeg_decoder(torch.device("cpu")))
         assert choice.library == "torchvision"
         image = smooth_image(60, 40)
         jpeg = torch.frombuffer(bytearray(encoded(image, quality=95)), dtype=torch.uint8)

@@ -547,7 +547,8 @@ def bench_data_command(args: BenchDataRequest) -> int:
         print(line)
     records: dict[str, Any] = {"comparisons": [comparison_record(c) for c in comparisons]}
     if on_the_device and args.account:
-        print("No account of one image: it times the workers' decoding, and these images are decoded on the GPU")
+        where = "by DALI" if choice.device == "dali" else "on the GPU"
+        print(f"No account of one image: it times the workers' decoding, and these images are decoded {where}")
     elif args.account and plan.decoded_in_workers:
         print(f"The account of one image ({args.account_images} images timed stage by stage in this "
               f"process, the loader with 0 and 1 worker, {plan.rounds} rounds):")

@@ -94,14 +94,9 @@ _FLOPS_CACHE: dict[Any, float] = {}
 
 
 def forward_flops(model_spec) -> float:
-    """Forward FLOPs of one image through the model (torch.utils.flop_counter; once per model, eval mode)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from cnns.models import build_model
+    """Forward FLOPs of one image through the model (`cnns.engine.step_rate.forward_flops`; once per model)."""
+    from cnns.engine.step_rate import forward_flops as counted
 
     if model_spec not in _FLOPS_CACHE:
-        model, counter = build_model(model_spec).eval(), FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            model(torch.zeros(1, 3, model_spec.image_size, model_spec.image_size))
-        _FLOPS_CACHE[model_spec] = float(counter.get_total_flops())
+        _FLOPS_CACHE[model_spec] = counted(model_spec)
     return _FLOPS_CACHE[model_spec]

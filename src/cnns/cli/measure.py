@@ -147,9 +147,10 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu",
                         help="The device the batches are made for: cpu, cuda or cuda:N (on a GPU they are pinned, "
                              "or decoded there as --decode-device chooses).")
-    parser.add_argument("--decode-device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="Where the images are decoded, as for train.py (auto: the GPU when the node has few "
-                             "CPU cores per GPU).")
+    parser.add_argument("--decode-device", choices=("auto", "cpu", "cuda", "dali"), default="auto",
+                        help="Where the images are decoded, as for train.py (auto: DALI on a GPU with a hardware "
+                             "JPEG decoder where DALI is installed, else the CPU decoder: no step runs here to "
+                             "weigh its rate against).")
     parser.add_argument("--account", action=argparse.BooleanOptionalAction, default=True,
                         help="On ImageNet files, also split one image's time by stage (read, header + crop draw, "
                              "decode, crop + resize, flip, into the batch, across to the main process) beside the "

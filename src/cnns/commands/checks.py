@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cnns.config import RunConfig
 from cnns.config.defaults import stages_compile
+from cnns.data.dali_probe import check_dali_installed
 from cnns.data.formats import TrainingBatch, check_data
 from cnns.devices import default_device_name
 from cnns.errors import ConfigError
@@ -40,6 +41,8 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
     Generated and synthetic data have nothing to check."""
     if cfg.data.source != "files":
         return
+    if cfg.data.decode_device == "dali":  # the optional extra, named before anything is written
+        check_dali_installed()
     evaluation = cfg.train.validation if evaluation is None else evaluation
     splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
     t = cfg.train

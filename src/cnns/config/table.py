@@ -214,10 +214,12 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                             "unless --hostside-norm is given without it.")
     group.add_argument("--pipeline-num-parallel", type=int,
                        help="Number of host data-loading worker processes.")
-    group.add_argument("--decode-device", choices=("auto", "cpu", "cuda"),
+    group.add_argument("--decode-device", choices=("auto", "cpu", "cuda", "dali"),
                        help="ImageNet: where JPEGs are decoded: cpu (the workers), cuda (nvJPEG on the run's GPU, "
-                            "then cropped there), or auto: cuda when the run is on a GPU with fewer than 8 CPU "
-                            "cores per GPU.")
+                            "then cropped there), dali (NVIDIA DALI: the crop's region on the GPU's hardware JPEG "
+                            "decoder, or DALI's CPU backend on a CPU run; the optional extra: pip install -e '.[dali]'), or auto: dali "
+                            "on a GPU with a hardware JPEG decoder where DALI is installed, else the CPU decoder "
+                            "where its measured rate covers the step's estimated rate, else cuda.")
     group.add_argument("--no-dataset-cache", dest="dataset_cache", action="store_false", default=None,
                        help="Do not keep decoded datasets in host memory.")
     group.add_argument("--standard-imagenet", action="store_true", default=None,

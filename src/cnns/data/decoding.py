@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cnns.data import dali_probe
 from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame, whole_image_decoder
 from cnns.devices import usable_cores
 from cnns.errors import ConfigError, DataError, first_line
@@ -347,17 +348,22 @@ def decode_crops_on_device(encoded: Sequence[torch.Tensor], crops: Sequence[Crop
 # CPU or GPU: the choice
 # ----------------------------------------------------------------------------------------------
 
-DECODE_DEVICES = ("auto", "cpu", "cuda")
+DECODE_DEVICES = ("auto", "cpu", "cuda", "dali")
 
-# --decode-device auto decodes on the GPU when each GPU of the node has fewer CPU cores than this: a fast
-# GPU's training step (ResNet-50 on an H100) takes images faster than that many workers decode them with
-# the native region decoder, while nvJPEG on the GPU keeps up for a few percent of the step's time.
-CPU_CORES_TO_FEED_A_GPU = 8
+
+@dataclass(frozen=True)
+class DecodeRates:
+    """What --decode-device auto weighs on a GPU without the hardware path: images/s the CPU decoder delivers
+    on the run's worker cores (measured), and images/s the training step takes (None where no model is run)."""
+
+    cpu_images_per_second: float
+    workers: int
+    step_images_per_second: float | None
 
 
 @dataclass(frozen=True)
 class DecodeChoice:
-    device: str  # "cpu" (the workers decode) or "cuda" (the main process decodes on the run's GPU)
+    device: str  # "cpu" (the workers decode), "cuda" (nvJPEG on the run's GPU) or "dali" (cnns.data.dali)
     reason: str  # why, for the header line
     library: str = ""  # which library's nvJPEG decodes on the GPU (DeviceJpegDecoder.name), when device is cuda
 
@@ -419,43 +425,78 @@ def device_jpeg_decoder(device: torch.device) -> DeviceJpegDecoder | str:
     return "; ".join(reasons)
 
 
-def choose_decode_device(requested: str, device: torch.device, *, cores: int | None = None,
-                         gpus: int | None = None,
-                         find: Callable[[torch.device], DeviceJpegDecoder | str] = device_jpeg_decoder
-                         ) -> DecodeChoice:
+def choose_decode_device(requested: str, device: torch.device, *,
+                         rates: Callable[[], DecodeRates] | None = None,
+                         find: Callable[[torch.device], DeviceJpegDecoder | str] = device_jpeg_decoder,
+                         hardware: Callable[[torch.device], bool] | None = None,
+                         dali_missing: Callable[[], str | None] | None = None) -> DecodeChoice:
     """Where the run's images are decoded, for --decode-device `requested` on a run on `device`.
 
-    "cpu": the workers decode. "cuda": the main process decodes on the run's GPU (ConfigError when the run
-    is not on one, or no library decodes there: `find`). "auto": the GPU when the run is on CUDA, a library
-    decodes there, and the node has fewer than CPU_CORES_TO_FEED_A_GPU cores per GPU (`cores` usable by
-    this process / `gpus` training processes on the node); the CPU otherwise."""
+    "cpu": the workers decode. "cuda": the main process decodes with nvJPEG on the run's GPU (ConfigError when
+    the run is not on one, or no library decodes there: `find`). "dali": NVIDIA DALI (`cnns.data.dali`), on
+    the run's GPU or on the CPU (ConfigError naming the extra where DALI does not load). "auto", from what the
+    machine has and what it measures, never from a core count:
+
+    1. a run on the CPU: the workers;
+    2. a GPU with hardware JPEG decoders (`hardware`) and DALI installed: DALI there, which leaves the compute
+       units to the model;
+    3. otherwise the CPU decoder where its measured rate on the run's workers covers the step's (`rates`),
+       else nvJPEG on the GPU where a library decodes there, else the CPU decoder all the same.
+
+    The checks are injected for tests; by default they are `cnns.data.dali`'s and `measured_rates`."""
+    hardware = hardware or dali_probe.has_hardware_jpeg_decoder
+    dali_missing = dali_missing or dali_probe.dali_missing
     if requested not in DECODE_DEVICES:
         raise ConfigError(f"--decode-device must be one of {', '.join(DECODE_DEVICES)}, got {requested!r}")
     if requested == "cpu":
         return DecodeChoice("cpu", "--decode-device cpu")
+    if requested == "dali":
+        if (why := dali_missing()) is not None:
+            raise ConfigError(f"--decode-device dali needs NVIDIA DALI, which does not load here ({why}): "
+                              f"{dali_probe.INSTALL}")
+        return DecodeChoice("dali", "--decode-device dali")
     if device.type != "cuda":
         if requested == "cuda":
             raise ConfigError(f"--decode-device cuda needs a run on a CUDA GPU; this run is on {device}")
         return DecodeChoice("cpu", f"--decode-device auto: the run is on {device.type}")
-    cores = usable_cores() if cores is None else cores
-    gpus = local_gpu_processes() if gpus is None else gpus
-    per_gpu = cores / gpus
-    if requested == "auto" and per_gpu >= CPU_CORES_TO_FEED_A_GPU:
-        return DecodeChoice("cpu", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, at least "
-                                   f"{CPU_CORES_TO_FEED_A_GPU}")
+    if requested == "cuda":
+        decoder = find(device)
+        if isinstance(decoder, str):
+            raise ConfigError(f"--decode-device cuda: cannot decode JPEGs on {device} here ({decoder})")
+        return DecodeChoice("cuda", "--decode-device cuda", decoder.name)
+    return choose_from_rates(device, hardware(device), dali_missing(), rates, find)
+
+
+def choose_from_rates(device: torch.device, hardware_decoder: bool, dali_missing: str | None,
+                      rates: Callable[[], DecodeRates] | None,
+                      find: Callable[[torch.device], DeviceJpegDecoder | str]) -> DecodeChoice:
+    """--decode-device auto on a GPU (`choose_decode_device`'s rule 2 and 3), with the reason for the header."""
+    if hardware_decoder and dali_missing is None:
+        return DecodeChoice("dali", f"--decode-device auto: {device} has a hardware JPEG decoder and DALI is "
+                                    "installed")
+    without = ("DALI, which would decode on its hardware JPEG decoder, does not load" if hardware_decoder
+               else "no hardware JPEG decoder on this GPU")
+    if rates is None:
+        return DecodeChoice("cpu", f"--decode-device auto: {without}; the step's rate is not known here")
+    measured = rates()
+    cpu = f"the CPU decoder's {measured.cpu_images_per_second:,.0f} images/s on {measured.workers} workers"
+    if measured.step_images_per_second is None:
+        return DecodeChoice("cpu", f"--decode-device auto: {without}; {cpu}, the step's rate not known here")
+    step = f"the step's estimated {measured.step_images_per_second:,.0f}"
+    if measured.cpu_images_per_second >= measured.step_images_per_second:
+        return DecodeChoice("cpu", f"--decode-device auto: {without}; {cpu} cover {step}")
     decoder = find(device)
     if isinstance(decoder, str):
-        if requested == "cuda":
-            raise ConfigError(f"--decode-device cuda: cannot decode JPEGs on {device} here ({decoder})")
-        return DecodeChoice("cpu", f"--decode-device auto: cannot decode JPEGs on {device} here ({decoder})")
-    if requested == "cuda":
-        return DecodeChoice("cuda", "--decode-device cuda", decoder.name)
-    return DecodeChoice("cuda", f"--decode-device auto: {per_gpu:g} CPU cores per GPU, fewer than "
-                                f"{CPU_CORES_TO_FEED_A_GPU}", decoder.name)
+        return DecodeChoice("cpu", f"--decode-device auto: {cpu} fall short of {step}, but JPEGs cannot be "
+                                   f"decoded on {device} here ({decoder})")
+    return DecodeChoice("cuda", f"--decode-device auto: {without}; {cpu} fall short of {step}", decoder.name)
 
 
 def decoding_header(choice: DecodeChoice, decoder: ImageDecoder, device: torch.device) -> str:
     """The run's header line saying how its images are decoded."""
+    if choice.device == "dali":
+        return (f"{dali_probe.describe(device)}; files DALI is not given (CMYK JPEGs, other formats) by cnns's CPU "
+                f"decoder in the main process ({choice.reason})")
     if choice.device == "cuda":
         return (f"Images decoded on {device} by nvJPEG ({choice.library}, whole images in batches), cropped and resized "
                 f"there; files nvJPEG does not take by {decoder.name} in the workers ({choice.reason})")

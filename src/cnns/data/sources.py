@@ -9,6 +9,7 @@ Graphcore's application's 8-bit I/O: a quarter of the bytes of float32 cross to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -56,7 +57,8 @@ class DataSources:
 
 def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: int, seed: int,
                   device: torch.device, shard: tuple[int, int] = (0, 1), need_eval: bool = True,
-                  need_train: bool = True, global_batch_size: int | None = None) -> DataSources:
+                  need_train: bool = True, global_batch_size: int | None = None,
+                  step_rate: Callable[[], float] | None = None) -> DataSources:
     """The run's training and evaluation sources for shard (replica rank, replicas): generated or synthetic
     batches, or its data format's (`cnns.data.formats`).
 
@@ -64,7 +66,8 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
     replicas) makes every training epoch a whole number of global batches, the same samples for
     any split of the global batch into replicas x accumulation (cnns.data.batches.ShardPlan);
     None keeps whole micro-batch groups only. Evaluation ignores it: every image exactly once
-    over all the ranks, with any batch size."""
+    over all the ranks, with any batch size. step_rate: the training step's images/s, estimated where
+    --decode-device auto asks (`SourceRequest.step_rate`)."""
     num_classes = cfg.num_classes  # generated labels: the model's classes
     if cfg.source == "synthetic":
         facts = dataset_facts(cfg.dataset)
@@ -86,7 +89,7 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
         return DataSources(cfg.dataset, num_classes, train, evaluation)
     data_format, folder = find_format(cfg.dataset, cfg.data_dir)
     request = SourceRequest(micro_batch_size, eval_batch_size, seed, device, shard, need_train, need_eval,
-                            global_batch_size)
+                            global_batch_size, step_rate)
     made = data_format.sources(cfg, folder, request)
     return DataSources(data_format.dataset.name, num_classes, made.train, made.eval, made.decoding,
                        data_format.decoded_in_workers)

@@ -32,6 +32,7 @@ from cnns.engine.feed import DeviceFeed
 from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
+from cnns.engine.step_rate import estimated_step_rate
 from cnns.engine.validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CnnsError, continue_with
 from cnns.models import build_model, count_parameters
@@ -106,7 +107,8 @@ def set_up(cfg: RunConfig, world: World, *, train: bool = True, evaluate: bool =
     sources = build_sources(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                             eval_batch_size=cfg.train.eval_batch_size, seed=cfg.train.seed, device=device,
                             shard=world.shard, need_train=train, need_eval=evaluate,
-                            global_batch_size=cfg.train.global_batch_size)
+                            global_batch_size=cfg.train.global_batch_size,
+                            step_rate=lambda: estimated_step_rate(cfg.model, device, policy.compute_dtype))
     feed = DeviceFeed(device, policy.weight_dtype, imagenet_normalisation=cfg.data.normalise_input,
                       host_normalisation=cfg.data.hostside_norm)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
@@ -67,6 +67,9 @@ class SourceRequest:
     # micro-batch x accumulation x replicas: every training epoch a whole number of global batches
     # (cnns.data.batches.ShardPlan); None keeps whole micro-batch groups only
     global_batch_size: int | None = None
+    # images/s the run's training step is estimated to take, asked only where --decode-device auto weighs it
+    # against the CPU decoder's rate (`cnns.data.decoding.choose_from_rates`); None where no step runs
+    step_rate: Callable[[], float] | None = None
 
 
 @dataclass(frozen=True)
