@@ -31,6 +31,7 @@ import processes
 import scripts
 import torch
 
+from cnns.data.formats import records_in
 from cnns.errors import DataError
 
 from test_tfrecord import bytes_feature, colour_jpeg, colour_of, example, frame, imagenet_example
@@ -98,7 +99,8 @@ def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
 @pytest.mark.parametrize("dataset, message", [
     (None, "cannot infer the dataset in {folder}; name it with --dataset"),
     ("cifar-10", "no cifar-10 binary files found in {folder}"),
-    ("imagenet", "no ImageNet TFRecords (train-*-of-*) or JPEG folders (train/<class>/) found in {folder}"),
+    ("imagenet", "no imagenet files found in {folder}: expected TFRecords (train-*-of-*) or JPEG folders "
+                 "(train/<class>/)"),
 ])
 def test_empty_data_folder(tmp_path, capfd, dataset, message):
     folder = tmp_path / "empty"
@@ -243,7 +245,7 @@ def test_worker_errors_are_given_back_as_raised(tfrecords):
     blob = bytearray(path.read_bytes())
     blob[offsets[1] + 12 + 200] ^= 0xFF
     path.write_bytes(bytes(blob))
-    batches = ImageNetBatches(tfrecords, train=False, batch_size=2, image_size=16, workers=1)
+    batches = ImageNetBatches(records_in(tfrecords, "validation"), train=False, batch_size=2, image_size=16, workers=1)
     with pytest.raises(DataError) as error:
         list(batches.epoch(0))
     message = str(error.value)

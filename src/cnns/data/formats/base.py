@@ -127,6 +127,8 @@ class DataFormat(ABC):
     # core), rather than batches made in the main process from the data held in memory.
     decoded_in_workers: bool = False
     reads: str = ""  # what reading one image is, as `cnns bench-data`'s account names it
+    files: str = ""  # what its files look like, for the line naming what a folder lacks
+    image_folder: bool = False  # torchvision's ImageFolder reads it as it is (bench-data's --compare-baseline)
     # Named only: never recognised from a folder's contents (the built-in set is CIFAR-10's files).
     named_only: bool = False
 
