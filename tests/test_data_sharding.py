@@ -135,7 +135,7 @@ def test_cifar_augmentation_is_per_sample_and_really_happens(cifar):
 
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet: a JPEG folder tree and TFRecords
+# ImageNet: a JPEG folder tree, TFRecords and WebDataset shards
 # ---------------------------------------------------------------------------------------------
 
 
@@ -161,10 +161,17 @@ def write_noise_records(root: Path, split: str, count_: int) -> None:
     write_tfrecord(root / f"{split}-00001-of-00002", records[count_ // 2:])
 
 
-@pytest.fixture(scope="module", params=["folder", "tfrecord"])
+def write_noise_shards(root: Path, split: str, count_: int) -> None:
+    """WebDataset shards of 8 samples, written by GNU tar (test_webdataset's writer)."""
+    from test_webdataset import write_shards
+
+    write_shards(root, split, count_, first=0 if split == "train" else count_, label=lambda index: index % CLASSES)
+
+
+@pytest.fixture(scope="module", params=["folder", "tfrecord", "webdataset"])
 def imagenet(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    write = write_noise_tree if request.param == "folder" else write_noise_records
+    write = {"folder": write_noise_tree, "tfrecord": write_noise_records, "webdataset": write_noise_shards}[request.param]
     write(root, "train", N)
     write(root, "validation", N)
     return root

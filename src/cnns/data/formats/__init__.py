@@ -20,11 +20,13 @@ from cnns.data.formats.cifar import CIFAR_10_BINARY, CIFAR_100_BINARY
 from cnns.data.formats.folder import FOLDER_TREE
 from cnns.data.formats.imagenet import IMAGENET
 from cnns.data.formats.tfrecord import TFRECORDS
+from cnns.data.formats.webdataset import WEBDATASET
 from cnns.errors import ConfigError, DataError
 
 # In the order a folder's contents are tried: CIFAR-10 wins over CIFAR-100 in a folder holding both, and
-# TFRecords over a folder tree.
-FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, FOLDER_TREE, BUILTIN_SHAPES)
+# shards (TFRecords, then WebDataset tars) over a folder tree.
+FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, FOLDER_TREE,
+                                   BUILTIN_SHAPES)
 
 # What --dataset names, each once, in the order of `FORMATS`.
 DATASETS: dict[str, Dataset] = {f.dataset.name: f.dataset for f in FORMATS}
