@@ -22,6 +22,7 @@ import scripts
 from cnns.data.formats import WEBDATASET, find_format, format_of_folder, records_in
 from cnns.data.formats import webdataset as wds
 from cnns.data.imagenet import ImageNetBatches
+from cnns.errors import DataError
 from test_training import read_csv, run_folder
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
@@ -218,3 +219,21 @@ def test_a_damaged_shard_is_one_line_naming_it_and_no_run_folder(tmp_path, capfd
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and expected in lines[0], out.stdout + out.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_indexing_processes_give_the_threads_index_and_their_errors_one_line(tmp_path, monkeypatch):
+    """A large set is indexed by processes: the same index, and a damaged shard's line crosses back whole."""
+    root = tmp_path / "data"
+    write_shards(root, "train", 20)
+    shards = wds.find_shards(root, "train")
+    by_threads = wds._index_each([str(path) for path in shards], 1000)
+    monkeypatch.setattr(wds, "INDEX_PROCESSES_FROM", 1)
+    monkeypatch.setattr(wds.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    by_processes = wds._index_each([str(path) for path in shards], 1000)
+    assert len(by_processes) == 3 and all(
+        np.array_equal(getattr(a, field), getattr(b, field)) for a, b in zip(by_threads, by_processes, strict=True)
+        for field in ("offsets", "sizes", "labels", "names"))
+    expected = damaged(tmp_path / "bad", "no label")
+    with pytest.raises(DataError) as error:
+        wds._index_each([str(path) for path in wds.find_shards(tmp_path / "bad", "train")], 1000)
+    assert str(error.value) == expected

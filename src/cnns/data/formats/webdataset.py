@@ -22,10 +22,12 @@ instead of anywhere in the dataset (TFRecords' uniform shuffle). Evaluation read
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import re
+import stat
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -49,7 +51,9 @@ LABEL_BYTES = 32  # a class number in ASCII digits is a few bytes; a larger .cls
 # timm/imagenet-1k-wds's shards of ~1,250 samples, so a stretch of batches reads from about five shards.
 SHUFFLE_BUFFER = 5000
 SHARD_SIZE_UNLIMITED = 1 << 62  # a shard is never read whole: each image is bounded by --max-file-size instead
-INDEX_THREADS = 16  # indexing is I/O-bound (a header read per member): shards are indexed in parallel
+INDEX_THREADS = 16  # a few shards: their header reads overlapped
+INDEX_PROCESSES_FROM = 32  # shards; from there they are indexed by processes (`_index_each`)
+INDEX_PROCESSES = 16
 
 
 def find_shards(folder: Path, split: str) -> list[Path]:
@@ -81,31 +85,72 @@ class ShardIndex:
     names: np.ndarray  # bytes, the image member's name (for messages)
 
 
-def index_shard(path: Path, num_classes: int) -> ShardIndex:
+def index_shard(path: Path | str, num_classes: int) -> ShardIndex:
     """Every sample of the shard, from its tar headers and label members; DataError naming the shard and the
     member for a damaged or cut-short tar, an image without its label (or a label without its image), and a
     label that is not a class number in 0..num_classes - 1."""
-    stat = path.stat() if path.is_file() else None
-    if stat is None:
-        open_regular_file(path, SHARD_SIZE_UNLIMITED).close()  # names what it is instead (a folder, a FIFO, ...)
-    return _cached_index(str(path), stat.st_size, stat.st_mtime_ns, num_classes)
-
-
-@lru_cache(maxsize=4096)
-def _cached_index(path: str, size: int, mtime_ns: int, num_classes: int) -> ShardIndex:
-    """Cached per file (and its size and time), so the checks before a run and the loader index it once."""
-    del size, mtime_ns  # the cache's key: a shard rewritten since is indexed again
     samples: list[tuple[int, int, int, bytes]] = []
     with open_regular_file(path, SHARD_SIZE_UNLIMITED) as file:
         file_size = os.fstat(file.fileno()).st_size
         if hasattr(os, "posix_fadvise"):
             # Headers are an image apart: read-ahead would pull in every image for nothing.
             os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-        for key, members in _samples(path, file, file_size):
-            samples.append(_sample(path, file, key, members, num_classes))
+        for key, members in _samples(str(path), file, file_size):
+            samples.append(_sample(str(path), file, key, members, num_classes))
     offsets, sizes, labels, names = zip(*samples) if samples else ((), (), (), ())
     return ShardIndex(np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64),
                       np.array(labels, dtype=np.int64), np.array(names, dtype=np.bytes_))
+
+
+def index_split(shards: list[Path], num_classes: int) -> tuple[np.ndarray, ShardIndex]:
+    """The samples of all `shards`, in shard order, with `shard_ids` beside them."""
+    identities = []
+    for path in shards:
+        try:
+            status = os.stat(path)
+        except OSError:
+            status = None
+        if status is None or not stat.S_ISREG(status.st_mode):
+            open_regular_file(path, SHARD_SIZE_UNLIMITED).close()  # the one line naming what it is instead
+        identities.append((str(path), status.st_size, status.st_mtime_ns))
+    return _cached_split(tuple(identities), num_classes)
+
+
+@lru_cache(maxsize=2)  # a run's two splits: the checks before the run and the loader index each once
+def _cached_split(identities: tuple[tuple[str, int, int], ...], num_classes: int) -> tuple[np.ndarray, ShardIndex]:
+    """(each sample's shard number, the samples), keyed by every shard's path, size and time: a shard rewritten
+    since is indexed again."""
+    indexes = _index_each([path for path, *_ in identities], num_classes)
+    shard_ids = np.repeat(np.arange(len(indexes), dtype=np.int32), [len(index.offsets) for index in indexes])
+    return shard_ids, ShardIndex(*(np.concatenate([getattr(index, field) for index in indexes])
+                                   for field in ("offsets", "sizes", "labels", "names")))
+
+
+def _index_each(paths: list[str], num_classes: int) -> list[ShardIndex]:
+    """Indexing costs one core about 45 us per sample in tarfile's header parsing (about a minute for ImageNet's
+    1.28 M samples from the page cache), so a large set is indexed by processes, one per core (threads would
+    take turns at the interpreter; they serve a few shards, overlapping their reads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if len(paths) < INDEX_PROCESSES_FROM or cores < 2:
+        with ThreadPoolExecutor(max_workers=min(INDEX_THREADS, len(paths))) as pool:
+            return list(pool.map(lambda path: index_shard(path, num_classes), paths))
+    # forkserver: this process may hold threads (torch's) that a forked child would inherit mid-lock.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=min(cores, INDEX_PROCESSES), mp_context=context) as pool:
+        found = list(pool.map(_index_or_error, paths, [num_classes] * len(paths), chunksize=4))
+    first_error = next((item for item in found if isinstance(item, str)), None)
+    if first_error is not None:
+        raise DataError(first_error)
+    return found
+
+
+def _index_or_error(path: str, num_classes: int) -> ShardIndex | str:
+    """In an indexing process: the index, or the error's one line (an exception crossing back would be rebuilt
+    from its arguments, which not every DataError's are)."""
+    try:
+        return index_shard(path, num_classes)
+    except DataError as error:
+        return str(error)
 
 
 def _samples(path: str, file: io.BufferedReader, file_size: int) -> Iterable[tuple[str, dict[str, tarfile.TarInfo]]]:
@@ -181,12 +226,10 @@ class ShardRecords:
         self.num_classes = num_classes
         self.where = str(folder)
         self.size_limit = size_limit  # the largest image read (--max-file-size)
-        indexes = index_shards(self.shards, num_classes)
-        self.shard_ids = np.repeat(np.arange(len(self.shards), dtype=np.int32), [len(i.offsets) for i in indexes])
-        self.offsets = np.concatenate([i.offsets for i in indexes])
-        self.sizes = np.concatenate([i.sizes for i in indexes])
-        self.labels = np.concatenate([i.labels for i in indexes])  # not `targets`: shards mix the classes, so
-        self.names = np.concatenate([i.names for i in indexes])  # --dataset-percentage-to-use takes the first ones
+        self.shard_ids, index = index_split(self.shards, num_classes)
+        self.offsets, self.sizes, self.names = index.offsets, index.sizes, index.names
+        # Not `targets`: the shards mix the classes, so --dataset-percentage-to-use takes the first samples.
+        self.labels = index.labels
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -230,11 +273,6 @@ def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> n
         buffer[slot] = incoming
     out[len(stream) - size:] = np.asarray(buffer, dtype=stream.dtype)[rng.permutation(size)]
     return out
-
-
-def index_shards(shards: list[Path], num_classes: int) -> list[ShardIndex]:
-    with ThreadPoolExecutor(max_workers=min(INDEX_THREADS, len(shards))) as pool:
-        return list(pool.map(lambda shard: index_shard(shard, num_classes), shards))
 
 
 # --- The format
