@@ -603,7 +603,7 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     """arguments.json then holds both --epochs-per-ckpt and the --ckpts-per-epoch derived from it; reading
     it back (validation.py resolves the run's options again) is not a contradiction."""
     from cnns.cli import resolved_training_options
-    from cnns.runfolder.options import evaluation_options as _evaluation_options
+    from cnns.runfolder.options import evaluation_options as _evaluation_options, open_run
     from cnns.runfolder.log import write_arguments
 
     options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", str(cifar),
@@ -613,7 +613,7 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     from cnns.cli import parse_options
 
     values, _ = parse_options("validate", ["--restore-path", str(tmp_path)])
-    resolved, _ = _evaluation_options(values)
+    resolved, _ = _evaluation_options(values, open_run(values))
     assert resolved["ckpts_per_epoch"] == 0.5 and resolved["epochs_per_ckpt"] == 2.0
     np.testing.assert_equal(resolved["micro_batch_size"], options["micro_batch_size"])
 
