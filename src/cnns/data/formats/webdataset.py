@@ -40,7 +40,6 @@ from cnns.data.formats.base import TrainingBatch
 from cnns.data.formats.imagenet import ImageNetFiles
 from cnns.errors import DataError
 
-SPLITS = ("train", "validation")
 SHARD_NAME = re.compile(r"(?:.*-)?(train|validation)-(\d+)\.tar")
 # webdataset's base_plus_ext: the key is the path up to the first dot of the base name.
 MEMBER_NAME = re.compile(r"((?:.*/)?[^./]+)\.([^/]*)")
