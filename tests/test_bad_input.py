@@ -31,6 +31,7 @@ import processes
 import scripts
 import torch
 
+from cnns.data.formats import records_in
 from cnns.errors import DataError
 
 from test_tfrecord import bytes_feature, colour_jpeg, colour_of, example, frame, imagenet_example
@@ -98,7 +99,8 @@ def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
 @pytest.mark.parametrize("dataset, message", [
     (None, "cannot infer the dataset in {folder}; name it with --dataset"),
     ("cifar-10", "no cifar-10 binary files found in {folder}"),
-    ("imagenet", "no ImageNet TFRecords (train-*-of-*) or JPEG folders (train/<class>/) found in {folder}"),
+    ("imagenet", "no imagenet files found in {folder}: expected TFRecords (train-*-of-*), WebDataset shards "
+                 "(*-train-NNNN.tar) or JPEG folders (train/<class>/)"),
 ])
 def test_empty_data_folder(tmp_path, capfd, dataset, message):
     folder = tmp_path / "empty"
@@ -243,7 +245,7 @@ def test_worker_errors_are_given_back_as_raised(tfrecords):
     blob = bytearray(path.read_bytes())
     blob[offsets[1] + 12 + 200] ^= 0xFF
     path.write_bytes(bytes(blob))
-    batches = ImageNetBatches(tfrecords, train=False, batch_size=2, image_size=16, workers=1)
+    batches = ImageNetBatches(records_in(tfrecords, "validation"), train=False, batch_size=2, image_size=16, workers=1)
     with pytest.raises(DataError) as error:
         list(batches.epoch(0))
     message = str(error.value)
@@ -601,7 +603,7 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     """arguments.json then holds both --epochs-per-ckpt and the --ckpts-per-epoch derived from it; reading
     it back (validation.py resolves the run's options again) is not a contradiction."""
     from cnns.cli import resolved_training_options
-    from cnns.runfolder.options import evaluation_options as _evaluation_options
+    from cnns.runfolder.options import evaluation_options as _evaluation_options, open_run
     from cnns.runfolder.log import write_arguments
 
     options, _ = resolved_training_options("train", ["--dataset", "cifar-10", "--data-dir", str(cifar),
@@ -611,7 +613,7 @@ def test_a_run_trained_with_epochs_per_ckpt_can_be_validated(cifar, tmp_path):
     from cnns.cli import parse_options
 
     values, _ = parse_options("validate", ["--restore-path", str(tmp_path)])
-    resolved, _ = _evaluation_options(values)
+    resolved, _ = _evaluation_options(values, open_run(values))
     assert resolved["ckpts_per_epoch"] == 0.5 and resolved["epochs_per_ckpt"] == 2.0
     np.testing.assert_equal(resolved["micro_batch_size"], options["micro_batch_size"])
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from cnns.data.formats import records_in
 from cnns.data.imagenet import BATCH_BUFFERS_PER_WORKER, ImageNetBatches
 
 
@@ -25,7 +26,7 @@ def tree(tmp_path_factory):
 
 
 def batches(tree, workers: int) -> ImageNetBatches:
-    return ImageNetBatches(tree, train=True, batch_size=2, image_size=16, workers=workers, seed=3)
+    return ImageNetBatches(records_in(tree, "train"), train=True, batch_size=2, image_size=16, workers=workers, seed=3)
 
 
 def test_batches_kept_by_the_consumer_are_never_written_again(tree):

@@ -212,9 +212,10 @@ def test_account_times_the_fallback_decoder_step_by_step(tree):
     decoding instead of the native call's clocks."""
     from cnns.bench.data import time_stages
     from cnns.data.decoding import ImageDecoder
-    from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
+    from cnns.data.formats import records_in
+    from cnns.data.imagenet import ImageNetTransform
 
-    dataset, _ = imagenet_dataset(tree, train=True)
+    dataset = records_in(tree, "train")
     transform = ImageNetTransform(True, 32, seed=0, decoder=ImageDecoder(use_native=False))
     stages = time_stages(dataset, range(len(dataset)), transform)
     assert stages.images == len(dataset) == stages.whole

@@ -21,6 +21,7 @@ import processes
 import scripts
 from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT, UnreadableFile, read_bounded
 from cnns.errors import CnnsError, DataError
+from cnns.data.formats import records_in
 
 # torchvision 0.29 deprecates its image codecs (used here to write the test images), warning per call.
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -202,11 +203,12 @@ def test_the_imagenet_folder_reader_names_such_files_or_drops_them_as_corrupt_im
     from cnns.data.imagenet import ImageNetBatches
 
     unreadable = image_tree(tmp_path)
-    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=0)
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=0)
     assert source.num_samples == 4  # listed as images, not silently left out
     with pytest.raises(DataError, match=f"^{re.escape(str(next(iter(unreadable))))}: cannot read: not a regular"):
         list(source.epoch(0))
-    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=0, skip_corrupt=True)
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=0,
+                             skip_corrupt=True)
     assert [labels.tolist() for _, labels in source.epoch(0)] == [[0, 1]]
     assert source.skipped_images == 2 and sorted(source.skipped_names) == sorted(map(str, unreadable))
 

@@ -17,6 +17,7 @@ pytest.importorskip("nvidia.dali", reason="the optional extra 'dali' (pip instal
 
 from cnns.data import dali  # noqa: E402
 from cnns.data.decoding import ImageDecoder, device_jpeg_size  # noqa: E402
+from cnns.data.formats import records_in  # noqa: E402
 from cnns.data.imagenet import _NATIVE_CROP_DRAW, ImageNetBatches  # noqa: E402
 from cnns.errors import DataError  # noqa: E402
 
@@ -76,14 +77,20 @@ def tree(tmp_path_factory) -> Path:
     return root
 
 
+def _split(train: bool) -> str:
+    return "train" if train else "validation"
+
+
 def dali_batches(tree: Path, train: bool = True, **options) -> dali.DaliBatches:
-    return dali.DaliBatches(tree, train, options.pop("batch_size", BATCH), SIZE, CPU, seed=SEED, **options)
+    return dali.DaliBatches(records_in(tree, _split(train)), train, options.pop("batch_size", BATCH), SIZE, CPU,
+                            seed=SEED, **options)
 
 
 def cpu_batches(tree: Path, train: bool = True, **options) -> ImageNetBatches:
     """The CPU loader in this process, decoding whole images with TorchCodec and resizing with torch: the
     reference whose crops DALI cuts from the same decoded pixels (libjpeg-turbo underneath both)."""
-    return ImageNetBatches(tree, train, options.pop("batch_size", BATCH), SIZE, workers=0, seed=SEED,
+    return ImageNetBatches(records_in(tree, _split(train)), train, options.pop("batch_size", BATCH), SIZE, workers=0,
+                           seed=SEED,
                            decoder=ImageDecoder(use_native=False), **options)
 
 

@@ -90,7 +90,7 @@ def test_the_checks_before_a_run_go_to_the_folder_s_format(each_format):
                            outputs=10, decode=True, size_limit=None)
     with pytest.raises(DataError, match="no cifar-100 binary files found in"):
         formats.find_format("cifar-100", each_format["cifar-10"])
-    with pytest.raises(DataError, match="no ImageNet TFRecords .* found in"):
+    with pytest.raises(DataError, match="no imagenet files found in .*: expected TFRecords"):
         formats.find_format("imagenet", each_format["cifar-10"])
     with pytest.raises(DataError, match="cannot infer the dataset in .*; name it with --dataset"):
         formats.find_format(None, each_format["cifar-10"].parent)

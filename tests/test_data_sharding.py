@@ -23,6 +23,7 @@ from cnns.data.augment import cifar_augment
 from cnns.data.batches import GeneratedBatches, ShardPlan, TensorBatches
 from cnns.data.imagenet import ImageNetBatches
 from test_tfrecord import imagenet_example, write_tfrecord
+from cnns.data.formats import records_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -134,7 +135,7 @@ def test_cifar_augmentation_is_per_sample_and_really_happens(cifar):
 
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet: a JPEG folder tree and TFRecords
+# ImageNet: a JPEG folder tree, TFRecords and WebDataset shards
 # ---------------------------------------------------------------------------------------------
 
 
@@ -160,10 +161,17 @@ def write_noise_records(root: Path, split: str, count_: int) -> None:
     write_tfrecord(root / f"{split}-00001-of-00002", records[count_ // 2:])
 
 
-@pytest.fixture(scope="module", params=["folder", "tfrecord"])
+def write_noise_shards(root: Path, split: str, count_: int) -> None:
+    """WebDataset shards of 8 samples, written by GNU tar (test_webdataset's writer)."""
+    from test_webdataset import write_shards
+
+    write_shards(root, split, count_, first=0 if split == "train" else count_, label=lambda index: index % CLASSES)
+
+
+@pytest.fixture(scope="module", params=["folder", "tfrecord", "webdataset"])
 def imagenet(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    write = write_noise_tree if request.param == "folder" else write_noise_records
+    write = {"folder": write_noise_tree, "tfrecord": write_noise_records, "webdataset": write_noise_shards}[request.param]
     write(root, "train", N)
     write(root, "validation", N)
     return root
@@ -171,7 +179,7 @@ def imagenet(request, tmp_path_factory):
 
 def imagenet_maker(root: Path) -> MakeSource:
     def make(shard, micro_batch, global_batch):
-        return ImageNetBatches(root, train=True, batch_size=micro_batch, image_size=8, workers=0, seed=7,
+        return ImageNetBatches(records_in(root, "train"), train=True, batch_size=micro_batch, image_size=8, workers=0, seed=7,
                                shard=shard, pin_memory=False, global_batch_size=global_batch)
 
     return make
@@ -182,13 +190,13 @@ def test_imagenet_replicas_see_the_samples_of_accumulation(imagenet):
 
 
 def test_imagenet_evaluation_counts_every_image_once(imagenet):
-    whole = ImageNetBatches(imagenet, train=False, batch_size=5, image_size=8, workers=0, pin_memory=False)
+    whole = ImageNetBatches(records_in(imagenet, "validation"), train=False, batch_size=5, image_size=8, workers=0, pin_memory=False)
     expected = Counter(key for images, labels in whole.epoch(0) for key in sample_keys(images, labels))
     assert sum(expected.values()) == N and len(expected) == N
     for world in (2, 3, 4):
         seen = Counter()
         for rank in range(world):
-            source = ImageNetBatches(imagenet, train=False, batch_size=3, image_size=8, workers=0,
+            source = ImageNetBatches(records_in(imagenet, "validation"), train=False, batch_size=3, image_size=8, workers=0,
                                      shard=(rank, world), pin_memory=False)
             batches = list(source.epoch(0))
             assert len(batches) == len(source)

@@ -32,6 +32,7 @@ from cnns.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_imagenet_data import save, write_tree  # noqa: E402
+from cnns.data.formats import records_in
 
 CUDA = torch.device("cuda", 0)  # only named: nothing here runs on it
 
@@ -479,8 +480,9 @@ def test_the_device_path_on_the_cpu_gives_the_workers_pixels(tmp_path, train):
         write_tree(tmp_path, "train", [4, 4], size=(48, 40))
         save(smooth_image().convert("CMYK"), tmp_path / "train" / "c0" / "cmyk.JPEG")
     common = dict(train=train, batch_size=4, image_size=16, workers=1, seed=9, decoder=ImageDecoder(use_native=False))
-    host = [batch for batch in ImageNetBatches(tmp_path, **common).epoch(0)]
-    device = ImageNetBatches(tmp_path, **common, device_decoding=torch.device("cpu"))
+    records = records_in(tmp_path, "train" if train else "validation")
+    host = [batch for batch in ImageNetBatches(records, **common).epoch(0)]
+    device = ImageNetBatches(records, **common, device_decoding=torch.device("cpu"))
     on_device = list(device.epoch(0))
     assert len(on_device) == len(host) > 1
     for (images, labels), (host_images, host_labels) in zip(on_device, host):
@@ -489,7 +491,7 @@ def test_the_device_path_on_the_cpu_gives_the_workers_pixels(tmp_path, train):
 
 def test_the_device_path_decodes_a_jpeg_nvjpeg_rejects_on_the_host_or_drops_it(tmp_path):
     bad = write_mixed_tree(tmp_path)
-    source = ImageNetBatches(tmp_path, train=False, batch_size=5, image_size=16, workers=0,
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=5, image_size=16, workers=0,
                              device_decoding=torch.device("cpu"))
     batch = source.loader.dataset[list(range(9))]
     assert isinstance(batch, DeviceBatch) and len(batch.host_rows) == 2  # the CMYK and the PNG bytes
@@ -501,7 +503,8 @@ def test_the_device_path_decodes_a_jpeg_nvjpeg_rejects_on_the_host_or_drops_it(t
     bad.write_bytes(bytes(blob[:blob.index(b"\xff\xda") + 4]))
     with pytest.raises(DataError, match=f"^{re.escape(str(bad))}: cannot decode image"):
         list(source.epoch(0))
-    skipping = ImageNetBatches(tmp_path, train=False, batch_size=5, image_size=16, workers=0, skip_corrupt=True,
+    skipping = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=5, image_size=16, workers=0,
+                               skip_corrupt=True,
                                device_decoding=torch.device("cpu"))
     sizes = [len(labels) for _, labels in skipping.epoch(0)]
     assert sizes == [5, 3] and skipping.skipped_names == [str(bad)]

@@ -59,16 +59,16 @@ def test_validation_without_a_run_takes_the_devices_half_type_and_a_runs_is_kept
     from cnns.cli.parsing import resolved_evaluation_options
 
     two_gpus(False)  # a GPU without bfloat16 arithmetic: float16
-    _, options, _ = resolved_evaluation_options(script, PLAIN)
+    _, options, _, _ = resolved_evaluation_options(script, PLAIN)
     assert (options["half_dtype"], options["half_dtype_given"]) == ("float16", False)
-    _, options, _ = resolved_evaluation_options(script, [*PLAIN, "--device", "cpu"])
+    _, options, _, _ = resolved_evaluation_options(script, [*PLAIN, "--device", "cpu"])
     assert options["half_dtype"] == "bfloat16"
-    _, options, _ = resolved_evaluation_options(script, [*PLAIN, "--half-dtype", "bfloat16"])
+    _, options, _, _ = resolved_evaluation_options(script, [*PLAIN, "--half-dtype", "bfloat16"])
     assert (options["half_dtype"], options["half_dtype_given"]) == ("bfloat16", True)
     # A run trained on a CPU keeps its half type when validated on this GPU (its checkpoints are in it).
     trained, _ = resolved_training_options("train", [*PLAIN, "--device", "cpu"])
     (tmp_path / "arguments.json").write_text(json.dumps(trained))
-    _, options, _ = resolved_evaluation_options(script, ["--restore-path", str(tmp_path)])
+    _, options, _, _ = resolved_evaluation_options(script, ["--restore-path", str(tmp_path)])
     assert options["half_dtype"] == "bfloat16"
 
 
@@ -227,17 +227,17 @@ def test_validation_compiles_as_its_run_trained_or_as_the_device_decides(two_gpu
 
     from cnns.cli.parsing import resolved_evaluation_options
 
-    _, options, _ = resolved_evaluation_options("validate", PLAIN)  # no run: the device decides
+    _, options, _, _ = resolved_evaluation_options("validate", PLAIN)  # no run: the device decides
     assert options["compile"] is True
     trained, _ = resolved_training_options("train", [*PLAIN, "--device", "cpu"])
     (tmp_path / "arguments.json").write_text(json.dumps(trained))
-    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
+    _, options, _, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
     assert options["compile"] is False and options["half_dtype_given"] is False  # the run's, kept
     on_the_gpu, _ = resolved_training_options("train", PLAIN)
     (tmp_path / "arguments.json").write_text(json.dumps({**on_the_gpu, "half_dtype_given": True}))
-    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
+    _, options, _, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path)])
     assert options["compile"] is True and options["half_dtype_given"] is True
-    _, options, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path), "--no-compile"])
+    _, options, _, _ = resolved_evaluation_options("validate", ["--restore-path", str(tmp_path), "--no-compile"])
     assert options["compile"] is False
 
 

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from cnns.data.decoding import ImageDecoder
+from cnns.data.formats import format_of_folder, records_in
 from cnns.data.imagefolder import ImageFolderDataset, decode_rgb
 from cnns.data.imagenet import (
     CROP_AREA,
@@ -25,7 +26,6 @@ from cnns.data.imagenet import (
     ImageNetTransform,
     TrainingSampler,
     build_imagenet_loader,
-    detect_imagenet,
     evaluation_resize,
     evaluation_transform,
     sample_generator,
@@ -132,15 +132,15 @@ def test_evaluation_transform_is_resize_then_centre_crop():
     assert image[:, :, 1].min() > 200 and image[:, :, 0].max() < 60 and image[:, :, 2].max() < 60
 
 
-def test_detect_imagenet(tmp_path):
-    assert detect_imagenet(tmp_path) is None
-    assert detect_imagenet(tmp_path / "missing") is None
+def test_each_layout_is_recognised_by_its_format(tmp_path):
+    assert format_of_folder(tmp_path, "imagenet") is None
+    assert format_of_folder(tmp_path / "missing", "imagenet") is None
     write_tree(tmp_path / "tree", "val", [1])
-    assert detect_imagenet(tmp_path / "tree") == "folder"
+    assert format_of_folder(tmp_path / "tree", "imagenet").name == "folder"
     write_imagenet_shards(tmp_path / "records" / "imagenet-data", "validation", [[1]])
-    assert detect_imagenet(tmp_path / "records") == "tfrecord"
-    with pytest.raises(DataError, match="no ImageNet found"):
-        build_imagenet_loader(tmp_path, True, 2, 8, 0, 0)
+    assert format_of_folder(tmp_path / "records", "imagenet").name == "tfrecord"
+    with pytest.raises(DataError, match="cannot infer the dataset"):
+        records_in(tmp_path, "train")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_two_shard_evaluation_yields_every_image_exactly_once(tmp_path, layout):
     seen = []
     for rank in range(2):
         loader, num_samples, num_classes = build_imagenet_loader(
-            tmp_path, False, batch_size=4, image_size=8, workers=0, seed=0, shard=(rank, 2))
+            records_in(tmp_path, "validation"), False, batch_size=4, image_size=8, workers=0, seed=0, shard=(rank, 2))
         assert num_samples == 13 and num_classes == (3 if layout == "folder" else 1000)
         for images, labels, *_ in loader:  # then the images left out and the batch's buffer
             assert images.dtype == torch.uint8 and images.shape[1:] == (8, 8, 3) and images.shape[0] <= 4
@@ -186,7 +186,7 @@ def test_evaluation_sampler_partitions_exactly():
 
 def test_imagenet_batches_protocol_and_resume(tmp_path):
     _write_validation("folder", tmp_path)
-    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=0, shard=(1, 2))
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=0, shard=(1, 2))
     batches = [labels.tolist() for _, labels in source.epoch(0)]
     assert len(source) == len(batches) == 2 and source.num_samples == 13 and source.num_classes == 3
     assert [labels.tolist() for _, labels in source.epoch(0, start_batch=1)] == batches[1:]
@@ -221,7 +221,7 @@ def _batches(loader, epoch):
 def test_training_batches_are_seeded_and_independent_of_workers(tmp_path):
     write_tree(tmp_path, "train", [3, 3, 3], size=(48, 40))
     make = lambda workers, seed: build_imagenet_loader(  # noqa: E731
-        tmp_path, True, batch_size=4, image_size=16, workers=workers, seed=seed, drop_last=True)[0]
+        records_in(tmp_path, "train"), True, batch_size=4, image_size=16, workers=workers, seed=seed, drop_last=True)[0]
     loader, other_seed, with_worker = make(0, 1), make(0, 2), make(1, 1)
     torch.manual_seed(123)  # the global RNG must neither matter nor be disturbed
     state = torch.get_rng_state()
@@ -236,7 +236,7 @@ def test_training_batches_are_seeded_and_independent_of_workers(tmp_path):
 
 def test_dataset_percentage_keeps_every_class_of_a_folder_tree(tmp_path):
     write_tree(tmp_path, "train", [10, 10, 10])
-    loader, num_samples, _ = build_imagenet_loader(tmp_path, True, 3, 8, 0, 0, percentage=30)
+    loader, num_samples, _ = build_imagenet_loader(records_in(tmp_path, "train"), True, 3, 8, 0, 0, percentage=30)
     assert num_samples == 9
     labels = torch.cat([labels for _, labels, *_ in loader])
     assert sorted(Counter(labels.tolist()).values()) == [3, 3, 3]
@@ -244,7 +244,7 @@ def test_dataset_percentage_keeps_every_class_of_a_folder_tree(tmp_path):
 
 def test_dataset_percentage_takes_first_records(tmp_path):
     write_imagenet_shards(tmp_path, "train", [[1] * 10, [2] * 10])
-    loader, num_samples, _ = build_imagenet_loader(tmp_path, True, 5, 8, 0, 0, percentage=50)
+    loader, num_samples, _ = build_imagenet_loader(records_in(tmp_path, "train"), True, 5, 8, 0, 0, percentage=50)
     assert num_samples == 10
     assert set(torch.cat([labels for _, labels, *_ in loader]).tolist()) == {0}
 
@@ -339,7 +339,7 @@ def test_same_seed_same_batches_for_0_1_and_2_workers_in_shared_memory(tmp_path)
     write_tree(tmp_path, "validation", [3, 2, 2], size=(48, 40))
 
     def batches(train: bool, workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        source = ImageNetBatches(tmp_path, train=train, batch_size=4, image_size=16, workers=workers, seed=5)
+        source = ImageNetBatches(records_in(tmp_path, "train" if train else "validation"), train=train, batch_size=4, image_size=16, workers=workers, seed=5)
         out = []
         for images, labels in source.epoch(1):
             # Filled by a worker in shared memory and handed over as it is: no copy on the way.
@@ -379,7 +379,7 @@ def test_odd_files_go_through_the_loader_as_rgb_crops(tmp_path, decoder):
     paths = odd_files(tmp_path)
     dataset = ImageFolderDataset(tmp_path, "train")
     transform = ImageNetTransform(True, 16, seed=2, decoder=decoder)
-    loader, _, _ = build_imagenet_loader(tmp_path, True, len(paths), 16, 0, 2, decoder=decoder)
+    loader, _, _ = build_imagenet_loader(records_in(tmp_path, "train"), True, len(paths), 16, 0, 2, decoder=decoder)
     loader.sampler.set_epoch(0)
     [(images, labels, *_)] = list(loader)
     keys = [key for batch in loader.sampler for key in batch]
@@ -399,10 +399,10 @@ def test_corrupt_images_stop_the_pass_or_are_dropped_and_named(tmp_path, workers
     write_tree(tmp_path, "validation", [3, 3])
     bad = tmp_path / "validation" / "c1" / "img001.JPEG"
     bad.write_bytes(bad.read_bytes()[:60])
-    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=workers)
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=workers)
     with pytest.raises(DataError, match=f"^{re.escape(str(bad))}: cannot decode image"):
         list(source.epoch(0))
-    source = ImageNetBatches(tmp_path, train=False, batch_size=4, image_size=8, workers=workers, skip_corrupt=True)
+    source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=workers, skip_corrupt=True)
     batches = [labels.tolist() for _, labels in source.epoch(0)]
     assert batches == [[0, 0, 0, 1], [1]]  # the second batch shrank by the dropped image
     assert source.skipped_images == 1 and source.skipped_names == [str(bad)]

@@ -16,6 +16,7 @@ from PIL import Image
 import scripts
 from test_tfrecord import imagenet_example, write_tfrecord
 from test_training import read_csv, run_folder
+from cnns.data.formats import records_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -180,7 +181,7 @@ def test_uint8_normalised_on_device_equals_float_normalised_on_host(dtype, toler
 def test_evaluation_cache_replays_the_first_complete_pass(jpeg_tree, cache):
     from cnns.data.imagenet import ImageNetBatches
 
-    source = ImageNetBatches(jpeg_tree, train=False, batch_size=4, image_size=16, workers=0, cache=cache)
+    source = ImageNetBatches(records_in(jpeg_tree, "validation"), train=False, batch_size=4, image_size=16, workers=0, cache=cache)
     partial = next(source.epoch(0))  # an interrupted pass is not kept
     first = [(images.clone(), labels.clone()) for images, labels in source.epoch(0)]
     assert sum(len(labels) for _, labels in first) == 13 and torch.equal(partial[0], first[0][0])

@@ -74,12 +74,14 @@ class InitialWeights:
     notes: list[str] = field(default_factory=list)
 
     def load_into(self, model: nn.Module) -> None:
-        """Copy the weights into `model` (a pipeline stage holds some of the model's tensors: those)."""
+        """Copy the weights into `model` (a pipeline stage holds some of the model's tensors: those), then let
+        the file's copy go: the run holds them in its model from here."""
         own = model.state_dict()
         with torch.no_grad():
             for name, tensor in self.weights.items():
                 if name in own:
                     own[name].copy_(tensor)
+        self.weights = {}
 
 
 def initial_weights(path: str | Path, spec: ModelSpec) -> InitialWeights:

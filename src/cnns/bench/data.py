@@ -35,7 +35,7 @@ from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import in_turn
 from cnns.config import DataConfig, RunConfig
-from cnns.data.formats import DATASETS, FOLDER_TREE, DataFormat, dataset_facts, find_format
+from cnns.data.formats import DATASETS, DataFormat, dataset_facts, find_format, records_in
 from cnns.data.decoding import DecodeClock
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
@@ -44,10 +44,7 @@ from cnns.runfolder.files import write_atomically
 
 if TYPE_CHECKING:
     from cnns.data.imagenet import ImageNetTransform
-    from cnns.data.imagefolder import ImageFolderDataset
-    from cnns.data.tfrecord import TFRecordDataset
-
-    ImageDataset = ImageFolderDataset | TFRecordDataset
+    from cnns.data.imagenet import ImageRecords as ImageDataset
 
 BASELINE_CROP_AREA = (0.05, 1.0)
 
@@ -371,15 +368,15 @@ def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement |
     """The account on the plan's files, every measurement of it in each round (`in_rounds`). `baseline` is
     torchvision's loader with 1 worker when the comparison measured it; on a folder tree it is measured in the
     account's rounds otherwise."""
-    from cnns.data.imagenet import ImageNetTransform, imagenet_dataset
+    from cnns.data.imagenet import ImageNetTransform
 
-    dataset, _ = imagenet_dataset(plan.data_dir, plan.train)
+    dataset = records_in(plan.data_dir, "train" if plan.train else "validation")
     indices = account_indices(len(dataset), images)
     transform = ImageNetTransform(plan.train, plan.image_size, plan.seed)
     steps = {"stages": lambda: time_stages(dataset, indices, transform),
              "decode-only": lambda: time_whole_decoding(dataset, indices),
              "cnns 0": loader(plan, "cnns", 0), "cnns 1": loader(plan, "cnns", 1)}
-    if baseline is None and plan.found == FOLDER_TREE.name:
+    if baseline is None and plan.image_folder:
         steps["torchvision 1"] = loader(plan, "torchvision", 1)
     found = in_rounds(steps, plan.rounds, print)
     if "torchvision 1" in found:
@@ -469,6 +466,7 @@ class BenchDataRequest:
     found: str = ""  # the data's format, once found (tfrecord, folder, cifar-10, ...: `cnns.data.formats`)
     decoded_in_workers: bool = False  # its images decoded by worker processes (else batches made in memory)
     reads: str = ""  # what one image's read is, in the account
+    image_folder: bool = False  # torchvision's ImageFolder reads it (the baseline)
 
     @property
     def train(self) -> bool:
@@ -494,13 +492,14 @@ def plan_from_request(args: BenchDataRequest) -> BenchDataRequest:
         raise ConfigError("--warmup-batches and --workers must not be negative")
     device = resolve_device(args.device)
     found = data_format(data_dir, args.dataset)
-    if args.compare_baseline and found is not FOLDER_TREE:
+    if args.compare_baseline and not found.image_folder:
         raise ConfigError(f"--compare-baseline needs a JPEG folder tree (torchvision's ImageFolder); {data_dir} "
                           f"holds {found.name}")
     # CIFAR-sized images are 32x32, and their batches are made in the main process (0 workers).
     image_size, workers = ((32, [0]) if found.dataset.cifar_sized else (args.image_size, list(args.workers)))
     return replace(args, data_dir=str(data_dir), found=found.name, decoded_in_workers=found.decoded_in_workers,
-                   reads=found.reads, workers=workers, image_size=image_size, device=str(device))
+                   reads=found.reads, image_folder=found.image_folder, workers=workers, image_size=image_size,
+                   device=str(device))
 
 
 def comparison_record(comparison: Comparison) -> dict[str, Any]:

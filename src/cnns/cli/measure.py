@@ -114,12 +114,12 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", choices=tuple(DATASETS),
                         help="Inferred from the folder when omitted.")
     parser.add_argument("--make-jpeg-tree", metavar="DIR",
-                        help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or TFRecords with "
-                             "--layout tfrecord; files already there are kept): the data measured.")
+                        help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or shards with "
+                             "--layout tfrecord or webdataset; files already there are kept): the data measured.")
     parser.add_argument("--images", type=int, default=2000, help="Training images of --make-jpeg-tree.")
     parser.add_argument("--classes", type=int, default=10, help="Classes of --make-jpeg-tree.")
-    parser.add_argument("--layout", choices=("folder", "tfrecord"), default="folder",
-                        help="--make-jpeg-tree writes a folder tree or TFRecord shards.")
+    parser.add_argument("--layout", choices=("folder", "tfrecord", "webdataset"), default="folder",
+                        help="--make-jpeg-tree writes a folder tree, TFRecord shards or WebDataset tar shards.")
     parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", type=int, nargs="+", default=[1],
                         help="Data-loading worker processes; several values are measured one after the other.")
     parser.add_argument("--image-size", type=int, default=224, help="Output image size (ImageNet).")

@@ -94,20 +94,22 @@ def device_defaults(values: dict[str, Any], decided: set[str] | frozenset[str] =
     defaults.device_defaults(values, device.type, default_half_dtype(device), decided)
 
 
-def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """validation.py / weight_avg.py: (values, resolved options, notices). The half type and compilation are
-    the training run's (its arguments.json) or the command line's; where neither gives one, the device's, as
-    for training (a validation.py without --restore-path on a GPU without bfloat16 runs float16, compiled)."""
-    from cnns.runfolder.options import evaluation_options
+def resolved_evaluation_options(script: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str], Any]:
+    """validation.py / weight_avg.py: (values, resolved options, notices, the run --restore-path names, read once
+    here for the whole process: `cnns.runfolder.options.open_run`). The half type and compilation are the
+    training run's (its arguments.json) or the command line's; where neither gives one, the device's, as for
+    training (a validation.py without --restore-path on a GPU without bfloat16 runs float16, compiled)."""
+    from cnns.runfolder.options import evaluation_options, open_run
 
     values, notices = parse_options(script, argv)
     if script == "weight-avg":  # averaging is file work: its one validation runs in this process
         values.update(replicas=1, BN_span=1)
-    options, run = evaluation_options(values)
+    target = open_run(values)
+    options, run = evaluation_options(values, target)
     if any(values.get(key) is None and key not in run for key in ("half_dtype", "compile")):
         device_defaults(values, decided=set(run))
-        options, _ = evaluation_options(values)
-    return values, options, notices
+        options, _ = evaluation_options(values, target)
+    return values, options, notices, target
 
 
 def resolved_training_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -179,7 +181,9 @@ class ResolvedCommandLine:
     options: dict[str, Any]
     config: RunConfig
     notices: list[str]
-    run: Any = None  # restore.py's run folder (`cnns.runfolder.folder.RunFolder`), opened once, here
+    # The run --restore-path names, opened once, here: restore.py's `cnns.runfolder.folder.RunFolder`,
+    # validation.py's and weight_avg.py's `RestoreTarget` (None without --restore-path).
+    run: Any = None
 
 
 def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
@@ -204,6 +208,8 @@ def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
         values, notices = parse_options(script, argv)
         options = inference_options(values)
     else:
-        values, options, notices = resolved_evaluation_options(script, argv)
+        values, options, notices, target = resolved_evaluation_options(script, argv)
+        config = RunConfig.from_options(options)
+        return ResolvedCommandLine(values, dict(config.arguments), config, notices, target)
     config = RunConfig.from_options(options)
     return ResolvedCommandLine(values, dict(config.arguments), config, notices)

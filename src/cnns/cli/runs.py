@@ -40,8 +40,8 @@ def validate_main(argv: list[str]) -> int:
         return print_config(resolved.options)
     from cnns.commands.validate import validate
 
-    return validate(resolved.config, resolved.values.get("restore_path"), repeat=resolved.values.get("repeat") or 1,
-                    notices=resolved.notices, relaunch=argv)
+    return validate(resolved.config, resolved.values.get("restore_path"), resolved.run,
+                    repeat=resolved.values.get("repeat") or 1, notices=resolved.notices, relaunch=argv)
 
 
 def weight_avg_main(argv: list[str]) -> int:
@@ -52,6 +52,6 @@ def weight_avg_main(argv: list[str]) -> int:
     from cnns.commands.weight_avg import weight_average
 
     # The training run's --no-validation does not carry over: only this command line's does.
-    return weight_average(resolved.config, values.get("restore_path"), values["mode"], values.get("N"),
+    return weight_average(resolved.config, values.get("restore_path"), resolved.run, values["mode"], values.get("N"),
                           values.get("decay"), values.get("discard_last") or 0,
                           validate=values.get("validation") is not False, notices=resolved.notices)

@@ -39,6 +39,7 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
         check_supported(cfg)
         check_data_before_writing(cfg, train=True, evaluation=cfg.train.validation)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
+        point = None  # read here only as a check: each worker reads its own; this process holds none as it waits
         return spawn_local_workers("restore", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
                                    timeout_s=cfg.parallel.dist_timeout)
     from cnns.commands.splits import model_to_plan

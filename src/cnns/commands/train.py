@@ -32,6 +32,7 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
     notices = notices + parallel_notices(cfg)
     initial = _checked_initial_weights(cfg)
     if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
+        del initial  # read here only as a check: each worker reads its own; this process holds nothing as it waits
         return spawn_local_workers("train", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
                                    timeout_s=cfg.parallel.dist_timeout)
     # The engine and the models (timm, torchvision, torch._dynamo: seconds of imports) are loaded by the

@@ -1,11 +1,12 @@
 """validation.py: a run's checkpoints (or one checkpoint) validated, or a random model timed on generated data.
 
 The configuration is the run's arguments.json overridden by the command line (`cnns.runfolder.options.evaluation_options`),
-resolved once by `cnns.cli`; --restore-path is read as every command reads it (`cnns.runfolder.folder.open_restore_path`),
-and the run folder is locked while validation.csv is written (`cnns.runfolder.lock`). With replicas every process
-validates its share of the images and rank 0 writes; each process reads the checkpoints itself (the run folder
-is on a shared file system). Everything that can fail (unreadable or foreign checkpoints, a model that does not
-match, missing data) is checked before the first line is written to the run folder.
+resolved once by `cnns.cli`, which reads --restore-path once for the process as every command reads it
+(`cnns.runfolder.folder.open_restore_path`) and hands it over (`run`); the run folder is locked while
+validation.csv is written (`cnns.runfolder.lock`). With replicas every process validates its share of the
+images and rank 0 writes; each process reads the checkpoints itself, each once (the run folder is on a shared
+file system). Everything that can fail (unreadable or foreign checkpoints, a model that does not match, missing
+data) is checked before the first line is written to the run folder.
 """
 
 from __future__ import annotations
@@ -25,39 +26,40 @@ from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
-from cnns.runfolder.folder import open_restore_path
+from cnns.runfolder.folder import RestoreTarget
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, validated_names
 
 
-def validate(cfg: RunConfig, restore_path: str | None, repeat: int, notices: list[str], relaunch: list[str]) -> int:
-    folder = _checked_folder(cfg, restore_path)  # validation.csv's run folder (a random model's: --logs-path's)
+def validate(cfg: RunConfig, restore_path: str | None, run: RestoreTarget | None, repeat: int, notices: list[str],
+             relaunch: list[str]) -> int:
+    """`run`: what --restore-path (`restore_path`, as given) names, read by the command line (None without one)."""
+    folder = _checked_folder(cfg, restore_path, run)  # validation.csv's run folder (a random model's: --logs-path's)
     with run_folder_lock(folder):  # this process, or the workers it starts, write the folder from here
         if needs_local_workers(cfg.parallel.replicas, cfg.parallel.shards):
             return spawn_local_workers("validate", relaunch, cfg.parallel.replicas * cfg.parallel.shards,
                                        timeout_s=cfg.parallel.dist_timeout)
         world, cfg, _ = join_run(cfg, model_to_plan)
         try:
-            if not restore_path:
+            if run is None:
                 return validate_random_model(cfg, repeat, notices, world)
-            return validate_checkpoints(cfg, Path(restore_path), repeat, notices, world)
+            return validate_checkpoints(cfg, run, repeat, notices, world)
         finally:
             world.close()
 
 
-def _checked_folder(cfg: RunConfig, restore_path: str | None) -> Path | None:
+def _checked_folder(cfg: RunConfig, restore_path: str | None, run: RestoreTarget | None) -> Path | None:
     """The run folder validation.csv is added to, checked once a run (a worker cnns started was checked by its
     launcher, which made a random model's new folder)."""
     checks = not checked_by_the_launcher()
     if checks:
         check_supported(cfg, trains=False)
-    if restore_path:
-        target = open_restore_path(restore_path)
+    if run is not None:
         if checks:
-            target.checkpoints()  # a run without any is one line before the data is looked at
+            run.checkpoints()  # a run without any is one line before the data is looked at
             check_data_before_writing(cfg, train=False, evaluation=True)
-            check_writable(target.run.path, f"--restore-path {restore_path}")
-        return target.run.path
+            check_writable(run.run.path, f"--restore-path {restore_path}")
+        return run.run.path
     if not cfg.log.logs_path:
         return None
     folder = Path(cfg.log.logs_path)  # a random model's lines and validation.csv go to a new folder, as a run's
@@ -67,13 +69,14 @@ def _checked_folder(cfg: RunConfig, restore_path: str | None) -> Path | None:
     return folder
 
 
-def validate_checkpoints(cfg: RunConfig, restore_path: Path, repeat: int, notices: list[str], world: World) -> int:
+def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notices: list[str], world: World) -> int:
     """Every checkpoint of a run folder not yet in its validation.csv, or the one file given. A checkpoint of
     the folder that cannot be read is named and the others are validated (exit code 1); a single file that
-    cannot be read is an error."""
-    folder, files = checkpoint_files(restore_path)
-    done = validated_names(folder) if restore_path.is_dir() else set()
-    if restore_path.is_dir():
+    cannot be read is an error. Each is read once, memory-mapped (`Target`)."""
+    folder, files = checkpoint_files(run)
+    whole_run = run.file is None
+    done = validated_names(folder) if whole_run else set()
+    if whole_run:
         targets, unreadable = readable_targets(files)
         if not targets:
             raise CheckpointError(f"no readable checkpoint in {folder}: {unreadable[-1][1]}")

@@ -1,8 +1,9 @@
 """weight_avg.py: a run's last checkpoints averaged (the mean or exponential average of Graphcore's
 application), written beside them as weight_avg_*.pt, and validated unless the command line says
---no-validation (the training run's does not carry over). --restore-path is a run folder, read as every
-command reads it (`cnns.runfolder.folder.open_restore_path`); everything is read and checked before the run folder is
-written, under its lock (`cnns.runfolder.lock`)."""
+--no-validation (the training run's does not carry over). --restore-path is a run folder, read once by the command
+line as every command reads it (`cnns.runfolder.folder.open_restore_path`) and handed over; each checkpoint averaged
+is read once; everything is read and checked before the run folder is written, under its lock
+(`cnns.runfolder.lock`)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ from cnns.engine.validation import Target, check_targets_match, targets_of, vali
 from cnns.errors import CheckpointError, ConfigError
 from cnns.devices import resolve_device
 from cnns.parallel.world import World, process_device
-from cnns.runfolder.folder import RunFolder
+from cnns.runfolder.folder import RestoreTarget
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog
 
 DEFAULT_DECAY = 0.97  # Graphcore's application's exponential averaging decay (--decay)
 
 
-def weight_average(cfg: RunConfig, restore_path: str | None, mode: str, count: int | None, decay: float | None,
-                   discard_last: int, validate: bool, notices: list[str]) -> int:
+def weight_average(cfg: RunConfig, restore_path: str | None, target: RestoreTarget | None, mode: str,
+                   count: int | None, decay: float | None, discard_last: int, validate: bool,
+                   notices: list[str]) -> int:
     """Averaging is file work: one process, and its one validation runs in it (`cnns.cli` resolves the
-    configuration with one replica)."""
-    if not restore_path:
+    configuration with one replica, and reads the run --restore-path names: `target`)."""
+    if target is None:
         raise ConfigError("weight_avg.py needs --restore-path <run folder>")
-    run = RunFolder.open(restore_path)
+    run = target.whole_run(restore_path)
     run.require_checkpoints()
     decay = DEFAULT_DECAY if decay is None else decay
     _check_averaging_options(mode, count, decay, discard_last)
@@ -59,7 +61,8 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     log = RunLog(folder)
     for notice in notices:
         log.notice(notice)
-    path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log)
+    path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log,
+                         states=[probe.state for probe in probes])  # read once: here, as they were checked
     if evaluation is not None:
         validate_targets(targets_of([path]), evaluation, log, cfg.train.global_batch_size, 1)
     log.close()

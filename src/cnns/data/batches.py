@@ -93,6 +93,13 @@ class ShardPlan:
         return self.positions[index * self.batch_size:(index + 1) * self.batch_size]
 
 
+def shuffled(indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """`indices` (int64) in a uniformly random order that is a function of (seed, epoch) alone: the training order of a
+    reader that can read any sample as cheaply as the next (a folder tree, TFRecords)."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, epoch))
+    return indices[torch.randperm(len(indices), generator=generator).numpy()]
+
+
 def _positions_tensor(positions: range) -> torch.Tensor:
     return torch.arange(positions.start, positions.stop, positions.step)
 

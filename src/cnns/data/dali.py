@@ -28,7 +28,6 @@ auto on a GPU with hardware decoders) chose it.
 from __future__ import annotations
 
 import functools
-import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -39,8 +38,8 @@ import torch
 from cnns.data.dali_probe import HW_DECODER_LOAD, check_dali_installed
 from cnns.data.decoding import Crop, ImageDecoder, device_jpeg_size
 from cnns.data.imagenet import (CACHE_MEMORY_FRACTION, SKIPPED_NAMES_KEPT, BatchKeys, EvaluationSampler,
-                                ImageNetTransform, SampleKey, TrainingSampler, _index, _private_copy,
-                                imagenet_dataset, physical_memory_bytes, training_subset)
+                                ImageNetTransform, ImageRecords, SampleKey, TrainingSampler, _index, _private_copy,
+                                physical_memory_bytes, training_subset)
 from cnns.errors import ConfigError, DataError, first_line
 
 # Batches handed to DALI before the one being taken out, so that decoding the next overlaps the step. Each is
@@ -233,18 +232,17 @@ class DaliBatches:
     (uint8 NHWC, int64) batches, num_samples, num_classes) over DALI, with `ImageNetBatches`'s samplers, batch
     rule, evaluation cache and --skip-corrupt-images accounting."""
 
-    def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int, device: torch.device,
+    def __init__(self, records: ImageRecords, train: bool, batch_size: int, image_size: int, device: torch.device,
                  threads: int = 1, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 cache: bool = False, global_batch_size: int | None = None, skip_corrupt: bool = False,
-                 size_limit: int | None = None) -> None:
+                 cache: bool = False, global_batch_size: int | None = None, skip_corrupt: bool = False) -> None:
         check_dali_installed()
         if batch_size < 1:
             raise ConfigError(f"batch size must be positive, got {batch_size}")
-        self.records, self.num_classes = imagenet_dataset(folder, train, size_limit=size_limit)
+        self.records, self.num_classes = records, records.num_classes
         if train:
             indices = training_subset(self.records, percentage)
             samples = TrainingSampler(indices, shard, seed, batch_size=batch_size,
-                                      global_batch_size=global_batch_size)
+                                      global_batch_size=global_batch_size, order=records.training_order)
             self.num_samples = len(indices)
         else:
             samples = EvaluationSampler(len(self.records), shard)
@@ -252,7 +250,7 @@ class DaliBatches:
         self.keys = BatchKeys(samples, batch_size, drop_last=train)
         if train and self.keys.batches_per_epoch() == 0:
             whole = global_batch_size or batch_size * shard[1]
-            raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one global "
+            raise DataError(f"the training set in {records.where} has {self.num_samples} images, fewer than one global "
                             f"batch of {whole} ({shard[1]} ranks x {whole // shard[1]})")
         self.train, self.batch_size, self.image_size = train, batch_size, image_size
         self.device, self.threads, self.skip_corrupt = device, threads, skip_corrupt

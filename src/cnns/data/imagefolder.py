@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from cnns.bounded import read_bounded
+from cnns.data.batches import shuffled
 from cnns.errors import DataError
 
 # Real ImageNet has only .JPEG files (a few of them are really PNG or CMYK JPEG); the rest are for
@@ -278,6 +279,18 @@ class ImageFolderDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.targets)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def where(self) -> str:
+        return str(self.root)
+
+    def training_order(self, indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """Any order reads as cheaply as another: one file per image."""
+        return shuffled(indices, seed, epoch)
 
     def path(self, index: int) -> Path:
         return Path(self.source(index))

@@ -1,5 +1,6 @@
-"""ImageNet loading shared by both layouts (TFRecord shards, JPEG folder tree): Graphcore's
-application's preprocessing, sharded sampling, and a DataLoader whose workers fill whole batches.
+"""ImageNet loading shared by every layout: Graphcore's application's preprocessing, sharded sampling, and a
+DataLoader whose workers fill whole batches. Which layout a folder holds is the formats' business
+(`cnns.data.formats`): the loader is handed the split's reader (`ImageRecords`) and never asks.
 
 Batches are (uint8 [N, H, W, 3], int64 [N]): 8-bit I/O is the default transfer, and the device
 normalises (cnns.data.augment.normalise), as Graphcore's application does with --eight-bit-io.
@@ -21,17 +22,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from cnns.data.batches import ShardPlan, mix_seed
+from cnns.data.batches import ShardPlan, mix_seed, shuffled
 from cnns.data.batchpool import BatchPool, new_shared_tensor
 from cnns.data.decoding import Crop, DecodeClock, DeviceBatch, ImageDecoder, device_jpeg_size
-from cnns.data.imagefolder import ImageFolderDataset, find_split_folder, list_classes, stored_orientation
-from cnns.data.tfrecord import IMAGENET_CLASSES, TFRecordDataset, find_shards
+from cnns.data.imagefolder import stored_orientation
 from cnns.errors import CnnsError, ConfigError, DataError
 
 # Graphcore's application's training crop (sample_distorted_bounding_box without boxes), as torchvision's
@@ -188,74 +188,31 @@ def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -
 
 
 # ----------------------------------------------------------------------------------------------
-# Layout detection and datasets
+# What the loader reads
 # ----------------------------------------------------------------------------------------------
 
 
-def detect_imagenet(folder: str | os.PathLike) -> str | None:
-    """"tfrecord" if `folder` (or its imagenet-data/) holds train- or validation- shards, "folder" if
-    it has train/, validation/ or val/ with class sub-folders, else None."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    for split in ("train", "validation"):
-        try:
-            find_shards(folder, split)
-            return "tfrecord"
-        except DataError:
-            pass
-    for split in ("train", "validation"):
-        split_folder = find_split_folder(folder, split)
-        if split_folder is not None and list_classes(split_folder):
-            return "folder"
-    return None
+class ImageRecords(Protocol):
+    """One split's encoded images, as a format's module reads them (`DataFormat.records`): the loader needs
+    only these, so a new layout is a new reader, and nothing here knows any layout. A reader is pickled to
+    the DataLoader's workers: it holds an index, not open files."""
+
+    num_classes: int  # the classes its labels can take
+    where: str  # the split's files, for messages
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(encoded image, 0-based class, where it is for messages); DataError for what cannot be read."""
+
+    def source(self, index: int) -> str:
+        """Where sample `index` is, for messages (without reading it)."""
+
+    def training_order(self, indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """`indices` in epoch `epoch`'s order: a function of (seed, epoch) alone (`shuffled` for most)."""
 
 
-def folder_tree_classes(folder: str | os.PathLike) -> tuple[list[str], list[str] | None] | None:
-    """(training classes, validation classes or None) of an ImageNet-style folder tree, from its folder
-    names alone; None when `folder` holds no folder tree (TFRecords, CIFAR, nothing)."""
-    if detect_imagenet(folder) != "folder":
-        return None
-    train, validation = (find_split_folder(folder, split) for split in ("train", "validation"))
-    validation_classes = list_classes(validation) if validation is not None else None
-    return (list_classes(train) if train is not None else validation_classes or []), validation_classes
-
-
-def check_same_classes(folder: str | os.PathLike) -> None:
-    """DataError naming the difference when a folder tree's validation classes are not its training ones
-    (the class index is the position in the sorted training classes: a difference shifts every label)."""
-    found = folder_tree_classes(folder)
-    if found is None or found[1] is None or found[0] == found[1]:
-        return
-    train, validation = (set(names) for names in found)
-    parts = [f"{_first_few(only)} only in {where}"
-             for only, where in ((validation - train, "validation"), (train - validation, "training")) if only]
-    raise DataError(f"{folder}: the validation folder's classes differ from the training folder's ({'; '.join(parts)})")
-
-
-def _first_few(names: set[str], shown: int = 3) -> str:
-    ordered = sorted(names)
-    return ", ".join(ordered[:shown]) + (f" and {len(ordered) - shown} more" if len(ordered) > shown else "")
-
-
-def imagenet_dataset(folder: str | os.PathLike, train: bool, transform=None,
-                     size_limit: int | None = None) -> tuple[Dataset, int]:
-    """(dataset, number of classes) for the split, whichever layout `folder` holds; no image file or record
-    larger than `size_limit` bytes is read (--max-file-size)."""
-    layout = detect_imagenet(folder)
-    split = "train" if train else "validation"
-    if layout == "tfrecord":
-        return TFRecordDataset(folder, split, transform, size_limit), IMAGENET_CLASSES
-    if layout == "folder":
-        dataset = ImageFolderDataset(folder, split, transform, size_limit)
-        return dataset, len(dataset.classes)
-    raise DataError(
-        f"{folder}: no ImageNet found: expected TFRecord shards (train-00000-of-01024, "
-        "validation-00000-of-00128, ...) or image folders train/<class>/ and validation/<class>/ (or val/)"
-    )
-
-
-def training_subset(dataset: Dataset, percentage: int) -> np.ndarray:
+def training_subset(dataset: ImageRecords, percentage: int) -> np.ndarray:
     """Indices of the first `percentage` % of the training set (--dataset-percentage-to-use).
 
     TFRecord shards are class-mixed, so the first records are a fair sample (Graphcore's application takes
@@ -317,7 +274,8 @@ class EvaluationSampler(Sampler[int]):
 
 
 class TrainingSampler(Sampler[tuple[int, int]]):
-    """A fresh shuffle of `indices` each epoch, a function of (seed, epoch) only, dealt out to the
+    """A fresh order of `indices` each epoch (`order`, the reader's; `shuffled` by default), a function of (seed,
+    epoch) only, dealt out to the
     ranks by cnns.data.batches.ShardPlan: rank r takes positions r, r+w, r+2w, ... of the shuffled
     order, and its k-th batch is the k-th run of batch_size of them. Only whole groups of
     w * batch_size positions are used, and with global_batch_size only whole global batches, so
@@ -329,8 +287,9 @@ class TrainingSampler(Sampler[tuple[int, int]]):
     Yields (dataset index, epoch): ImageNetTransform seeds each sample's crop from them."""
 
     def __init__(self, indices: Sequence[int], shard: tuple[int, int] = (0, 1), seed: int = 0, *,
-                 batch_size: int = 1, global_batch_size: int | None = None) -> None:
+                 batch_size: int = 1, global_batch_size: int | None = None, order=shuffled) -> None:
         rank, world = _check_shard(shard)
+        self.order = order
         self.indices = np.asarray(indices, dtype=np.int64)
         self.plan = ShardPlan(len(self.indices), batch_size, rank, world, True, global_batch_size)
         self.rank, self.world = rank, world
@@ -343,10 +302,8 @@ class TrainingSampler(Sampler[tuple[int, int]]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-        order = torch.randperm(len(self.indices), generator=generator).numpy()
         positions = self.plan.positions
-        mine = self.indices[order[positions.start:positions.stop:positions.step]]
+        mine = self.order(self.indices, self.seed, self.epoch)[positions.start:positions.stop:positions.step]
         return ((int(index), self.epoch) for index in mine[self.start:])
 
     @property
@@ -391,9 +348,6 @@ class BatchKeys(Sampler[list]):
 
     def __len__(self) -> int:
         return self._batches(len(self.samples))
-
-
-ImageRecords = ImageFolderDataset | TFRecordDataset
 
 
 class ImageBatchDataset(Dataset):
@@ -521,7 +475,7 @@ BATCH_BUFFERS_PER_WORKER = 4
 
 
 def build_imagenet_loader(
-    folder: str | os.PathLike,
+    records: ImageRecords,
     train: bool,
     batch_size: int,
     image_size: int,
@@ -535,10 +489,9 @@ def build_imagenet_loader(
     skip_corrupt: bool = False,
     decoder: ImageDecoder | None = None,
     device_decoding: torch.device | None = None,
-    size_limit: int | None = None,
     reuse_buffers: bool = False,
 ) -> tuple[DataLoader, int, int]:
-    """(loader, num_samples, num_classes) for one split of the ImageNet in `folder`.
+    """(loader, num_samples, num_classes) for one split's `records` (`train` its training split).
 
     The loader yields (uint8 [N, image_size, image_size, 3], int64 [N], names of the images left out
     (skip_corrupt), the batch's buffer in the loader's BatchPool or -1) (with device_decoding, DeviceBatch). Call
@@ -547,8 +500,8 @@ def build_imagenet_loader(
     ranks, after `percentage` (which applies to training only). With drop_last False, evaluation
     yields every image exactly once across the ranks. Training batches follow TrainingSampler:
     whole groups of shard-count x batch_size samples, and with global_batch_size (training only)
-    whole global batches per epoch. No image file or record larger than `size_limit` bytes is read
-    (--max-file-size): it is a DataError, or with skip_corrupt left out and named.
+    whole global batches per epoch. What `records` cannot read (an image larger than --max-file-size, a damaged
+    record) is a DataError, or with skip_corrupt left out and named.
 
     Each worker makes whole batches (ImageBatchDataset): the DataLoader's own batching is off
     (batch_size=None) and its sampler gives the keys of one batch at a time. With `reuse_buffers` (and
@@ -557,11 +510,11 @@ def build_imagenet_loader(
     """
     if batch_size < 1:
         raise ConfigError(f"batch size must be positive, got {batch_size}")
-    records, num_classes = imagenet_dataset(folder, train, size_limit=size_limit)
     if train:
         indices = training_subset(records, percentage)
         samples: TrainingSampler | EvaluationSampler = TrainingSampler(
-            indices, shard, seed, batch_size=batch_size, global_batch_size=global_batch_size)
+            indices, shard, seed, batch_size=batch_size, global_batch_size=global_batch_size,
+            order=records.training_order)
         num_samples = len(indices)
     else:
         samples = EvaluationSampler(len(records), shard)
@@ -583,7 +536,7 @@ def build_imagenet_loader(
         # advance) the caller's global RNG; augmentation itself is seeded per sample.
         generator=torch.Generator().manual_seed(mix_seed(seed, shard[0])),
     )
-    return loader, num_samples, num_classes
+    return loader, num_samples, records.num_classes
 
 
 def worker_error_as_raised(error: CnnsError) -> CnnsError:
@@ -639,16 +592,16 @@ class ImageNetBatches:
     is used only when the evaluation images fit in CACHE_MEMORY_FRACTION of the machine's memory.
     """
 
-    def __init__(self, folder: str | os.PathLike, train: bool, batch_size: int, image_size: int = 224,
+    def __init__(self, records: ImageRecords, train: bool, batch_size: int, image_size: int = 224,
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
                  pin_memory: bool = False, cache: bool = False, global_batch_size: int | None = None,
                  skip_corrupt: bool = False, decoder: ImageDecoder | None = None,
-                 device_decoding: torch.device | None = None, size_limit: int | None = None) -> None:
+                 device_decoding: torch.device | None = None) -> None:
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
-            folder, train, batch_size, image_size, workers, seed, shard,
+            records, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
             global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt,
-            decoder=decoder, device_decoding=device_decoding, size_limit=size_limit, reuse_buffers=True)
+            decoder=decoder, device_decoding=device_decoding, reuse_buffers=True)
         self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)
@@ -659,7 +612,7 @@ class ImageNetBatches:
         self.batch_size = batch_size
         if train and len(self.loader) == 0:
             whole = global_batch_size or batch_size * shard[1]
-            raise DataError(f"the training set in {folder} has {self.num_samples} images, fewer than one global "
+            raise DataError(f"the training set in {records.where} has {self.num_samples} images, fewer than one global "
                             f"batch of {whole} ({shard[1]} ranks x {whole // shard[1]})")
         cache_bytes = self.keys.samples_per_epoch * image_size * image_size * 3
         self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()

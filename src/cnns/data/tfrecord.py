@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from cnns.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
+from cnns.data.batches import shuffled
 from cnns.errors import DataError
 from cnns.runfolder.files import write_atomically
 
@@ -417,8 +418,18 @@ class TFRecordDataset(Dataset):
         self.offsets = joined[:, 0].copy()
         self.lengths = joined[:, 1].copy()
 
+    num_classes = IMAGENET_CLASSES
+
     def __len__(self) -> int:
         return len(self.offsets)
+
+    @property
+    def where(self) -> str:
+        return str(self.shards[0].parent)
+
+    def training_order(self, indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """Records are read by their offsets, any order as cheaply as another: a uniform shuffle."""
+        return shuffled(indices, seed, epoch)
 
     def source(self, index: int) -> str:
         """Where record `index` is, for messages."""

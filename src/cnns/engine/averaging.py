@@ -65,11 +65,19 @@ def checkpoints_in_last_epochs(checkpoints: Checkpoints, epochs: float, epoch_of
     return [(it, path) for it, path in checkpoints if round(epoch_of(it), 1) >= round(final_epoch - epochs, 1)]
 
 
-def write_average(folder: Path, name: str, chosen: Checkpoints, mode: str, decay: float, log: RunLog) -> Path:
-    """Average the chosen checkpoints into `<folder>/<name>.pt` (written atomically)."""
-    states = (load_checkpoint(path) for _, path in chosen)
-    model = average_state_dicts((state["model"] for state in states), len(chosen), mode, decay)
-    newest = load_checkpoint(chosen[-1][1], mmap=True)
+def write_average(folder: Path, name: str, chosen: Checkpoints, mode: str, decay: float, log: RunLog,
+                  states: Iterable[dict] | None = None) -> Path:
+    """Average the chosen checkpoints into `<folder>/<name>.pt` (written atomically). `states`: the chosen
+    checkpoints as the caller has already read them (memory-mapped), so that none is read twice; else each is
+    read in turn."""
+    newest: dict = {}
+
+    def models() -> Iterable[dict[str, torch.Tensor]]:
+        nonlocal newest
+        for newest in states if states is not None else (load_checkpoint(path, mmap=True) for _, path in chosen):
+            yield newest["model"]
+
+    model = average_state_dicts(models(), len(chosen), mode, decay)
     path = folder / f"{name}.pt"
     save_checkpoint(path, {
         "model": model, "iteration": chosen[-1][0], "epoch": float(newest.get("epoch", 0.0)),

@@ -201,6 +201,7 @@ def _closed_then_settled(log: RunLog, world: World):
 def _continue_from(restore: RestorePoint, checkpointer: Checkpointer, log: RunLog) -> int:
     """The checkpoint's state applied to the run; the iteration it continues from."""
     start_iteration, notes = checkpointer.restore(restore)
+    restore.release()  # in the model and optimiser now
     log.print(f"Restoring training from latest checkpoint: {restore.path}")
     for note in notes:  # what could not be carried over
         log.notice(note)

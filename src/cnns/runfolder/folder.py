@@ -29,7 +29,7 @@ from cnns.runfolder.files import may_write, own_run_folder
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, new_run_folder, read_run_text, write_arguments
 
-@dataclass(frozen=True)
+@dataclass
 class RestorePoint:
     """The checkpoint a run continues from, read (and so checked) before anything is written, and the newer
     ones that could not be read (path, reason)."""
@@ -37,6 +37,10 @@ class RestorePoint:
     path: Path
     state: dict[str, Any]
     skipped: tuple[tuple[Path, str], ...] = ()
+
+    def release(self) -> None:
+        """Let the checkpoint's tensors go once the model and optimiser hold them: a run keeps no second copy."""
+        self.state = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,10 +58,7 @@ class RunFolder:
     def open(cls, path: str | Path) -> "RunFolder":
         """restore.py's and weight_avg.py's --restore-path, which take the whole run: `open_restore_path`, and a
         CheckpointError (one line) for a checkpoint file."""
-        target = open_restore_path(path)
-        if target.file is not None:
-            raise CheckpointError(f"--restore-path {path} is a checkpoint file: give its run folder {target.run.path}")
-        return target.run
+        return open_restore_path(path).whole_run(path)
 
     @property
     def config(self) -> RunConfig:
@@ -135,6 +136,13 @@ class RestoreTarget:
     def checkpoint(self) -> Path:
         """The file named, or the run's newest checkpoint: what a command that loads one checkpoint loads."""
         return self.checkpoints()[-1]
+
+    def whole_run(self, given: str | Path) -> RunFolder:
+        """The run, for a command that takes a whole run (restore.py, weight_avg.py); a CheckpointError (one line)
+        where --restore-path (`given`) named a checkpoint file."""
+        if self.file is not None:
+            raise CheckpointError(f"--restore-path {given} is a checkpoint file: give its run folder {self.run.path}")
+        return self.run
 
 
 def open_restore_path(restore_path: str | Path) -> RestoreTarget:

@@ -22,21 +22,21 @@ from typing import Any
 from cnns.config import resolve
 from cnns.config.defaults import stages_compile
 from cnns.errors import ConfigError
-from cnns.runfolder.folder import RunFolder, open_restore_path
+from cnns.runfolder.folder import RestoreTarget, RunFolder, open_restore_path
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
 _FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
 
 
-def evaluation_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """validation.py / weight_avg.py / predict / export: the command line's values over the run's
-    arguments.json, for one process.
+def evaluation_options(values: dict[str, Any], run: RestoreTarget | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """validation.py / weight_avg.py / predict / export: the command line's values over the arguments.json of
+    `run` (`open_run`, read once by the caller), for one process.
 
     `values` are the values of a parser of Graphcore's scripts (None where not given). Returns (resolved options, the
     run's arguments.json or {}). As in Graphcore's application, the training run's global batch size is kept (it
     places a checkpoint in epochs) unless --global-batch-size says otherwise.
     """
-    base = _options_of_the_run(values)
+    base = _options_of_the_run(run)
     explicit = _given(values)
     merged = {**base, **explicit}
     if "half_dtype" in explicit and "half_dtype_given" not in explicit:  # not the device's default
@@ -69,7 +69,7 @@ _MODEL_OPTIONS = ("model", "model_size", "num_classes", "dataset", "image_size",
 def inference_run_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """inference_embedded.py: (the command line's values over the model options of the run --restore-path
     names, those of the run's options it kept), so that a run's checkpoint is loaded into the run's model."""
-    run = {key: value for key, value in _options_of_the_run(values).items() if key in _MODEL_OPTIONS}
+    run = {key: value for key, value in _options_of_the_run(open_run(values)).items() if key in _MODEL_OPTIONS}
     given = _given(values)
     merged = {**values, **run, **given}
     if "half_dtype" in given and run:  # the command line's half type, not the device's default
@@ -77,15 +77,23 @@ def inference_run_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[
     return merged, run
 
 
-def _options_of_the_run(values: dict[str, Any]) -> dict[str, Any]:
-    """The arguments.json of the run --restore-path names ({} without one; one line for a path that is not a run).
-    --print-config with a path that names nothing shows the command line's own options: Graphcore's documented
-    command lines name placeholder folders (`--restore-path generated_checkpoints_dir_path`)."""
+def open_run(values: dict[str, Any]) -> RestoreTarget | None:
+    """The run --restore-path names, its arguments.json read (None without one; one line for a path that is not a
+    run): opened once per process by the command line, which hands it to the command. --print-config with a path
+    that names nothing shows the command line's own options: Graphcore's documented command lines name placeholder
+    folders (`--restore-path generated_checkpoints_dir_path`)."""
     if not values.get("restore_path"):
-        return {}
+        return None
     if values.get("print_config") and not Path(values["restore_path"]).exists():
+        return None
+    return open_restore_path(values["restore_path"])
+
+
+def _options_of_the_run(run: RestoreTarget | None) -> dict[str, Any]:
+    """The run's arguments.json, without its name ({} without a run)."""
+    if run is None:
         return {}
-    options = dict(open_restore_path(values["restore_path"]).run.options)
+    options = dict(run.run.options)
     options.pop("name", None)
     return options
 

@@ -3,7 +3,9 @@ a run's data is in.
 
 Adding a format is a module of its own and a line in `FORMATS`: the `--dataset` choices, its model defaults
 (CIFAR-sized or not), the class count, the folder's recognition, the checks made before anything is written,
-the batch sources, the class names predictions print and what `--dataset-benchmark` times all read it.
+the batch sources, the class names predictions print and what `--dataset-benchmark` times all read it. An
+image format hands the loader its reader (`records`): the loader (`cnns.data.imagenet`) and `cnns bench-data`
+read images through it and never ask which layout a folder holds.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from cnns.data.formats.cifar import CIFAR_10_BINARY, CIFAR_100_BINARY
 from cnns.data.formats.folder import FOLDER_TREE
 from cnns.data.formats.imagenet import IMAGENET
 from cnns.data.formats.tfrecord import TFRECORDS
+from cnns.data.formats.webdataset import WEBDATASET
 from cnns.errors import ConfigError, DataError
 
 # In the order a folder's contents are tried: CIFAR-10 wins over CIFAR-100 in a folder holding both, and
-# TFRecords over a folder tree.
-FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, FOLDER_TREE, BUILTIN_SHAPES)
+# shards (TFRecords, then WebDataset tars) over a folder tree.
+FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, FOLDER_TREE,
+                                   BUILTIN_SHAPES)
 
 # What --dataset names, each once, in the order of `FORMATS`.
 DATASETS: dict[str, Dataset] = {f.dataset.name: f.dataset for f in FORMATS}
@@ -32,7 +36,7 @@ UNNAMED = DATASETS["cifar-10"]
 
 __all__ = ["BatchSource", "CIFAR_10_BINARY", "DATASETS", "DataFormat", "Dataset", "FOLDER_TREE", "FORMATS", "IMAGENET", "FormatSources", "SourceRequest",
            "TrainingBatch", "check_data", "class_names", "classes_in_folder", "dataset_facts",
-           "dataset_named_in_path", "find_format", "format_of_folder", "formats_of"]
+           "dataset_named_in_path", "find_format", "format_of_folder", "formats_of", "missing_line", "records_in"]
 
 
 def dataset_facts(name: str | None) -> Dataset:
@@ -74,8 +78,26 @@ def find_format(dataset: str | None, data_dir: str | os.PathLike) -> tuple[DataF
     if found is not None:
         return found, found.prepare(folder)
     if dataset is not None:
-        raise DataError(candidates[0].missing(folder))
+        raise DataError(missing_line(candidates, folder))
     raise DataError(f"cannot infer the dataset in {folder}; name it with --dataset")
+
+
+def missing_line(candidates: list[DataFormat], folder: Path) -> str:
+    """The one line when `folder` holds none of a named dataset's layouts: each layout's `files`."""
+    if len(candidates) == 1:
+        return candidates[0].missing(folder)
+    kinds = [f.files or f.name for f in candidates]
+    return (f"no {candidates[0].dataset.name} files found in {folder}: expected "
+            f"{', '.join(kinds[:-1])} or {kinds[-1]}")
+
+
+def records_in(data_dir: str | os.PathLike, split: str, size_limit: int | None = None):
+    """The reader of `split` of the images in `data_dir`, whichever layout holds them (for tools and tests:
+    a run's sources come from its format's `sources`)."""
+    data_format, folder = find_format(None, data_dir)
+    if not data_format.decoded_in_workers:
+        raise DataError(f"{folder} holds {data_format.name}, not image files read one by one")
+    return data_format.records(folder, split, size_limit)
 
 
 def classes_in_folder(dataset: str | None, data_dir: str | None) -> int:

@@ -4,8 +4,8 @@ A `Dataset` is what `--dataset` names (its class count, whether its images are C
 generated or synthetic data, the words that name it in a folder's path); a `DataFormat` is one way its files
 are laid out (CIFAR's binary records, ImageNet's TFRecords or folder tree, the built-in set), which
 recognises a folder from its file names, checks it before anything is written, counts and names its classes
-and builds its batch sources. `cnns.data.formats` lists the formats and picks a run's; `cnns.data.imagenet` still
-tells ImageNet's two layouts apart again where it reads them (`detect_imagenet`).
+and builds its batch sources. `cnns.data.formats` lists the formats and picks a run's; an ImageNet layout hands
+the loader its reader (`ImageNetFiles.records`), so no other module asks which layout a folder holds.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ class DataFormat(ABC):
     # core), rather than batches made in the main process from the data held in memory.
     decoded_in_workers: bool = False
     reads: str = ""  # what reading one image is, as `cnns bench-data`'s account names it
+    files: str = ""  # what its files look like, for the line naming what a folder lacks
+    image_folder: bool = False  # torchvision's ImageFolder reads it as it is (bench-data's --compare-baseline)
     # Named only: never recognised from a folder's contents (the built-in set is CIFAR-10's files).
     named_only: bool = False
 

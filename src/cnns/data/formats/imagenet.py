@@ -1,12 +1,18 @@
-"""ImageNet: what its two layouts (`tfrecord`, `folder`) share. Images are decoded by worker processes, each
-training crop's region only (`cnns.data.imagenet`), on the CPU or, with --decode-device, on the GPU
-(nvJPEG), or by NVIDIA DALI (`cnns.data.dali`)."""
+"""ImageNet: what its layouts (`tfrecord`, `webdataset`, `folder`) share. Each layout's module recognises its
+files and hands the loader its reader (`records`); the loader (`cnns.data.imagenet`) decodes each training
+crop's region only, in worker processes, on the CPU or, with --decode-device, on the GPU (nvJPEG), or NVIDIA
+DALI decodes it (`cnns.data.dali`)."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cnns.data.formats.base import DataFormat, Dataset, FormatSources, SourceRequest
+
+if TYPE_CHECKING:
+    from cnns.data.imagenet import ImageRecords
 
 IMAGENET = Dataset("imagenet", num_classes=1000, cifar_sized=False, train_images=1281167, eval_images=50000,
                    path_words=("imagenet",))
@@ -16,13 +22,10 @@ class ImageNetFiles(DataFormat):
     dataset = IMAGENET
     decoded_in_workers = True
 
-    def recognise(self, folder: Path) -> bool:
-        from cnns.data.imagenet import detect_imagenet
-
-        return detect_imagenet(folder) == self.name
-
-    def missing(self, folder: Path) -> str:
-        return f"no ImageNet TFRecords (train-*-of-*) or JPEG folders (train/<class>/) found in {folder}"
+    @abstractmethod
+    def records(self, folder: Path, split: str, size_limit: int | None = None) -> "ImageRecords":
+        """The reader of `split` ("train", "validation") in `folder`: what the loader, `cnns bench-data` and
+        the checks read images from. No image or record larger than `size_limit` (--max-file-size) is read."""
 
     def sources(self, data, folder: Path, request: SourceRequest) -> FormatSources:
         """Pinned host memory only for a run on a GPU: pinning costs host memory and time for nothing on a CPU.
@@ -36,20 +39,20 @@ class ImageNetFiles(DataFormat):
             data.pipeline_num_parallel, data.image_size, request.step_rate))
         decoder = ImageDecoder()
         if choice.device == "dali":
-            train, evaluation = dali_sources(data, folder, request)
+            train, evaluation = dali_sources(self, data, folder, request)
             return FormatSources(train, evaluation, decoding_header(choice, decoder, device))
         common = dict(image_size=data.image_size, workers=data.pipeline_num_parallel, seed=request.seed,
-                      shard=request.shard, skip_corrupt=data.skip_corrupt_images, size_limit=data.max_file_size,
+                      shard=request.shard, skip_corrupt=data.skip_corrupt_images,
                       pin_memory=device.type == "cuda", decoder=decoder,
                       device_decoding=device if choice.device == "cuda" else None)
         train = evaluation = None
         if request.need_train:
-            train = ImageNetBatches(folder, train=True, batch_size=request.micro_batch_size,
-                                    percentage=data.dataset_percentage_to_use,
+            train = ImageNetBatches(self.records(folder, "train", data.max_file_size), train=True,
+                                    batch_size=request.micro_batch_size, percentage=data.dataset_percentage_to_use,
                                     global_batch_size=request.global_batch_size, **common)
         if request.need_eval:
-            evaluation = ImageNetBatches(folder, train=False, batch_size=request.eval_batch_size,
-                                         cache=data.dataset_cache, **common)
+            evaluation = ImageNetBatches(self.records(folder, "validation", data.max_file_size), train=False,
+                                         batch_size=request.eval_batch_size, cache=data.dataset_cache, **common)
         return FormatSources(train, evaluation, decoding_header(choice, decoder, device))
 
     def check_first_image(self, data: bytes, source: str) -> None:
@@ -58,18 +61,19 @@ class ImageNetFiles(DataFormat):
         decode_rgb(data, source)
 
 
-def dali_sources(data, folder: Path, request: SourceRequest) -> tuple:
-    """(training, evaluation) sources decoded by DALI (`cnns.data.dali`): the same samplers, crops and options as
-    `ImageNetBatches`; DALI's threads are --pipeline-num-parallel."""
+def dali_sources(files: ImageNetFiles, data, folder: Path, request: SourceRequest) -> tuple:
+    """(training, evaluation) sources decoded by DALI (`cnns.data.dali`) from the layout's readers: the same
+    samplers, crops and options as `ImageNetBatches`; DALI's threads are --pipeline-num-parallel."""
     from cnns.data.dali import DaliBatches
 
     common = dict(image_size=data.image_size, device=request.device, threads=data.pipeline_num_parallel,
-                  seed=request.seed, shard=request.shard, skip_corrupt=data.skip_corrupt_images,
-                  size_limit=data.max_file_size)
+                  seed=request.seed, shard=request.shard, skip_corrupt=data.skip_corrupt_images)
     train = evaluation = None
     if request.need_train:
-        train = DaliBatches(folder, True, request.micro_batch_size, percentage=data.dataset_percentage_to_use,
-                            global_batch_size=request.global_batch_size, **common)
+        train = DaliBatches(files.records(folder, "train", data.max_file_size), True, request.micro_batch_size,
+                            percentage=data.dataset_percentage_to_use, global_batch_size=request.global_batch_size,
+                            **common)
     if request.need_eval:
-        evaluation = DaliBatches(folder, False, request.eval_batch_size, cache=data.dataset_cache, **common)
+        evaluation = DaliBatches(files.records(folder, "validation", data.max_file_size), False,
+                                 request.eval_batch_size, cache=data.dataset_cache, **common)
     return train, evaluation

@@ -14,6 +14,24 @@ from cnns.errors import DataError
 class TFRecords(ImageNetFiles):
     name = "tfrecord"
     reads = "the TFRecord record's image bytes"
+    files = "TFRecords (train-*-of-*)"
+
+    def recognise(self, folder: Path) -> bool:
+        """Shards of either split in the folder or its imagenet-data/."""
+        from cnns.data.tfrecord import find_shards
+
+        for split in ("train", "validation"):
+            try:
+                find_shards(folder, split)
+                return True
+            except DataError:
+                pass
+        return False
+
+    def records(self, folder: Path, split: str, size_limit: int | None = None):
+        from cnns.data.tfrecord import TFRecordDataset
+
+        return TFRecordDataset(folder, split, size_limit=size_limit)
 
     def check(self, folder: Path, splits: list[str], batch: TrainingBatch, *, decode: bool,
               size_limit: int | None) -> None:
