@@ -15,7 +15,8 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 from cnns.cli.measure import bench_data_main as bench_data_command
-from cnns.data.jpegtree import IMAGENET_LIKE_SIZES, JPEG_QUALITIES, make_jpeg_tree, photo_like_jpeg
+from cnns.data.jpegtree import make_jpeg_tree
+from cnns.data.photos import IMAGENET_LIKE_SIZES, JPEG_QUALITIES, photo_like_jpeg
 from cnns.errors import ConfigError
 from test_tfrecord import reference_masked_crc
 

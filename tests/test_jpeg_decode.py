@@ -13,7 +13,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from cnns.data.jpegtree import photo_like_image
+from cnns.data.photos import photo_like_image
 from cnns.kernels import jpeg
 
 # The reference is torchvision's libjpeg-turbo decoder, the one cnns decoded with before this decoder existed.

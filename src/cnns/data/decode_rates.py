@@ -12,12 +12,12 @@ import torch
 
 from cnns.data.decoding import DecodeRates, ImageDecoder, local_gpu_processes
 from cnns.data.imagenet import ImageNetTransform
-from cnns.data.jpegtree import photo_like_jpeg
+from cnns.data.photos import photo_like_jpeg
 from cnns.devices import usable_cores
 
 # Long enough for a few hundred crops of one core, short enough for a run's start-up.
 PROBE_SECONDS = 0.3
-# Photo-like JPEGs in ImageNet's usual shapes (`cnns.data.jpegtree`), decoded in turn.
+# Photo-like JPEGs in ImageNet's usual shapes (`cnns.data.photos`), decoded in turn.
 PROBE_IMAGES = 4
 
 
