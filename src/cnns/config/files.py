@@ -190,8 +190,10 @@ def _option_value_problem(action, value: Any, strings_are_parsed: bool) -> str |
         items = value if isinstance(value, list) else [value]
         for item in items:
             problem = _scalar_problem(action, item, strings_are_parsed=False)
-            if problem:
+            if problem and problem.startswith(("a ", "an ")):  # a kind: "a list of integers"
                 return f"a list of {problem.removeprefix('a ').removeprefix('an ')}s"
+            if problem:  # a range: "a list of values each at least 1"
+                return f"a list of values each {problem}"
         return None
     return _scalar_problem(action, value, strings_are_parsed)
 

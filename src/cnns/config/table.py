@@ -141,8 +141,10 @@ class Domain:
 
     @property
     def bounds(self) -> tuple[float, float]:
+        """The interval's ends, an unbounded end at the largest value torch holds (int64, float32)."""
         low, high = (float(end) for end in self.within[1:-1].split(","))
-        return low, (min(high, INT64_MAX) if self.kind is int else high)
+        largest = INT64_MAX if self.kind is int else FLOAT32_MAX
+        return max(low, -largest), min(high, largest)
 
     def __call__(self, text: str) -> int | float | str:
         """argparse's type: a word of `words`, or the text as the option's kind; ArgumentTypeError otherwise."""
@@ -160,12 +162,14 @@ class Domain:
         """What `value` must be ("must be at least 1"), or None when it lies in the domain."""
         if isinstance(value, str) and value in self.words:
             return None
-        wrong_kind = isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int)
-        if wrong_kind or (isinstance(value, float) and not math.isfinite(value)):
-            return "must be " + ("a finite number" if self.kind is float and not wrong_kind else self.phrase)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            return "must be " + ("an integer" if self.kind is int else "a number")
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be a finite number"
         low, high = self.bounds
-        if self.kind is int and value > INT64_MAX and high == INT64_MAX:
-            return f"must be at most {INT64_MAX} (torch's largest integer)"
+        if abs(value) > (INT64_MAX if self.kind is int else FLOAT32_MAX):
+            largest = f"{INT64_MAX} (torch's int64)" if self.kind is int else f"{FLOAT32_MAX:g} (float32's)"
+            return f"must be {self.phrase}, at most {largest} in size"
         above = value > low if self.within[0] == "(" else value >= low
         below = value < high if self.within[-1] == ")" else value <= high
         return None if above and below else "must be " + self.phrase
@@ -176,7 +180,7 @@ class Domain:
         low, high = self.bounds
         ends = [f"{end:g}" if self.kind is float else str(int(end)) for end in (low, high)]
         unbounded = self.within[1:-1].split(",")[1].strip() == "inf"
-        if low == -math.inf and unbounded:
+        if self.within[1:-1].split(",")[0].strip() == "-inf" and unbounded:
             words = "a finite number"
         elif unbounded and low == 0 and self.within[0] == "(":
             words = "positive"
