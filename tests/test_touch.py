@@ -152,6 +152,31 @@ def test_a_hostile_input_is_one_line_and_changes_no_existing_file(finished_run, 
 
 
 # ----------------------------------------------------------------------------------------------
+# What a command exists to make is its own: it refreshes it on a finished run, and changes nothing else.
+
+OWN_OUTPUTS = {
+    # (command, arguments after the run folder, the files of the run it may change)
+    "cnns plot RUN": ("plot", [], {"training.png"}),
+    "cnns plot RUN --overwrite": ("plot", ["--overwrite"], {"training.png"}),
+    "cnns plot RUN --out RUN/training.png --overwrite": ("plot", ["--out", "{run}/training.png", "--overwrite"],
+                                                         {"training.png"}),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_OUTPUTS))
+def test_a_command_refreshes_what_it_exists_to_make_and_nothing_else(finished_run, tmp_path, capfd, name):
+    command, extra, changes = OWN_OUTPUTS[name]
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    assert all(str(run / file) in before for file in changes)  # it is there to be refreshed
+    scripts.run_here(capfd, command, str(run), *(arg.format(run=run) for arg in extra), cwd=tmp_path)
+    after = digest(run)
+    assert {path for path in before if after.get(path) != before[path]} <= {str(run / file) for file in changes}
+    assert set(after) == set(before)
+
+
+# ----------------------------------------------------------------------------------------------
 # Every option's domain (`cnns.config.table.Domain`, declared once with the option): a value outside it is one line
 # and exit 2 before anything is written, whichever script reads it; a value inside it resolves to a run torch takes,
 # or is refused in one line that names the option. The options come from the table, so an option given a domain is

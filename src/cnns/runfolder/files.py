@@ -21,7 +21,7 @@ for every command): a write may create any file, but it replaces, truncates or a
 when this invocation created it, when it lies in a run folder the command owns (`own_run_folder`: train.py's new
 folder, the folder restore.py, validation.py and weight_avg.py continue, each under its lock), or when it is an
 output the user named (`check_output`: an output never replaces a file the command reads, and replaces any other
-existing file only with `--overwrite`). Inside an owned folder no write goes through a symbolic link the command
+existing file only with `--overwrite`), or a file the command exists to refresh (`refreshes`: a run's plot). Inside an owned folder no write goes through a symbolic link the command
 did not make, at any level below the folder. Anything else is a ConfigError of one line, before a byte is
 written.
 
@@ -296,6 +296,12 @@ def check_output(path: str | Path, reads: Iterable[str | Path], overwrite: bool,
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise ConfigError(f"{option} {path} exists: give --overwrite to replace it")
     _scope.outputs.add(_key(path))
+
+
+def refreshes(path: str | Path, reads: Iterable[str | Path], option: str = "--out") -> None:
+    """`path` is a file this command exists to make again whenever it runs (a run's training.png for `cnns plot`,
+    as its help says): it may replace it without --overwrite, though never a file the command reads."""
+    check_output(path, reads, overwrite=True, option=option)
 
 
 def _same_file(a: Path, b: Path) -> bool:
