@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cnns.bounded import describe_size
 from cnns.config import RunConfig
 from cnns.config.defaults import stages_compile
 from cnns.data.formats import TrainingBatch, check_data
@@ -47,6 +48,32 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
                              cfg.data.dataset_percentage_to_use)
     check_data(cfg.data.dataset, cfg.data.data_dir, splits, batch, outputs=cfg.model.num_classes,
                decode=not cfg.data.skip_corrupt_images, size_limit=cfg.data.max_file_size)
+    check_shared_memory(cfg, splits)
+
+
+def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/shm") -> None:
+    """The data workers' batch buffers fit in the machine's shared memory (`folder`, where torch keeps it; Docker
+    gives a container 64 MB): ConfigError naming what to lower or raise, before the run folder. Found only when a
+    worker first writes a buffer otherwise, as a bus error. CIFAR-sized data is held and augmented in this process."""
+    from cnns.data.formats import dataset_facts
+    from cnns.data.imagenet import shared_memory_bytes
+
+    workers = cfg.data.pipeline_num_parallel
+    if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
+        return
+    sizes = {"train": cfg.train.micro_batch_size, "validation": cfg.train.eval_batch_size}
+    needed = cfg.parallel.replicas * sum(shared_memory_bytes(workers, sizes[split], cfg.data.image_size)
+                                         for split in splits)  # every replica on this machine has its workers
+    try:
+        status = os.statvfs(folder)
+    except OSError:  # no such folder (not Linux): nothing to compare with
+        return
+    free = status.f_bavail * status.f_frsize
+    if needed > free:
+        raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers need {describe_size(needed)} of shared memory "
+                          f"for their batches, more than the {describe_size(free)} free in {folder}: lower "
+                          "--pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine more "
+                          "(a Docker container: docker run --shm-size=8g)")
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:

@@ -528,6 +528,13 @@ def _index(key: SampleKey) -> int:
 BATCH_BUFFERS_PER_WORKER = 4
 
 
+def shared_memory_bytes(workers: int, batch_size: int, image_size: int) -> int:
+    """What one loader's reusable batch buffers (`BatchPool`) take in shared memory (/dev/shm) once its workers
+    have written them: the pages are the kernel's to find at the first write, so a /dev/shm too small ends in a
+    worker's bus error, not at the start (`cnns.commands.checks.check_shared_memory` looks before the run)."""
+    return workers * BATCH_BUFFERS_PER_WORKER * batch_size * image_size * image_size * 3
+
+
 def build_imagenet_loader(
     folder: str | os.PathLike,
     train: bool,

@@ -130,10 +130,14 @@ def _gib(size: float) -> str:
 def check_machine_holds_workers(cfg, trains: bool = True) -> None:
     """The worker processes this process would start itself (`needs_local_workers`), checked before any starts:
     ConfigError in one line when the machine's available memory cannot hold them (`worker_memory`, a lower
-    bound), a one-line notice on stderr when they outnumber the usable cores. Under a launcher (torchrun) the
-    launcher decided how many processes a machine runs: nothing is checked."""
+    bound), a one-line notice on stderr when they outnumber the usable cores; a run of one process, that it fits
+    (`check_machine_holds_the_run`). Under a launcher (torchrun) the launcher decided how many processes a machine
+    runs: nothing is checked."""
     p = cfg.parallel
+    if launched():
+        return
     if not needs_local_workers(p.replicas, p.shards):
+        check_machine_holds_the_run(cfg, trains)
         return
     processes = p.replicas * p.shards
     asked = f"--replicas {p.replicas}" + (f" x --shards {p.shards}" if p.shards > 1 else "")
@@ -150,6 +154,22 @@ def check_machine_holds_workers(cfg, trains: bool = True) -> None:
     if processes > cores:
         print(f"notice: {asked} starts {processes} worker processes on {cores} usable CPU cores: they take turns on "
               "the cores, one thread each", file=sys.stderr, flush=True)
+
+
+def check_machine_holds_the_run(cfg, trains: bool = True) -> None:
+    """One process's run, checked against the machine's available memory with the estimate the workers are checked
+    with (`worker_memory`, a lower bound): ConfigError before the run folder naming what takes the memory, so that
+    `--num-classes 2000000000` (a 512 GB classifier) is not found by the allocator once the run has started."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    need = worker_memory(cfg, trains)
+    if need.total <= available:
+        return
+    lower = ("--num-classes or --model-size" if need.fixed + need.model > available
+             else "--micro-batch-size (or --batch-size)")
+    raise ConfigError(f"this run needs at least {_gib(need.total)} of memory ({need.describe()}), more than the "
+                      f"{_gib(available)} available on this machine: lower {lower}")
 
 
 def worker_memory(cfg, trains: bool = True) -> WorkerMemory:

@@ -1,0 +1,85 @@
+"""The machine's limits named: what a run needs of the machine is checked before its folder where it can be known
+(memory for the model, shared memory for the data workers' batches), and a limit met later ends in one line naming
+it and what changes it (cnns.cli.endings), not in the line for a bug."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import scripts
+from test_worker_errors import jpeg_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_model_the_memory_cannot_hold_is_refused_before_the_run_folder(tmp_path, capfd):
+    out = scripts.run_here(capfd, "train.py", "--dataset", "cifar-10", "--generated-data", "--num-classes",
+                           "2000000000", "--iterations", "1", "--logs-path", str(tmp_path / "run"), expect=2)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "weights, gradients and optimiser state" in lines[0] and "--num-classes" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def _can_mount_a_small_shm() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           "mount -t tmpfs -o size=256k tmpfs /dev/shm"], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_small_shm(), reason="needs a mount namespace (root) to give /dev/shm 256 KiB")
+def test_workers_shared_memory_is_checked_before_the_run_folder(tmp_path):
+    """Under a /dev/shm of 256 KiB (Docker gives 64 MB), as a container too small for the workers' batches."""
+    root = jpeg_tree(tmp_path / "tree")
+    command = [sys.executable, str(ROOT / "train.py"), "--dataset", "imagenet", "--model-size", "18", "--image-size",
+               "128", "--micro-batch-size", "4", "--iterations", "1", "--data-dir", str(root),
+               "--pipeline-num-parallel", "2", "--logs-path", str(tmp_path / "run")]
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           'mount -t tmpfs -o size=256k tmpfs /dev/shm && exec "$@"', "sh", *command],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "/dev/shm" in lines[0] and "--pipeline-num-parallel" in lines[0] and "--shm-size" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+# torch's own words for each limit, met where no check could look before (another process filled /dev/shm, the
+# descriptors ran out while sharing batches): each ends in one line naming the limit and what changes it.
+LIMITS = {
+    "a worker's bus error": (RuntimeError("DataLoader worker (pid 12) is killed by signal: Bus error. It is possible "
+                                          "that dataloader's workers are out of shared memory. Please try to raise "
+                                          "your shared memory limit."), ("/dev/shm", "--pipeline-num-parallel")),
+    "a shared file that cannot grow": (RuntimeError("unable to write to file </torch_12_345_0>: No space left on "
+                                                    "device (28)"), ("/dev/shm", "--shm-size")),
+    "shared memory not allocated": (RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+                                                 "Success (0)"), ("/dev/shm", "--micro-batch-size")),
+    "too many open files": (OSError(errno.EMFILE, "Too many open files"), ("ulimit -n", "--pipeline-num-parallel")),
+    "descriptors run out while sharing": (RuntimeError("received 0 items of ancdata"), ("ulimit -n",)),
+}
+
+
+@pytest.mark.parametrize("name", list(LIMITS))
+def test_a_limit_met_during_the_run_is_named_with_what_changes_it(name, capfd):
+    from cnns.cli.endings import ending_of
+
+    exc, words = LIMITS[name]
+    code = ending_of(exc, "train")
+    line = capfd.readouterr().err.strip()
+    assert code == 1 and len(line.splitlines()) == 1 and "bug in cnns" not in line, line
+    assert all(word in line for word in words), line
+
+
+def test_data_workers_stopped_with_their_process_end_as_the_signal(capfd):
+    """A replica stopped by its launcher: its workers get the SIGTERM first, and torch says so as a RuntimeError."""
+    from cnns.cli.endings import ending_of
+
+    code = ending_of(RuntimeError("DataLoader worker (pid 7) is killed by signal: Terminated. "), "train")
+    assert code == 128 + signal.SIGTERM and capfd.readouterr().err.strip() == "error: interrupted by SIGTERM"
