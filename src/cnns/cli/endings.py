@@ -8,6 +8,7 @@
   128 + SIGPIPE, as a program killed by SIGPIPE does; a closed stdout or stderr (`>&-`) is /dev/null, so a
   finished run exits 0, and no file the command opens takes its descriptor (a C library writing to fd 1
   would write into it);
+* a path the system will not look up (too long, looping links): one line naming it, exit 2;
 * running out of memory, of shared memory or of open files: one line naming what to lower or raise;
 * a data worker killed by the signal that stops the command: as the signal itself;
 * a peer process that died inside a collective: one line (`cnns.parallel.world.peer_failure`);
@@ -96,6 +97,9 @@ def ending_of(exc: BaseException, command: str) -> int:
     if isinstance(exc, BrokenPipeError) or _is_a_closed_pipe(exc):
         _silence_stdout()
         return 128 + signal.SIGPIPE
+    refused = path_refused(exc)
+    if refused is not None:
+        return say(f"error: {refused}", 2)
     stopped_by = worker_signal(exc)
     if stopped_by in (signal.SIGTERM, signal.SIGINT):  # its data workers got the signal that stops this process
         return say(f"error: interrupted by {stopped_by.name}{hint}", 128 + stopped_by)
@@ -112,6 +116,24 @@ def ending_of(exc: BaseException, command: str) -> int:
         return say(f"error: {line}", 1)
     return say(f"error: {type(exc).__name__}: {first_line(exc)} at {_innermost_frame(exc)} (a bug in cnns {command}; "
                f"the traceback is in {_write_traceback(exc)})", 1)
+
+
+def path_refused(exc: BaseException) -> str | None:
+    """The line for a path the system will not even look up (a name or a path longer than the file system takes,
+    links that loop), or None. The user's path, never cnns's: it fails at the first look, before anything is
+    written, wherever a command first looks at that path, so it is named here once for every command."""
+    if not (isinstance(exc, OSError) and exc.errno in (errno.ENAMETOOLONG, errno.ELOOP) and exc.filename):
+        return None
+    path = os.fsdecode(exc.filename)
+    path = path if len(path) <= 120 else path[:117] + "..."
+    if exc.errno == errno.ELOOP:
+        return f"{path}: too many levels of symbolic links"
+    try:
+        name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    return (f"{path}: a name longer than the file system takes (at most {name_max} bytes a folder or file "
+            f"name, {path_max} a path): choose a shorter path")
 
 
 def worker_signal(exc: BaseException) -> signal.Signals | None:

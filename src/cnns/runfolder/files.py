@@ -50,6 +50,13 @@ from cnns.errors import ConfigError, WriteError
 Content = Union[bytes, str, Callable[[BinaryIO], None]]
 
 
+def utf8(text: str) -> bytes:
+    """Text as a run's files hold it, UTF-8. A path of bytes that are not UTF-8 (a folder named in Latin-1) is text
+    with lone surrogates in Python, which UTF-8 cannot encode: they are written as escapes ("\\udcff"), so the file
+    stays UTF-8 that every reader of a run takes."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def write_atomically(path: str | Path, content: Content) -> None:
     """`content` (bytes, text as UTF-8, or a callable writing to the file object it is given) as the whole
     of `path`, replacing it only once every byte is on the disk."""
@@ -63,7 +70,7 @@ def _write_new_file(path: Path, content: Content) -> None:
         if callable(content):
             content(destination)
         else:
-            destination.write(content.encode() if isinstance(content, str) else content)
+            destination.write(utf8(content) if isinstance(content, str) else content)
 
 
 def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], suffix: str = ".tmp") -> None:
@@ -136,7 +143,7 @@ def append(path: str | Path, data: bytes | str) -> None:
     disk) would slow every printed step. A process that dies loses nothing appended (the kernel holds it);
     only a power cut can lose the last lines not yet on the disk, never a whole file or a checkpoint."""
     path = Path(path)
-    data = data.encode() if isinstance(data, str) else data
+    data = utf8(data) if isinstance(data, str) else data
     may_write(path)
     try:
         fd, created = _open_for_append(path)
