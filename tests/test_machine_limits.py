@@ -5,6 +5,7 @@ it and what changes it (cnns.cli.endings), not in the line for a bug."""
 from __future__ import annotations
 
 import errno
+import shlex
 import shutil
 import signal
 import subprocess
@@ -83,3 +84,43 @@ def test_data_workers_stopped_with_their_process_end_as_the_signal(capfd):
 
     code = ending_of(RuntimeError("DataLoader worker (pid 7) is killed by signal: Terminated. "), "train")
     assert code == 128 + signal.SIGTERM and capfd.readouterr().err.strip() == "error: interrupted by SIGTERM"
+
+
+def _in_a_small_file_system(tmp_path: Path, size: str, read_only: bool, *commands: list[str]) -> list:
+    """Each command run in turn with `tmp_path/mnt` a tmpfs of `size` (holding a copy of `tmp_path/run` if there),
+    remounted read-only if asked, in a mount namespace of its own: (exit code, stderr) of each."""
+    script = [f"mount -t tmpfs -o size={size} tmpfs {tmp_path}/mnt",
+              f"[ -d {tmp_path}/run ] && cp -r {tmp_path}/run {tmp_path}/mnt/run || true"]
+    script += [f"mount -o remount,ro {tmp_path}/mnt"] if read_only else []
+    script += [shlex.join(command) + f" 2>{tmp_path}/err{index}; echo $? >{tmp_path}/rc{index}"
+               for index, command in enumerate(commands)]
+    (tmp_path / "mnt").mkdir()
+    subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", "\n".join(script)], cwd=tmp_path,
+                   timeout=600, check=True)
+    return [(int((tmp_path / f"rc{index}").read_text()), (tmp_path / f"err{index}").read_text())
+            for index in range(len(commands))]
+
+
+@pytest.mark.skipif(not _can_mount_a_small_shm(), reason="needs a mount namespace (root) for a small file system")
+def test_a_read_only_folder_is_named_before_anything_is_written(tmp_path):
+    train = [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--generated-data", "--model-size", "8",
+             "--iterations", "1"]
+    scripts.train_here(*train[2:], "--logs-path", str(tmp_path / "run"))
+    ends = _in_a_small_file_system(tmp_path, "8m", True, [*train, "--log-dir", "mnt/logs"],
+                                   [sys.executable, str(ROOT / "restore.py"), "--restore-path", "mnt/run"],
+                                   [sys.executable, str(ROOT / "validation.py"), "--restore-path", "mnt/run"])
+    for code, err in ends:
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "read-only" in err, ends
+
+
+@pytest.mark.skipif(not _can_mount_a_small_shm(), reason="needs a mount namespace (root) for a small file system")
+def test_a_full_disk_ends_in_one_line_and_leaves_the_checkpoints_whole(tmp_path):
+    train = [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--generated-data", "--model-size", "8",
+             "--iterations", "4", "--logs-path", "mnt/run"]
+    # Every checkpoint the full disk left is whole: each loads (read inside the namespace, where the tmpfs is).
+    load = [sys.executable, "-c", "import glob, sys, torch; paths = glob.glob('mnt/run/ckpt-*.pt'); "
+            "[torch.load(path, weights_only=True)['model'] for path in paths]; sys.exit(0 if paths else 3)"]
+    (code, err), (loaded, load_err) = _in_a_small_file_system(tmp_path, "200k", False, train + ["--seed", "1"], load)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "No space left on device" in lines[0], err
+    assert loaded == 0, load_err[-2000:]
