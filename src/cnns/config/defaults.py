@@ -399,6 +399,16 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
 
 
+def check_label_smoothing(smoothing: float, classes: int) -> None:
+    """Graphcore's label smoothing e leaves 1 - e on the true class and spreads e over the other classes, so the true
+    class keeps at least as much as each other one only up to e = (K - 1) / K (torch's own smoothing, to which it
+    is converted, refuses more). The rule of --label-smoothing's domain ([0, 1) in the options table) that needs
+    the class count, known once the data is: checked when the run's configuration is made, before its folder."""
+    if classes > 1 and smoothing > (classes - 1) / classes:
+        raise ConfigError(f"--label-smoothing {smoothing} leaves the true class less than each of the other "
+                          f"{classes - 1}: at most {(classes - 1) / classes:g} with {classes} classes")
+
+
 def check_pipeline_schedule(schedule: str, micro_batches: int, shards: int) -> None:
     """Interleaved (1F1B) starts each micro-batch's backward before the next forwards, so it needs a micro-batch in
     every stage at once: at least as many micro-batches per update as stages. Checked as the options resolve,

@@ -170,8 +170,10 @@ class Domain:
         if abs(value) > (INT64_MAX if self.kind is int else FLOAT32_MAX):
             largest = f"{INT64_MAX} (torch's int64)" if self.kind is int else f"{FLOAT32_MAX:g} (float32's)"
             return f"must be {self.phrase}, at most {largest} in size"
-        above = value > low if self.within[0] == "(" else value >= low
-        below = value < high if self.within[-1] == ")" else value <= high
+        low_text, high_text = (end.strip() for end in self.within[1:-1].split(","))
+        # An unbounded end is the largest value torch holds, which is itself in the domain.
+        above = value > low if self.within[0] == "(" and low_text != "-inf" else value >= low
+        below = value < high if self.within[-1] == ")" and high_text != "inf" else value <= high
         return None if above and below else "must be " + self.phrase
 
     @property
