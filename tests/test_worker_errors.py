@@ -110,3 +110,21 @@ def test_every_error_class_crosses_a_process_as_itself(cls):
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is cls and isinstance(again, CnnsError) and str(again) == str(error)
     assert {key: str(value) for key, value in vars(again).items()} == {key: str(value) for key, value in vars(error).items()}
+
+
+def test_a_bad_file_met_by_one_replica_ends_the_run_with_its_line(tmp_path, capfd):
+    """Two replicas, each with a worker: the replica that meets the file says its line and the run ends with its
+    exit code; the replica its launcher stops then is not a bug (its workers got the SIGTERM first, which torch
+    reports as an error of its own). The stopped replica still says it was interrupted: a second line, as
+    replicas without workers say (cnns.parallel.launch cannot tell the launcher's stop from a user's)."""
+    root = jpeg_tree(tmp_path / "tree")
+    _dangling_link(root / "train" / "n01" / "3.JPEG")
+    argv = [*IMAGENET_RUN, "--micro-batch-size", "2", "--no-validation", "--data-dir", str(root), "--replicas", "2",
+            "--logs-path", str(tmp_path / "run")]
+    alone = scripts.run_here(capfd, "train.py", *argv, "--pipeline-num-parallel", "0", cwd=tmp_path, expect=None)
+    workers = scripts.run_here(capfd, "train.py", *argv, "--pipeline-num-parallel", "1", "--logs-path",
+                               str(tmp_path / "run1"), cwd=tmp_path, expect=None)
+    line = f"error: {root / 'train' / 'n01' / '3.JPEG'}: cannot read: No such file or directory"
+    for out in (alone, workers):
+        assert out.returncode == 2 and line in out.stderr.splitlines(), out.stderr[-2000:]
+        assert "a bug in cnns" not in out.stderr, out.stderr[-2000:]
