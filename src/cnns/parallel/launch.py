@@ -157,28 +157,29 @@ def check_machine_holds_workers(cfg, trains: bool = True) -> None:
 
 
 def check_machine_holds_the_run(cfg, trains: bool = True) -> None:
-    """One process's run, checked against the machine's available memory with the estimate the workers are checked
-    with (`worker_memory`, a lower bound): ConfigError before the run folder naming what takes the memory, so that
-    `--num-classes 2000000000` (a 512 GB classifier) is not found by the allocator once the run has started."""
+    """One process's model, checked against the machine's available memory with the estimate the workers are
+    checked with (`worker_memory`): ConfigError before the run folder when its weights, gradients and optimiser
+    state alone cannot fit, so that `--num-classes 2000000000` (a 512 GB classifier) is not found by the allocator
+    once the run has started. Only that share: this process's interpreter is already in the memory in use, and
+    the activations, which the allocator may find room for in what the kernel would reclaim, are left to the
+    out-of-memory line (`cnns.cli.endings`), which names --micro-batch-size."""
     available = available_memory_bytes()
     if available is None:
         return
-    need = worker_memory(cfg, trains)
-    if need.total <= available:
-        return
-    lower = ("--num-classes or --model-size" if need.fixed + need.model > available
-             else "--micro-batch-size (or --batch-size)")
-    raise ConfigError(f"this run needs at least {_gib(need.total)} of memory ({need.describe()}), more than the "
-                      f"{_gib(available)} available on this machine: lower {lower}")
+    need = worker_memory(cfg, trains, activations=False)  # no forward pass to estimate what is not compared
+    if need.model > available:
+        raise ConfigError(f"this run's model needs at least {_gib(need.model)} of memory for its weights, gradients "
+                          f"and optimiser state, more than the {_gib(available)} available on this machine: lower "
+                          "--num-classes or --model-size")
 
 
-def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
+def worker_memory(cfg, trains: bool = True, activations: bool = True) -> WorkerMemory:
     """A lower bound of one worker's memory on this machine (WorkerMemory). The model is built on torch's meta
     device (no memory, no arithmetic) and run forward on a meta micro-batch, counting the tensors autograd keeps
     for the backward pass. On a GPU the model lives in the GPU's memory: only the interpreter counts here.
     Not counted (the bound stays a bound): data held in memory, loader workers, the allocator's slack.
     Sizes are those of the precision policy the workers will run on this CPU (float32 where it would only
-    emulate the half type and none was insisted on)."""
+    emulate the half type and none was insisted on). Without `activations`, they are not estimated (0)."""
     import torch
 
     from cnns.devices import default_device_name
@@ -186,7 +187,7 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
     if (cfg.device or default_device_name()).startswith("cuda"):
         return WorkerMemory(WORKER_FIXED_BYTES, 0, 0)
     policy = cfg.precision.policy(torch.device("cpu"))
-    parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains)
+    parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains and activations)
     weight_bytes = parameters * policy.weight_dtype.itemsize  # 16.32 keeps float32 (master) weights
     copies = 1  # the weights
     if trains:
