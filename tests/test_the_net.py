@@ -63,14 +63,24 @@ RUN_COMMANDS = {
 
 
 def assert_not_the_net(out) -> None:
-    lines = out.stderr.strip().splitlines()
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error")]  # not a library's warnings
     assert "a bug in cnns" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert len(lines) <= 1, out.stderr[-3000:]
+    assert len(errors) <= 1, out.stderr[-3000:]
+
+
+# inference_embedded.py compiles (AOTInductor, a minute on two cores) once what it reads is good: it is not given the
+# traps that leave it something good to compile.
+RUN_COMMANDS["inference_embedded.py"] = ["--restore-path", "RUN", "--iterations", "1", "--artefact-path", "OUT/model.pt2"]
+COMPILING = {"inference_embedded.py"}
+BEFORE_COMPILING = {"training.csv in a foreign encoding", "log.txt linked outside",  # not read
+                    "newest checkpoint a folder", "newest checkpoint a dangling link"}  # the one before is used
 
 
 @pytest.mark.parametrize("command", list(RUN_COMMANDS))
 @pytest.mark.parametrize("trap", list(RUN_TRAPS))
 def test_a_command_given_a_hostile_run_ends_as_a_mistake_not_a_bug(command, trap, finished_run, tmp_path, capfd):
+    if command in COMPILING and trap in BEFORE_COMPILING:
+        pytest.skip("a file the command does not read: it would compile and run")
     from test_tfrecord import colour_jpeg, colour_of
 
     run, outside = tmp_path / "run", tmp_path / "outside"
