@@ -70,7 +70,8 @@ def assert_not_the_net(out) -> None:
 
 # inference_embedded.py compiles (AOTInductor, a minute on two cores) once what it reads is good: it is not given the
 # traps that leave it something good to compile.
-RUN_COMMANDS["inference_embedded.py"] = ["--restore-path", "RUN", "--iterations", "1", "--artefact-path", "OUT/model.pt2"]
+RUN_COMMANDS["inference_embedded.py"] = ["--restore-path", "RUN", "--iterations", "1",
+                                         "--artefact-path", "OUT/model.pt2"]
 COMPILING = {"inference_embedded.py"}
 BEFORE_COMPILING = {"training.csv in a foreign encoding", "log.txt linked outside",  # not read
                     "newest checkpoint a folder", "newest checkpoint a dangling link"}  # the one before is used

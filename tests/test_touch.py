@@ -271,7 +271,8 @@ def test_a_value_outside_an_options_domain_is_one_line_exit_2_and_writes_nothing
         assert not (tmp_path / "new").exists() and digest(run) == before, value
 
 
-TRAIN_NUMERIC = sorted(flag for flag, (script, action) in NUMERIC.items() if script == "train.py" and not action.choices)
+TRAIN_NUMERIC = sorted(flag for flag, (script, action) in NUMERIC.items()
+                       if script == "train.py" and not action.choices)
 
 
 @pytest.mark.parametrize("flag", TRAIN_NUMERIC)

@@ -109,7 +109,8 @@ def test_every_error_class_crosses_a_process_as_itself(cls):
                   for parameter in parameters))
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is cls and isinstance(again, CnnsError) and str(again) == str(error)
-    assert {key: str(value) for key, value in vars(again).items()} == {key: str(value) for key, value in vars(error).items()}
+    shown = {key: str(value) for key, value in vars(error).items()}
+    assert {key: str(value) for key, value in vars(again).items()} == shown
 
 
 def test_a_bad_file_met_by_one_replica_ends_the_run_with_its_line(tmp_path, capfd):

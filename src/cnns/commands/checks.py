@@ -70,8 +70,8 @@ def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/s
         return
     free = status.f_bavail * status.f_frsize
     if needed > free:
-        raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers need {describe_size(needed)} of shared memory "
-                          f"for their batches, more than the {describe_size(free)} free in {folder}: lower "
+        raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers need {describe_size(needed)} of "
+                          f"shared memory for their batches, more than the {describe_size(free)} free in {folder}: lower "
                           "--pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine more "
                           "(a Docker container: docker run --shm-size=8g)")
 

@@ -256,7 +256,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                        "ResNeXt: channels per group.")
     group.add_argument("--expand-ratio", type=COUNT, help="EfficientNet: expansion ratio.")
     group.add_argument("--convolution-groups", type=COUNT, help="ResNeXt cardinality.")
-    group.add_argument("--image-size", type=Domain(int, "[8, 8192]"), help="Input image size; CIFAR's images are 32 x 32.")
+    group.add_argument("--image-size", type=Domain(int, "[8, 8192]"),
+                       help="Input image size; CIFAR's images are 32 x 32.")
 
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
@@ -298,7 +299,8 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                        help="Do not keep decoded datasets in host memory.")
     group.add_argument("--standard-imagenet", action="store_true", default=None,
                        help="Standard (reproducible) ImageNet preprocessing.")
-    group.add_argument("--dataset-percentage-to-use", type=Domain(int, "[1, 100]"), help="Use only this percentage of the training set.")
+    group.add_argument("--dataset-percentage-to-use", type=Domain(int, "[1, 100]"),
+                       help="Use only this percentage of the training set.")
     group.add_argument("--mixup-alpha", type=Domain(float, "[0, inf)", zero="none"), help="Mixup alpha.")
     group.add_argument("--cutmix-lambda", type=Domain(float, "[0, 1]"), help="Cutmix lambda, 1 for none.")
     group.add_argument("--cutmix-version", type=int, choices=(1, 2), help="Cutmix variant.")
@@ -313,7 +315,8 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     batch = group.add_mutually_exclusive_group()
     batch.add_argument("--micro-batch-size", dest="micro_batch_size", type=COUNT,
                        help="Samples per forward/backward pass on one replica.")
-    batch.add_argument("--batch-size", dest="micro_batch_size", type=COUNT, help="Graphcore's spelling of --micro-batch-size.")
+    batch.add_argument("--batch-size", dest="micro_batch_size", type=COUNT,
+                       help="Graphcore's spelling of --micro-batch-size.")
     group.add_argument("--gradient-accumulation-count", type=COUNT,
                        help="Micro-batches whose gradients are summed before one weight update.")
     group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
@@ -324,16 +327,19 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--iterations", type=COUNT, help="Number of weight updates (instead of --epochs).")
     group.add_argument("--base-learning-rate-exponent", "--base-learning-rate", dest="base_learning_rate_exponent",
                        type=Domain(float, "(-inf, inf)"), help="Learning rate = 2^N x global batch size.")
-    group.add_argument("--abs-learning-rate", type=Domain(float, "(0, inf)"), help="Learning rate, overriding the exponent rule.")
+    group.add_argument("--abs-learning-rate", type=Domain(float, "(0, inf)"),
+                       help="Learning rate, overriding the exponent rule.")
     group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule.")
     group.add_argument("--warmup-epochs", type=Domain(float, f"[0, {EPOCHS_MAX:g}]", zero="none"),
                        help="Linear warm-up epochs; none with --iterations.")
-    group.add_argument("--learning-rate-decay", type=Domain(float, "(0, inf)"), help="Stepped: factor at each boundary.")
+    group.add_argument("--learning-rate-decay", type=Domain(float, "(0, inf)"),
+                       help="Stepped: factor at each boundary.")
     group.add_argument("--learning-rate-schedule", type=str, help="Stepped: comma-separated fractions of training.")
     group.add_argument("--lr-decay-rate", type=Domain(float, "(0, inf)"), help="Exponential schedule: decay rate.")
     group.add_argument("--lr-drops", type=COUNT, help="Exponential schedule: number of decays over the whole run.")
     group.add_argument("--poly-lr-decay-power", type=NON_NEGATIVE, help="Polynomial schedule power.")
-    group.add_argument("--poly-lr-end-ratio", type=NON_NEGATIVE, help="Polynomial schedule: end lr as a fraction of the peak.")
+    group.add_argument("--poly-lr-end-ratio", type=NON_NEGATIVE,
+                       help="Polynomial schedule: end lr as a fraction of the peak.")
     group.add_argument("--abs-end-learning-rate", type=NON_NEGATIVE, help="Polynomial schedule: absolute end lr.")
     # The optimisers and their options: the registry's entries (`cnns.optim`).
     group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=tuple(optim.OPTIMISERS),
@@ -364,7 +370,8 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                        help="After training, validate the mean of the last N checkpoints.")
     group.add_argument("--weight-avg-exp", type=DECAY, nargs="+",
                        help="After training, validate the exponential average of the checkpoints with this decay.")
-    group.add_argument("--ema-decay", type=Domain(float, "[0, 1)", zero="none"), help="Exponential moving average of the weights during training.")
+    group.add_argument("--ema-decay", type=Domain(float, "[0, 1)", zero="none"),
+                       help="Exponential moving average of the weights during training.")
     group.add_argument("--compile", dest="compile", action="store_true", default=None,
                        help="torch.compile the model (the default on a CUDA GPU, with CUDA graphs; not on a CPU, where "
                             "it measured no faster).")
@@ -461,7 +468,8 @@ def _add_logging_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Logging")
     group.add_argument("--log-dir", help="Folder for run folders.")
     group.add_argument("--name-suffix", help="Appended to the run name.")
-    group.add_argument("--logs-per-epoch", type=Domain(float, "[0, inf)", zero="one at the end of training"), help="Step lines per epoch, with --epochs.")
+    group.add_argument("--logs-per-epoch", type=Domain(float, "[0, inf)", zero="one at the end of training"),
+                       help="Step lines per epoch, with --epochs.")
     group.add_argument("--log-freq", type=COUNT, help="Updates between step lines, with --iterations.")
     group.add_argument("--logs-path", help="Exact run folder to write (instead of a generated name under --log-dir).")
     group.add_argument("--wandb", action="store_true", default=None, help="Log to Weights & Biases (offline by default).")
@@ -481,8 +489,10 @@ def _add_validation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Validation")
     group.add_argument("--restore-path", help="A run folder or one checkpoint file.")
     group.add_argument("--global-batch-size", type=COUNT, help="Global batch size of the training run (for the epoch).")
-    group.add_argument("--repeat", type=COUNT, help="Inference benchmark: passes over the data (generated/synthetic data).")
-    group.add_argument("--validation-micro-batch-size", type=COUNT, help="Batch size for validation (default: micro-batch).")
+    group.add_argument("--repeat", type=COUNT,
+                       help="Inference benchmark: passes over the data (generated/synthetic data).")
+    group.add_argument("--validation-micro-batch-size", type=COUNT,
+                       help="Batch size for validation (default: micro-batch).")
 
 
 StatedDefault = Callable[[argparse.Action], str]  # an option's default as its help says it: " (default ...)" or ""
@@ -517,7 +527,8 @@ def build_parser(script: str, stated_default: StatedDefault | None = None) -> On
         group.add_argument("--mode", choices=("mean", "exponential"), default="mean")
         group.add_argument("-N", "--N", dest="N", type=COUNT, help="Average the last N checkpoints (default: all).")
         group.add_argument("--decay", type=DECAY, help="Exponential decay (default 0.97).")
-        group.add_argument("--discard-last", type=Domain(int, "[0, inf)"), default=0, help="Ignore the last k checkpoints.")
+        group.add_argument("--discard-last", type=Domain(int, "[0, inf)"), default=0,
+                           help="Ignore the last k checkpoints.")
     if script == "infer":
         group = parser.add_argument_group("Embedded inference")
         group.add_argument("--force-recompile", action="store_true", help="Rebuild the compiled artefact.")

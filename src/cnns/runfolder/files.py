@@ -21,9 +21,9 @@ for every command): a write may create any file, but it replaces, truncates or a
 when this invocation created it, when it lies in a run folder the command owns (`own_run_folder`: train.py's new
 folder, the folder restore.py, validation.py and weight_avg.py continue, each under its lock), or when it is an
 output the user named (`check_output`: an output never replaces a file the command reads, and replaces any other
-existing file only with `--overwrite`), or a file the command exists to refresh (`refreshes`: a run's plot). Inside an owned folder no write goes through a symbolic link the command
-did not make, at any level below the folder. Anything else is a ConfigError of one line, before a byte is
-written.
+existing file only with `--overwrite`), or a file the command exists to refresh (`refreshes`: a run's plot).
+Inside an owned folder no write goes through a symbolic link the command did not make, at any level below the
+folder. Anything else is a ConfigError of one line, before a byte is written.
 
 A failure is a `WriteError`: one line, ``cannot write <file>: <cause>``, which the command line turns into
 ``error: ...`` and exit 2. A library that turns the OSError into an exception of its own (torch.save raises
