@@ -125,3 +125,30 @@ def test_a_full_disk_ends_in_one_line_and_leaves_the_checkpoints_whole(tmp_path)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "No space left on device" in lines[0], err
     assert loaded == 0, load_err[-2000:]
+
+
+def _train_under_a_file_limit(tmp_path: Path, soft: int, hard: int) -> subprocess.CompletedProcess:
+    import resource
+
+    root = jpeg_tree(tmp_path / "tree")
+    command = [sys.executable, str(ROOT / "train.py"), "--dataset", "imagenet", "--model-size", "18", "--image-size",
+               "64", "--micro-batch-size", "2", "--iterations", "1", "--no-validation", "--data-dir", str(root),
+               "--pipeline-num-parallel", "2", "--logs-path", str(tmp_path / "run")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+
+
+def test_an_open_file_limit_too_low_for_the_workers_is_named_before_the_run_folder(tmp_path):
+    done = _train_under_a_file_limit(tmp_path, 40, 40)  # 2 workers failed under it
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "open files" in lines[0] and "ulimit -n" in lines[0] and "--pipeline-num-parallel" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path):
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    done = _train_under_a_file_limit(tmp_path, 40, hard if hard != resource.RLIM_INFINITY else 4096)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -150,12 +150,7 @@ def machine_limit(exc: BaseException) -> str | None:
     """The line for a limit of the machine a command ran into, naming what changes it, or None: shared memory
     (/dev/shm, where data workers hand their batches over: Docker gives a container 64 MB), open files."""
     text = str(exc)
-    shared = worker_signal(exc) == signal.SIGBUS or (isinstance(exc, (RuntimeError, OSError)) and (
-        "shared memory" in text or ("/torch_" in text and "No space left on device" in text)))
-    if shared:
-        return (f"out of shared memory ({_shared_memory_room()}), where data-loading workers hand their batches "
-                "over: lower --pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine "
-                "more (a Docker container: docker run --shm-size=8g)")
+    # First: torch says "shared memory" too when the descriptors ran out while it opened a shared batch.
     if (isinstance(exc, OSError) and exc.errno == errno.EMFILE) or "Too many open files" in text or (
             "received 0 items of ancdata" in text):
         import resource
@@ -163,6 +158,12 @@ def machine_limit(exc: BaseException) -> str | None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"too many open files (this process may open {soft}): raise the limit (ulimit -n) or lower "
                 "--pipeline-num-parallel")
+    shared = worker_signal(exc) == signal.SIGBUS or (isinstance(exc, (RuntimeError, OSError)) and (
+        "shared memory" in text or ("/torch_" in text and "No space left on device" in text)))
+    if shared:
+        return (f"out of shared memory ({_shared_memory_room()}), where data-loading workers hand their batches "
+                "over: lower --pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine "
+                "more (a Docker container: docker run --shm-size=8g)")
     return None
 
 

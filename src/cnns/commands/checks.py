@@ -49,6 +49,7 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
     check_data(cfg.data.dataset, cfg.data.data_dir, splits, batch, outputs=cfg.model.num_classes,
                decode=not cfg.data.skip_corrupt_images, size_limit=cfg.data.max_file_size)
     check_shared_memory(cfg, splits)
+    check_open_files(cfg, splits)
 
 
 def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/shm") -> None:
@@ -74,6 +75,37 @@ def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/s
                           f"shared memory for their batches, more than the {describe_size(free)} free in {folder}: lower "
                           "--pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine more "
                           "(a Docker container: docker run --shm-size=8g)")
+
+
+# Descriptors a run holds besides its data workers' (the interpreter, torch's libraries, the run's files), and each
+# worker's besides its batch buffers (its pipes, the files it reads): measured, 2 workers failed under `ulimit -n 40`
+# and ran under 64 (a lower bound: only a limit that cannot hold the run is refused).
+FILES_OF_A_RUN, FILES_OF_A_WORKER = 32, 4
+
+
+def check_open_files(cfg: RunConfig, splits: list[str]) -> None:
+    """The descriptors the data workers' shared batches take (one per batch buffer, held open in this process)
+    fit under this process's limit on open files: the soft limit is raised to the hard one where that is enough
+    (as a user would, with `ulimit -n`), else ConfigError naming both what to raise and what to lower, before the
+    run folder. CIFAR-sized data is held and augmented in this process."""
+    import resource
+
+    from cnns.data.formats import dataset_facts
+    from cnns.data.imagenet import BATCH_BUFFERS_PER_WORKER
+
+    workers = cfg.data.pipeline_num_parallel
+    if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
+        return
+    needed = FILES_OF_A_RUN + workers * (FILES_OF_A_WORKER + BATCH_BUFFERS_PER_WORKER * len(splits))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return
+    raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers' batches need about {needed} open files, "
+                      f"more than this process may open ({hard}): raise the limit (ulimit -n) or lower "
+                      "--pipeline-num-parallel")
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:
