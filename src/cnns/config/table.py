@@ -140,11 +140,20 @@ class Domain:
         assert self.kind in (int, float) and self.within[0] in "[(" and self.within[-1] in ")]", self
 
     @property
+    def _ends(self) -> tuple[str, str]:
+        low, high = (end.strip() for end in self.within[1:-1].split(","))
+        return low, high
+
+    @property
+    def largest(self) -> float:
+        """The largest magnitude torch holds of the kind: an unbounded end stands for it (and takes it)."""
+        return INT64_MAX if self.kind is int else FLOAT32_MAX
+
+    @property
     def bounds(self) -> tuple[float, float]:
-        """The interval's ends, an unbounded end at the largest value torch holds (int64, float32)."""
-        low, high = (float(end) for end in self.within[1:-1].split(","))
-        largest = INT64_MAX if self.kind is int else FLOAT32_MAX
-        return max(low, -largest), min(high, largest)
+        """The interval's ends, an unbounded end at `largest`."""
+        low, high = (float(end) for end in self._ends)
+        return max(low, -self.largest), min(high, self.largest)
 
     def __call__(self, text: str) -> int | float | str:
         """argparse's type: a word of `words`, or the text as the option's kind; ArgumentTypeError otherwise."""
@@ -166,12 +175,11 @@ class Domain:
             return "must be " + ("an integer" if self.kind is int else "a number")
         if isinstance(value, float) and not math.isfinite(value):
             return "must be a finite number"
+        if abs(value) > self.largest:
+            held = f"torch's int64 ({INT64_MAX})" if self.kind is int else f"float32 ({FLOAT32_MAX:g})"
+            return f"must be {self.phrase} and within what {held} holds"
         low, high = self.bounds
-        if abs(value) > (INT64_MAX if self.kind is int else FLOAT32_MAX):
-            largest = f"{INT64_MAX} (torch's int64)" if self.kind is int else f"{FLOAT32_MAX:g} (float32's)"
-            return f"must be {self.phrase}, at most {largest} in size"
-        low_text, high_text = (end.strip() for end in self.within[1:-1].split(","))
-        # An unbounded end is the largest value torch holds, which is itself in the domain.
+        low_text, high_text = self._ends  # an unbounded end's `largest` is itself in the domain
         above = value > low if self.within[0] == "(" and low_text != "-inf" else value >= low
         below = value < high if self.within[-1] == ")" and high_text != "inf" else value <= high
         return None if above and below else "must be " + self.phrase
@@ -181,8 +189,8 @@ class Domain:
         """The domain in words: "at least 1", "positive", "in [0, 1)", "auto or between 1 and 4096"."""
         low, high = self.bounds
         ends = [f"{end:g}" if self.kind is float else str(int(end)) for end in (low, high)]
-        unbounded = self.within[1:-1].split(",")[1].strip() == "inf"
-        if self.within[1:-1].split(",")[0].strip() == "-inf" and unbounded:
+        unbounded = self._ends[1] == "inf"
+        if self._ends[0] == "-inf" and unbounded:
             words = "a finite number"
         elif unbounded and low == 0 and self.within[0] == "(":
             words = "positive"
