@@ -271,6 +271,31 @@ def test_a_value_outside_an_options_domain_is_one_line_exit_2_and_writes_nothing
         assert not (tmp_path / "new").exists() and digest(run) == before, value
 
 
+def _restore_numeric() -> list[str]:
+    """restore.py's own options that take a number (its parser is its own: the new pipeline layout)."""
+    from cnns.config.table import build_parser
+
+    return sorted(action.option_strings[0] for action in build_parser("restore")._actions
+                  if action.option_strings and _takes_a_number(action))
+
+
+@pytest.mark.parametrize("flag", _restore_numeric())
+def test_restore_refuses_a_value_outside_its_options_domain_and_writes_nothing(flag, finished_run, tmp_path, capfd):
+    from cnns.config.table import build_parser, domain_of
+
+    action = build_parser("restore")._option_string_actions[flag]
+    assert domain_of(action) is not None, f"{flag} of restore.py takes a number without a domain"
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    for value in _outside(domain_of(action)):
+        out = scripts.run_here(capfd, "restore.py", "--restore-path", str(run), f"{flag}={value}", cwd=tmp_path,
+                               expect=None)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and flag in lines[0], (value, out.stderr[-2000:])
+        assert digest(run) == before, value
+
+
 TRAIN_NUMERIC = sorted(flag for flag, (script, action) in NUMERIC.items()
                        if script == "train.py" and not action.choices)
 
