@@ -152,3 +152,14 @@ def test_a_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path):
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     done = _train_under_a_file_limit(tmp_path, 40, hard if hard != resource.RLIM_INFINITY else 4096)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _can_mount_a_small_shm(), reason="needs a mount namespace (root) for a small file system")
+def test_a_disk_without_room_for_one_checkpoint_is_named_before_the_run_folder(tmp_path):
+    train = [sys.executable, str(ROOT / "train.py"), "--dataset", "cifar-10", "--generated-data", "--model-size", "8",
+             "--iterations", "4", "--logs-path", "mnt/run"]
+    listing = [sys.executable, "-c", "import os, sys; sys.exit(3 if os.path.exists('mnt/run') else 0)"]
+    (code, err), (left, _) = _in_a_small_file_system(tmp_path, "64k", False, train, listing)  # ResNet-8: 147 KiB
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "free there" in lines[0], err
+    assert left == 0  # no run folder

@@ -160,6 +160,26 @@ def check_run_folder_place(cfg: RunConfig) -> None:
         where = "is a file" if existing == path else f"cannot be made: {existing} is a file"
         raise ConfigError(f"{option} {target} {where}, not a folder")
     check_writable(existing, f"{option} {target}")
+    check_disk_room(cfg, existing, f"{option} {target}")
+
+
+def check_disk_room(cfg: RunConfig, folder: Path, what: str) -> None:
+    """The file system the run folder goes on has room for the run's first checkpoint, its weights at least
+    (`cnns.parallel.launch.model_memory`, on the CPU as it is saved): ConfigError before the run folder, naming the
+    free space. A disk that fills later ends in one line with the checkpoints already written whole
+    (`cnns.runfolder.files`)."""
+    import torch
+
+    from cnns.parallel.launch import model_memory
+
+    try:
+        status = os.statvfs(folder)
+    except OSError:  # not looked at here: the writes say what is wrong
+        return
+    free, needed = status.f_bavail * status.f_frsize, model_memory(cfg, False, torch.device("cpu"))
+    if needed > free:
+        raise ConfigError(f"{what}: the run's checkpoints need at least {describe_size(needed)} each, more than the "
+                          f"{describe_size(free)} free there: free some space or choose another folder")
 
 
 def check_holds_no_run(folder: Path, option: str, continue_with: str) -> None:

@@ -179,12 +179,18 @@ def check_machine_holds_the_run(cfg, trains: bool = True) -> None:
         available, where = available_memory_bytes(), "available on this machine"
     if available is None:
         return
-    parameters, _ = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains=False)
-    need = _model_share(cfg, trains, cfg.precision.policy(device), parameters)
+    need = model_memory(cfg, trains, device)
     if need > available:
         raise ConfigError(f"this run's model needs at least {_gib(need)} of memory for its weights, gradients "
                           f"and optimiser state, more than the {_gib(available)} {where}: lower "
                           "--num-classes or --model-size")
+
+
+def model_memory(cfg, trains: bool, device) -> int:
+    """Bytes of one process's share of the model on `device` (its precision there): its weights, and when it
+    `trains` their gradients, the optimiser's state and the moving average. Built on the meta device: no memory."""
+    parameters, _ = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains=False)
+    return _model_share(cfg, trains, cfg.precision.policy(device), parameters)
 
 
 def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
