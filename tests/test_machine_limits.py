@@ -64,6 +64,8 @@ LIMITS = {
     "shared memory not allocated": (RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
                                                  "Success (0)"), ("/dev/shm", "--micro-batch-size")),
     "too many open files": (OSError(errno.EMFILE, "Too many open files"), ("ulimit -n", "--pipeline-num-parallel")),
+    "a worker killed for memory": (RuntimeError("DataLoader worker (pid 12) is killed by signal: Killed. "),
+                                   ("out-of-memory killer", "--pipeline-num-parallel")),
     "descriptors run out while sharing": (RuntimeError("received 0 items of ancdata"), ("ulimit -n",)),
 }
 

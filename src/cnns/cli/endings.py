@@ -158,6 +158,9 @@ def machine_limit(exc: BaseException) -> str | None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"too many open files (this process may open {soft}): raise the limit (ulimit -n) or lower "
                 "--pipeline-num-parallel")
+    if worker_signal(exc) == signal.SIGKILL:  # nothing in cnns sends it: the kernel's out-of-memory killer, or a user
+        return ("a data-loading worker was killed (SIGKILL: most often the kernel's out-of-memory killer): lower "
+                "--pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine more memory")
     shared = worker_signal(exc) == signal.SIGBUS or (isinstance(exc, (RuntimeError, OSError)) and (
         "shared memory" in text or ("/torch_" in text and "No space left on device" in text)))
     if shared:
