@@ -175,11 +175,11 @@ class Domain:
             return "must be " + ("an integer" if self.kind is int else "a number")
         if isinstance(value, float) and not math.isfinite(value):
             return "must be a finite number"
-        if abs(value) > self.largest:
+        low_text, high_text = self._ends  # an unbounded end's `largest` is itself in the domain
+        if (value > self.largest and high_text == "inf") or (value < -self.largest and low_text == "-inf"):
             held = f"torch's int64 ({INT64_MAX})" if self.kind is int else f"float32 ({FLOAT32_MAX:g})"
             return f"must be {self.phrase} and within what {held} holds"
         low, high = self.bounds
-        low_text, high_text = self._ends  # an unbounded end's `largest` is itself in the domain
         above = value > low if self.within[0] == "(" and low_text != "-inf" else value >= low
         below = value < high if self.within[-1] == ")" and high_text != "inf" else value <= high
         return None if above and below else "must be " + self.phrase
@@ -355,7 +355,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     for option in optim.OPTIONS.values():
         group.add_argument(option.flag, type=Domain(float, option.within or "(-inf, inf)"), help=f"{option.help}.")
     group.add_argument("--label-smoothing", type=DECAY, help="Label smoothing.")
-    group.add_argument("--loss-scaling", type=Domain(float, f"(0, {FLOAT32_MAX!r}]"), help="Static loss scale.")
+    group.add_argument("--loss-scaling", type=Domain(float, "(0, inf)"), help="Static loss scale.")
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,
                        help="Dynamic loss scaling: back off on overflow and skip that update.")
     group.add_argument("--seed", type=Domain(int, f"[0, {SEED_MAX}]"), help="Seed for a reproducible run.")
