@@ -238,6 +238,19 @@ def check_domains(values: dict[str, Any]) -> None:
                 raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
 
 
+def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`check_domains` for a tool's own parser (`cnns predict`, `cnns export`): every option it declares with a
+    `Domain` holds its value to it, before the tool reads or writes anything."""
+    for action in parser._actions:
+        domain, value = domain_of(action), getattr(args, action.dest, None)
+        if domain is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            problem = domain.problem(item)
+            if problem:
+                raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
+
+
 @lru_cache(maxsize=None)
 def _option_actions() -> dict[str, Any]:
     """argparse actions by destination, over the scripts that take training options."""
