@@ -108,6 +108,10 @@ TRAIN_TRAPS: dict[str, Callable[[Path, Path], list[str]]] = {
     "--data-dir a dangling link": lambda tmp, data: (
         (tmp / "gone").symlink_to(tmp / "nowhere"), ["--data-dir", str(tmp / "gone")])[1],
     "--data-dir a file": lambda tmp, data: ["--data-dir", str(_a_file(tmp))],
+    "--data-dir links that loop": lambda tmp, data: (
+        (tmp / "a").symlink_to(tmp / "b"), (tmp / "b").symlink_to(tmp / "a"), ["--data-dir", str(tmp / "a" / "x")])[2],
+    "--logs-path through links that loop": lambda tmp, data: (
+        (tmp / "c").symlink_to(tmp / "d"), (tmp / "d").symlink_to(tmp / "c"), ["--logs-path", str(tmp / "c" / "run")])[2],
     "--config-path a folder": lambda tmp, data: ["--config", "quick", "--config-path", str(tmp)],
     "--config-path a YAML bomb": lambda tmp, data: ["--config", "quick", "--config-path", str(_bomb(tmp, tmp))],
     "--init-path a folder that is not a run": lambda tmp, data: ["--init-path", str(tmp)],
