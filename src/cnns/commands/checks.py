@@ -176,6 +176,8 @@ def check_disk_room(cfg: RunConfig, folder: Path, what: str) -> None:
         status = os.statvfs(folder)
     except OSError:  # not looked at here: the writes say what is wrong
         return
+    if status.f_blocks == 0:  # a file system of no size (/proc, some network mounts): its writes say
+        return
     free, needed = status.f_bavail * status.f_frsize, model_memory(cfg, False, torch.device("cpu"))
     if needed > free:
         raise ConfigError(f"{what}: the run's checkpoints need at least {describe_size(needed)} each, more than the "
