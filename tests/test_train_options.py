@@ -216,7 +216,8 @@ def test_precision_sets_the_type_of_the_convolutions_and_of_the_weights(data_dir
 
     def recorded(self, x):
         out = forward(self, x)
-        seen.add((out.dtype, self.weight.dtype))
+        if out.device.type != "meta":  # the memory estimate's pass before the run computes nothing
+            seen.add((out.dtype, self.weight.dtype))
         return out
 
     monkeypatch.setattr(torch.nn.Conv2d, "forward", recorded)

@@ -8,6 +8,35 @@ class CnnsError(Exception):
     traceback. Raise it with a message that names the thing that is wrong (a file, an option, a value).
     """
 
+    def __reduce__(self):
+        """Pickled as its class, its one line and its attributes, whatever its constructor takes (UnreadableFile's
+        path and reason, WriteError's cause): an error sent from another process is the same error there."""
+        return _rebuilt, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuilt(kind: type, message: str, state: dict) -> CnnsError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class HandedBack:
+    """A CnnsError raised in a DataLoader worker, handed back as the worker's result instead of raised there.
+    torch's worker hand-back re-raises an exception as its class called with torch's own message (the worker's
+    traceback), or as a RuntimeError where the class takes other arguments: the user's one line would be lost and
+    the error seen as a bug. Pickled whole, it is raised again where the batch is received (`handed_back`)."""
+
+    def __init__(self, error: CnnsError):
+        self.error = error
+
+
+def handed_back(item):
+    """`item`, or the error it hands back raised here, as the worker raised it."""
+    if isinstance(item, HandedBack):
+        raise item.error
+    return item
+
 
 class DataError(CnnsError):
     """Missing, truncated or malformed data files."""
@@ -28,9 +57,6 @@ class WriteError(CnnsError):
     def __init__(self, path, cause: OSError):
         self.path, self.cause = path, cause
         super().__init__(f"cannot write {path}: {reason(cause)}")
-
-    def __reduce__(self):  # rebuilt from its own arguments when a worker process sends it back
-        return type(self), (self.path, self.cause)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

@@ -250,9 +250,13 @@ def _rmsprop_decay_from_exponent(o: Mapping[str, Any]) -> float | None:
     if exponent is None:
         return None
     try:
-        return 1 - 2.0 ** exponent * o["global_batch_size"]
+        decay = 1 - 2.0 ** exponent * o["global_batch_size"]
     except OverflowError:
         raise ConfigError(f"--rmsprop-base-decay-exp {exponent} is too large: 2^{exponent} overflows") from None
+    if not 0 <= decay < 1:  # named as the exponent given, not as the decay it derives (which was not given)
+        raise ConfigError(f"--rmsprop-base-decay-exp {exponent} gives the RMSprop decay 1 - 2^{exponent} x "
+                          f"{o['global_batch_size']} = {decay:g}, outside --rmsprop-decay's [0, 1)")
+    return decay
 
 
 register(OptimiserInfo(

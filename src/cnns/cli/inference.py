@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cnns.cli.parsing import print_config, resolve_command_line
 from cnns.config import RunConfig
+from cnns.config.files import check_parsed
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
 WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
@@ -50,7 +51,7 @@ def restored_run(restore_path: str) -> tuple[Path, RunConfig]:
 
 
 def predict_parser() -> argparse.ArgumentParser:
-    from cnns.config.table import byte_size
+    from cnns.config.table import COUNT, byte_size
     from cnns.deploy.restored import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
@@ -59,10 +60,11 @@ def predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
                         help="Image files (JPEG, PNG, ...) or folders of them (searched recursively).")
     parser.add_argument("--restore-path", required=True, help=RESTORE_PATH_HELP)
-    parser.add_argument("--top-k", type=int, default=5, help="Classes printed per image (default 5).")
+    parser.add_argument("--top-k", type=COUNT, default=5, help="Classes printed per image; at least 1 (default 5).")
     parser.add_argument("--json", action="store_true", help="One JSON object per image and line.")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="raw", help=WEIGHTS_HELP)
-    parser.add_argument("--batch-size", type=int, default=64, help="Images per forward pass (default 64).")
+    parser.add_argument("--batch-size", type=COUNT, default=64,
+                        help="Images per forward pass; at least 1 (default 64).")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
     parser.add_argument("--max-file-size", type=byte_size, metavar="SIZE",
                         help="The largest image file read, e.g. 512M or 2G (default 1G); a larger one, or anything "
@@ -73,7 +75,9 @@ def predict_parser() -> argparse.ArgumentParser:
 def predict_main(argv: list[str]) -> int:
     from cnns.commands.predict import predict
 
-    args = predict_parser().parse_args(argv)
+    parser = predict_parser()
+    args = parser.parse_args(argv)
+    check_parsed(parser, args)  # before the run is read
     return predict(*restored_run(args.restore_path), args.images, top_k=args.top_k, as_json=args.json,
                    weights=args.weights, batch_size=args.batch_size, device=args.device,
                    max_file_size=args.max_file_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cnns.runfolder.files import check_output
+from cnns.runfolder.files import check_output, refreshes
 from cnns.runfolder.plots import PLOT_FILE, TRAINING_FILE, VALIDATION_FILE, plot_runs, read_run
 
 COMPARISON_FILE = "comparison.png"
@@ -29,12 +29,13 @@ def _parser() -> argparse.ArgumentParser:
 def plot_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     runs = [read_run(folder) for folder in args.runs]  # CnnsError naming a folder that is not a run
-    out = args.out
-    if out is None:  # the plot's own file, which each plot (and training) draws again
+    reads = [folder / name for folder in args.runs for name in (TRAINING_FILE, VALIDATION_FILE)]
+    if args.out is None:  # the plot's own file, which each plot (and training) draws again: this command's to refresh
         out = args.runs[0] / PLOT_FILE if len(args.runs) == 1 else Path(COMPARISON_FILE)
+        refreshes(out, reads)
     else:
-        check_output(out, [folder / name for folder in args.runs for name in (TRAINING_FILE, VALIDATION_FILE)],
-                     args.overwrite)
+        out = args.out
+        check_output(out, reads, args.overwrite)
     written = plot_runs(runs, out, title=args.title)
     print(f"Wrote {written}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cnns.bounded import describe_size
 from cnns.config import RunConfig
 from cnns.config.defaults import stages_compile
 from cnns.data.dali_probe import check_dali_installed
@@ -50,6 +51,64 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
                              cfg.data.dataset_percentage_to_use)
     check_data(cfg.data.dataset, cfg.data.data_dir, splits, batch, outputs=cfg.model.num_classes,
                decode=not cfg.data.skip_corrupt_images, size_limit=cfg.data.max_file_size)
+    check_shared_memory(cfg, splits)
+    check_open_files(cfg, splits)
+
+
+def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/shm") -> None:
+    """The data workers' batch buffers fit in the machine's shared memory (`folder`, where torch keeps it; Docker
+    gives a container 64 MB): ConfigError naming what to lower or raise, before the run folder. Found only when a
+    worker first writes a buffer otherwise, as a bus error. CIFAR-sized data is held and augmented in this process."""
+    from cnns.data.formats import dataset_facts
+    from cnns.data.imagenet import shared_memory_bytes
+
+    workers = cfg.data.pipeline_num_parallel
+    if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
+        return
+    sizes = {"train": cfg.train.micro_batch_size, "validation": cfg.train.eval_batch_size}
+    needed = cfg.parallel.replicas * sum(shared_memory_bytes(workers, sizes[split], cfg.data.image_size)
+                                         for split in splits)  # every replica on this machine has its workers
+    try:
+        status = os.statvfs(folder)
+    except OSError:  # no such folder (not Linux): nothing to compare with
+        return
+    free = status.f_bavail * status.f_frsize
+    if needed > free:
+        raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers need {describe_size(needed)} of "
+                          f"shared memory for their batches, more than the {describe_size(free)} free in {folder}: lower "
+                          "--pipeline-num-parallel or --micro-batch-size (or --batch-size), or give the machine more "
+                          "(a Docker container: docker run --shm-size=8g)")
+
+
+# Descriptors a run holds besides its data workers' (the interpreter, torch's libraries, the run's files), and each
+# worker's besides its batch buffers (its pipes, the files it reads): measured, 2 workers failed under `ulimit -n 40`
+# and ran under 64 (a lower bound: only a limit that cannot hold the run is refused).
+FILES_OF_A_RUN, FILES_OF_A_WORKER = 32, 4
+
+
+def check_open_files(cfg: RunConfig, splits: list[str]) -> None:
+    """The descriptors the data workers' shared batches take (one per batch buffer, held open in this process)
+    fit under this process's limit on open files: the soft limit is raised to the hard one where that is enough
+    (as a user would, with `ulimit -n`), else ConfigError naming both what to raise and what to lower, before the
+    run folder. CIFAR-sized data is held and augmented in this process."""
+    import resource
+
+    from cnns.data.formats import dataset_facts
+    from cnns.data.imagenet import BATCH_BUFFERS_PER_WORKER
+
+    workers = cfg.data.pipeline_num_parallel
+    if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
+        return
+    needed = FILES_OF_A_RUN + workers * (FILES_OF_A_WORKER + BATCH_BUFFERS_PER_WORKER * len(splits))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return
+    raise ConfigError(f"--pipeline-num-parallel {workers}: the data workers' batches need about {needed} open files, "
+                      f"more than this process may open ({hard}): raise the limit (ulimit -n) or lower "
+                      "--pipeline-num-parallel")
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:
@@ -104,6 +163,28 @@ def check_run_folder_place(cfg: RunConfig) -> None:
         where = "is a file" if existing == path else f"cannot be made: {existing} is a file"
         raise ConfigError(f"{option} {target} {where}, not a folder")
     check_writable(existing, f"{option} {target}")
+    check_disk_room(cfg, existing, f"{option} {target}")
+
+
+def check_disk_room(cfg: RunConfig, folder: Path, what: str) -> None:
+    """The file system the run folder goes on has room for the run's first checkpoint, its weights at least
+    (`cnns.parallel.launch.model_memory`, on the CPU as it is saved): ConfigError before the run folder, naming the
+    free space. A disk that fills later ends in one line with the checkpoints already written whole
+    (`cnns.runfolder.files`)."""
+    import torch
+
+    from cnns.parallel.launch import model_memory
+
+    try:
+        status = os.statvfs(folder)
+    except OSError:  # not looked at here: the writes say what is wrong
+        return
+    if status.f_blocks == 0:  # a file system of no size (/proc, some network mounts): its writes say
+        return
+    free, needed = status.f_bavail * status.f_frsize, model_memory(cfg, False, torch.device("cpu"))
+    if needed > free:
+        raise ConfigError(f"{what}: the run's checkpoints need at least {describe_size(needed)} each, more than the "
+                          f"{describe_size(free)} free there: free some space or choose another folder")
 
 
 def check_holds_no_run(folder: Path, option: str, continue_with: str) -> None:

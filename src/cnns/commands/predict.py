@@ -60,7 +60,7 @@ import torch
 
 from cnns.config import RunConfig
 from cnns.deploy.restored import restore_model
-from cnns.errors import ConfigError, DataError
+from cnns.errors import DataError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,10 +177,6 @@ def predict(checkpoint: Path, cfg: RunConfig, images: Sequence[str], top_k: int 
     from cnns.devices import resolve_device
     from cnns.runfolder.classes import class_names
 
-    if top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {top_k}")
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
     files = image_files(images, max_file_size)
     restored = restore_model(checkpoint, cfg, weights, resolve_device(device))
     device = restored.device

@@ -12,13 +12,13 @@ rules, the frozen RunConfig.
 """
 
 from cnns.config.defaults import EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, resolve, run_name
-from cnns.config.files import check_option_types, default_configs_path, load_named_config
+from cnns.config.files import check_domains, check_option_types, default_configs_path, load_named_config
 from cnns.config.run import (DataConfig, LogConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
                              TrainConfig, parse_fractions)
 
 __all__ = [
     "EXPONENTIAL_DECAY_RATE", "EXPONENTIAL_DROPS", "DataConfig",
     "LogConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "TrainConfig",
-    "check_option_types", "default_configs_path", "load_named_config",
+    "check_domains", "check_option_types", "default_configs_path", "load_named_config",
     "parse_fractions", "resolve", "run_name",
 ]

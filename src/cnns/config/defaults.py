@@ -22,8 +22,8 @@ from typing import Any
 
 from cnns import optim
 from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
-from cnns.config.files import _option_actions
-from cnns.config.table import byte_size
+from cnns.config.files import check_domains
+from cnns.config.table import FLOAT32_MAX, FLOAT32_TINY, byte_size
 from cnns.data.formats import DATASETS, dataset_facts, dataset_named_in_path
 from cnns.errors import ConfigError
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
@@ -347,9 +347,9 @@ def family(o: dict[str, Any]) -> str:
 
 def _optimiser_defaults(o: dict[str, Any]) -> None:
     """The optimiser's entry (`cnns.optim`) fills what is unset: its own defaults first (its learning-rate
-    exponent, its weight decay), then every optimiser option's derived value or default, then the entry's rules;
-    every optimiser option given is checked against its range (the optimiser's spec checks all of them when the run
-    builds it, after its folder is written: an unused one out of range must be refused here)."""
+    exponent, its weight decay), then every optimiser option's derived value or default, then the entry's rules.
+    Every optimiser option given, read or not, was checked against its range with every option (`check_domains`:
+    the optimiser's spec checks them all again when the run builds it, after its folder is written)."""
     info = optim.optimiser_info(o["optimiser"])
     run_family = family(o)
     for dest, default in info.defaults.items():
@@ -360,13 +360,9 @@ def _optimiser_defaults(o: dict[str, Any]) -> None:
         _set_if_unset(o, dest, optim.default_in(option.default, run_family))
     if info.rules is not None:
         info.rules(o)
-    for dest, option in optim.OPTIONS.items():  # every one given, read or not: the optimiser's spec checks them all
-        if o.get(dest) is not None:
-            option.check(o[dest])
 
 
 def _training_defaults(o: dict[str, Any]) -> None:
-    _check_counts(o)
     o["global_batch_size"] = o["micro_batch_size"] * o["gradient_accumulation_count"] * o["replicas"]
     _optimiser_defaults(o)
     if o.get("abs_learning_rate") is not None:
@@ -383,9 +379,6 @@ def _training_defaults(o: dict[str, Any]) -> None:
             raise ConfigError(f"--base-learning-rate-exponent {exponent} gives the learning rate "
                               f"{o['learning_rate']:g}, which float32 cannot hold: choose one between about -120 "
                               "and 120")
-    for key in ("epochs_per_ckpt", "ckpts_per_epoch", "logs_per_epoch"):  # 0: none but the last
-        if o.get(key) is not None and o[key] < 0:
-            raise ConfigError(f"--{key.replace('_', '-')} must not be negative, got {o[key]}")
     if o.get("epochs_per_ckpt"):
         per_epoch = 1.0 / o["epochs_per_ckpt"]
         # Both on one command line are refused by the parser. A run's arguments.json (read again by
@@ -403,38 +396,7 @@ def _training_defaults(o: dict[str, Any]) -> None:
         o["warmup_epochs"] = 0.0  # Graphcore's application: warm-up is defined in epochs and needs --epochs
 
 
-# The learning rate's range: the optimisers hold it in float32 (torch's fused and foreach steps, 16.16's update).
-FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
-# Bounds of the host options: a timeout the process groups' timedelta holds (a week: longer is a hang), and more
-# threads than any machine has cores (torch would start them all).
-DIST_TIMEOUT_MAX, THREADS_MAX = 7 * 24 * 3600.0, 4096
-SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed or unsigned 64-bit seed; cnns derives others by adding
-
-
-def _check_finite(o: dict[str, Any]) -> None:
-    """Numbers that are not finite (--epochs nan), before anything uses them."""
-    for key, action in _option_actions().items():
-        value = o.get(key)
-        if action.type is float and isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{action.option_strings[0]} must be a finite number, got {value}")
-
-
-def _check_counts(o: dict[str, Any]) -> None:
-    """The counts the batch and the learning rate are made of, first: a zero one is named as itself, not as the
-    learning rate it would give."""
-    for key in ("micro_batch_size", "gradient_accumulation_count", "replicas", "shards", "device_iterations",
-                "log_freq"):
-        if o[key] is not None and o[key] < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, got {o[key]}")
-
-
 def _validate(o: dict[str, Any]) -> None:
-    if o.get("epochs") is not None and o["epochs"] <= 0:
-        raise ConfigError(f"--epochs must be positive, got {o['epochs']}")
-    if o.get("iterations") is not None and o["iterations"] < 1:
-        raise ConfigError(f"--iterations must be at least 1, got {o['iterations']}")
-    if o.get("num_classes") is not None and o["num_classes"] < 1:
-        raise ConfigError(f"--num-classes must be at least 1, got {o['num_classes']}")
     check_bn_span(o["BN_span"], o["replicas"])
     check_pipeline_schedule(o["pipeline_schedule"], o["gradient_accumulation_count"], o["shards"])
     if o["shards"] > 1 and not o["pipeline"]:
@@ -443,20 +405,16 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--pipeline-splits should be used in combination with --pipeline")
     if o["dataset"] is not None and cifar_sized(o) and o.get("image_size") not in (None, 32):
         raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
-    if not 1 <= o["dataset_percentage_to_use"] <= 100:
-        raise ConfigError("--dataset-percentage-to-use must be between 1 and 100")
-    if o["label_smoothing"] < 0 or o["label_smoothing"] >= 1:
-        raise ConfigError(f"--label-smoothing must be in [0, 1), got {o['label_smoothing']}")
-    if (o.get("warmup_epochs") or 0) < 0:
-        raise ConfigError(f"--warmup-epochs must not be negative, got {o['warmup_epochs']}")
-    if not 0 < o["dist_timeout"] <= DIST_TIMEOUT_MAX:
-        raise ConfigError(f"--dist-timeout must be a positive number of seconds up to {DIST_TIMEOUT_MAX:.0f} (a week), "
-                          f"got {o['dist_timeout']}")
-    if o["threads_per_worker"] != "auto" and not 1 <= o["threads_per_worker"] <= THREADS_MAX:
-        raise ConfigError(f"--threads-per-worker must be auto or between 1 and {THREADS_MAX}, "
-                          f"got {o['threads_per_worker']}")
-    if o.get("seed") is not None and not 0 <= o["seed"] <= SEED_MAX:
-        raise ConfigError(f"--seed must be in [0, {SEED_MAX}] (torch's and numpy's seeds), got {o['seed']}")
+
+
+def check_label_smoothing(smoothing: float, classes: int) -> None:
+    """Graphcore's label smoothing e leaves 1 - e on the true class and spreads e over the other classes, so the true
+    class keeps at least as much as each other one only up to e = (K - 1) / K (torch's own smoothing, to which it
+    is converted, refuses more). The rule of --label-smoothing's domain ([0, 1) in the options table) that needs
+    the class count, known once the data is: checked when the run's configuration is made, before its folder."""
+    if classes > 1 and smoothing > (classes - 1) / classes:
+        raise ConfigError(f"--label-smoothing {smoothing} leaves the true class less than each of the other "
+                          f"{classes - 1}: at most {(classes - 1) / classes:g} with {classes} classes")
 
 
 def check_pipeline_schedule(schedule: str, micro_batches: int, shards: int) -> None:
@@ -527,7 +485,7 @@ def run_name(o: dict[str, Any]) -> str:
 def resolve(cli_values: dict[str, Any]) -> dict[str, Any]:
     """Fill every option: generic defaults, dataset/model defaults, derived values. Pure: no I/O."""
     o = dict(cli_values)
-    _check_finite(o)
+    check_domains(o)
     for key, value in GENERIC_DEFAULTS.items():
         _set_if_unset(o, key, value)
     _dataset_defaults(o)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from cnns.bounded import UnreadableFile, read_bounded
-from cnns.config.table import IPU_ONLY_OPTIONS, build_parser
+from cnns.config.table import IPU_ONLY_OPTIONS, build_parser, domain_of
 from cnns.errors import ConfigError
 
 # configs.yml is about 10 KB and a benchmark list a few; a YAML file a command reads is refused above these.
@@ -190,8 +190,10 @@ def _option_value_problem(action, value: Any, strings_are_parsed: bool) -> str |
         items = value if isinstance(value, list) else [value]
         for item in items:
             problem = _scalar_problem(action, item, strings_are_parsed=False)
-            if problem:
+            if problem and problem.startswith(("a ", "an ")):  # a kind: "a list of integers"
                 return f"a list of {problem.removeprefix('a ').removeprefix('an ')}s"
+            if problem:  # a range: "a list of values each at least 1"
+                return f"a list of values each {problem}"
         return None
     return _scalar_problem(action, value, strings_are_parsed)
 
@@ -200,11 +202,16 @@ def _scalar_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
     if not isinstance(value, (str, int, float, bool)):
         return "a single value"
     parsed_string = isinstance(value, str) and strings_are_parsed
-    if not parsed_string:  # a string for configs.yml is converted (or refused) by the parser itself
-        if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
-            return "an integer"
-        if action.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return "a number"
+    domain = domain_of(action)
+    if domain is not None:
+        if parsed_string:  # converted as the command line converts it, then checked as every value is
+            try:
+                value = domain(value)
+            except argparse.ArgumentTypeError as error:
+                return f"{'an integer' if domain.kind is int else 'a number'} ({error})"
+        problem = domain.problem(value)
+        if problem:
+            return problem.removeprefix("must be ")
     if action.choices is not None:
         candidate = value
         if parsed_string and callable(action.type):
@@ -215,6 +222,33 @@ def _scalar_problem(action, value: Any, strings_are_parsed: bool) -> str | None:
         if isinstance(candidate, bool) or candidate not in action.choices:
             return "one of " + ", ".join(repr(choice) for choice in action.choices)
     return None
+
+
+def check_domains(values: dict[str, Any]) -> None:
+    """ConfigError naming the option when a value given to it lies outside the domain its entry in the options
+    table declares (`cnns.config.table.Domain`): the one check of every numeric option, whoever read the value
+    (the command line, configs.yml, a run's arguments.json), before anything uses it. None (unset) passes."""
+    for key, action in _option_actions().items():
+        domain, value = domain_of(action), values.get(key)
+        if domain is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            problem = domain.problem(item)
+            if problem:
+                raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
+
+
+def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`check_domains` for a tool's own parser (`cnns predict`, `cnns export`): every option it declares with a
+    `Domain` holds its value to it, before the tool reads or writes anything."""
+    for action in parser._actions:
+        domain, value = domain_of(action), getattr(args, action.dest, None)
+        if domain is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            problem = domain.problem(item)
+            if problem:
+                raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
 
 
 @lru_cache(maxsize=None)

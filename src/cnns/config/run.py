@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import GENERIC_DEFAULTS, default_for, draw_seed
+from cnns.config.defaults import GENERIC_DEFAULTS, check_label_smoothing, default_for, draw_seed
 from cnns.data.formats import dataset_facts
 from cnns.data.spec import DataConfig
 from cnns.devices import requested_device
@@ -173,6 +173,7 @@ class RunConfig:
         image_size = o["image_size"] if o.get("image_size") is not None else default_for("image_size", o)
         # The run's class count (arguments.json records it; a run of an older version: the dataset's).
         num_classes = o.get("num_classes") or dataset_facts(dataset).num_classes
+        check_label_smoothing(o["label_smoothing"], num_classes)
         # The architecture options its model reads (`cnns.config.defaults`: none of them for a ResNet, which
         # takes the model's own).
         shape = {key: o[key] for key in ("group_dim", "expand_ratio", "convolution_groups") if o.get(key)}

@@ -9,12 +9,17 @@ both, so that neither reaches up for the other.
 
 Every default is left as ``None`` here and filled in by `cnns.config.defaults`, where each is declared once;
 `--help` states them from there (`build_parser`'s `stated_default`), as they apply per dataset and model.
+Every option that takes a number declares its domain here, once, as its argparse type (`Domain`: integer or real,
+the interval, what 0 means); `cnns.config.files.check_domains` holds every value read to it, and --help states it.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from cnns import optim
 from cnns.data.formats import DATASETS
@@ -116,22 +121,114 @@ def _on_off(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected ON or OFF, got {value!r}")
 
 
-def _threads(value: str) -> int | str:
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of threads or auto, got {value!r}") from None
+# Bounds the options' domains share: float32's largest number (what torch holds a learning rate or a loss scale in),
+# torch's largest int64 (every count becomes a tensor size or an index somewhere), a length in epochs no run
+# reaches (--epochs 1e308 would overflow the updates' count), a timeout the process groups' timedelta holds (a
+# week: longer is a hang), more threads than any machine has cores (torch would start them all), and the
+# classifier's outputs a tensor dimension takes.
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+INT64_MAX = 2**63 - 1
+EPOCHS_MAX = 1e6
+DIST_TIMEOUT_MAX, THREADS_MAX = 7 * 24 * 3600.0, 4096
+SEED_MAX = INT64_MAX  # torch.manual_seed takes a signed or unsigned 64-bit seed; cnns derives others by adding
+CLASSES_MAX = 2**31 - 1
 
 
-def _replicas(value: str) -> int | str:
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of replicas or auto, got {value!r}") from None
+@dataclass(frozen=True)
+class Domain:
+    """The values one numeric option takes, declared with the option (its `type=`): its kind (int or float), an
+    interval in the usual notation ("[1, inf)", "[0, 1)"; a float is always finite, an integer at most INT64_MAX),
+    what 0 means where it means something apart (`zero`: "none", "only the last"), and words it takes besides
+    numbers (`words`: "auto"). As argparse's type it only parses; `problem` is the one check every reader of
+    options applies (the command line's resolution, configs.yml, a run's arguments.json read back), and --help
+    states `phrase`."""
+
+    kind: type
+    within: str
+    zero: str = ""
+    words: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.kind in (int, float) and self.within[0] in "[(" and self.within[-1] in ")]", self
+
+    @property
+    def _ends(self) -> tuple[str, str]:
+        low, high = (end.strip() for end in self.within[1:-1].split(","))
+        return low, high
+
+    @property
+    def largest(self) -> float:
+        """The largest magnitude torch holds of the kind: an unbounded end stands for it (and takes it)."""
+        return INT64_MAX if self.kind is int else FLOAT32_MAX
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """The interval's ends, an unbounded end at `largest`."""
+        low, high = (float(end) for end in self._ends)
+        return max(low, -self.largest), min(high, self.largest)
+
+    def __call__(self, text: str) -> int | float | str:
+        """argparse's type: a word of `words`, or the text as the option's kind; ArgumentTypeError otherwise."""
+        text = str(text).strip()
+        if text.lower() in self.words:
+            return text.lower()
+        try:
+            return self.kind(text)
+        except ValueError:
+            kind = "an integer" if self.kind is int else "a number"
+            also = "".join(f" or {word}" for word in self.words)
+            raise argparse.ArgumentTypeError(f"expected {kind}{also}, got {text!r}") from None
+
+    def problem(self, value: Any) -> str | None:
+        """What `value` must be ("must be at least 1"), or None when it lies in the domain."""
+        if isinstance(value, str) and value in self.words:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            return "must be " + ("an integer" if self.kind is int else "a number")
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be a finite number"
+        low_text, high_text = self._ends  # an unbounded end's `largest` is itself in the domain
+        if (value > self.largest and high_text == "inf") or (value < -self.largest and low_text == "-inf"):
+            held = f"torch's int64 ({INT64_MAX})" if self.kind is int else f"float32 ({FLOAT32_MAX:g})"
+            return f"must be {self.phrase} and within what {held} holds"
+        low, high = self.bounds
+        above = value > low if self.within[0] == "(" and low_text != "-inf" else value >= low
+        below = value < high if self.within[-1] == ")" and high_text != "inf" else value <= high
+        return None if above and below else "must be " + self.phrase
+
+    @property
+    def phrase(self) -> str:
+        """The domain in words: "at least 1", "positive", "in [0, 1)", "auto or between 1 and 4096"."""
+        low, high = self.bounds
+        ends = [f"{end:g}" if self.kind is float else str(int(end)) for end in (low, high)]
+        unbounded = self._ends[1] == "inf"
+        if self._ends[0] == "-inf" and unbounded:
+            words = "a finite number"
+        elif unbounded and low == 0 and self.within[0] == "(":
+            words = "positive"
+        elif unbounded:
+            words = f"at least {ends[0]}" if self.within[0] == "[" else f"greater than {ends[0]}"
+        elif self.within[0] == "[" and self.within[-1] == "]":
+            words = f"between {ends[0]} and {ends[1]}"
+        else:
+            words = f"in {self.within[0]}{ends[0]}, {ends[1]}{self.within[-1]}"
+        return " or ".join([*self.words, words])
+
+    def help(self) -> str:
+        """What --help adds: "at least 0; 0: none"."""
+        return self.phrase + (f"; 0: {self.zero}" if self.zero else "")
+
+
+def domain_of(action: argparse.Action) -> Domain | None:
+    """The domain an option's action declares, or None for an option that takes no number."""
+    return action.type if isinstance(action.type, Domain) else None
+
+
+# The domains that recur: a count of things (micro-batches, updates, stages), a fraction of one, a decay.
+COUNT = Domain(int, "[1, inf)")
+DECAY = Domain(float, "[0, 1)")
+NON_NEGATIVE = Domain(float, "[0, inf)")
+EPOCHS = Domain(float, f"(0, {EPOCHS_MAX:g}]")
 
 
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -170,16 +267,17 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     norm = group.add_mutually_exclusive_group()
     norm.add_argument("--batch-norm", action="store_true", default=None, help="Batch normalisation.")
     norm.add_argument("--group-norm", action="store_true", default=None, help="Group normalisation.")
-    group.add_argument("--groups", type=int, help="Number of groups for group norm.")
-    group.add_argument("--BN-span", "--bn-span", dest="BN_span", type=int,
+    group.add_argument("--groups", type=COUNT, help="Number of groups for group norm.")
+    group.add_argument("--BN-span", "--bn-span", dest="BN_span", type=COUNT,
                        help="Number of replicas over which batch-norm statistics are computed.")
-    group.add_argument("--BN-decay", "--bn-decay", dest="BN_decay", type=float,
+    group.add_argument("--BN-decay", "--bn-decay", dest="BN_decay", type=DECAY,
                        help="Batch-norm moving-average decay d, torch's momentum 1 - d.")
-    group.add_argument("--group-dim", type=int, help="EfficientNet: group size of the depthwise convolutions; "
+    group.add_argument("--group-dim", type=COUNT, help="EfficientNet: group size of the depthwise convolutions; "
                        "ResNeXt: channels per group.")
-    group.add_argument("--expand-ratio", type=int, help="EfficientNet: expansion ratio.")
-    group.add_argument("--convolution-groups", type=int, help="ResNeXt cardinality.")
-    group.add_argument("--image-size", type=int, help="Input image size; CIFAR's images are 32 x 32.")
+    group.add_argument("--expand-ratio", type=COUNT, help="EfficientNet: expansion ratio.")
+    group.add_argument("--convolution-groups", type=COUNT, help="ResNeXt cardinality.")
+    group.add_argument("--image-size", type=Domain(int, "[8, 8192]"),
+                       help="Input image size; CIFAR's images are 32 x 32.")
 
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +291,7 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                        help=f"{', '.join(list(DATASETS)[:-1])} or {list(DATASETS)[-1]} (inferred from --data-dir "
                             "when omitted: its path's name, else its files).")
     group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
-    group.add_argument("--num-classes", type=int,
+    group.add_argument("--num-classes", type=Domain(int, f"[1, {CLASSES_MAX}]"),
                        help="Outputs of the classifier (default: the data's classes: a folder tree's class folders, "
                             "else the dataset's: " + ", ".join(f"{d.num_classes:,} for {d.name}" for d in DATASETS.values())
                             + ").")
@@ -212,7 +310,7 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eight-bit-io", action="store_true", default=None,
                        help="Images cross from host to device as uint8 and are normalised on the device: what runs "
                             "unless --hostside-norm is given without it.")
-    group.add_argument("--pipeline-num-parallel", type=int,
+    group.add_argument("--pipeline-num-parallel", type=Domain(int, "[0, 1024]", zero="load in the main process"),
                        help="Number of host data-loading worker processes.")
     group.add_argument("--decode-device", choices=("auto", "cpu", "cuda", "dali"),
                        help="ImageNet: where JPEGs are decoded: cpu (the workers), cuda (nvJPEG on the run's GPU, "
@@ -224,9 +322,10 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                        help="Do not keep decoded datasets in host memory.")
     group.add_argument("--standard-imagenet", action="store_true", default=None,
                        help="Standard (reproducible) ImageNet preprocessing.")
-    group.add_argument("--dataset-percentage-to-use", type=int, help="Use only this percentage of the training set.")
-    group.add_argument("--mixup-alpha", type=float, help="Mixup alpha, 0 for none.")
-    group.add_argument("--cutmix-lambda", type=float, help="Cutmix lambda, 1 for none.")
+    group.add_argument("--dataset-percentage-to-use", type=Domain(int, "[1, 100]"),
+                       help="Use only this percentage of the training set.")
+    group.add_argument("--mixup-alpha", type=Domain(float, "[0, inf)", zero="none"), help="Mixup alpha.")
+    group.add_argument("--cutmix-lambda", type=Domain(float, "[0, 1]"), help="Cutmix lambda, 1 for none.")
     group.add_argument("--cutmix-version", type=int, choices=(1, 2), help="Cutmix variant.")
     group.add_argument("--dataset-benchmark", action="store_true",
                        help="Run the input pipeline alone and report images/s.")
@@ -237,61 +336,67 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     # Graphcore's application's two spellings of one option, as two mutually exclusive arguments: the parser refuses
     # both on one command line (it would keep only the last, silently).
     batch = group.add_mutually_exclusive_group()
-    batch.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
+    batch.add_argument("--micro-batch-size", dest="micro_batch_size", type=COUNT,
                        help="Samples per forward/backward pass on one replica.")
-    batch.add_argument("--batch-size", dest="micro_batch_size", type=int, help="Graphcore's spelling of --micro-batch-size.")
-    group.add_argument("--gradient-accumulation-count", type=int,
+    batch.add_argument("--batch-size", dest="micro_batch_size", type=COUNT,
+                       help="Graphcore's spelling of --micro-batch-size.")
+    group.add_argument("--gradient-accumulation-count", type=COUNT,
                        help="Micro-batches whose gradients are summed before one weight update.")
     group.add_argument("--gradient-accumulation-dtype", choices=("float32", "half", "auto"),
                        help="dtype of accumulated gradients.")
     length = group.add_mutually_exclusive_group()
-    length.add_argument("--epochs", "--epoch", dest="epochs", type=float,
+    length.add_argument("--epochs", "--epoch", dest="epochs", type=EPOCHS,
                         help="Number of training epochs, without --iterations.")
-    length.add_argument("--iterations", type=int, help="Number of weight updates (instead of --epochs).")
+    length.add_argument("--iterations", type=COUNT, help="Number of weight updates (instead of --epochs).")
     group.add_argument("--base-learning-rate-exponent", "--base-learning-rate", dest="base_learning_rate_exponent",
-                       type=float, help="Learning rate = 2^N x global batch size.")
-    group.add_argument("--abs-learning-rate", type=float, help="Learning rate, overriding the exponent rule.")
+                       type=Domain(float, "(-inf, inf)"), help="Learning rate = 2^N x global batch size.")
+    group.add_argument("--abs-learning-rate", type=Domain(float, "(0, inf)"),
+                       help="Learning rate, overriding the exponent rule.")
     group.add_argument("--lr-schedule", choices=SCHEDULES, help="Learning-rate schedule.")
-    group.add_argument("--warmup-epochs", type=float, help="Linear warm-up epochs, 0 for none; none with --iterations.")
-    group.add_argument("--learning-rate-decay", type=float, help="Stepped: factor at each boundary.")
+    group.add_argument("--warmup-epochs", type=Domain(float, f"[0, {EPOCHS_MAX:g}]", zero="none"),
+                       help="Linear warm-up epochs; none with --iterations.")
+    group.add_argument("--learning-rate-decay", type=Domain(float, "(0, inf)"),
+                       help="Stepped: factor at each boundary.")
     group.add_argument("--learning-rate-schedule", type=str, help="Stepped: comma-separated fractions of training.")
-    group.add_argument("--lr-decay-rate", type=float, help="Exponential schedule: decay rate.")
-    group.add_argument("--lr-drops", type=int, help="Exponential schedule: number of decays over the whole run.")
-    group.add_argument("--poly-lr-decay-power", type=float, help="Polynomial schedule power.")
-    group.add_argument("--poly-lr-end-ratio", type=float, help="Polynomial schedule: end lr as a fraction of the peak.")
-    group.add_argument("--abs-end-learning-rate", type=float, help="Polynomial schedule: absolute end lr.")
+    group.add_argument("--lr-decay-rate", type=Domain(float, "(0, inf)"), help="Exponential schedule: decay rate.")
+    group.add_argument("--lr-drops", type=COUNT, help="Exponential schedule: number of decays over the whole run.")
+    group.add_argument("--poly-lr-decay-power", type=NON_NEGATIVE, help="Polynomial schedule power.")
+    group.add_argument("--poly-lr-end-ratio", type=NON_NEGATIVE,
+                       help="Polynomial schedule: end lr as a fraction of the peak.")
+    group.add_argument("--abs-end-learning-rate", type=NON_NEGATIVE, help="Polynomial schedule: absolute end lr.")
     # The optimisers and their options: the registry's entries (`cnns.optim`).
     group.add_argument("--optimiser", "--optimizer", dest="optimiser", choices=tuple(optim.OPTIMISERS),
                        type=lambda v: optim.canonical_name(v) or v, help="Optimiser.")
     for option in optim.OPTIONS.values():
-        group.add_argument(option.flag, type=float, help=f"{option.help}.")
-    group.add_argument("--label-smoothing", type=float, help="Label smoothing.")
-    group.add_argument("--loss-scaling", type=float, help="Static loss scale.")
+        group.add_argument(option.flag, type=Domain(float, option.within or "(-inf, inf)"), help=f"{option.help}.")
+    group.add_argument("--label-smoothing", type=DECAY, help="Label smoothing.")
+    group.add_argument("--loss-scaling", type=Domain(float, "(0, inf)"), help="Static loss scale.")
     group.add_argument("--auto-loss-scaling", action="store_true", default=None,
                        help="Dynamic loss scaling: back off on overflow and skip that update.")
-    group.add_argument("--seed", type=int, help="Seed for a reproducible run.")
+    group.add_argument("--seed", type=Domain(int, f"[0, {SEED_MAX}]"), help="Seed for a reproducible run.")
     group.add_argument("--init-path",
                        help="Start from these weights: a cnns checkpoint or run folder, or a timm-layout state dict "
                             "(.pt, .pth or .safetensors). The model only: optimiser, schedule and data order start "
                             "fresh; a classifier of another class count is initialised anew.")
     cadence = group.add_mutually_exclusive_group()
-    cadence.add_argument("--ckpts-per-epoch", type=float,
-                         help="Checkpoints per epoch, 0 for only the last (where: the rule under Logging).")
-    cadence.add_argument("--epochs-per-ckpt", type=float,
-                         help="Epochs between checkpoints, instead of --ckpts-per-epoch; 0: by --ckpts-per-epoch.")
-    group.add_argument("--ckpt-epochs-offset", type=float,
+    cadence.add_argument("--ckpts-per-epoch", type=Domain(float, "[0, inf)", zero="only the last"),
+                         help="Checkpoints per epoch (where: the rule under Logging).")
+    cadence.add_argument("--epochs-per-ckpt", type=Domain(float, "[0, inf)", zero="by --ckpts-per-epoch"),
+                         help="Epochs between checkpoints, instead of --ckpts-per-epoch.")
+    group.add_argument("--ckpt-epochs-offset", type=NON_NEGATIVE,
                        help="No checkpoints of the cadence during the first N epochs (the initial weights and the "
                             "last update are saved still).")
     group.add_argument("--no-validation", dest="validation", action="store_false", default=None,
                        help="Do not validate the checkpoints after training.")
-    group.add_argument("--validation-images", type=int,
+    group.add_argument("--validation-images", type=COUNT,
                        help="Generated/synthetic data only: images validated per checkpoint (default: as many as the "
                             "run trained on; validation.py: 20 batches). Real data is always validated whole.")
-    group.add_argument("--weight-avg-N", "--weight-avg-n", dest="weight_avg_N", type=int, nargs="+",
+    group.add_argument("--weight-avg-N", "--weight-avg-n", dest="weight_avg_N", type=COUNT, nargs="+",
                        help="After training, validate the mean of the last N checkpoints.")
-    group.add_argument("--weight-avg-exp", type=float, nargs="+",
+    group.add_argument("--weight-avg-exp", type=DECAY, nargs="+",
                        help="After training, validate the exponential average of the checkpoints with this decay.")
-    group.add_argument("--ema-decay", type=float, help="Exponential moving average of the weights during training.")
+    group.add_argument("--ema-decay", type=Domain(float, "[0, 1)", zero="none"),
+                       help="Exponential moving average of the weights during training.")
     group.add_argument("--compile", dest="compile", action="store_true", default=None,
                        help="torch.compile the model (the default on a CUDA GPU, with CUDA graphs; not on a CPU, where "
                             "it measured no faster).")
@@ -313,7 +418,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
                           help="Round weight updates to nearest.")
     group.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available).")
     group.add_argument("--select-ipus", "--select-ipu", dest="select_ipus", nargs="+", help="Graphcore's spelling of device selection: an index selects cuda:<index>.")
-    group.add_argument("--replicas", type=_replicas, help="Data-parallel replicas (processes), or auto: one per "
+    group.add_argument("--replicas", type=Domain(int, "[1, inf)", words=("auto",)), help="Data-parallel replicas (processes), or auto: one per "
                        "usable core (CPU) or GPU; alone, train.py starts them itself; under torchrun, the "
                        "process count / --shards.")
     group.add_argument("--identical-replica-seeding", action="store_true", default=None,
@@ -326,7 +431,7 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
     _add_pipeline_layout_options(group)
     group.add_argument("--enable-recomputation", "--enable-recompute", dest="enable_recomputation",
                        action="store_true", default=None, help="Activation checkpointing at stage/block boundaries.")
-    group.add_argument("--device-iterations", type=int,
+    group.add_argument("--device-iterations", type=COUNT,
                        help="The most weight updates between host synchronisations, where the metrics are fetched "
                             "(the rule under Logging).")
     group.add_argument("--rts", "--replicated-tensor-sharding", dest="rts", action="store_true", default=None,
@@ -347,10 +452,10 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_host_options(group: argparse._ArgumentGroup) -> None:
     """How the processes use the machine: threads, waiting for peers, the CPU's fused passes and its allocator."""
-    group.add_argument("--threads-per-worker", type=_threads, metavar="N|auto",
+    group.add_argument("--threads-per-worker", type=Domain(int, f"[1, {THREADS_MAX}]", words=("auto",)), metavar="N|auto",
                        help="CPU threads of each of several worker processes on one machine; auto shares the "
                             "usable cores out evenly.")
-    group.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+    group.add_argument("--dist-timeout", type=Domain(float, f"(0, {DIST_TIMEOUT_MAX:g}]"), metavar="SECONDS",
                        help="How long a rendezvous or collective waits for a peer before the run ends naming it.")
     group.add_argument("--fused-norm", choices=("auto", "on", "off"),
                        help="CPU: the fused norm + activation and squeeze-excitation passes: auto where they were "
@@ -364,7 +469,7 @@ def _add_pipeline_layout_options(group: argparse._ArgumentGroup, new_layout: boo
     """--shards, --pipeline-splits and --pipeline-schedule, declared once: for train.py (and the scripts sharing its
     options), and for restore.py, which may continue a run with a `new_layout`. train.py's --pipeline-splits may
     come without names, to print the names it takes; restore.py's names the cuts of the new layout."""
-    group.add_argument("--shards", type=int, help="Pipeline stages from now on (1: the whole model per process)."
+    group.add_argument("--shards", type=COUNT, help="Pipeline stages from now on (1: the whole model per process)."
                        if new_layout else "Pipeline stages (processes) the model is split over.")
     group.add_argument("--pipeline-splits", "--pipeline-split", dest="pipeline_splits", nargs="+" if new_layout else "*",
                        help="Split points for the new --shards (one fewer than the shards)." if new_layout else
@@ -389,8 +494,9 @@ def _add_logging_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Logging", description=CADENCE_RULE)
     group.add_argument("--log-dir", help="Folder for run folders.")
     group.add_argument("--name-suffix", help="Appended to the run name.")
-    group.add_argument("--logs-per-epoch", type=float, help="Step lines per epoch, with --epochs.")
-    group.add_argument("--log-freq", type=int, help="Updates between step lines, with --iterations.")
+    group.add_argument("--logs-per-epoch", type=Domain(float, "[0, inf)", zero="one at the end of training"),
+                       help="Step lines per epoch, with --epochs.")
+    group.add_argument("--log-freq", type=COUNT, help="Updates between step lines, with --iterations.")
     group.add_argument("--logs-path", help="Exact run folder to write (instead of a generated name under --log-dir).")
     group.add_argument("--wandb", action="store_true", default=None, help="Log to Weights & Biases (offline by default).")
     group.add_argument("--wandb-project", help="Weights & Biases project name.")
@@ -408,9 +514,11 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 def _add_validation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Validation")
     group.add_argument("--restore-path", help="A run folder or one checkpoint file.")
-    group.add_argument("--global-batch-size", type=int, help="Global batch size of the training run (for the epoch).")
-    group.add_argument("--repeat", type=int, help="Inference benchmark: passes over the data (generated/synthetic data).")
-    group.add_argument("--validation-micro-batch-size", type=int, help="Batch size for validation (default: micro-batch).")
+    group.add_argument("--global-batch-size", type=COUNT, help="Global batch size of the training run (for the epoch).")
+    group.add_argument("--repeat", type=COUNT,
+                       help="Inference benchmark: passes over the data (generated/synthetic data).")
+    group.add_argument("--validation-micro-batch-size", type=COUNT,
+                       help="Batch size for validation (default: micro-batch).")
 
 
 StatedDefault = Callable[[argparse.Action], str]  # an option's default as its help says it: " (default ...)" or ""
@@ -443,9 +551,10 @@ def build_parser(script: str, stated_default: StatedDefault | None = None) -> On
     if script == "weight-avg":
         group = parser.add_argument_group("Weight averaging")
         group.add_argument("--mode", choices=("mean", "exponential"), default="mean")
-        group.add_argument("-N", "--N", dest="N", type=int, help="Average the last N checkpoints (default: all).")
-        group.add_argument("--decay", type=float, help="Exponential decay (default 0.97).")
-        group.add_argument("--discard-last", type=int, default=0, help="Ignore the last k checkpoints.")
+        group.add_argument("-N", "--N", dest="N", type=COUNT, help="Average the last N checkpoints (default: all).")
+        group.add_argument("--decay", type=DECAY, help="Exponential decay (default 0.97).")
+        group.add_argument("--discard-last", type=Domain(int, "[0, inf)"), default=0,
+                           help="Ignore the last k checkpoints.")
     if script == "infer":
         group = parser.add_argument_group("Embedded inference")
         group.add_argument("--force-recompile", action="store_true", help="Rebuild the compiled artefact.")
@@ -456,8 +565,8 @@ def build_parser(script: str, stated_default: StatedDefault | None = None) -> On
 
 
 def _state_defaults(parser: argparse.ArgumentParser, stated_default: StatedDefault | None) -> None:
-    """Each option's default at the end of its help (before its last full stop): said once, by the first of the
-    arguments an option has (--micro-batch-size, not --batch-size)."""
+    """Each option's domain and default at the end of its help (before its last full stop): said once, by the first
+    of the arguments an option has (--micro-batch-size, not --batch-size)."""
     seen: set[str] = set()
     for action in parser._actions:
         if action.dest in seen or action.help in (None, argparse.SUPPRESS):
@@ -465,6 +574,8 @@ def _state_defaults(parser: argparse.ArgumentParser, stated_default: StatedDefau
         seen.add(action.dest)
         own = action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool)
         stated = f" (default {action.default})" if own else (stated_default(action) if stated_default else "")
+        if domain_of(action) is not None:  # the values it takes, before its default
+            stated = f"; {domain_of(action).help()}{stated}"
         if stated:
             action.help = (f"{action.help[:-1]}{stated}." if action.help.endswith(".") else action.help + stated)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ from cnns.data.batches import ShardPlan, mix_seed, shuffled
 from cnns.data.batchpool import BatchPool, new_shared_tensor
 from cnns.data.decoding import Crop, DecodeClock, DeviceBatch, ImageDecoder, device_jpeg_size
 from cnns.data.imagefolder import stored_orientation
-from cnns.errors import CnnsError, ConfigError, DataError
+from cnns.errors import CnnsError, ConfigError, DataError, HandedBack, handed_back
 
 # Graphcore's application's training crop (sample_distorted_bounding_box without boxes), as torchvision's
 # RandomResizedCrop draws it: area and aspect ranges, and the tries before the centre-crop fallback.
@@ -371,7 +370,15 @@ class ImageBatchDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, keys: list[SampleKey]) -> tuple | DeviceBatch:
+    def __getitem__(self, keys: list[SampleKey]) -> tuple | DeviceBatch | HandedBack:
+        try:
+            return self._batch(keys)
+        except CnnsError as error:  # a bad file: in a worker, handed back whole (cnns.errors.HandedBack)
+            if get_worker_info() is None:
+                raise
+            return HandedBack(error)
+
+    def _batch(self, keys: list[SampleKey]) -> tuple | DeviceBatch:
         if self.device_decoding is not None:
             return self._for_device(keys)
         size = self.transform.image_size
@@ -474,6 +481,13 @@ def _index(key: SampleKey) -> int:
 BATCH_BUFFERS_PER_WORKER = 4
 
 
+def shared_memory_bytes(workers: int, batch_size: int, image_size: int) -> int:
+    """What one loader's reusable batch buffers (`BatchPool`) take in shared memory (/dev/shm) once its workers
+    have written them: the pages are the kernel's to find at the first write, so a /dev/shm too small ends in a
+    worker's bus error, not at the start (`cnns.commands.checks.check_shared_memory` looks before the run)."""
+    return workers * BATCH_BUFFERS_PER_WORKER * batch_size * image_size * image_size * 3
+
+
 def build_imagenet_loader(
     records: ImageRecords,
     train: bool,
@@ -537,24 +551,6 @@ def build_imagenet_loader(
         generator=torch.Generator().manual_seed(mix_seed(seed, shard[0])),
     )
     return loader, num_samples, records.num_classes
-
-
-def worker_error_as_raised(error: CnnsError) -> CnnsError:
-    """The error as the worker raised it. torch re-raises an exception from a DataLoader worker as the
-    same type, but with "Caught DataError in DataLoader worker process N." and the worker's whole
-    traceback as its message (torch.utils.data._utils.ExceptionWrapper.reraise); the original message
-    is the end of that traceback, after "cnns.errors.DataError: ". Other errors are returned as they are."""
-    text = str(error)
-    if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
-        return error
-    kind = type(error)
-    prefixes = (f"{kind.__module__}.{kind.__qualname__}: ", f"{kind.__qualname__}: ")
-    lines = text.rstrip("\n").splitlines()
-    for index in range(len(lines) - 1, 0, -1):
-        for prefix in prefixes:
-            if lines[index].startswith(prefix):
-                return kind("\n".join([lines[index][len(prefix):], *lines[index + 1:]]))
-    return kind(lines[-1])
 
 
 def _private_copy(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -633,12 +629,10 @@ class ImageNetBatches:
         try:
             batches = iter(self.loader)
             while True:
-                try:
-                    images, labels, skipped = self._finished(next(batches))
+                try:  # a bad file met in a worker process is raised here as there (one line, as in this one)
+                    images, labels, skipped = self._finished(handed_back(next(batches)))
                 except StopIteration:
                     break
-                except CnnsError as error:  # a bad file met in a worker process: one line, as in this one
-                    raise worker_error_as_raised(error) from None
                 self._count_skipped(skipped)
                 if len(labels) == 0:
                     continue  # every image of this batch was corrupt (--skip-corrupt-images)

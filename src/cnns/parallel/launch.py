@@ -130,10 +130,14 @@ def _gib(size: float) -> str:
 def check_machine_holds_workers(cfg, trains: bool = True) -> None:
     """The worker processes this process would start itself (`needs_local_workers`), checked before any starts:
     ConfigError in one line when the machine's available memory cannot hold them (`worker_memory`, a lower
-    bound), a one-line notice on stderr when they outnumber the usable cores. Under a launcher (torchrun) the
-    launcher decided how many processes a machine runs: nothing is checked."""
+    bound), a one-line notice on stderr when they outnumber the usable cores; a run of one process, that it fits
+    (`check_machine_holds_the_run`). Under a launcher (torchrun) the launcher decided how many processes a machine
+    runs: nothing is checked."""
     p = cfg.parallel
+    if launched():
+        return
     if not needs_local_workers(p.replicas, p.shards):
+        check_machine_holds_the_run(cfg, trains)
         return
     processes = p.replicas * p.shards
     asked = f"--replicas {p.replicas}" + (f" x --shards {p.shards}" if p.shards > 1 else "")
@@ -152,6 +156,43 @@ def check_machine_holds_workers(cfg, trains: bool = True) -> None:
               "the cores, one thread each", file=sys.stderr, flush=True)
 
 
+def check_machine_holds_the_run(cfg, trains: bool = True) -> None:
+    """One process's model, checked against the memory it will live in (the GPU's free memory, or the machine's
+    available memory) with the estimate the workers are checked with: ConfigError before the run folder when its
+    weights, gradients and optimiser state alone cannot fit, so that `--num-classes 2000000000` (a 512 GB
+    classifier) is not found by the allocator once the run has started. Only that share: this process's
+    interpreter is already in the memory in use, and the activations, which the allocator may find room for in what
+    the kernel would reclaim, are left to the out-of-memory line (`cnns.cli.endings`), which names
+    --micro-batch-size."""
+    import torch
+
+    from cnns.devices import default_device_name
+
+    name = cfg.device or default_device_name()
+    device = torch.device(name if name.startswith("cuda") else "cpu")
+    if device.type == "cuda":
+        try:
+            available, where = torch.cuda.mem_get_info(device)[0], f"free on {name}"
+        except (RuntimeError, AssertionError, ValueError):  # no such GPU: the device's own check says so
+            return
+    else:
+        available, where = available_memory_bytes(), "available on this machine"
+    if available is None:
+        return
+    need = model_memory(cfg, trains, device)
+    if need > available:
+        raise ConfigError(f"this run's model needs at least {_gib(need)} of memory for its weights, gradients "
+                          f"and optimiser state, more than the {_gib(available)} {where}: lower "
+                          "--num-classes or --model-size")
+
+
+def model_memory(cfg, trains: bool, device) -> int:
+    """Bytes of one process's share of the model on `device` (its precision there): its weights, and when it
+    `trains` their gradients, the optimiser's state and the moving average. Built on the meta device: no memory."""
+    parameters, _ = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains=False)
+    return _model_share(cfg, trains, cfg.precision.policy(device), parameters)
+
+
 def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
     """A lower bound of one worker's memory on this machine (WorkerMemory). The model is built on torch's meta
     device (no memory, no arithmetic) and run forward on a meta micro-batch, counting the tensors autograd keeps
@@ -167,6 +208,17 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
         return WorkerMemory(WORKER_FIXED_BYTES, 0, 0)
     policy = cfg.precision.policy(torch.device("cpu"))
     parameters, activation_bytes = _meta_training_pass(cfg.model, cfg.train.micro_batch_size, trains)
+    if policy.half_compute:
+        activation_bytes //= 2  # computed in the half type
+    if cfg.parallel.enable_recomputation:
+        activation_bytes = 0  # only block inputs are kept: not estimated, so not counted
+    shards = cfg.parallel.shards  # a stage holds about its share of the model
+    return WorkerMemory(WORKER_FIXED_BYTES, _model_share(cfg, trains, policy, parameters), activation_bytes // shards)
+
+
+def _model_share(cfg, trains: bool, policy, parameters: int) -> int:
+    """Bytes of one process's share of a model of `parameters` under the precision `policy`: its weights, and when
+    it `trains` their gradients, the optimiser's state and the moving average."""
     weight_bytes = parameters * policy.weight_dtype.itemsize  # 16.32 keeps float32 (master) weights
     copies = 1  # the weights
     if trains:
@@ -174,12 +226,7 @@ def worker_memory(cfg, trains: bool = True) -> WorkerMemory:
         copies += 1 + (state / cfg.parallel.replicas if cfg.parallel.rts else state)  # gradients, the state
     if trains and cfg.train.ema_decay:
         copies += 1
-    if policy.half_compute:
-        activation_bytes //= 2  # computed in the half type
-    if cfg.parallel.enable_recomputation:
-        activation_bytes = 0  # only block inputs are kept: not estimated, so not counted
-    shards = cfg.parallel.shards  # a stage holds about its share of the model
-    return WorkerMemory(WORKER_FIXED_BYTES, int(weight_bytes * copies / shards), activation_bytes // shards)
+    return int(weight_bytes * copies / cfg.parallel.shards)  # a stage holds about its share of the model
 
 
 def _meta_training_pass(spec, micro_batch_size: int, trains: bool) -> tuple[int, int]:

@@ -21,9 +21,9 @@ for every command): a write may create any file, but it replaces, truncates or a
 when this invocation created it, when it lies in a run folder the command owns (`own_run_folder`: train.py's new
 folder, the folder restore.py, validation.py and weight_avg.py continue, each under its lock), or when it is an
 output the user named (`check_output`: an output never replaces a file the command reads, and replaces any other
-existing file only with `--overwrite`). Inside an owned folder no write goes through a symbolic link the command
-did not make, at any level below the folder. Anything else is a ConfigError of one line, before a byte is
-written.
+existing file only with `--overwrite`), or a file the command exists to refresh (`refreshes`: a run's plot).
+Inside an owned folder no write goes through a symbolic link the command did not make, at any level below the
+folder. Anything else is a ConfigError of one line, before a byte is written.
 
 A failure is a `WriteError`: one line, ``cannot write <file>: <cause>``, which the command line turns into
 ``error: ...`` and exit 2. A library that turns the OSError into an exception of its own (torch.save raises
@@ -50,6 +50,13 @@ from cnns.errors import ConfigError, WriteError
 Content = Union[bytes, str, Callable[[BinaryIO], None]]
 
 
+def utf8(text: str) -> bytes:
+    """Text as a run's files hold it, UTF-8. A path of bytes that are not UTF-8 (a folder named in Latin-1) is text
+    with lone surrogates in Python, which UTF-8 cannot encode: they are written as escapes ("\\udcff"), so the file
+    stays UTF-8 that every reader of a run takes."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def write_atomically(path: str | Path, content: Content) -> None:
     """`content` (bytes, text as UTF-8, or a callable writing to the file object it is given) as the whole
     of `path`, replacing it only once every byte is on the disk."""
@@ -63,7 +70,7 @@ def _write_new_file(path: Path, content: Content) -> None:
         if callable(content):
             content(destination)
         else:
-            destination.write(content.encode() if isinstance(content, str) else content)
+            destination.write(utf8(content) if isinstance(content, str) else content)
 
 
 def write_atomically_by_name(path: str | Path, produce: Callable[[Path], None], suffix: str = ".tmp") -> None:
@@ -136,7 +143,7 @@ def append(path: str | Path, data: bytes | str) -> None:
     disk) would slow every printed step. A process that dies loses nothing appended (the kernel holds it);
     only a power cut can lose the last lines not yet on the disk, never a whole file or a checkpoint."""
     path = Path(path)
-    data = data.encode() if isinstance(data, str) else data
+    data = utf8(data) if isinstance(data, str) else data
     may_write(path)
     try:
         fd, created = _open_for_append(path)
@@ -296,6 +303,12 @@ def check_output(path: str | Path, reads: Iterable[str | Path], overwrite: bool,
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise ConfigError(f"{option} {path} exists: give --overwrite to replace it")
     _scope.outputs.add(_key(path))
+
+
+def refreshes(path: str | Path, reads: Iterable[str | Path], option: str = "--out") -> None:
+    """`path` is a file this command exists to make again whenever it runs (a run's training.png for `cnns plot`,
+    as its help says): it may replace it without --overwrite, though never a file the command reads."""
+    check_output(path, reads, overwrite=True, option=option)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cnns.config import resolve
+from cnns.config import check_domains, resolve
 from cnns.config.defaults import stages_compile
 from cnns.errors import ConfigError
 from cnns.runfolder.folder import RestoreTarget, RunFolder, open_restore_path
@@ -108,13 +108,12 @@ def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
     checkpoints hold the whole model, and pipelines compute the same updates whatever the stage
     count, so a run continues on more or fewer devices."""
     options = dict(run.options)
+    check_domains(values)  # the new layout's --shards, as every option's value is checked
     if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
         return options
     if values.get("pipeline_schedule"):
         options["pipeline_schedule"] = values["pipeline_schedule"]
     if values.get("shards") is not None:
-        if values["shards"] < 1:
-            raise ConfigError(f"--shards must be at least 1, got {values['shards']}")
         options["shards"] = values["shards"]
         options["pipeline_splits"] = values.get("pipeline_splits") if values["shards"] > 1 else None
         options["pipeline"] = options["pipeline"] or values["shards"] > 1

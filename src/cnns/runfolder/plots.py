@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cnns.errors import CnnsError, WriteError
-from cnns.runfolder.files import write_atomically
+from cnns.errors import CnnsError, WriteError, first_line
+from cnns.runfolder.files import utf8, write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -89,7 +89,9 @@ def read_run(folder: Path) -> RunCurves:
         rows = _rows(path)
     except OSError as exc:
         raise CnnsError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    run = RunCurves(name=folder.resolve().name or str(folder))
+    name = folder.resolve().name or str(folder)
+    # A folder named in bytes that are not UTF-8 holds lone surrogates, which no font draws: shown as escapes.
+    run = RunCurves(name=utf8(name).decode("utf-8"))
     for row in rows:
         try:
             values = [_float(row.get(key)) for key in _TRAINING_FIELDS]
@@ -198,5 +200,5 @@ def plot_training(folder: Path) -> Path | None:
             return None  # only a header so far: a run stopped before its first step line
         return plot_runs([run], folder / PLOT_FILE)
     except Exception as exc:  # noqa: BLE001 - a plot must never end a training run
-        print(f"notice: {PLOT_FILE} not written: {exc}", file=sys.stderr, flush=True)
+        print(f"notice: {PLOT_FILE} not written: {first_line(exc)}", file=sys.stderr, flush=True)
         return None
