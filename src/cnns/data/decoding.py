@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from cnns.data import dali_probe
 from cnns.data.imagefolder import MAX_IMAGE_PIXELS, decode_rgb, jpeg_frame, whole_image_decoder
-from cnns.devices import usable_cores
 from cnns.errors import ConfigError, DataError, first_line
 
 CropBox = tuple[float, float, float, float]  # top, left, height, width, in source pixels
