@@ -168,7 +168,8 @@ def test_the_data_loader_pins_memory_only_for_a_gpu_run(two_gpus, tmp_path, devi
         for i in range(4):
             (folder / f"{i}.JPEG").write_bytes(encoded(picture(i)))
     options, _ = resolved_training_options("train", ["--dataset", "imagenet", "--data-dir", str(root),
-                                                     "--image-size", "64", "--micro-batch-size", "2"])
+                                                     "--image-size", "64", "--micro-batch-size", "2",
+                                                     "--decode-device", "cpu"])  # the worker loader, with or without DALI
     cfg = RunConfig.from_options(options)
     sources = build_sources(cfg.data, micro_batch_size=2, eval_batch_size=2, seed=0, device=torch.device(device))
     assert sources.train.loader.pin_memory is pinned and sources.eval.loader.pin_memory is pinned
