@@ -485,11 +485,6 @@ def plan_from_request(args: BenchDataRequest) -> BenchDataRequest:
     data_dir = args.make_jpeg_tree or args.data_dir or (DATASETS[args.dataset].default_data_dir if args.dataset else None)
     if not data_dir:
         raise ConfigError("bench-data needs --data-dir (or DATA_DIR) or --make-jpeg-tree DIR")
-    for name in ("batch_size", "batches", "image_size", "rounds", "account_images"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup_batches < 0 or min(args.workers) < 0:
-        raise ConfigError("--warmup-batches and --workers must not be negative")
     device = resolve_device(args.device)
     found = data_format(data_dir, args.dataset)
     if args.compare_baseline and not found.image_folder:

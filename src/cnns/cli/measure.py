@@ -12,7 +12,8 @@ import os
 from typing import Any
 
 from cnns.cli.parsing import device_defaults, inference_options, parse_options, resolve_command_line
-from cnns.config.table import OneLineErrorParser
+from cnns.config.files import check_parsed
+from cnns.config.table import COUNT, SEED_MAX, Domain, OneLineErrorParser
 from cnns.data.formats import DATASETS, IMAGENET
 
 
@@ -27,7 +28,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
     parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME",
                         help="Run only these entries (default: all).")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=COUNT, default=None,
                         help="Runs of each side, alternated: the best of each, and the median ratio of "
                              "adjacent pairs (spec default, else 1).")
     parser.add_argument("--no-baseline", action="store_true", help="Skip the plain PyTorch loop.")
@@ -56,7 +57,9 @@ def script_options(script: str, args: list[str]) -> dict[str, Any]:
 def benchmark_main(argv: list[str]) -> int:
     from cnns.commands.benchmark import benchmark
 
-    args = benchmark_parser().parse_args(argv)
+    parser = benchmark_parser()
+    args = parser.parse_args(argv)
+    check_parsed(parser, args)
     return benchmark(args.spec, args.benchmark, args.output_dir, args.data_dir, args.list, args.repeats,
                      baseline=not args.no_baseline, keep_runs=args.keep_runs, script_options=script_options)
 
@@ -73,7 +76,7 @@ def profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
     parser.add_argument("--benchmark", nargs="+", action="extend", metavar="NAME", required=True,
                         help="Training entries to profile.")
-    parser.add_argument("--updates", type=int, default=3, help="Updates profiled after one warm-up update.")
+    parser.add_argument("--updates", type=COUNT, default=3, help="Updates profiled after one warm-up update.")
     parser.add_argument("--eager-too", action="store_true",
                         help="On a CUDA entry that compiles, profile cnns once more without compilation (--no-compile).")
     parser.add_argument("--output-dir", default="benchmark-results", help="Where the traces and logs go.")
@@ -85,7 +88,9 @@ def profile_parser() -> argparse.ArgumentParser:
 def profile_main(argv: list[str]) -> int:
     from cnns.commands.benchmark import profile
 
-    args = profile_parser().parse_args(argv)
+    parser = profile_parser()
+    args = parser.parse_args(argv)
+    check_parsed(parser, args)
     return profile(args.spec, args.benchmark, args.updates, args.output_dir, args.data_dir,
                    script_options=script_options, eager_too=args.eager_too)
 
@@ -116,17 +121,18 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--make-jpeg-tree", metavar="DIR",
                         help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or shards with "
                              "--layout tfrecord or webdataset; files already there are kept): the data measured.")
-    parser.add_argument("--images", type=int, default=2000, help="Training images of --make-jpeg-tree.")
-    parser.add_argument("--classes", type=int, default=10, help="Classes of --make-jpeg-tree.")
+    parser.add_argument("--images", type=COUNT, default=2000, help="Training images of --make-jpeg-tree.")
+    parser.add_argument("--classes", type=COUNT, default=10, help="Classes of --make-jpeg-tree.")
     parser.add_argument("--layout", choices=("folder", "tfrecord", "webdataset"), default="folder",
                         help="--make-jpeg-tree writes a folder tree, TFRecord shards or WebDataset tar shards.")
-    parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", type=int, nargs="+", default=[1],
+    parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", nargs="+", default=[1],
+                        type=Domain(int, "[0, 1024]", zero="load in the main process"),
                         help="Data-loading worker processes; several values are measured one after the other.")
-    parser.add_argument("--image-size", type=int, default=224, help="Output image size (ImageNet).")
-    parser.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=32,
+    parser.add_argument("--image-size", type=COUNT, default=224, help="Output image size (ImageNet).")
+    parser.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=COUNT, default=32,
                         help="Images per batch.")
-    parser.add_argument("--batches", type=int, default=60, help="Timed batches per measurement.")
-    parser.add_argument("--warmup-batches", type=int, default=8, help="Batches drawn before timing starts.")
+    parser.add_argument("--batches", type=COUNT, default=60, help="Timed batches per measurement.")
+    parser.add_argument("--warmup-batches", type=Domain(int, "[0, inf)"), default=8, help="Batches drawn before timing starts.")
     parser.add_argument("--transforms", choices=("train", "eval"), default="train",
                         help="Training (random resized crop, flip) or evaluation (resize, centre crop) transforms.")
     parser.add_argument("--eval", dest="transforms", action="store_const", const="eval",
@@ -134,13 +140,13 @@ def bench_data_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare-baseline", action="store_true",
                         help="Also time torchvision ImageFolder + PIL transforms (uint8 out) at the same worker "
                              "counts, alternating with cnns round by round.")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=COUNT, default=1,
                         help="Measure each pipeline this many times; report the medians, and the median of the "
                              "ratios taken within each round.")
     parser.add_argument("--dataset-cache", dest="cache", action=argparse.BooleanOptionalAction, default=False,
                         help="Keep evaluation batches in memory after the first pass, as training runs do; off "
                              "here so that every pass measures decoding, not the cache.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=Domain(int, f"[0, {SEED_MAX}]"), default=0)
     parser.add_argument("--json", metavar="FILE", help="Also write the measurements to FILE as JSON (an existing FILE "
                                                          "only with --overwrite).")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing --json FILE.")
@@ -155,13 +161,16 @@ def bench_data_parser() -> argparse.ArgumentParser:
                         help="On ImageNet files, also split one image's time by stage (read, header + crop draw, "
                              "decode, crop + resize, flip, into the batch, across to the main process) beside the "
                              "decode-only cap; run under taskset -c N for one core's account.")
-    parser.add_argument("--account-images", type=int, default=400,
+    parser.add_argument("--account-images", type=COUNT, default=400,
                         help="Images timed stage by stage in this process for the account.")
     return parser
 
 
 def bench_data_main(argv: list[str]) -> int:
-    options = vars(bench_data_parser().parse_args(argv))
+    parser = bench_data_parser()
+    args = parser.parse_args(argv)
+    check_parsed(parser, args)
+    options = vars(args)
     overwrite = options.pop("overwrite")
     if options["json"]:  # checked before anything is measured or written (the tree --make-jpeg-tree writes too)
         from cnns.runfolder.files import check_output

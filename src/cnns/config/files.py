@@ -229,26 +229,26 @@ def check_domains(values: dict[str, Any]) -> None:
     table declares (`cnns.config.table.Domain`): the one check of every numeric option, whoever read the value
     (the command line, configs.yml, a run's arguments.json), before anything uses it. None (unset) passes."""
     for key, action in _option_actions().items():
-        domain, value = domain_of(action), values.get(key)
-        if domain is None or value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            problem = domain.problem(item)
-            if problem:
-                raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
+        _check_value(action, values.get(key))
 
 
 def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """`check_domains` for a tool's own parser (`cnns predict`, `cnns export`): every option it declares with a
-    `Domain` holds its value to it, before the tool reads or writes anything."""
+    """`check_domains` for a tool's own parser (`cnns predict`, `cnns export`, `cnns benchmark`, `cnns profile`,
+    `cnns bench-data`): every option it declares with a `Domain` holds its value to it, before the tool reads or
+    writes anything."""
     for action in parser._actions:
-        domain, value = domain_of(action), getattr(args, action.dest, None)
-        if domain is None or value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            problem = domain.problem(item)
-            if problem:
-                raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
+        _check_value(action, getattr(args, action.dest, None))
+
+
+def _check_value(action: argparse.Action, value: Any) -> None:
+    """ConfigError naming the option where `value` (or an item of a list of them) lies outside its domain."""
+    domain = domain_of(action)
+    if domain is None or value is None:
+        return
+    for item in value if isinstance(value, list) else [value]:
+        problem = domain.problem(item)
+        if problem:
+            raise ConfigError(f"{action.option_strings[0]} {problem}, got {_shown(item)}")
 
 
 @lru_cache(maxsize=None)
