@@ -79,3 +79,8 @@ CONTINUE_WITH: list[str] = []
 def continue_with(line: str) -> None:
     """From now on a signal that ends the command says `line` after its own (the last call wins)."""
     CONTINUE_WITH[:] = [line]
+
+
+def continue_with_nothing() -> None:
+    """The command has ended: its line to continue with goes with it (`cnns.cli.run_script`)."""
+    CONTINUE_WITH.clear()

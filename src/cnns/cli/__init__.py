@@ -22,7 +22,7 @@ from typing import Callable
 
 from cnns.cli import endings
 from cnns.cli.parsing import parse_options, resolved_training_options
-from cnns.errors import CnnsError, ConfigError
+from cnns.errors import CnnsError, ConfigError, continue_with_nothing
 from cnns.runfolder.files import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
@@ -68,6 +68,10 @@ def run_script(command: str, argv: list[str] | None = None) -> int:
         return endings.say(f"error: {exc}", 2)
     except BaseException as exc:  # noqa: BLE001 - each way out is one line (or none) and an exit code
         return endings.ending_of(exc, command)
+    finally:
+        # The line a signal continues with is this command's (errors.continue_with): not the next one's in this
+        # process (the tests run many; so can a tool).
+        continue_with_nothing()
 
 
 def main(argv: list[str] | None = None) -> int:
