@@ -92,8 +92,8 @@ def shapes_cifar10(tmp_path_factory):
     """Makes a learnable CIFAR-10 binary folder of the built-in dataset's drawn shapes: `train` training and
     `test` test images drawn with `seed`, in a new folder named cifar-10-<name>-... (the name tells the
     dataset, as the rule of Graphcore's application reads it)."""
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10
 
     def make(name: str, *, train: int, test: int, seed: int) -> Path:
         folder = tmp_path_factory.mktemp(f"cifar-10-{name}")
@@ -108,7 +108,7 @@ def shapes_cifar10(tmp_path_factory):
 def plateau_data(shapes_cifar10) -> Path:
     """2,000 training and 1,000 test drawings in CIFAR-10 format, with the class names as the CIFAR-10 binary
     archive ships them (batches.meta.txt: one a line, then a blank line)."""
-    from cnns.data.builtin import BUILTIN_CLASSES
+    from cnns.data.drawn_shapes import BUILTIN_CLASSES
 
     folder = shapes_cifar10("plateau", train=2000, test=1000, seed=4)
     (folder / "batches.meta.txt").write_text("\n".join(BUILTIN_CLASSES) + "\n\n")

@@ -1,5 +1,5 @@
 """Faults of a failing disk, injected where every write of cnns goes: `os.write`, `os.fsync` and `os.replace`,
-which `cnns.runfolder.files` alone calls (SQLite's I/O-error tests are the model)."""
+which `cnns.safe_writes` alone calls (SQLite's I/O-error tests are the model)."""
 
 from __future__ import annotations
 

@@ -238,7 +238,7 @@ def test_corrupt_validation_tfrecord_read_in_a_worker_process_is_one_line(tfreco
 
 def test_worker_errors_are_given_back_as_raised(tfrecords):
     """In-process, with a worker: the same error type and the worker's one-line message."""
-    from cnns.data.imagenet import ImageNetBatches
+    from cnns.data.image_loader import ImageNetBatches
 
     path = tfrecords / "validation-00000-of-00001"
     offsets = shard(path, 4, 4)
@@ -466,8 +466,8 @@ def test_a_read_only_folder_to_write_in_is_one_line_and_left_alone(trained_run, 
 
 
 def test_restore_py_with_a_training_set_now_smaller_than_a_batch_leaves_the_run_folder_alone(cifar, tmp_path, capfd):
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10
 
     data = copy_of(cifar, tmp_path)
     folder = tmp_path / "run"

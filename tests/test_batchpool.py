@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from cnns.data.formats import records_in
-from cnns.data.imagenet import BATCH_BUFFERS_PER_WORKER, ImageNetBatches
+from cnns.data.image_loader import BATCH_BUFFERS_PER_WORKER, ImageNetBatches
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def read_framed_records(path: Path) -> list[bytes]:
 
 
 def test_tfrecord_layout_holds_the_same_jpegs_as_the_tree(tree, tmp_path, capsys):
-    from cnns.data.tfrecord import parse_imagenet_example
+    from cnns.data.tfrecord_reader import parse_imagenet_example
 
     records = tmp_path / "records"
     assert bench_data_command(["--make-jpeg-tree", str(records), "--layout", "tfrecord", "--images", "8",
@@ -125,8 +125,8 @@ def test_tfrecord_layout_holds_the_same_jpegs_as_the_tree(tree, tmp_path, capsys
 
 
 def test_bench_data_on_cifar_runs_in_the_main_process(tmp_path, capsys):
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10
 
     cifar = tmp_path / "cifar"
     images, labels = draw_shapes(20, seed=0)
@@ -214,7 +214,7 @@ def test_account_times_the_fallback_decoder_step_by_step(tree):
     from cnns.bench.data import time_stages
     from cnns.data.decoding import ImageDecoder
     from cnns.data.formats import records_in
-    from cnns.data.imagenet import ImageNetTransform
+    from cnns.data.image_loader import ImageNetTransform
 
     dataset = records_in(tree, "train")
     transform = ImageNetTransform(True, 32, seed=0, decoder=ImageDecoder(use_native=False))

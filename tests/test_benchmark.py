@@ -18,7 +18,7 @@ import torch
 
 from cnns.bench.results import Result, Side, format_table, set_peak_fractions, write_results
 from cnns.bench.runner import mean_dropping_first, recorded_rates
-from cnns.bench.spec import BACKENDS_KIND, load_spec, select
+from cnns.bench.benchmark_file import BACKENDS_KIND, load_spec, select
 from cnns.cli.measure import benchmark_main as benchmark_command
 from cnns.config import RunConfig
 from cnns.errors import ConfigError
@@ -493,7 +493,7 @@ def test_every_backend_runs_the_model_inference_embedded_compiles():
     """The one assembly: a backend's module is `build_inference_model`'s at the backend's precision, the same
     random weights for every backend."""
     from cnns.bench.backends import inference_module
-    from cnns.deploy.restored import build_inference_model
+    from cnns.deploy.restored_model import build_inference_model
 
     cfg = _tiny_config(iterations=1)
     torch.manual_seed(0)  # inference_embedded.py's --seed 0 of random weights

@@ -1,4 +1,4 @@
-"""Bounded reads (cnns.bounded): an image or data file is read only if it is a regular file no larger than
+"""Bounded reads (cnns.bounded_reads): an image or data file is read only if it is a regular file no larger than
 --max-file-size, and no further. A FIFO (which would block for ever), a symlink to /dev/zero (read until the kernel
 kills the process), a directory named x.jpg and a sparse file far larger than any photograph are each one line in
 `cnns predict`, the ImageNet readers (dropped and named with --skip-corrupt-images), the TFRecord and CIFAR readers
@@ -19,7 +19,7 @@ from torchvision.io import encode_png
 
 import processes
 import scripts
-from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT, UnreadableFile, read_bounded
+from cnns.bounded_reads import DEFAULT_FILE_SIZE_LIMIT, UnreadableFile, read_bounded
 from cnns.errors import CnnsError, DataError
 from cnns.data.formats import records_in
 
@@ -46,7 +46,7 @@ def sparse(path: Path, size: int = SPARSE_SIZE) -> Path:
 
 
 def png(path: Path, seed: int = 3) -> Path:
-    from cnns.data.builtin import draw_shapes
+    from cnns.data.drawn_shapes import draw_shapes
 
     images, _ = draw_shapes(1, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def image_tree(root: Path) -> dict[Path, str]:
 
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_the_imagenet_folder_reader_names_such_files_or_drops_them_as_corrupt_images(tmp_path):
-    from cnns.data.imagenet import ImageNetBatches
+    from cnns.data.image_loader import ImageNetBatches
 
     unreadable = image_tree(tmp_path)
     source = ImageNetBatches(records_in(tmp_path, "validation"), train=False, batch_size=4, image_size=8, workers=0)
@@ -230,7 +230,7 @@ def test_the_checks_before_a_run_name_an_unreadable_first_image(tmp_path):
 @pytest.mark.timeout(FIFO_LIMIT_S)
 def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one_line(tmp_path):
     from cnns.data.formats.tfrecord import check_tfrecord_split
-    from cnns.data.tfrecord import TFRecordDataset
+    from cnns.data.tfrecord_reader import TFRecordDataset
     from test_tfrecord import write_imagenet_shards
 
     write_imagenet_shards(tmp_path, "validation", [[1, 2]])
@@ -254,8 +254,8 @@ def test_a_tfrecord_shard_that_is_not_a_file_and_a_record_over_the_limit_are_one
 ])
 def test_a_cifar_file_that_is_not_a_file_or_is_too_large_is_one_line(tmp_path, make, reason):
     from cnns.data.formats import CIFAR_10_BINARY, TrainingBatch
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import load_cifar, write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import load_cifar, write_cifar10
 
     images, labels = draw_shapes(20, seed=1)
     write_cifar10(tmp_path, (images[:10], labels[:10]), (images[10:], labels[10:]))
@@ -270,8 +270,8 @@ def test_a_cifar_file_that_is_not_a_file_or_is_too_large_is_one_line(tmp_path, m
 
 
 def test_a_bad_data_file_before_a_run_is_one_line_exit_2_and_no_run_folder(tmp_path, capfd):
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10
 
     data = tmp_path / "cifar-10-data"
     images, labels = draw_shapes(40, seed=1)

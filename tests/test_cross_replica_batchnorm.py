@@ -24,7 +24,7 @@ from torch import nn
 from cnns.engine.fusion import fuse_norm_activations
 from cnns.kernels import norm_act
 from cnns.models import build_model
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 from cnns.parallel.batchnorm import batch_norm_span, cross_replica_batch_norm
 
 CPU = torch.device("cpu")

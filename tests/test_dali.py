@@ -18,7 +18,7 @@ pytest.importorskip("nvidia.dali", reason="the optional extra 'dali' (pip instal
 from cnns.data import dali  # noqa: E402
 from cnns.data.decoding import ImageDecoder, device_jpeg_size  # noqa: E402
 from cnns.data.formats import records_in  # noqa: E402
-from cnns.data.imagenet import _NATIVE_CROP_DRAW, ImageNetBatches  # noqa: E402
+from cnns.data.image_loader import _NATIVE_CROP_DRAW, ImageNetBatches  # noqa: E402
 from cnns.errors import DataError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

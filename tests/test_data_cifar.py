@@ -7,9 +7,9 @@ import struct
 import pytest
 import torch
 
-from cnns.data import builtin
-from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes, ensure_builtin_dataset
-from cnns.data.cifar import (
+from cnns.data import drawn_shapes
+from cnns.data.drawn_shapes import BUILTIN_CLASSES, draw_shapes, ensure_builtin_dataset
+from cnns.data.cifar_records import (
     NUM_CLASSES,
     detect_cifar,
     load_cifar,
@@ -196,7 +196,7 @@ def test_builtin_dataset_is_not_regenerated_when_present(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("regenerated although the files were present")
 
-    monkeypatch.setattr(builtin, "draw_shapes", fail)
+    monkeypatch.setattr(drawn_shapes, "draw_shapes", fail)
     ensure_builtin_dataset(tmp_path)
 
     # A file of the wrong size is rewritten.
@@ -211,9 +211,9 @@ def test_commands_preparing_the_builtin_set_at_once_keep_each_others_files(tmp_p
     """Two commands start on a missing built-in set; the other writes every file while this one draws. This one
     keeps them (the same bytes) instead of stopping at "data_batch_1.bin exists and this command did not make it",
     which two test workers met on one checkout's data/builtin."""
-    from cnns.runfolder.files import command_scope
+    from cnns.safe_writes import command_scope
 
-    real = builtin.cifar10_file_contents
+    real = drawn_shapes.cifar10_file_contents
     draws = []
 
     def drawn_while_another_command_writes(*args):
@@ -223,7 +223,7 @@ def test_commands_preparing_the_builtin_set_at_once_keep_each_others_files(tmp_p
                 ensure_builtin_dataset(tmp_path)
         return real(*args)
 
-    monkeypatch.setattr(builtin, "cifar10_file_contents", drawn_while_another_command_writes)
+    monkeypatch.setattr(drawn_shapes, "cifar10_file_contents", drawn_while_another_command_writes)
     with command_scope():
         assert ensure_builtin_dataset(tmp_path) == tmp_path
     assert len(draws) == 2  # both drew: neither found the files complete before it began
@@ -237,7 +237,7 @@ def test_write_once_never_replaces_or_writes_through_what_is_there(tmp_path, mon
     import errno
     import os
 
-    from cnns.runfolder.files import write_once
+    from cnns.safe_writes import write_once
 
     assert write_once(tmp_path / "a.bin", b"first") and (tmp_path / "a.bin").read_bytes() == b"first"
     assert not write_once(tmp_path / "a.bin", b"second") and (tmp_path / "a.bin").read_bytes() == b"first"

@@ -41,8 +41,8 @@ def test_no_module_outside_the_data_formats_names_a_dataset():
 
 def write_each_format(root: Path) -> dict[str, Path]:
     """A small folder of every format recognised from its contents, by the project's own writers."""
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10, write_cifar100
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10, write_cifar100
     from cnns.data.jpegtree import make_jpeg_tree
 
     images, labels = draw_shapes(12, seed=3)

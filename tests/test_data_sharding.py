@@ -21,7 +21,7 @@ from PIL import Image
 
 from cnns.data.augment import cifar_augment
 from cnns.data.batches import GeneratedBatches, ShardPlan, TensorBatches
-from cnns.data.imagenet import ImageNetBatches
+from cnns.data.image_loader import ImageNetBatches
 from test_tfrecord import imagenet_example, write_tfrecord
 from cnns.data.formats import records_in
 

@@ -27,7 +27,7 @@ from cnns.data.decoding import (
     resize_crop_into,
 )
 from cnns.data.imagefolder import stored_orientation
-from cnns.data.imagenet import ImageNetBatches, ImageNetTransform
+from cnns.data.image_loader import ImageNetBatches, ImageNetTransform
 from cnns.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -309,8 +309,8 @@ class FakeNative:
         return self.TIMINGS if timings else None
 
     def decode_training_into(self, data, out, draw, max_pixels, timings=False):
-        """The header, the training crop drawn as cnns.data.imagenet draws it, decode_resized_into."""
-        from cnns.data.imagenet import sample_generator, training_crop
+        """The header, the training crop drawn as cnns.data.image_loader draws it, decode_resized_into."""
+        from cnns.data.image_loader import sample_generator, training_crop
 
         height, width, _ = self.header(data)
         if height * width > max_pixels:

@@ -180,7 +180,7 @@ def test_pipeline_stage_timing_holds_a_bounded_number_of_cuda_events(monkeypatch
     goes (here a stand-in for torch.cuda.Event that completes after a delay of 10 events)."""
     from types import SimpleNamespace
 
-    from cnns.parallel.schedules import StageClock
+    from cnns.parallel.pipeline_schedules import StageClock
 
     recorded = []
 

@@ -1,5 +1,5 @@
 """Every write survives a failing disk (SQLite's I/O-error tests are the model): each write site in turn gets a
-fault at the lowest write primitive (`os.write`, `os.fsync`, `os.replace`, which `cnns.runfolder.files` alone calls), and
+fault at the lowest write primitive (`os.write`, `os.fsync`, `os.replace`, which `cnns.safe_writes` alone calls), and
 the run folder is then checked: one line naming the file and the cause, exit 2, no temporary or partial file,
 every checkpoint readable, every CSV row once and in order, and restore.py continuing to the same final weights
 as an uninterrupted run. Then a real full filesystem (a tiny tmpfs), where the machine lets the test mount one."""
@@ -23,7 +23,7 @@ from faults import DiskFault
 
 from cnns.errors import CheckpointError, WriteError
 from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from cnns.runfolder.files import append, write_atomically
+from cnns.safe_writes import append, write_atomically
 from cnns.runfolder.log import set_apart_rows_after
 
 ITERATIONS = 8  # 64 images in micro-batches of 16: 4 updates an epoch, checkpoints at 0, 4 and 8
@@ -53,7 +53,7 @@ def reference(data_dir, tmp_path_factory) -> Path:
     return folder
 
 
-# cnns.runfolder.files' temporary names: .ckpt-4.pt.<pid>.<token>.tmp (or .onnx, .pt2 where a library wants that suffix).
+# cnns.safe_writes' temporary names: .ckpt-4.pt.<pid>.<token>.tmp (or .onnx, .pt2 where a library wants that suffix).
 TEMPORARY = re.compile(r"\.(.+)\.\d+\.[0-9a-f]{8}\.\w+")
 
 
@@ -133,7 +133,7 @@ def test_a_fault_at_each_write_site_ends_in_one_line_and_restore_continues_to_th
     with monkeypatch.context() as patched:
         fault = DiskFault(name, operation, n, error).install(patched)
         out = scripts.run_here(capfd, "train.py", *options(data_dir, folder), expect=None)
-    assert fault.fired_on is not None, f"no {operation} of {name} went through cnns.runfolder.files"
+    assert fault.fired_on is not None, f"no {operation} of {name} went through cnns.safe_writes"
     assert_one_error_line(out, folder / final_name(fault.fired_on), fault.cause)
     assert_run_folder_whole(folder)
 

@@ -20,7 +20,7 @@ from cnns.engine.step import StepMetrics, TrainStep
 from cnns.optim import HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, parameter_groups
 from cnns.precision import LossScaler, PrecisionPolicy
 from cnns.runfolder.log import RunLog
-from cnns.schedules import ScheduleSpec
+from cnns.lr_schedules import ScheduleSpec
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import cnns.commands.infer as infer_command
 from cnns.cli import parse_options, run_script
 from cnns.config import RunConfig, resolve
 from cnns.commands.infer import probe_package
-from cnns.deploy.restored import build_inference_model
+from cnns.deploy.restored_model import build_inference_model
 from cnns.deploy.graphs import export_pt2
 from cnns.errors import CnnsError
 

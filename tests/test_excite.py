@@ -19,7 +19,7 @@ from cnns.engine.fusion import fuse_squeeze_excitation
 from cnns.engine.recomputation import recompute_blocks
 from cnns.kernels import norm_act
 from cnns.models import build_model
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not norm_act.available(), reason="the fused passes were not built")
 

@@ -16,11 +16,11 @@ import torch
 
 from cnns.cli.inference import export_main
 from cnns.data.augment import IMAGENET_MEAN, normalise
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
+from cnns.data.drawn_shapes import draw_shapes
+from cnns.data.cifar_records import write_cifar10
 from cnns.deploy.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
                                 max_batch)
-from cnns.deploy.restored import FloatClassifier
+from cnns.deploy.restored_model import FloatClassifier
 from cnns.errors import CnnsError
 from cnns.runfolder.checkpoint import list_checkpoints
 from cnns.models import ModelSpec, build_model

@@ -24,7 +24,7 @@ from cnns.kernels import norm_act as kernels
 from cnns.kernels import runnable_builds
 from cnns.models import build_model, recomputation_blocks
 from cnns.models.norms import fitted_groups
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the fused kernels were not built (no compiler)")
 

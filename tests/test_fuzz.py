@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from cnns.config import load_named_config
-from cnns.data import cifar, tfrecord
+from cnns.data import cifar_records, tfrecord_reader
 from cnns.data.imagefolder import decode_rgb
 from cnns.errors import CnnsError
 from cnns.runfolder.checkpoint import load_checkpoint, save_checkpoint
-from cnns.runfolder.folder import read_run_options
+from cnns.runfolder.run_folder import read_run_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -97,18 +97,18 @@ def check_cifar(files: dict[str, bytes], dataset: str) -> None:
         for name, data in files.items():
             (Path(folder) / name).write_bytes(data)
         for train in (True, False):
-            loaded = loads_or_clean_error(cifar.load_cifar, folder, dataset, train)
+            loaded = loads_or_clean_error(cifar_records.load_cifar, folder, dataset, train)
             if loaded is not None:
                 images, labels = loaded
                 assert images.dtype == torch.uint8 and images.shape[1:] == (32, 32, 3)
                 assert len(images) == len(labels) > 0
-                assert 0 <= int(labels.min()) and int(labels.max()) < cifar.NUM_CLASSES[dataset]
+                assert 0 <= int(labels.min()) and int(labels.max()) < cifar_records.NUM_CLASSES[dataset]
 
 
 @fuzz(120)
 @given(st.lists(cifar_file(3073, 1), min_size=6, max_size=6), st.integers(0, 6))
 def test_cifar10_files_load_or_fail_cleanly(contents, missing):
-    names = [*cifar.CIFAR10_FILES["train"], *cifar.CIFAR10_FILES["test"]]
+    names = [*cifar_records.CIFAR10_FILES["train"], *cifar_records.CIFAR10_FILES["test"]]
     check_cifar({name: data for index, (name, data) in enumerate(zip(names, contents)) if index != missing},
                 "cifar-10")
 
@@ -134,7 +134,7 @@ def read_split(data: bytes) -> None:
     """Every record of a one-shard split holding `data`, decoded to an image as training would."""
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "train-00000-of-00001").write_bytes(data)
-        dataset = loads_or_clean_error(tfrecord.TFRecordDataset, folder, "train")
+        dataset = loads_or_clean_error(tfrecord_reader.TFRecordDataset, folder, "train")
         if dataset is None:
             return
         for index in range(len(dataset)):
@@ -142,10 +142,10 @@ def read_split(data: bytes) -> None:
             if item is not None:
                 image, label = item
                 assert image.dtype == torch.uint8 and image.dim() == 3 and image.shape[0] == 3
-                assert 0 <= label < tfrecord.IMAGENET_CLASSES
+                assert 0 <= label < tfrecord_reader.IMAGENET_CLASSES
 
 
-VALID_SHARD = b"".join(tfrecord.frame_record(tfrecord.encode_imagenet_example(small_jpeg(seed), label))
+VALID_SHARD = b"".join(tfrecord_reader.frame_record(tfrecord_reader.encode_imagenet_example(small_jpeg(seed), label))
                        for seed, label in ((1, 1), (2, 1000)))
 
 
@@ -164,18 +164,18 @@ def test_tfrecord_damaged_file_loads_or_fails_cleanly(byte_flips, keep):
 @fuzz(90)
 @given(st.lists(st.binary(max_size=60), min_size=1, max_size=3))
 def test_tfrecord_well_framed_random_payloads_fail_cleanly(payloads):
-    read_split(b"".join(tfrecord.frame_record(payload) for payload in payloads))
+    read_split(b"".join(tfrecord_reader.frame_record(payload) for payload in payloads))
 
 
-EXAMPLE = tfrecord.encode_imagenet_example(JPEG, 7)
+EXAMPLE = tfrecord_reader.encode_imagenet_example(JPEG, 7)
 
 
 def check_example(record: bytes) -> None:
-    parsed = loads_or_clean_error(tfrecord.parse_imagenet_example, record, "shard (record at byte offset 0)")
+    parsed = loads_or_clean_error(tfrecord_reader.parse_imagenet_example, record, "shard (record at byte offset 0)")
     if parsed is not None:
         encoded, label = parsed
         assert isinstance(encoded, bytes) and isinstance(label, int)
-        assert 0 <= label < tfrecord.IMAGENET_CLASSES
+        assert 0 <= label < tfrecord_reader.IMAGENET_CLASSES
 
 
 @fuzz(180)
@@ -196,19 +196,19 @@ def test_example_damaged_bytes_parse_or_fail_cleanly(byte_flips, keep):
 def test_example_with_features_of_other_types_fails_cleanly(raw, key, kind, number):
     """A feature of the right name holding bytes, floats, int64 (any value) or an unknown kind."""
     if kind == 1:
-        payload = tfrecord._length_delimited(1, raw)
+        payload = tfrecord_reader._length_delimited(1, raw)
     elif kind == 2:
-        payload = tfrecord._length_delimited(1, raw)  # packed floats: any byte count
+        payload = tfrecord_reader._length_delimited(1, raw)  # packed floats: any byte count
     else:
-        payload = tfrecord._length_delimited(1, tfrecord._varint(number))
-    feature = tfrecord._length_delimited(kind, payload)
+        payload = tfrecord_reader._length_delimited(1, tfrecord_reader._varint(number))
+    feature = tfrecord_reader._length_delimited(kind, payload)
     other = "image/class/label" if key == "image/encoded" else "image/encoded"
-    valid = {"image/encoded": tfrecord._length_delimited(1, tfrecord._length_delimited(1, JPEG)),
-             "image/class/label": tfrecord._length_delimited(3, tfrecord._length_delimited(1, tfrecord._varint(5)))}
-    entries = b"".join(tfrecord._length_delimited(1, tfrecord._length_delimited(1, name.encode())
-                                                  + tfrecord._length_delimited(2, value))
+    valid = {"image/encoded": tfrecord_reader._length_delimited(1, tfrecord_reader._length_delimited(1, JPEG)),
+             "image/class/label": tfrecord_reader._length_delimited(3, tfrecord_reader._length_delimited(1, tfrecord_reader._varint(5)))}
+    entries = b"".join(tfrecord_reader._length_delimited(1, tfrecord_reader._length_delimited(1, name.encode())
+                                                  + tfrecord_reader._length_delimited(2, value))
                        for name, value in ((key, feature), (other, valid[other])))
-    check_example(tfrecord._length_delimited(1, entries))
+    check_example(tfrecord_reader._length_delimited(1, entries))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,16 +459,16 @@ def test_arguments_json_of_a_run_loads(tmp_path):
 
 def test_label_past_the_last_imagenet_class_is_a_data_error():
     with pytest.raises(CnnsError, match="image/class/label is 1001, expected a 1-based class label in 1..1000"):
-        tfrecord.parse_imagenet_example(tfrecord.encode_imagenet_example(JPEG, 1001), "shard")
-    assert tfrecord.parse_imagenet_example(tfrecord.encode_imagenet_example(JPEG, 1000), "shard")[1] == 999
+        tfrecord_reader.parse_imagenet_example(tfrecord_reader.encode_imagenet_example(JPEG, 1001), "shard")
+    assert tfrecord_reader.parse_imagenet_example(tfrecord_reader.encode_imagenet_example(JPEG, 1000), "shard")[1] == 999
 
 
 def test_packed_floats_of_a_wrong_length_are_a_data_error():
-    feature = tfrecord._length_delimited(2, tfrecord._length_delimited(1, b"12345"))
-    entry = tfrecord._length_delimited(1, tfrecord._length_delimited(1, b"image/encoded")
-                                       + tfrecord._length_delimited(2, feature))
+    feature = tfrecord_reader._length_delimited(2, tfrecord_reader._length_delimited(1, b"12345"))
+    entry = tfrecord_reader._length_delimited(1, tfrecord_reader._length_delimited(1, b"image/encoded")
+                                       + tfrecord_reader._length_delimited(2, feature))
     with pytest.raises(CnnsError, match="malformed tf.train.Example \\(packed float list of 5 bytes"):
-        tfrecord.parse_imagenet_example(tfrecord._length_delimited(1, entry), "shard")
+        tfrecord_reader.parse_imagenet_example(tfrecord_reader._length_delimited(1, entry), "shard")
 
 
 def test_an_image_header_declaring_a_huge_size_is_refused_before_decoding():

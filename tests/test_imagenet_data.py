@@ -18,7 +18,7 @@ from PIL import Image
 from cnns.data.decoding import ImageDecoder
 from cnns.data.formats import format_of_folder, records_in
 from cnns.data.imagefolder import ImageFolderDataset, decode_rgb
-from cnns.data.imagenet import (
+from cnns.data.image_loader import (
     CROP_AREA,
     CROP_ASPECT,
     EvaluationSampler,

@@ -114,7 +114,7 @@ def test_pipeline_num_parallel_is_the_number_of_processes_that_decode(jpeg_tree,
     import os
 
     from cnns.cli import run_script as run_command
-    from cnns.data.imagenet import ImageNetTransform
+    from cnns.data.image_loader import ImageNetTransform
 
     # Every decode appends its process id to a file; DataLoader workers are forked, so they run the
     # patched transform too (a one-line append is atomic between processes).
@@ -179,7 +179,7 @@ def test_uint8_normalised_on_device_equals_float_normalised_on_host(dtype, toler
 
 @pytest.mark.parametrize("cache", [True, False])
 def test_evaluation_cache_replays_the_first_complete_pass(jpeg_tree, cache):
-    from cnns.data.imagenet import ImageNetBatches
+    from cnns.data.image_loader import ImageNetBatches
 
     source = ImageNetBatches(records_in(jpeg_tree, "validation"), train=False, batch_size=4, image_size=16, workers=0, cache=cache)
     partial = next(source.epoch(0))  # an interrupted pass is not kept

@@ -298,9 +298,9 @@ def test_threads_decode_at_once_into_one_batch():
 
 def test_the_native_training_crop_is_pythons_draw_to_the_bit():
     """The crop decode_training_into draws (numpy's PCG64 stream and Generator draws redone natively) is
-    cnns.data.imagenet.training_crop's for every size, seed, epoch and index: small and very elongated
+    cnns.data.image_loader.training_crop's for every size, seed, epoch and index: small and very elongated
     images (the fallback after ten tries), seeds above 2**63."""
-    from cnns.data.imagenet import sample_generator, training_crop
+    from cnns.data.image_loader import sample_generator, training_crop
 
     rng = np.random.default_rng(5)
     for trial in range(20000):
@@ -315,13 +315,13 @@ def test_the_native_training_crop_is_pythons_draw_to_the_bit():
 
 
 def transform_draw():
-    from cnns.data.imagenet import _NATIVE_CROP_DRAW
+    from cnns.data.image_loader import _NATIVE_CROP_DRAW
 
     return _NATIVE_CROP_DRAW
 
 
 def test_decode_training_into_is_the_drawn_crop_decoded():
-    from cnns.data.imagenet import sample_generator, training_crop
+    from cnns.data.image_loader import sample_generator, training_crop
 
     data = photo_jpeg("420", 200, 150, 3)
     for index in range(12):

@@ -88,9 +88,9 @@ def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_every_module():
     # Guards the reader itself: a parser that found nothing would pass every check below.
-    assert {"cnns.cli", "cnns.cli.runs", "cnns.runfolder.folder", "cnns.commands.train", "cnns.engine.setup"} <= set(GRAPH)
+    assert {"cnns.cli", "cnns.cli.runs", "cnns.runfolder.run_folder", "cnns.commands.train", "cnns.engine.setup"} <= set(GRAPH)
     assert any(target == "cnns.cli.parsing" for target, _ in GRAPH["cnns.cli"])
-    assert any(target == "cnns.runfolder.folder" for target, _ in GRAPH["cnns.deploy.restored"])
+    assert any(target == "cnns.runfolder.run_folder" for target, _ in GRAPH["cnns.deploy.restored_model"])
     assert sum(len(edges) for edges in GRAPH.values()) > 150
 
 
@@ -124,25 +124,25 @@ def test_layers_named_in_the_readme_hold():
     """The README's layer list, as code: each folder may import only the layers below it."""
     below = {
         "cnns.cli": None,  # the top floor: anything
-        "cnns.commands": {"cnns.bench", "cnns.deploy", "cnns.engine", "cnns.runfolder.folder", "cnns.runfolder.classes", "cnns.weights", "cnns.parallel", "cnns.data",
+        "cnns.commands": {"cnns.bench", "cnns.deploy", "cnns.engine", "cnns.runfolder.run_folder", "cnns.runfolder.classes", "cnns.init_weights", "cnns.parallel", "cnns.data",
                           "cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.runfolder.checkpoint",
                           "cnns.runfolder.log", "cnns.runfolder.lock", "cnns.errors", "cnns.commands"},
-        "cnns.bench": {"cnns.deploy", "cnns.engine", "cnns.runfolder.folder", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models",
+        "cnns.bench": {"cnns.deploy", "cnns.engine", "cnns.runfolder.run_folder", "cnns.init_weights", "cnns.parallel", "cnns.data", "cnns.models",
                        "cnns.config", "cnns.devices", "cnns.precision", "cnns.runfolder.checkpoint", "cnns.runfolder.log",
                        "cnns.kernels", "cnns.profiling", "cnns.errors", "cnns.bench"},
-        "cnns.deploy": {"cnns.engine", "cnns.runfolder.folder", "cnns.parallel", "cnns.data", "cnns.models", "cnns.config",
+        "cnns.deploy": {"cnns.engine", "cnns.runfolder.run_folder", "cnns.parallel", "cnns.data", "cnns.models", "cnns.config",
                         "cnns.precision", "cnns.runfolder.checkpoint", "cnns.errors", "cnns.deploy"},
-        "cnns.engine": {"cnns.runfolder.folder", "cnns.weights", "cnns.parallel", "cnns.data", "cnns.models", "cnns.kernels",
+        "cnns.engine": {"cnns.runfolder.run_folder", "cnns.init_weights", "cnns.parallel", "cnns.data", "cnns.models", "cnns.kernels",
                         "cnns.config", "cnns.devices", "cnns.precision", "cnns.optim", "cnns.stochastic_rounding",
-                        "cnns.schedules",
+                        "cnns.lr_schedules",
                         "cnns.runfolder.checkpoint", "cnns.runfolder.log", "cnns.runfolder.plots", "cnns.profiling", "cnns.errors", "cnns.engine"},
-        "cnns.runfolder.options": {"cnns.runfolder.folder", "cnns.config", "cnns.errors"},
+        "cnns.runfolder.options": {"cnns.runfolder.run_folder", "cnns.config", "cnns.errors"},
         "cnns.runfolder.classes": {"cnns.data", "cnns.config", "cnns.errors"},
         "cnns.runfolder": {"cnns.errors"},
-        "cnns.runfolder.folder": {"cnns.data", "cnns.models", "cnns.config", "cnns.runfolder.classes",
+        "cnns.runfolder.run_folder": {"cnns.data", "cnns.models", "cnns.config", "cnns.runfolder.classes",
                                   "cnns.runfolder.checkpoint", "cnns.runfolder.log", "cnns.runfolder.lock",
                       "cnns.errors"},
-        "cnns.weights": {"cnns.models", "cnns.runfolder.checkpoint", "cnns.errors"},
+        "cnns.init_weights": {"cnns.models", "cnns.runfolder.checkpoint", "cnns.errors"},
         "cnns.parallel": {"cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.errors",
                           "cnns.parallel"},
         "cnns.config": {"cnns.data", "cnns.models", "cnns.devices", "cnns.precision", "cnns.optim", "cnns.errors",
@@ -150,20 +150,20 @@ def test_layers_named_in_the_readme_hold():
         "cnns.data": {"cnns.devices", "cnns.errors", "cnns.data", "cnns.kernels"},
         "cnns.models": {"cnns.errors", "cnns.models"},
         **{leaf: {"cnns.errors", leaf} for leaf in ("cnns.precision", "cnns.devices", "cnns.versions",
-                                                  "cnns.schedules", "cnns.runfolder.checkpoint", "cnns.runfolder.log", "cnns.runfolder.plots",
+                                                  "cnns.lr_schedules", "cnns.runfolder.checkpoint", "cnns.runfolder.log", "cnns.runfolder.plots",
                                                   "cnns.profiling", "cnns.runfolder.lock")},
         "cnns.optim": {"cnns.errors", "cnns.kernels", "cnns.stochastic_rounding", "cnns.optim"},
         "cnns.stochastic_rounding": {"cnns.errors", "cnns.kernels", "cnns.stochastic_rounding"},
         "cnns.kernels": {"cnns.errors", "cnns.profiling", "cnns.kernels"},
     }
 
-    # cnns.runfolder.files (the write primitives) and cnns.bounded (the bounded reads) are the ground floor with cnns.errors:
+    # cnns.safe_writes (the write primitives) and cnns.bounded_reads (the bounded reads) are the ground floor with cnns.errors:
     # every floor writes and reads what it did not make through them.
     for allowed in below.values():
         if allowed is not None:
-            allowed.update({"cnns.runfolder.files", "cnns.bounded"})
-    below["cnns.runfolder.files"] = {"cnns.errors", "cnns.runfolder.files"}
-    below["cnns.bounded"] = {"cnns.errors", "cnns.bounded"}
+            allowed.update({"cnns.safe_writes", "cnns.bounded_reads"})
+    below["cnns.safe_writes"] = {"cnns.errors", "cnns.safe_writes"}
+    below["cnns.bounded_reads"] = {"cnns.errors", "cnns.bounded_reads"}
 
     def layer(module: str) -> str:
         """A top-level module or package of cnns; in cnns.runfolder, whose modules stand on several floors (its
@@ -196,7 +196,7 @@ def test_only_the_command_line_imports_the_benchmarks():
 def test_the_engine_reads_no_raw_options():
     """Below the commands, code reads the typed RunConfig; its flat `arguments` are only written (arguments.json,
     W&B) and compared between processes."""
-    allowed = {"cnns.runfolder.folder", "cnns.runfolder.log", "cnns.parallel.world"}
+    allowed = {"cnns.runfolder.run_folder", "cnns.runfolder.log", "cnns.parallel.world"}
     readers = []
     for name, path in MODULES.items():
         if name.startswith(("cnns.cli", "cnns.commands", "cnns.config")) or name in allowed:

@@ -17,7 +17,7 @@ from cnns.models import (
     split_points,
     valid_sizes,
 )
-from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
+from cnns.models.split_points import model_pieces, stage_cuts, stage_pieces
 from cnns.models.cifar_resnet import ZeroPadShortcut
 from cnns.models.norms import fitted_groups
 
@@ -277,7 +277,7 @@ def test_splits_out_of_order_are_rejected():
 
 
 def test_a_pipeline_of_n_stages_takes_n_minus_one_cuts():
-    """The split count's one place (cnns.models.splits.stage_cuts): the checks before a run and the stages ask it."""
+    """The split count's one place (cnns.models.split_points.stage_cuts): the checks before a run and the stages ask it."""
     spec = ModelSpec("resnet", "20", 10, CIFAR)
     model = build_model(spec)
     assert stage_cuts(spec, model, ["stage1/unit3/relu", "stage2/unit3/relu"], 3) == ["layer1.2", "layer2.2"]

@@ -1,6 +1,6 @@
 """Every model anyone builds comes from `cnns.engine.assembly.assemble`: training's and validation's
-(`cnns.engine.setup.set_up`), predict's and export's (`cnns.deploy.restored.restore_model`), inference_embedded.py's
-(`cnns.deploy.restored.build_inference_model`) and the split planner's (`cnns.commands.splits.model_to_plan`, which
+(`cnns.engine.setup.set_up`), predict's and export's (`cnns.deploy.restored_model.restore_model`), inference_embedded.py's
+(`cnns.deploy.restored_model.build_inference_model`) and the split planner's (`cnns.commands.splits.model_to_plan`, which
 `cnns splits` and --pipeline-splits auto time). Built each way for one configuration and given the same weights,
 they hold the same modules (the fused ones included) and compute the same logits."""
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from cnns.cli.parsing import resolve_command_line
-from cnns.deploy.restored import build_inference_model
+from cnns.deploy.restored_model import build_inference_model
 from cnns.commands.splits import model_to_plan
 from cnns.data.augment import normalise
-from cnns.deploy.restored import input_normalisation, restore_model
+from cnns.deploy.restored_model import input_normalisation, restore_model
 from cnns.engine.setup import set_up
 from cnns.engine.fusion import _FusedNormAct, _FusedUnit
 from cnns.kernels import norm_act as kernels

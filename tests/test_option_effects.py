@@ -14,7 +14,7 @@ from torch import nn
 import scripts
 from cnns.config.table import USED_ONLY_WITH, has_effect
 from cnns.optim import OPTIMISERS, OPTIONS, OptimiserSpec, option_users, optimiser_recipe, parameter_groups
-from cnns.schedules import SCHEDULE_KINDS, ScheduleSpec, lr_at
+from cnns.lr_schedules import SCHEDULE_KINDS, ScheduleSpec, lr_at
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def test_each_stage_process_holds_only_its_part_of_the_model(uninterrupted):
     """Each stage's log says what its process holds: the parameters before the cut, or after it, and
     together the whole model once."""
     from cnns.models import build_model
-    from cnns.runfolder.folder import RunFolder
+    from cnns.runfolder.run_folder import RunFolder
 
     uninterrupted, _ = uninterrupted
     pattern = r" Pipeline stage (\d) of 2: (\d+) parameters, (\d+) tensors \((\S+) \.\.\. (\S+)\)"

@@ -14,7 +14,7 @@ import torch
 from torchvision.io import encode_jpeg, encode_png
 
 from cnns.cli.inference import predict_main, restored_run
-from cnns.data.builtin import BUILTIN_CLASSES, draw_shapes
+from cnns.data.drawn_shapes import BUILTIN_CLASSES, draw_shapes
 from cnns.errors import CnnsError
 from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -169,7 +169,7 @@ def test_a_photo_is_predicted_alike_from_its_png_and_its_jpeg(run_folder, photos
     rounding."""
     from cnns.commands.predict import evaluation_transform
     from cnns.data.imagefolder import decode_rgb
-    from cnns.deploy.restored import restore_model
+    from cnns.deploy.restored_model import restore_model
 
     checkpoint, cfg = restored_run(str(run_folder))
     restored = restore_model(checkpoint, cfg)
@@ -296,12 +296,12 @@ def test_a_relative_data_dir_is_found_from_where_training_ran(run_folder, tmp_pa
 
 
 def test_the_run_folder_reads_back_what_training_wrote(run_folder):
-    """cnns.runfolder.folder.RunFolder, the object every later command starts from: its options, checkpoints in
+    """cnns.runfolder.run_folder.RunFolder, the object every later command starts from: its options, checkpoints in
     iteration order, raw and moving-average weights, and the class names of its data folder."""
     import torch
 
     from cnns.runfolder.checkpoint import iteration_of
-    from cnns.runfolder.folder import RunFolder
+    from cnns.runfolder.run_folder import RunFolder
 
     run = RunFolder.open(run_folder)
     assert run.options["model_size"] == "8" and run.config.model.num_classes == 10

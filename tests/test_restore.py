@@ -24,7 +24,7 @@ from cnns.engine.cadence import Every, RunLength
 from cnns.engine.loop import StopRequest, TrainingLoop
 from cnns.engine.step import StepMetrics
 from cnns.runfolder.log import RunLog
-from cnns.schedules import ScheduleSpec
+from cnns.lr_schedules import ScheduleSpec
 
 TRAIN_IMAGES = 640
 

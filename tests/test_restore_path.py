@@ -1,4 +1,4 @@
-"""--restore-path read one way by every command that starts from a trained run (`cnns.runfolder.folder.open_restore_path`):
+"""--restore-path read one way by every command that starts from a trained run (`cnns.runfolder.run_folder.open_restore_path`):
 the same one line for a path with nothing there, a folder that is not a run and a run without checkpoints; and
 the run's arguments.json gives the model and the dataset, inference_embedded.py's too. And the run name, which
 --name-suffix is part of, cannot place a run folder outside --log-dir."""
@@ -15,10 +15,10 @@ import torch
 import scripts
 
 from cnns.cli.parsing import resolve_command_line
-from cnns.deploy.restored import build_inference_model
+from cnns.deploy.restored_model import build_inference_model
 from cnns.errors import CheckpointError
 from cnns.models import build_model
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 
 SCRIPTS = ["restore.py", "validation.py", "weight_avg.py", "inference_embedded.py"]
 
@@ -122,7 +122,7 @@ def test_a_plain_name_suffix_names_the_run_folder(tmp_path, capfd):
 def test_open_restore_path_is_one_line_for_a_fifo(tmp_path):
     import os
 
-    from cnns.runfolder.folder import open_restore_path
+    from cnns.runfolder.run_folder import open_restore_path
 
     fifo = tmp_path / "ckpt-1.pt"
     os.mkfifo(fifo)

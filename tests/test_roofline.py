@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cnns.bench.roofline import OpCost, _OpRecorder, model_operators, roofline_seconds, update_seconds
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 
 
 def _record(fn, *tensors):

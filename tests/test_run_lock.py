@@ -177,7 +177,7 @@ def test_commands_that_only_read_a_run_take_no_lock(run_copy, tmp_path, capsys):
     try:
         from PIL import Image
 
-        from cnns.data.builtin import draw_shapes
+        from cnns.data.drawn_shapes import draw_shapes
 
         images, _ = draw_shapes(1, seed=1)
         image = tmp_path / "one.png"

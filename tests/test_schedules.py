@@ -3,7 +3,7 @@ import math
 import pytest
 
 from cnns.errors import ConfigError
-from cnns.schedules import (
+from cnns.lr_schedules import (
     ScheduleSpec,
     learning_rate_from_exponent,
     lr_at,

@@ -20,8 +20,8 @@ import scripts
 # Module -> functions counted in every process.
 COUNTED = {"cnns.commands.checks": ["check_supported", "check_data_before_writing"],
            "cnns.runfolder.checkpoint": ["load_checkpoint"],
-           "cnns.runfolder.folder": ["read_run_options"],
-           "cnns.weights": ["read_weight_file"]}
+           "cnns.runfolder.run_folder": ["read_run_options"],
+           "cnns.init_weights": ["read_weight_file"]}
 
 SITECUSTOMIZE = '''
 import atexit, collections, importlib.machinery, json, os, sys
@@ -135,7 +135,7 @@ def test_init_path_is_read_once_per_process_and_let_go_once_in_the_model(tmp_pat
 
     import torch
 
-    from cnns.weights import InitialWeights
+    from cnns.init_weights import InitialWeights
 
     env, read = counted
     plain = (*RUN[:RUN.index("--replicas")], *RUN[RUN.index("--replicas") + 2:])

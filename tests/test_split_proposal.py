@@ -15,7 +15,7 @@ from cnns.commands.splits import model_to_plan
 from cnns.parallel.planning import balanced_cuts, format_report, profile_cuts, propose, propose_from_profile
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec, count_parameters, split_points
-from cnns.models.splits import main_split_names
+from cnns.models.split_points import main_split_names
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cnns.engine import step_rate
 from cnns.models import build_model
-from cnns.models.spec import ModelSpec
+from cnns.models.model_spec import ModelSpec
 
 
 @pytest.mark.parametrize("spec", [ModelSpec("resnet", "20", 10, 32), ModelSpec("resnet", "18", 1000, 64)])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cnns.data import tfrecord
+from cnns.data import tfrecord_reader
 from cnns.errors import DataError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -135,30 +135,30 @@ def write_imagenet_shards(folder: Path, split: str, labels_per_shard: list[list[
 
 def test_crc32c_check_value_and_masking():
     assert reference_crc32c(b"123456789") == 0xE3069283  # the published CRC-32C check value
-    assert tfrecord.crc32c(b"123456789") == 0xE3069283
-    assert tfrecord.masked_crc32c(b"123456789") == reference_masked_crc(b"123456789")
+    assert tfrecord_reader.crc32c(b"123456789") == 0xE3069283
+    assert tfrecord_reader.masked_crc32c(b"123456789") == reference_masked_crc(b"123456789")
 
 
 @pytest.mark.parametrize("size", [0, 1, 3, 4, 15, 16, 17, 1000, 3001])
 def test_crc32c_matches_bitwise_reference(size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
-    assert tfrecord.crc32c(data) == reference_crc32c(data)
-    assert tfrecord.crc32c(memoryview(data)) == reference_crc32c(data)  # what the reader hands it
+    assert tfrecord_reader.crc32c(data) == reference_crc32c(data)
+    assert tfrecord_reader.crc32c(memoryview(data)) == reference_crc32c(data)  # what the reader hands it
 
 
 def test_without_google_crc32c_reading_a_tfrecord_is_one_line_naming_the_package(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "google_crc32c", None)  # import raises ImportError
-    tfrecord._crc32c_value.cache_clear()
+    tfrecord_reader._crc32c_value.cache_clear()
     try:
         with pytest.raises(DataError, match=r"^reading TFRecords needs the google-crc32c package: "
                                             r"pip install google-crc32c$"):
-            tfrecord.crc32c(b"123456789")
+            tfrecord_reader.crc32c(b"123456789")
     finally:
-        tfrecord._crc32c_value.cache_clear()
+        tfrecord_reader._crc32c_value.cache_clear()
     monkeypatch.undo()
-    assert tfrecord.crc32c(b"123456789") == 0xE3069283
+    assert tfrecord_reader.crc32c(b"123456789") == 0xE3069283
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,25 +170,25 @@ def test_find_shards_any_count_sorted_and_in_imagenet_data(tmp_path):
     for name in ["train-00002-of-00003", "train-00000-of-00003", "train-00001-of-00003",
                  "validation-00000-of-00001", "train-00000-of-00003.idx", "README"]:
         (tmp_path / name).write_bytes(b"")
-    assert [p.name for p in tfrecord.find_shards(tmp_path, "train")] == [
+    assert [p.name for p in tfrecord_reader.find_shards(tmp_path, "train")] == [
         "train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003"]
-    assert [p.name for p in tfrecord.find_shards(tmp_path, "validation")] == ["validation-00000-of-00001"]
+    assert [p.name for p in tfrecord_reader.find_shards(tmp_path, "validation")] == ["validation-00000-of-00001"]
 
     nested = tmp_path / "other" / "imagenet-data"
     nested.mkdir(parents=True)
     (nested / "validation-00000-of-00128").write_bytes(b"")
-    assert tfrecord.find_shards(tmp_path / "other", "validation") == [nested / "validation-00000-of-00128"]
+    assert tfrecord_reader.find_shards(tmp_path / "other", "validation") == [nested / "validation-00000-of-00128"]
     with pytest.raises(DataError, match="other.*no TFRecord shards"):
-        tfrecord.find_shards(tmp_path / "other", "train")
+        tfrecord_reader.find_shards(tmp_path / "other", "train")
 
 
 def test_index_and_read_records(tmp_path):
     records = [b"", b"x", b"hello world" * 100, bytes(range(256))]
     path = tmp_path / "train-00000-of-00001"
     offsets = write_tfrecord(path, records)
-    index = tfrecord.index_records(path)
+    index = tfrecord_reader.index_records(path)
     assert index == [(offset, len(record)) for offset, record in zip(offsets, records)]
-    assert [tfrecord.read_record(path, offset, length) for offset, length in index] == records
+    assert [tfrecord_reader.read_record(path, offset, length) for offset, length in index] == records
 
 
 def test_parse_example_features():
@@ -198,17 +198,17 @@ def test_parse_example_features():
         "packed": int64_feature(1, 2**40, -1),
         "floats": float_feature(0.5, -2.0),
     })
-    features = tfrecord.parse_example(record)
+    features = tfrecord_reader.parse_example(record)
     assert features == {"image/encoded": [b"\xff\xd8jpeg"], "image/class/label": [615, -3],
                         "packed": [1, 2**40, -1], "floats": [0.5, -2.0]}
-    assert tfrecord.parse_example(record, keys=("packed",)) == {"packed": [1, 2**40, -1]}
+    assert tfrecord_reader.parse_example(record, keys=("packed",)) == {"packed": [1, 2**40, -1]}
     with pytest.raises(ValueError):
-        tfrecord.parse_example(record[:-3])
+        tfrecord_reader.parse_example(record[:-3])
 
 
 def test_dataset_reads_images_and_zero_based_labels(tmp_path):
     written = write_imagenet_shards(tmp_path, "train", [[1, 5, 1000], [2], [7, 3]])
-    dataset = tfrecord.TFRecordDataset(tmp_path, "train", transform=None)
+    dataset = tfrecord_reader.TFRecordDataset(tmp_path, "train", transform=None)
     assert len(dataset) == len(written) == 6
     for index, (colour_index, label) in enumerate(written):
         image, target = dataset[index]
@@ -226,7 +226,7 @@ def test_flipped_data_byte_names_file_and_offset(tmp_path):
     blob[offsets[1] + 12 + 40] ^= 0x01  # one bit in the data of the second record
     path.write_bytes(bytes(blob))
 
-    dataset = tfrecord.TFRecordDataset(tmp_path, "validation")  # headers are intact: indexing works
+    dataset = tfrecord_reader.TFRecordDataset(tmp_path, "validation")  # headers are intact: indexing works
     dataset[0]
     with pytest.raises(DataError) as error:
         dataset[1]
@@ -242,12 +242,12 @@ def test_corrupt_length_and_truncation_are_data_errors(tmp_path):
     blob[offsets[1]] ^= 0x04  # the second record's length
     path.write_bytes(bytes(blob))
     with pytest.raises(DataError, match=rf"{path.name}: corrupt TFRecord at byte offset {offsets[1]} \(length CRC"):
-        tfrecord.index_records(path)
+        tfrecord_reader.index_records(path)
 
     write_tfrecord(path, [b"a" * 50, b"b" * 50])
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(DataError, match=rf"{path.name}: truncated TFRecord at byte offset {offsets[1]}"):
-        tfrecord.index_records(path)
+        tfrecord_reader.index_records(path)
 
 
 def test_first_record_reads_a_shard_s_first_record_with_both_crcs_checked(tmp_path):
@@ -255,13 +255,13 @@ def test_first_record_reads_a_shard_s_first_record_with_both_crcs_checked(tmp_pa
     TFRecord reader: the first record's data, and None for an empty shard."""
     path = tmp_path / "train-00000-of-00001"
     write_tfrecord(path, [b"first" * 10, b"second"])
-    assert tfrecord.first_record(path) == b"first" * 10
+    assert tfrecord_reader.first_record(path) == b"first" * 10
     path.write_bytes(b"")
-    assert tfrecord.first_record(path) is None
+    assert tfrecord_reader.first_record(path) is None
 
     jpeg = colour_jpeg((10, 20, 30))
     write_tfrecord(path, [imagenet_example(jpeg, 7)])
-    assert tfrecord.first_example(path) == (jpeg, f"{path} (record at byte offset 0)")
+    assert tfrecord_reader.first_example(path) == (jpeg, f"{path} (record at byte offset 0)")
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -277,7 +277,7 @@ def test_a_first_record_that_does_not_frame_is_one_line_naming_the_file(tmp_path
     write_tfrecord(path, [b"a" * 50])
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(DataError) as raised:
-        tfrecord.first_record(path)
+        tfrecord_reader.first_record(path)
     assert str(raised.value).startswith(f"{path}: {message}")
 
 
@@ -285,7 +285,7 @@ def test_missing_label_is_a_data_error(tmp_path):
     path = tmp_path / "train-00000-of-00001"
     write_tfrecord(path, [example({"image/encoded": bytes_feature(colour_jpeg((1, 2, 3)))})])
     with pytest.raises(DataError, match="image/class/label"):
-        tfrecord.TFRecordDataset(tmp_path, "train")[0]
+        tfrecord_reader.TFRecordDataset(tmp_path, "train")[0]
 
 
 def test_parse_example_reads_bytes_from_a_real_protobuf_encoder():
@@ -322,6 +322,6 @@ def test_parse_example_reads_bytes_from_a_real_protobuf_encoder():
     example_message.features.feature["image/encoded"].bytes_list.value.append(b"\xff\xd8 jpeg bytes")
     example_message.features.feature["image/class/label"].int64_list.value.extend([615, -2])
     example_message.features.feature["image/object/bbox/xmin"].float_list.value.extend([0.25, 0.5])
-    parsed = tfrecord.parse_example(example_message.SerializeToString())
+    parsed = tfrecord_reader.parse_example(example_message.SerializeToString())
     assert parsed == {"image/encoded": [b"\xff\xd8 jpeg bytes"], "image/class/label": [615, -2],
                       "image/object/bbox/xmin": [0.25, 0.5]}

@@ -1,4 +1,4 @@
-"""What a command may touch (`cnns.runfolder.files`' rule, issue 52), as a table of hostile inputs over the commands.
+"""What a command may touch (`cnns.safe_writes`' rule, issue 52), as a table of hostile inputs over the commands.
 
 Each case builds its trap in a copy of a finished run (an existing run folder, a symbolic link planted in it, a
 checkpoint named as an output, a YAML bomb, an output over an input), runs the command as a user would, and checks
@@ -109,7 +109,7 @@ CASES = {
     "validation.py with arguments.json cut short": Case("validation.py", lambda run, out: (
         (run / "arguments.json").write_bytes((run / "arguments.json").read_bytes()[:40]),
         ["--restore-path", str(run)])[1], "is not valid JSON"),
-    # Data files are read bounded: a regular file within --max-file-size, or one line (cnns.bounded).
+    # Data files are read bounded: a regular file within --max-file-size, or one line (cnns.bounded_reads).
     "cnns predict on an image that is a link to /dev/zero": Case("predict", lambda run, out: (
         (out / "photo.jpg").symlink_to("/dev/zero"), ["--restore-path", str(run), str(out / "photo.jpg")])[1],
         "not a regular file"),

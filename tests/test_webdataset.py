@@ -21,7 +21,7 @@ from PIL import Image
 import scripts
 from cnns.data.formats import WEBDATASET, find_format, format_of_folder, records_in
 from cnns.data.formats import webdataset as wds
-from cnns.data.imagenet import ImageNetBatches
+from cnns.data.image_loader import ImageNetBatches
 from cnns.errors import DataError
 from test_training import read_csv, run_folder
 

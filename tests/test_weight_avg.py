@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from cnns.cli import run_script as run_command
-from cnns.data.builtin import draw_shapes
-from cnns.data.cifar import write_cifar10
+from cnns.data.drawn_shapes import draw_shapes
+from cnns.data.cifar_records import write_cifar10
 from cnns.engine.averaging import average_state_dicts
 from cnns.engine.ema import WeightEma
 from test_cli import graphcore_command_lines

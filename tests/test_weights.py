@@ -207,7 +207,7 @@ def test_resnext_and_efficientnet_weights_load_in_timm_as_cnns_runs_them(tmp_pat
     from safetensors import safe_open
 
     from cnns.cli.inference import export_main, restored_run
-    from cnns.deploy.restored import restore_model
+    from cnns.deploy.restored_model import restore_model
 
     run = tmp_path / "run"
     assert run_command("train", ["--model", model, "--model-size", size, "--dataset", "imagenet", "--image-size", "64",

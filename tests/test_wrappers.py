@@ -101,7 +101,7 @@ def test_graphcores_recomputation_points_keep_only_the_segment_inputs():
     tensors than even per-unit recomputation."""
     from cnns.engine.recomputation import recompute_between_splits
     from cnns.models import resolve_splits
-    from cnns.models.splits import model_pieces, stage_pieces
+    from cnns.models.split_points import model_pieces, stage_pieces
 
     spec = ModelSpec(arch="resnet", size="20", num_classes=10, image_size=32)
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def test_a_stage_keeps_the_recomputation_of_a_block_it_cuts_inside():
     forward: keep_recomputation recomputes each part (same outputs and gradients, fewer saved tensors), and
     leaves the parts of a block recompute_blocks did not wrap, and whole pieces, as they are."""
     from cnns.engine.recomputation import _Recomputed, keep_recomputation
-    from cnns.models.splits import model_pieces
+    from cnns.models.split_points import model_pieces
 
     spec = ModelSpec(arch="efficientnet", size="B0", num_classes=10, image_size=32)
     torch.manual_seed(0)

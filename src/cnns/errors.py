@@ -52,7 +52,7 @@ class ConfigError(CnnsError):
 
 class WriteError(CnnsError):
     """A file that could not be written whole (a full disk, a quota, an I/O error, a vanished folder); what
-    the file held before is unchanged (`cnns.runfolder.files`)."""
+    the file held before is unchanged (`cnns.safe_writes`)."""
 
     def __init__(self, path, cause: OSError):
         self.path, self.cause = path, cause

@@ -2,7 +2,7 @@
 
 * **The same model and input**: the entry's inference_embedded.py command line, resolved (its model, batch,
   image size, --seed, --iterations), and the model that script compiles
-  (`cnns.deploy.restored.build_inference_model`: the one assembly, behind the normalisation of uint8 NHWC
+  (`cnns.deploy.restored_model.build_inference_model`: the one assembly, behind the normalisation of uint8 NHWC
   images), its random weights drawn from --seed; every backend takes the same batch (`inference_batch`). Each
   one's logits are compared with eager float32's (``max_rel_diff``: over the largest |logit|, since randomly
   initialised EfficientNets give logits of about 1e-5); a float32 backend further off than `AGREEMENT_TOLERANCE`
@@ -40,12 +40,12 @@ from torch import nn
 from torch.utils.benchmark.utils.common import set_torch_threads
 
 from cnns.bench.rates import in_turn
-from cnns.bench.spec import DEFAULT_BACKENDS, BackendsSpec, check_backends
+from cnns.bench.benchmark_file import DEFAULT_BACKENDS, BackendsSpec, check_backends
 from cnns.config import RunConfig
 from cnns.deploy.graphs import export_onnx, export_pt2, load_compiled
 from cnns.parallel.world import usable_cores
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 
 LABELS = {"eager": "eager float32", "eager-bf16": "eager bf16", "aoti": "AOTInductor float32",
           "aoti-bf16": "AOTInductor bf16", "onnxruntime": "onnxruntime float32"}
@@ -90,7 +90,7 @@ def at_precision(cfg: RunConfig, backend: str) -> RunConfig:
 def inference_module(cfg: RunConfig, backend: str) -> nn.Module:
     """The model inference_embedded.py compiles, at `backend`'s precision, with the same random weights for
     every backend (drawn from --seed)."""
-    from cnns.deploy.restored import build_inference_model
+    from cnns.deploy.restored_model import build_inference_model
 
     torch.manual_seed(cfg.train.seed or 0)
     return build_inference_model(at_precision(cfg, backend), None, torch.device("cpu"))
@@ -180,7 +180,7 @@ def measure_backends(cfg: RunConfig, backends: tuple[str, ...] | list[str] = DEF
     folder, removed at the end); ``log`` receives one line per step."""
     import tempfile
 
-    from cnns.deploy.restored import inference_batch
+    from cnns.deploy.restored_model import inference_batch
     from cnns.precision import cpu_half_is_emulated
 
     check_backends(backends)

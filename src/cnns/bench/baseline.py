@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from cnns import profiling
-from cnns.runfolder.files import append
+from cnns.safe_writes import append
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)

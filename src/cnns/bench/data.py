@@ -40,11 +40,11 @@ from cnns.data.decoding import DecodeClock
 from cnns.devices import resolve_device
 from cnns.errors import ConfigError, DataError
 from cnns.parallel.world import usable_cores
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 
 if TYPE_CHECKING:
-    from cnns.data.imagenet import ImageNetTransform
-    from cnns.data.imagenet import ImageRecords as ImageDataset
+    from cnns.data.image_loader import ImageNetTransform
+    from cnns.data.image_loader import ImageRecords as ImageDataset
 
 BASELINE_CROP_AREA = (0.05, 1.0)
 
@@ -135,7 +135,7 @@ def baseline_transform(train: bool, image_size: int):
     other skips."""
     from torchvision import transforms as T
 
-    from cnns.data.imagenet import evaluation_resize
+    from cnns.data.image_loader import evaluation_resize
 
     if train:
         return T.Compose([T.RandomResizedCrop(image_size, scale=BASELINE_CROP_AREA), T.RandomHorizontalFlip(),
@@ -368,7 +368,7 @@ def measure_account(plan: BenchDataRequest, images: int, baseline: Measurement |
     """The account on the plan's files, every measurement of it in each round (`in_rounds`). `baseline` is
     torchvision's loader with 1 worker when the comparison measured it; on a folder tree it is measured in the
     account's rounds otherwise."""
-    from cnns.data.imagenet import ImageNetTransform
+    from cnns.data.image_loader import ImageNetTransform
 
     dataset = records_in(plan.data_dir, "train" if plan.train else "validation")
     indices = account_indices(len(dataset), images)

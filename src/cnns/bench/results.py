@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cnns.bench.spec import BACKENDS_KIND, COMMAND_KIND
-from cnns.runfolder.files import write_atomically
+from cnns.bench.benchmark_file import BACKENDS_KIND, COMMAND_KIND
+from cnns.safe_writes import write_atomically
 
 # The loops a command entry measures: cnns, and the plain loop in each of its modes (spec.BASELINE_MODES).
 PLAIN_SIDES = {"eager": "plain", "compiled": "plain_compiled"}

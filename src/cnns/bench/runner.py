@@ -36,13 +36,13 @@ from cnns.bench import roofline
 from cnns.bench.rates import DeviceRates, forward_flops, in_turn
 from cnns.bench.results import (PLAIN_SIDES, Result, entry_failed, print_tables, set_peak_fractions,
                                 set_roofline_fractions, write_results)
-from cnns.bench.spec import (BACKENDS_KIND, COMMAND_KIND, DEFAULT_BACKENDS, BackendsSpec, Entry, load_spec,
+from cnns.bench.benchmark_file import (BACKENDS_KIND, COMMAND_KIND, DEFAULT_BACKENDS, BackendsSpec, Entry, load_spec,
                               select)
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec
 from cnns.parallel.world import usable_cores
 from cnns.precision import cpu_half_is_emulated
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 from cnns.runfolder.log import RunLog
 
 SCRIPTS = {"train.py": "train", "validation.py": "validate", "inference_embedded.py": "infer"}
@@ -359,8 +359,8 @@ def roofline_images_per_sec(plan: Plan, peak_gflops: float, bandwidth_gbs: float
 
 def ensure_cifar10(folder: Path, images: int = CIFAR_IMAGES) -> Path:
     """A CIFAR-10-format folder of drawn shapes (made once; reused while its files are complete)."""
-    from cnns.data.builtin import draw_shapes
-    from cnns.data.cifar import write_cifar10
+    from cnns.data.drawn_shapes import draw_shapes
+    from cnns.data.cifar_records import write_cifar10
     from cnns.data.formats import CIFAR_10_BINARY
 
     marker = folder / f".complete-{images}"

@@ -23,7 +23,7 @@ from typing import Callable
 from cnns.cli import endings
 from cnns.cli.parsing import parse_options, resolved_training_options
 from cnns.errors import CnnsError, ConfigError, continue_with_nothing
-from cnns.runfolder.files import command_scope
+from cnns.safe_writes import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
             "plot", "predict", "export")
@@ -62,7 +62,7 @@ def run_script(command: str, argv: list[str] | None = None) -> int:
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        with command_scope(), endings.signals_end_the_command():  # what it may write: cnns.runfolder.files
+        with command_scope(), endings.signals_end_the_command():  # what it may write: cnns.safe_writes
             return _dispatch(command)(argv)
     except CnnsError as exc:
         return endings.say(f"error: {exc}", 2)

@@ -3,7 +3,7 @@
 * a signal: SIGTERM and SIGINT end a command with 128 + the signal's number (143, 130), as SPEC §8 asks. Training
   installs its own handlers (`cnns.engine.loop.StopRequest`: finish the update, checkpoint, say how to continue);
   everywhere else (validation, averaging, export, ...) the signal ends the command where it is, with one line.
-  Writes are atomic (`cnns.runfolder.files`), so what a command leaves is whole;
+  Writes are atomic (`cnns.safe_writes`), so what a command leaves is whole;
 * a reader that went away (`train.py ... | head -1`: a broken pipe on stdout) ends the command quietly with
   128 + SIGPIPE, as a program killed by SIGPIPE does; a closed stdout or stderr (`>&-`) is /dev/null, so a
   finished run exits 0, and no file the command opens takes its descriptor (a C library writing to fd 1
@@ -176,7 +176,7 @@ def _shared_memory_room() -> str:
         status = os.statvfs("/dev/shm")
     except OSError:
         return "/dev/shm"
-    from cnns.bounded import describe_size
+    from cnns.bounded_reads import describe_size
 
     return (f"/dev/shm has {describe_size(status.f_bavail * status.f_frsize)} free of "
             f"{describe_size(status.f_blocks * status.f_frsize)}")

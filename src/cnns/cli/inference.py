@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cnns.cli.parsing import print_config, resolve_command_line
 from cnns.config import RunConfig
-from cnns.config.files import check_parsed
+from cnns.config.config_files import check_parsed
 
 RESTORE_PATH_HELP = "A run folder (its newest ckpt-N.pt) or one checkpoint file in it (ckpt-N.pt, weight_avg_*.pt)."
 WEIGHTS_HELP = "raw: the checkpoint's weights; ema: its moving average (--ema-decay runs)."
@@ -34,7 +34,7 @@ def infer_main(argv: list[str]) -> int:
 
 def _checkpoint_named(restore_path: str | None) -> Path | None:
     """The checkpoint --restore-path names (a run folder's newest), as every command reads it; None without."""
-    from cnns.runfolder.folder import open_restore_path
+    from cnns.runfolder.run_folder import open_restore_path
 
     return open_restore_path(restore_path).checkpoint() if restore_path else None
 
@@ -52,7 +52,7 @@ def restored_run(restore_path: str) -> tuple[Path, RunConfig]:
 
 def predict_parser() -> argparse.ArgumentParser:
     from cnns.config.table import COUNT, byte_size
-    from cnns.deploy.restored import WEIGHT_CHOICES
+    from cnns.deploy.restored_model import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns predict",
@@ -89,7 +89,7 @@ def predict_main(argv: list[str]) -> int:
 
 def export_parser() -> argparse.ArgumentParser:
     from cnns.commands.export import FORMATS
-    from cnns.deploy.restored import WEIGHT_CHOICES
+    from cnns.deploy.restored_model import WEIGHT_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="cnns export",

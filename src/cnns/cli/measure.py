@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from cnns.cli.parsing import device_defaults, inference_options, parse_options, resolve_command_line
-from cnns.config.files import check_parsed
+from cnns.config.config_files import check_parsed
 from cnns.config.table import COUNT, SEED_MAX, Domain, OneLineErrorParser
 from cnns.data.formats import DATASETS, IMAGENET
 
@@ -173,7 +173,7 @@ def bench_data_main(argv: list[str]) -> int:
     options = vars(args)
     overwrite = options.pop("overwrite")
     if options["json"]:  # checked before anything is measured or written (the tree --make-jpeg-tree writes too)
-        from cnns.runfolder.files import check_output
+        from cnns.safe_writes import check_output
 
         check_output(options["json"], [options["data_dir"] or options["make_jpeg_tree"] or ""], overwrite, "--json")
     from cnns.bench.data import BenchDataRequest

@@ -165,7 +165,7 @@ def inference_options(values: dict[str, Any]) -> dict[str, Any]:
     device_defaults(values, decided=set(run))
     values = dict(values, replicas=1, BN_span=1, shards=1, pipeline=False, pipeline_splits=None, validation=False)
     if values.get("seed") is None:
-        values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runfolder.folder`)
+        values["seed"] = 0  # generated images are the same every time, as for validation (`cnns.runfolder.run_folder`)
     if values.get("iterations") is None:
         values["iterations"] = INFERENCE_ITERATIONS
     values["generated_data"] = values.get("generated_data") or not values.get("synthetic_data")
@@ -181,7 +181,7 @@ class ResolvedCommandLine:
     options: dict[str, Any]
     config: RunConfig
     notices: list[str]
-    # The run --restore-path names, opened once, here: restore.py's `cnns.runfolder.folder.RunFolder`,
+    # The run --restore-path names, opened once, here: restore.py's `cnns.runfolder.run_folder.RunFolder`,
     # validation.py's and weight_avg.py's `RestoreTarget` (None without --restore-path).
     run: Any = None
 
@@ -196,7 +196,7 @@ def resolve_command_line(script: str, argv: list[str]) -> ResolvedCommandLine:
         options = _training_options(values)
         notices += options_without_effect(values, options)
     elif script == "restore":
-        from cnns.runfolder.folder import RunFolder
+        from cnns.runfolder.run_folder import RunFolder
         from cnns.runfolder.options import restore_options
 
         values, notices = parse_options(script, argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cnns.runfolder.files import check_output, refreshes
+from cnns.safe_writes import check_output, refreshes
 from cnns.runfolder.plots import PLOT_FILE, TRAINING_FILE, VALIDATION_FILE, plot_runs, read_run
 
 COMPARISON_FILE = "comparison.png"

@@ -2,14 +2,14 @@
 what a run's parallel options mean here. A command that fails one leaves no run folder behind.
 
 The data's checks are its format's (`cnns.data.formats.check_data`); the split names' rule is the models'
-(`cnns.models.splits.stage_cuts`)."""
+(`cnns.models.split_points.stage_cuts`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from cnns.bounded import describe_size
+from cnns.bounded_reads import describe_size
 from cnns.config import RunConfig
 from cnns.config.defaults import stages_compile
 from cnns.data.dali_probe import check_dali_installed
@@ -60,7 +60,7 @@ def check_shared_memory(cfg: RunConfig, splits: list[str], folder: str = "/dev/s
     gives a container 64 MB): ConfigError naming what to lower or raise, before the run folder. Found only when a
     worker first writes a buffer otherwise, as a bus error. CIFAR-sized data is held and augmented in this process."""
     from cnns.data.formats import dataset_facts
-    from cnns.data.imagenet import shared_memory_bytes
+    from cnns.data.image_loader import shared_memory_bytes
 
     workers = cfg.data.pipeline_num_parallel
     if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
@@ -94,7 +94,7 @@ def check_open_files(cfg: RunConfig, splits: list[str]) -> None:
     import resource
 
     from cnns.data.formats import dataset_facts
-    from cnns.data.imagenet import BATCH_BUFFERS_PER_WORKER
+    from cnns.data.image_loader import BATCH_BUFFERS_PER_WORKER
 
     workers = cfg.data.pipeline_num_parallel
     if workers == 0 or dataset_facts(cfg.data.dataset).cifar_sized:
@@ -112,10 +112,10 @@ def check_open_files(cfg: RunConfig, splits: list[str]) -> None:
 
 
 def check_pipeline_splits(cfg: RunConfig) -> None:
-    """--pipeline-splits name the cuts of --shards stages (`cnns.models.splits.stage_cuts`, the rule the stages
+    """--pipeline-splits name the cuts of --shards stages (`cnns.models.split_points.stage_cuts`, the rule the stages
     apply), or `auto` for more than one stage."""
     from cnns.models import ModelError, build_model
-    from cnns.models.splits import stage_cuts
+    from cnns.models.split_points import stage_cuts
 
     splits, shards = list(cfg.parallel.pipeline_splits or ()), cfg.parallel.shards
     if splits == ["auto"]:
@@ -147,7 +147,7 @@ def print_split_points(cfg: RunConfig) -> int:
 def check_run_folder_place(cfg: RunConfig) -> None:
     """Where train.py makes its run folder (--log-dir, or --logs-path) is a folder, or can become one, that this
     process may write in: checked before any process starts or any file is written. (What only trying shows, a
-    folder in /proc say, is one line too: `cnns.runfolder.folder.agree_on_run_folder`.)"""
+    folder in /proc say, is one line too: `cnns.runfolder.run_folder.agree_on_run_folder`.)"""
     if cfg.train.compile_only:  # writes nothing
         return
     if not cfg.log.logs_path:
@@ -170,7 +170,7 @@ def check_disk_room(cfg: RunConfig, folder: Path, what: str) -> None:
     """The file system the run folder goes on has room for the run's first checkpoint, its weights at least
     (`cnns.parallel.launch.model_memory`, on the CPU as it is saved): ConfigError before the run folder, naming the
     free space. A disk that fills later ends in one line with the checkpoints already written whole
-    (`cnns.runfolder.files`)."""
+    (`cnns.safe_writes`)."""
     import torch
 
     from cnns.parallel.launch import model_memory

@@ -15,7 +15,7 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
 * **Input.** By default ``images``: float32 NCHW, RGB, already normalised as training normalises
   (``(pixel / 255 - mean) / std`` with the run's constants, printed). With ``--eight-bit-io``:
   uint8 NHWC RGB pixels 0..255, the normalisation folded into the graph (as
-  `cnns.deploy.restored.NormalisedClassifier`, the 8-bit I/O of Graphcore's application). Images must already be
+  `cnns.deploy.restored_model.NormalisedClassifier`, the 8-bit I/O of Graphcore's application). Images must already be
   image_size x image_size (resized and cropped as `cnns predict` does). The output ``logits`` is
   float32 [batch, classes]: softmax gives probabilities.
 * **Batch size.** ``--batch-size dynamic`` (the default) exports the batch dimension as a
@@ -38,8 +38,8 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
   pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N), num_classes=N)`` (the
   overlay's class count tells timm the file's classifier fits; without it timm drops the classifier
   of a class count other than its own default). Only models timm defines by name qualify
-  (`cnns.weights.timm_model`); the others are one line saying so.
-* The file is written under a temporary name in the destination folder and renamed (`cnns.runfolder.files`), so `--out`
+  (`cnns.init_weights.timm_model`); the others are one line saying so.
+* The file is written under a temporary name in the destination folder and renamed (`cnns.safe_writes`), so `--out`
   never holds a partial file, and a full disk is one line naming the file. An existing file (a checkpoint
   above all) is replaced only with `--overwrite`, and never the checkpoint or arguments.json the export reads.
 """
@@ -54,9 +54,9 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.deploy.graphs import (DYNAMIC_EXAMPLE_BATCH, INPUT_NAME, OUTPUT_NAME, export_onnx, export_pt2,
                                 max_batch)
-from cnns.deploy.restored import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
+from cnns.deploy.restored_model import FloatClassifier, NormalisedClassifier, RestoredModel, restore_model
 from cnns.errors import ConfigError, WriteError
-from cnns.runfolder.files import check_output, write_atomically
+from cnns.safe_writes import check_output, write_atomically
 
 FORMATS = ("onnx", "pt2", "safetensors")
 TIMM_FILES = ("model.safetensors", "config.json")  # what --format safetensors writes into its --out folder
@@ -178,8 +178,8 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
 
     from safetensors.torch import save
 
-    from cnns.runfolder.folder import checkpoint_weights
-    from cnns.weights import timm_model
+    from cnns.runfolder.run_folder import checkpoint_weights
+    from cnns.init_weights import timm_model
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --format safetensors writes a folder "
@@ -213,14 +213,14 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
 
 def timm_config(restored: RestoredModel, architecture: str, model_args: dict) -> dict:
     """config.json in timm's hub layout (what timm.models.load_model_config_from_path reads)."""
-    from cnns.models.spec import display_name
+    from cnns.models.model_spec import display_name
     from cnns.runfolder.classes import class_names
-    from cnns.weights import classifier_name
+    from cnns.init_weights import classifier_name
 
     names, _ = class_names(restored.cfg, restored.checkpoint.parent)
     size = restored.image_size
     pretrained_cfg = {
-        # Evaluation preprocessing as cnns's (cnns.data.imagenet.evaluation_transform): the short side to
+        # Evaluation preprocessing as cnns's (cnns.data.image_loader.evaluation_transform): the short side to
         # size x 256/224, the centre size x size square.
         "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 0.875,
         "crop_mode": "center", "mean": list(restored.mean), "std": list(restored.std),

@@ -27,11 +27,11 @@ import torch
 
 from cnns.config import RunConfig
 from cnns.deploy.graphs import export_pt2, load_compiled
-from cnns.deploy.restored import build_inference_model, inference_batch, inference_dtype_and_std
+from cnns.deploy.restored_model import build_inference_model, inference_batch, inference_dtype_and_std
 from cnns.devices import resolve_device
-from cnns.engine.validation import latency_line
+from cnns.engine.checkpoint_validation import latency_line
 from cnns.errors import CnnsError, ConfigError
-from cnns.runfolder.files import check_output, write_atomically
+from cnns.safe_writes import check_output, write_atomically
 
 
 def artefact_name(cfg: RunConfig, checkpoint: Path | None) -> str:
@@ -167,7 +167,7 @@ def probe_package(path: Path, shape: tuple[int, ...], device: torch.device) -> f
 def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, artefact_path: str | None = None,
           force_recompile: bool = False) -> int:
     """inference_embedded.py: compile the model once (or load the compiled artefact) and time it; `checkpoint`:
-    the weights (`cnns.runfolder.folder.open_restore_path` found them, and `cfg` holds their run's model), None for random."""
+    the weights (`cnns.runfolder.run_folder.open_restore_path` found them, and `cfg` holds their run's model), None for random."""
     for notice in notices:
         print(f"notice: {notice}")
     device = resolve_device(cfg.device)

@@ -10,7 +10,7 @@ What it does, step by step:
 * **Model.** `--restore-path` is a run folder (its newest ``ckpt-<iteration>.pt``) or one checkpoint
   file of a run folder (``ckpt-N.pt``, or a weight average ``weight_avg_*.pt``). The model is rebuilt
   from the run folder's ``arguments.json`` resolved exactly as ``validation.py`` resolves it
-  (`cnns.cli.inference.restored_run`, `cnns.deploy.restored.restore_model`), the checkpoint's ``"model"``
+  (`cnns.cli.inference.restored_run`, `cnns.deploy.restored_model.restore_model`), the checkpoint's ``"model"``
   entry (or with ``--weights ema`` its ``"ema"`` entry, the float32 moving average of ``--ema-decay``)
   is loaded, and the model runs in **float32** in eval mode whatever the training precision: a 16.16
   checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
@@ -20,7 +20,7 @@ What it does, step by step:
   ``torchvision.io.decode_image`` to RGB, PIL for the rest, via `cnns.data.imagefolder.decode_rgb`)
   or a folder, which means every image file under it (by extension, recursively, hidden entries
   skipped), sorted by path. A file is read only if it is a regular file no larger than ``--max-file-size``
-  (1 GiB by default), and read no further (`cnns.bounded`): a FIFO, a device (a symlink to
+  (1 GiB by default), and read no further (`cnns.bounded_reads`): a FIFO, a device (a symlink to
   /dev/zero), a sparse 20 GB ``.jpg`` are never read. What the file system shows before anything runs
   stops the command in one line (`CnnsError`, exit 2): a missing path, an image argument that is not a
   regular file or is larger than the limit, a folder without images (a directory named ``x.jpg`` is a
@@ -28,7 +28,7 @@ What it does, step by step:
   decoded (``error: cannot decode <path>: <reason>``) is named on stderr in one line, the other images
   are still predicted, and the exit code is 1 (0 when every image was predicted).
 * **Preprocessing.** As the run's evaluation data is prepared:
-  ImageNet-sized models get `cnns.data.imagenet.evaluation_transform` (short side resized to
+  ImageNet-sized models get `cnns.data.image_loader.evaluation_transform` (short side resized to
   image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
   CIFAR-10/100 and the built-in dataset take a 32x32 image as it is; any other size is brought to
   32x32 by resizing its short side to 32 (antialiased) and cropping the centre 32x32 square: the
@@ -59,7 +59,7 @@ from typing import Iterator, Sequence
 import torch
 
 from cnns.config import RunConfig
-from cnns.deploy.restored import restore_model
+from cnns.deploy.restored_model import restore_model
 from cnns.errors import DataError
 
 
@@ -70,7 +70,7 @@ from cnns.errors import DataError
 def image_files(arguments: Sequence[str], size_limit: int | None = None) -> list[Path]:
     """The files to predict: files as given, each a regular file within `size_limit` (--max-file-size), and
     folders as their image files (recursive, sorted; checked as they are read)."""
-    from cnns.bounded import check_regular_file
+    from cnns.bounded_reads import check_regular_file
     from cnns.data.imagefolder import IMAGE_EXTENSIONS
 
     files: list[Path] = []
@@ -111,7 +111,7 @@ def evaluation_transform(cfg):
             return image.permute(1, 2, 0)
 
         return cifar
-    from cnns.data.imagenet import evaluation_transform as imagenet_evaluation
+    from cnns.data.image_loader import evaluation_transform as imagenet_evaluation
 
     imagenet = imagenet_evaluation(size)
 
@@ -133,7 +133,7 @@ def _failure_reason(error: Exception, path: Path) -> str:
 def decoded_images(files: Sequence[Path], transform,
                    size_limit: int | None = None) -> Iterator[tuple[Path, torch.Tensor | None]]:
     """(path, uint8 HWC image) per file, or (path, None) after naming the failure on stderr."""
-    from cnns.bounded import UnreadableFile, read_bounded
+    from cnns.bounded_reads import UnreadableFile, read_bounded
     from cnns.data.imagefolder import decode_rgb
 
     for path in files:

@@ -14,7 +14,7 @@ from cnns.config import RunConfig
 from cnns.errors import CheckpointError
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World, launched
-from cnns.runfolder.folder import RestorePoint, RunFolder, newest_restore_point, run_log_for
+from cnns.runfolder.run_folder import RestorePoint, RunFolder, newest_restore_point, run_log_for
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import check_logs_readable
 

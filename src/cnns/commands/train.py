@@ -14,10 +14,10 @@ from cnns.commands.checks import (check_data_before_writing, check_run_folder_pl
                                   print_split_points, wants_split_names)
 from cnns.config import RunConfig
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
-from cnns.runfolder.folder import open_new_run
+from cnns.runfolder.run_folder import open_new_run
 
 if TYPE_CHECKING:
-    from cnns.weights import InitialWeights
+    from cnns.init_weights import InitialWeights
 
 
 def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
@@ -59,6 +59,6 @@ def _checked_initial_weights(cfg: RunConfig) -> InitialWeights | None:
     """--init-path's weights, read and matched to the model before anything is written (None without it)."""
     if not cfg.train.init_path:
         return None
-    from cnns.weights import initial_weights
+    from cnns.init_weights import initial_weights
 
     return initial_weights(cfg.train.init_path, cfg.model)

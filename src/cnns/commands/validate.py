@@ -2,7 +2,7 @@
 
 The configuration is the run's arguments.json overridden by the command line (`cnns.runfolder.options.evaluation_options`),
 resolved once by `cnns.cli`, which reads --restore-path once for the process as every command reads it
-(`cnns.runfolder.folder.open_restore_path`) and hands it over (`run`); the run folder is locked while
+(`cnns.runfolder.run_folder.open_restore_path`) and hands it over (`run`); the run folder is locked while
 validation.csv is written (`cnns.runfolder.lock`). With replicas every process validates its share of the
 images and rank 0 writes; each process reads the checkpoints itself, each once (the run folder is on a shared
 file system). Everything that can fail (unreadable or foreign checkpoints, a model that does not match, missing
@@ -19,14 +19,14 @@ from cnns.commands.splits import model_to_plan
 from cnns.config import RunConfig
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.engine.setup import set_up
-from cnns.engine.validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
+from cnns.engine.checkpoint_validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
                                     log_validation, readable_targets, summed_over_processes, targets_of,
                                     validate_targets)
 from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
-from cnns.runfolder.folder import RestoreTarget
+from cnns.runfolder.run_folder import RestoreTarget
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, validated_names
 

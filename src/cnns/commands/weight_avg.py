@@ -1,7 +1,7 @@
 """weight_avg.py: a run's last checkpoints averaged (the mean or exponential average of Graphcore's
 application), written beside them as weight_avg_*.pt, and validated unless the command line says
 --no-validation (the training run's does not carry over). --restore-path is a run folder, read once by the command
-line as every command reads it (`cnns.runfolder.folder.open_restore_path`) and handed over; each checkpoint averaged
+line as every command reads it (`cnns.runfolder.run_folder.open_restore_path`) and handed over; each checkpoint averaged
 is read once; everything is read and checked before the run folder is written, under its lock
 (`cnns.runfolder.lock`)."""
 
@@ -13,11 +13,11 @@ from cnns.commands.checks import check_data_before_writing, check_supported, che
 from cnns.config import RunConfig
 from cnns.engine.averaging import average_name, last_checkpoints, trained_checkpoints, write_average
 from cnns.engine.setup import set_up
-from cnns.engine.validation import Target, check_targets_match, targets_of, validate_targets
+from cnns.engine.checkpoint_validation import Target, check_targets_match, targets_of, validate_targets
 from cnns.errors import CheckpointError, ConfigError
 from cnns.devices import resolve_device
 from cnns.parallel.world import World, process_device
-from cnns.runfolder.folder import RestoreTarget
+from cnns.runfolder.run_folder import RestoreTarget
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog
 

@@ -12,7 +12,7 @@ rules, the frozen RunConfig.
 """
 
 from cnns.config.defaults import EXPONENTIAL_DECAY_RATE, EXPONENTIAL_DROPS, resolve, run_name
-from cnns.config.files import check_domains, check_option_types, default_configs_path, load_named_config
+from cnns.config.config_files import check_domains, check_option_types, default_configs_path, load_named_config
 from cnns.config.run import (DataConfig, LogConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
                              TrainConfig, parse_fractions)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnns import optim
-from cnns.bounded import DEFAULT_FILE_SIZE_LIMIT
-from cnns.config.files import check_domains
+from cnns.bounded_reads import DEFAULT_FILE_SIZE_LIMIT
+from cnns.config.config_files import check_domains
 from cnns.config.table import FLOAT32_MAX, FLOAT32_TINY, byte_size
 from cnns.data.formats import DATASETS, dataset_facts, dataset_named_in_path
 from cnns.errors import ConfigError
@@ -31,7 +31,7 @@ from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 # EfficientNet's own input sizes (Tan and Le), Graphcore's application's ImageNet default for each size.
 EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
 # Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run (these
-# defaults are stated only here: RunConfig and cnns.schedules take them from the resolved options).
+# defaults are stated only here: RunConfig and cnns.lr_schedules take them from the resolved options).
 EXPONENTIAL_DECAY_RATE = 0.97
 EXPONENTIAL_DROPS = 146
 
@@ -274,7 +274,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "dataset_percentage_to_use": 100,
     "pipeline_num_parallel": 2,
     "decode_device": "auto",
-    "max_file_size": DEFAULT_FILE_SIZE_LIMIT,  # cnns.bounded's
+    "max_file_size": DEFAULT_FILE_SIZE_LIMIT,  # cnns.bounded_reads's
     "dataset_cache": True,
     "normalise_input": False,
     "eight_bit_io": False,

@@ -18,7 +18,7 @@ import torch
 
 from cnns.config.defaults import GENERIC_DEFAULTS, check_label_smoothing, default_for, draw_seed
 from cnns.data.formats import dataset_facts
-from cnns.data.spec import DataConfig
+from cnns.data.data_config import DataConfig
 from cnns.devices import requested_device
 from cnns.errors import ConfigError
 from cnns.optim import OPTIONS, OptimiserInfo, optimiser_info

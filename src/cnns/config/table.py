@@ -10,7 +10,7 @@ both, so that neither reaches up for the other.
 Every default is left as ``None`` here and filled in by `cnns.config.defaults`, where each is declared once;
 `--help` states them from there (`build_parser`'s `stated_default`), as they apply per dataset and model.
 Every option that takes a number declares its domain here, once, as its argparse type (`Domain`: integer or real,
-the interval, what 0 means); `cnns.config.files.check_domains` holds every value read to it, and --help states it.
+the interval, what 0 means); `cnns.config.config_files.check_domains` holds every value read to it, and --help states it.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ DALI only decodes. Everything that decides *what* a batch holds is cnns's own, s
 in the same order, with the same crops, as with the CPU decoder, by construction:
 
 - the epoch's order, the replica's share and the restore position: the JPEG-folder / TFRecord loader's
-  samplers (`cnns.data.imagenet.TrainingSampler`, `EvaluationSampler`, `BatchKeys`), read here in the main
+  samplers (`cnns.data.image_loader.TrainingSampler`, `EvaluationSampler`, `BatchKeys`), read here in the main
   process;
 - the training crop and flip of each (seed, epoch, index): `ImageNetTransform.crop`, drawn from the JPEG
   header's size, then handed to DALI's region decoder (`fn.decoders.image_slice`, absolute anchor and shape per
   sample) through `fn.external_source`;
-- evaluation: the resize and centre crop of `cnns.data.imagenet.evaluation_crop`, as the CPU decoder's
+- evaluation: the resize and centre crop of `cnns.data.image_loader.evaluation_crop`, as the CPU decoder's
   whole-image path computes its sizes (`resize_crop_into`): the whole image resized to those sizes, then the
   box cut out (`fn.slice`).
 
@@ -37,7 +37,7 @@ import torch
 
 from cnns.data.dali_probe import HW_DECODER_LOAD, check_dali_installed
 from cnns.data.decoding import Crop, ImageDecoder, device_jpeg_size
-from cnns.data.imagenet import (CACHE_MEMORY_FRACTION, SKIPPED_NAMES_KEPT, BatchKeys, EvaluationSampler,
+from cnns.data.image_loader import (CACHE_MEMORY_FRACTION, SKIPPED_NAMES_KEPT, BatchKeys, EvaluationSampler,
                                 ImageNetTransform, ImageRecords, SampleKey, TrainingSampler, _index, _private_copy,
                                 physical_memory_bytes, training_subset)
 from cnns.errors import ConfigError, DataError, first_line

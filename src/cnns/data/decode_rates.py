@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from cnns.data.decoding import DecodeRates, ImageDecoder, local_gpu_processes
-from cnns.data.imagenet import ImageNetTransform
+from cnns.data.image_loader import ImageNetTransform
 from cnns.data.photos import photo_like_jpeg
 from cnns.devices import usable_cores
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from cnns.bounded import read_bounded
+from cnns.bounded_reads import read_bounded
 from cnns.data.batches import shuffled
 from cnns.errors import DataError
 
@@ -211,7 +211,7 @@ def list_classes(split_folder: Path) -> list[str]:
 def list_images(class_folder: Path) -> list[Path]:
     """Image files of one class folder, sorted by name so the order is the same on every machine. Every entry
     named as an image is listed, whatever it is: one that is not a regular file (a FIFO, a device, a directory
-    named x.jpg) is then named when it is read (`cnns.bounded`), as a corrupt image is, never silently left
+    named x.jpg) is then named when it is read (`cnns.bounded_reads`), as a corrupt image is, never silently left
     out."""
     with os.scandir(class_folder) as entries:
         names = [e.name for e in entries

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from cnns.data.photos import photo_like_jpeg
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 
 RECORDS_PER_SHARD = 256
 
@@ -26,7 +26,7 @@ def _write_one(job: tuple[str, int, int]) -> int:
 
 
 def _write_shard(job: tuple[str, int, list[tuple[int, int]]]) -> int:
-    from cnns.data.tfrecord import encode_imagenet_example, write_records
+    from cnns.data.tfrecord_reader import encode_imagenet_example, write_records
 
     path, seed, items = job
     records = [encode_imagenet_example(photo_like_jpeg(seed, index), label + 1) for index, label in items]

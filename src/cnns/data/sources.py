@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from cnns.data.formats import BatchSource, SourceRequest, dataset_facts, find_format
-from cnns.data.spec import DataConfig
+from cnns.data.data_config import DataConfig
 
 
 class SyntheticBatches:

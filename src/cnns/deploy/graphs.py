@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cnns.errors import CnnsError
-from cnns.runfolder.files import write_atomically_by_name
+from cnns.safe_writes import write_atomically_by_name
 
 ONNX_OPSET = 18
 INPUT_NAME = "images"

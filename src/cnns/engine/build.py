@@ -22,7 +22,7 @@ from cnns.optim import (HalfPrecisionOptimiser, OptimiserSpec, build_optimiser, 
                         parameter_groups)
 from cnns.precision import LossScaler, PrecisionPolicy
 from cnns.parallel.world import World
-from cnns.schedules import ScheduleSpec, warmup_steps_from_epochs
+from cnns.lr_schedules import ScheduleSpec, warmup_steps_from_epochs
 
 
 def seed_everything(seed: int) -> None:

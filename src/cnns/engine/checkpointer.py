@@ -24,7 +24,7 @@ from cnns.errors import CheckpointError, CnnsError
 from cnns.parallel.replicas import average_running_statistics
 from cnns.parallel.world import World
 from cnns.runfolder.checkpoint import capture_rng_state, checkpoint_path, restore_rng_state, save_checkpoint
-from cnns.runfolder.folder import RestorePoint
+from cnns.runfolder.run_folder import RestorePoint
 from cnns.runfolder.log import RunLog
 
 

@@ -1,7 +1,7 @@
 """Training on a CPU with the fused normalisation + activation (+ residual) passes of `cnns.kernels`.
 
 Applied to a built model by `cnns.engine.assembly.assemble` (`fuse_passes`) for the norms `fused_norms` names:
-each fused module becomes an instance of a fused subclass of its own class (`cnns.engine.wrappers.specialise`),
+each fused module becomes an instance of a fused subclass of its own class (`cnns.engine.specialise.specialise`),
 and an activation the norm now applies is swapped, by name, for ``nn.Identity``; nothing else changes, so
 parameters, buffers and state-dict keys stay the plain model's and checkpoints written before or after load
 alike. Three patterns are fused:
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cnns.engine.wrappers import specialise
+from cnns.engine.specialise import specialise
 from cnns.kernels import excite
 from cnns.kernels import norm_act as kernels
 from cnns.models import cifar_resnet

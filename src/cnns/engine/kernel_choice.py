@@ -6,7 +6,7 @@ products.
 
 The GPU choice sets process-wide flags (cuDNN's benchmark and deterministic modes, torch's deterministic
 algorithms, cuBLAS's workspace): a process trains one run, so they are the run's. The rest changes the model's
-modules (`cnns.engine.wrappers.specialise`), keeping their parameters, buffers and state-dict keys.
+modules (`cnns.engine.specialise.specialise`), keeping their parameters, buffers and state-dict keys.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cnns.engine.wrappers import specialise
+from cnns.engine.specialise import specialise
 from cnns.kernels import depthwise
 from cnns.precision import cpu_half_is_emulated
 

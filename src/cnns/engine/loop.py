@@ -26,7 +26,7 @@ from cnns.engine.step import NonFiniteError, StepMetrics, TrainStep
 from cnns.errors import CnnsError
 from cnns.parallel.world import World
 from cnns.runfolder.log import RunLog
-from cnns.schedules import ScheduleSpec, lr_at
+from cnns.lr_schedules import ScheduleSpec, lr_at
 
 
 class Outfeed:

@@ -1,6 +1,6 @@
 """Recomputation (--enable-recomputation): a block's, or a segment's between --pipeline-splits, activations are
 not kept for the backward pass but computed again there, trading compute for memory. The module keeps its
-parameters, buffers and state-dict keys (`cnns.engine.wrappers.specialise`); running statistics are updated
+parameters, buffers and state-dict keys (`cnns.engine.specialise.specialise`); running statistics are updated
 once, by the first forward.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cnns.engine.wrappers import specialise
+from cnns.engine.specialise import specialise
 
 
 @contextlib.contextmanager
@@ -67,7 +67,7 @@ def recompute(model: nn.Module, spec, splits: tuple[str, ...] | None, between_sp
     """--enable-recomputation: per segment between the --pipeline-splits when the run marks recomputation points
     on one device (`between_splits`), else per block. Returns the number of segments or blocks recomputed."""
     from cnns.models import recomputation_blocks, resolve_splits
-    from cnns.models.splits import model_pieces, stage_pieces
+    from cnns.models.split_points import model_pieces, stage_pieces
 
     if between_splits:
         cuts = resolve_splits(spec, model, list(splits or ()))
@@ -91,7 +91,7 @@ def recompute_blocks(model: nn.Module, blocks: list[str]) -> int:
 
 
 def keep_recomputation(pieces: list, model: nn.Module) -> list:
-    """`pieces` of `model` (`cnns.models.splits.Piece`) with the recomputation `recompute` gave the model: the
+    """`pieces` of `model` (`cnns.models.split_points.Piece`) with the recomputation `recompute` gave the model: the
     parts of a recomputed block that a pipeline cut runs on their own (not through the block's forward) are
     each recomputed, the stage boundary between them kept."""
     def kept(piece):
@@ -104,7 +104,7 @@ def keep_recomputation(pieces: list, model: nn.Module) -> list:
 def recompute_between_splits(model: nn.Module, segments: list) -> int:
     """Graphcore's application's recomputation points on one device (`--pipeline --shards 1 --pipeline-splits ...
     --enable-recomputation`): the model runs as its segments between the splits (lists of
-    `cnns.models.splits.Piece`), and only each segment's input is kept for the backward pass;
+    `cnns.models.split_points.Piece`), and only each segment's input is kept for the backward pass;
     everything inside a segment is recomputed. Returns the number of segments."""
 
     def segment(pieces):

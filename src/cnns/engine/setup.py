@@ -33,16 +33,16 @@ from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
 from cnns.engine.step_rate import estimated_step_rate
-from cnns.engine.validation import generated_validation_limit, validate_run_folder
+from cnns.engine.checkpoint_validation import generated_validation_limit, validate_run_folder
 from cnns.errors import CnnsError, continue_with
 from cnns.models import build_model, count_parameters
 from cnns.optim import HalfPrecisionOptimiser
 from cnns.parallel.world import World
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.runfolder.folder import RestorePoint
+from cnns.runfolder.run_folder import RestorePoint
 from cnns.runfolder.log import RunLog
-from cnns.schedules import ScheduleSpec
-from cnns.weights import InitialWeights
+from cnns.lr_schedules import ScheduleSpec
+from cnns.init_weights import InitialWeights
 
 
 @dataclass

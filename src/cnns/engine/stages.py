@@ -19,7 +19,7 @@ from cnns.config import RunConfig
 from cnns.engine.recomputation import keep_recomputation
 from cnns.errors import ConfigError
 from cnns.models import ModelError
-from cnns.models.splits import model_pieces, stage_cuts, stage_pieces
+from cnns.models.split_points import model_pieces, stage_cuts, stage_pieces
 from cnns.optim import parameter_names
 from cnns.parallel.pipeline import (StageModule, merge_optimiser_states, optimiser_state_by_index,
                                     optimiser_state_by_name)
@@ -41,7 +41,7 @@ class Stage:
 def build_stage(cfg: RunConfig, model: nn.Module, world: World, device: torch.device,
                 policy: PrecisionPolicy) -> Stage:
     """Cut the whole, wrapped `model` at the run's --pipeline-splits and keep this process's stage."""
-    from cnns.parallel.schedules import stage_of  # torch's pipelining: only a run with stages imports it
+    from cnns.parallel.pipeline_schedules import stage_of  # torch's pipelining: only a run with stages imports it
 
     splits = list(cfg.parallel.pipeline_splits or [])
     try:

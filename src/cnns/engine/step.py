@@ -230,7 +230,7 @@ class TrainStep(_OptimiserStep):
 class PipelinedTrainStep(_OptimiserStep):
     """One weight update of one pipeline stage.
 
-    The schedule (`cnns.parallel.schedules.build_pipeline_schedule`) runs the update's micro-batches through the
+    The schedule (`cnns.parallel.pipeline_schedules.build_pipeline_schedule`) runs the update's micro-batches through the
     stages: the first stage feeds the images, the last computes the loss (in float32, divided by the
     micro-batch count as one process's accumulation does) and the metrics; gradients accumulate in each
     stage. Then each stage averages its gradients over its replicas (one all-reduce of the update's sum,
@@ -242,7 +242,7 @@ class PipelinedTrainStep(_OptimiserStep):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad_accum: int,
                  accumulate_in_float32: bool, world, fp_exceptions: bool = False,
                  mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
-        from cnns.parallel.schedules import StageClock, build_pipeline_schedule
+        from cnns.parallel.pipeline_schedules import StageClock, build_pipeline_schedule
 
         self.optimiser = optimiser
         self.scaler = scaler

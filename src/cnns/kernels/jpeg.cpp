@@ -558,7 +558,7 @@ Timings decode_resized(Bytes bytes, uint8_t* out, int out_h, int out_w, double t
   return decode_box(d, bytes, out, out_h, out_w, top, left, box_h, box_w, flip, read_around, t0);
 }
 
-// ---- the training crop's draw (cnns.data.imagenet.training_crop and sample_generator), to the bit ----
+// ---- the training crop's draw (cnns.data.image_loader.training_crop and sample_generator), to the bit ----
 
 uint64_t splitmix64(uint64_t value) {
   value += 0x9E3779B97F4A7C15ull;

@@ -48,7 +48,7 @@ STATUS_ERRORS = {1: JpegError, 2: UnsupportedJpeg, 3: TooManyPixels, 4: ValueErr
 MESSAGE_BYTES = 512
 
 # The training crop's draw as decode_training_into and training_crop take it: (seed, epoch, index) of the
-# sample, each below 2**64, then the constants of cnns.data.imagenet.training_crop: area range, log-aspect
+# sample, each below 2**64, then the constants of cnns.data.image_loader.training_crop: area range, log-aspect
 # range, aspect range, tries, and the stream's label of sample_generator.
 CropDraw = tuple[int, int, int, float, float, float, float, float, float, int, int]
 
@@ -148,7 +148,7 @@ def decode_resized_into(data: JpegBytes, out: torch.Tensor, box: tuple[float, fl
 
 def training_crop(height: int, width: int, draw: CropDraw) -> tuple[int, int, int, int, bool]:
     """(top, left, height, width, flip) of the training crop that ``draw`` gives an image of (height, width):
-    ``cnns.data.imagenet.training_crop`` of ``sample_generator(seed, epoch, index)``, bit for bit (numpy's PCG64
+    ``cnns.data.image_loader.training_crop`` of ``sample_generator(seed, epoch, index)``, bit for bit (numpy's PCG64
     stream and Generator draws, the same double arithmetic), drawn natively."""
     _require()
     crop = (ctypes.c_int64 * 5)()

@@ -5,8 +5,8 @@ only the option-A CIFAR ResNets are written here. The models know nothing about 
 parallelism; ``split_points`` names the places where a pipeline may cut them.
 """
 
-from .spec import ModelError, ModelSpec, run_name_prefix, valid_sizes
-from .splits import describe_split_points, recomputation_blocks, resolve_splits, split_points
+from .model_spec import ModelError, ModelSpec, run_name_prefix, valid_sizes
+from .split_points import describe_split_points, recomputation_blocks, resolve_splits, split_points
 
 __all__ = [
     "ModelError",

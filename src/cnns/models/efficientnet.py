@@ -17,7 +17,7 @@ from timm.models._efficientnet_builder import decode_arch_def, round_channels
 from timm.models.efficientnet import EfficientNet
 
 from .norms import norm_act_layer
-from .spec import ModelError, ModelSpec, display_name
+from .model_spec import ModelError, ModelSpec, display_name
 
 # (width multiplier, depth multiplier) of Tan & Le 2019 ("efficientnet_params" of the reference code).
 # The resolution and dropout of that table are the data's and the trainer's business, not the model's.

@@ -11,7 +11,7 @@ from torch import nn
 
 from .cifar_resnet import CifarResNet
 from .norms import norm_layer
-from .spec import CIFAR_RESNET_BOTTLENECK_SIZES, ModelSpec
+from .model_spec import CIFAR_RESNET_BOTTLENECK_SIZES, ModelSpec
 
 
 def cifar_resnet(spec: ModelSpec) -> CifarResNet:

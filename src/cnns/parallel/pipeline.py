@@ -1,9 +1,9 @@
 """Pipelined model parallelism: one stage of a model per process, on torch.distributed.pipelining
-(`cnns.parallel.schedules`, imported where a run has stages: torch's pipelining imports torch._dynamo, seconds a
+(`cnns.parallel.pipeline_schedules`, imported where a run has stages: torch's pipelining imports torch._dynamo, seconds a
 process).
 
 Every process builds the whole model the same way (same random seed: identical initial weights), cuts it
-into the pieces of `cnns.models.splits.model_pieces`, and keeps only its stage's pieces: the other
+into the pieces of `cnns.models.split_points.model_pieces`, and keeps only its stage's pieces: the other
 modules are removed, so the stage's state dict is the matching part of the whole model's, under
 the same keys. Checkpoints merge the stages' parts back into the whole model (`cnns.engine.stages`).
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from cnns.models.splits import Piece
+from cnns.models.split_points import Piece
 
 
 class StageModule(nn.Module):
@@ -129,7 +129,7 @@ def merge_optimiser_states(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Where the time goes (measured by `cnns.parallel.schedules.StageClock`)
+# Where the time goes (measured by `cnns.parallel.pipeline_schedules.StageClock`)
 
 
 def time_report(totals: Sequence[dict[str, float]], schedule: str, micro_batches: int) -> list[str]:

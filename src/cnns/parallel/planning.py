@@ -3,7 +3,7 @@
 A pipeline runs as fast as its slowest stage, and Graphcore's split names say nothing about how much
 work lies between them. This profiles the model as one process trains it (assembled by the command that plans:
 `ModelToPlan`), as the pieces a pipeline stage is made of
-(`cnns.models.splits.model_pieces`, cut at every possible split), one micro-batch forward and backward
+(`cnns.models.split_points.model_pieces`, cut at every possible split), one micro-batch forward and backward
 per piece, and proposes the ``--pipeline-splits`` that minimise the slowest stage's time (an exact
 linear partition). Per cut it reports what lies before it (parameters, activations saved for backward,
 time) and the tensor a stage sends across it per micro-batch.
@@ -28,8 +28,8 @@ from torch import nn
 from cnns.config import RunConfig
 from cnns.errors import ConfigError
 from cnns.models import ModelSpec, split_points
-from cnns.models.spec import display_name
-from cnns.models.splits import main_split_names, model_pieces
+from cnns.models.model_spec import display_name
+from cnns.models.split_points import main_split_names, model_pieces
 
 Autocast = Callable[[], ContextManager]
 # The model a run trains, for the planner to time: (configuration, device) -> (the model as one process trains it,

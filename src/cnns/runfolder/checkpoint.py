@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cnns.errors import CheckpointError, WriteError, reason
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 WEIGHT_AVERAGE_GLOB = "weight_avg*.pt"
@@ -27,7 +27,7 @@ def checkpoint_path(folder: Path, iteration: int) -> Path:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Written atomically (`cnns.runfolder.files.write_atomically`): a full disk, a quota or a crash mid-write leaves the
+    """Written atomically (`cnns.safe_writes.write_atomically`): a full disk, a quota or a crash mid-write leaves the
     previous checkpoints as they were and no partial ``ckpt-*``; the failure is a CheckpointError of one line."""
     path = Path(path)
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cnns.errors import CnnsError
-from cnns.runfolder.files import own_run_folder
+from cnns.safe_writes import own_run_folder
 
 LOCK_NAME = ".lock"
 # "<launcher pid>:<run folder>", set while a launcher holds a folder's lock, for the workers it starts.

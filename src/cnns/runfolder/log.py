@@ -24,9 +24,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Mapping
 
-from cnns.bounded import UnreadableFile, read_bounded
+from cnns.bounded_reads import UnreadableFile, read_bounded
 from cnns.errors import CheckpointError, WriteError
-from cnns.runfolder.files import append, declare_run_files, restore_size, size_before, write_atomically
+from cnns.safe_writes import append, declare_run_files, restore_size, size_before, write_atomically
 
 TRAINING_FILE, VALIDATION_FILE, LOG_FILE = "training.csv", "validation.csv", "log.txt"
 TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg", "train_acc_batch",
@@ -44,7 +44,7 @@ VALIDATION_LINE = ("Validation top-1 accuracy: {val_acc:6.3f}% [{name}] (iterati
 
 
 # What a run writes in its folder: its log, CSVs, options, checkpoints and averages, plot, TensorBoard and instance
-# folders (the lock aside), as fnmatch patterns. Declared to cnns.runfolder.files, which refuses a link planted under any.
+# folders (the lock aside), as fnmatch patterns. Declared to cnns.safe_writes, which refuses a link planted under any.
 RUN_FILES = (TRAINING_FILE, VALIDATION_FILE, LOG_FILE, "arguments.json", "training.png", "tensorboard", "profile",
              "ckpt-*.pt", "weight_avg*.pt", "*.abandoned.csv", "instance_*")
 declare_run_files(RUN_FILES)
@@ -202,7 +202,7 @@ def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "a
 
 def read_run_text(path: Path) -> str:
     """A text file of a run folder (a CSV, arguments.json), read as every command reads one back: bounded (a regular
-    file, `cnns.bounded`) and UTF-8, or one line (CheckpointError) naming the file and what is wrong with it."""
+    file, `cnns.bounded_reads`) and UTF-8, or one line (CheckpointError) naming the file and what is wrong with it."""
     try:
         data = read_bounded(path)
     except UnreadableFile as exc:

@@ -11,7 +11,7 @@
   line's values; the rest (generated images, one process) is its own. **cnns benchmark** takes no run folder.
 
 This module sits below `cli/` (which parses argv into the values these rules take) and above the run folder read
-back (`cnns.runfolder.folder`) and the configuration's own rules (`cnns.config`).
+back (`cnns.runfolder.run_folder`) and the configuration's own rules (`cnns.config`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from cnns.config import check_domains, resolve
 from cnns.config.defaults import stages_compile
 from cnns.errors import ConfigError
-from cnns.runfolder.folder import RestoreTarget, RunFolder, open_restore_path
+from cnns.runfolder.run_folder import RestoreTarget, RunFolder, open_restore_path
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
 _FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}

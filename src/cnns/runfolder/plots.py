@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cnns.errors import CnnsError, WriteError, first_line
-from cnns.runfolder.files import utf8, write_atomically
+from cnns.safe_writes import utf8, write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

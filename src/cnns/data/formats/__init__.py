@@ -4,7 +4,7 @@ a run's data is in.
 Adding a format is a module of its own and a line in `FORMATS`: the `--dataset` choices, its model defaults
 (CIFAR-sized or not), the class count, the folder's recognition, the checks made before anything is written,
 the batch sources, the class names predictions print and what `--dataset-benchmark` times all read it. An
-image format hands the loader its reader (`records`): the loader (`cnns.data.imagenet`) and `cnns bench-data`
+image format hands the loader its reader (`records`): the loader (`cnns.data.image_loader`) and `cnns bench-data`
 read images through it and never ask which layout a folder holds.
 """
 
@@ -17,7 +17,7 @@ from cnns.data.formats.base import (BatchSource, DataFormat, Dataset, FormatSour
                                     TrainingBatch)
 from cnns.data.formats.builtin import BUILTIN_SHAPES
 from cnns.data.formats.cifar import CIFAR_10_BINARY, CIFAR_100_BINARY
-from cnns.data.formats.folder import FOLDER_TREE
+from cnns.data.formats.folder_tree import FOLDER_TREE
 from cnns.data.formats.imagenet import IMAGENET
 from cnns.data.formats.tfrecord import TFRECORDS
 from cnns.data.formats.webdataset import WEBDATASET

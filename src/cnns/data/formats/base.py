@@ -20,7 +20,7 @@ import torch
 from cnns.errors import DataError
 
 if TYPE_CHECKING:
-    from cnns.data.spec import DataConfig
+    from cnns.data.data_config import DataConfig
 
 
 @dataclass(frozen=True)

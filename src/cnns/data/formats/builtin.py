@@ -1,11 +1,11 @@
-"""The built-in dataset: ten classes of drawn shapes in CIFAR-10's binary format (`cnns.data.builtin`), written on
+"""The built-in dataset: ten classes of drawn shapes in CIFAR-10's binary format (`cnns.data.drawn_shapes`), written on
 first use into its folder, so that every command runs with no download."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cnns.data.builtin import BUILTIN_CLASSES, TEST_IMAGES, TRAIN_IMAGES
+from cnns.data.drawn_shapes import BUILTIN_CLASSES, TEST_IMAGES, TRAIN_IMAGES
 from cnns.data.formats.base import Dataset
 from cnns.data.formats.cifar import CifarBinary
 
@@ -24,7 +24,7 @@ class BuiltinShapes(CifarBinary):
         return True  # made on first use (`prepare`)
 
     def prepare(self, folder: Path) -> Path:
-        from cnns.data.builtin import ensure_builtin_dataset
+        from cnns.data.drawn_shapes import ensure_builtin_dataset
 
         return ensure_builtin_dataset(folder)
 

@@ -1,11 +1,11 @@
 """CIFAR-10 and CIFAR-100 in their binary ("-bin") format, as the official archives unpack them
-(`cnns.data.cifar` reads and writes the records): held whole in memory, batches made in the main process."""
+(`cnns.data.cifar_records` reads and writes the records): held whole in memory, batches made in the main process."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cnns.data.cifar import NUM_CLASSES
+from cnns.data.cifar_records import NUM_CLASSES
 from cnns.data.formats.base import DataFormat, Dataset, FormatSources, SourceRequest, TrainingBatch
 from cnns.errors import DataError
 
@@ -20,7 +20,7 @@ _NAMES_FILES = {"cifar-10": ("batches.meta.txt", "cifar-10-batches-bin"),
 
 
 class CifarBinary(DataFormat):
-    """One CIFAR dataset's binary records; `records` names the record layout (`cnns.data.cifar`)."""
+    """One CIFAR dataset's binary records; `records` names the record layout (`cnns.data.cifar_records`)."""
 
     def __init__(self, dataset: Dataset, records: str | None = None):
         self.dataset = dataset
@@ -28,7 +28,7 @@ class CifarBinary(DataFormat):
         self.name = dataset.name
 
     def recognise(self, folder: Path) -> bool:
-        from cnns.data.cifar import holds_cifar
+        from cnns.data.cifar_records import holds_cifar
 
         return holds_cifar(folder, self.records)
 
@@ -59,7 +59,7 @@ class CifarBinary(DataFormat):
         are read through a memory map, one byte a record, rather than loading the images the run loads anyway."""
         import numpy as np
 
-        from cnns.data.cifar import PIXELS_PER_IMAGE, cifar_files, record_count, record_size
+        from cnns.data.cifar_records import PIXELS_PER_IMAGE, cifar_files, record_count, record_size
 
         record = record_size(self.records)
         class_byte = record - PIXELS_PER_IMAGE - 1  # the last label byte: CIFAR-100's fine label
@@ -78,7 +78,7 @@ class CifarBinary(DataFormat):
     def sources(self, data, folder: Path, request: SourceRequest) -> FormatSources:
         from cnns.data.augment import cifar_augment
         from cnns.data.batches import TensorBatches
-        from cnns.data.cifar import load_cifar
+        from cnns.data.cifar_records import load_cifar
 
         train = evaluation = None
         if request.need_train:

@@ -1,5 +1,5 @@
 """ImageNet: what its layouts (`tfrecord`, `webdataset`, `folder`) share. Each layout's module recognises its
-files and hands the loader its reader (`records`); the loader (`cnns.data.imagenet`) decodes each training
+files and hands the loader its reader (`records`); the loader (`cnns.data.image_loader`) decodes each training
 crop's region only, in worker processes, on the CPU or, with --decode-device, on the GPU (nvJPEG), or NVIDIA
 DALI decodes it (`cnns.data.dali`)."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cnns.data.formats.base import DataFormat, Dataset, FormatSources, SourceRequest
 
 if TYPE_CHECKING:
-    from cnns.data.imagenet import ImageRecords
+    from cnns.data.image_loader import ImageRecords
 
 IMAGENET = Dataset("imagenet", num_classes=1000, cifar_sized=False, train_images=1281167, eval_images=50000,
                    path_words=("imagenet",))
@@ -32,7 +32,7 @@ class ImageNetFiles(DataFormat):
         The decoder and where it runs (--decode-device) are chosen once, for both splits."""
         from cnns.data.decode_rates import measured_rates
         from cnns.data.decoding import ImageDecoder, choose_decode_device, decoding_header
-        from cnns.data.imagenet import ImageNetBatches
+        from cnns.data.image_loader import ImageNetBatches
 
         device = request.device
         choice = choose_decode_device(data.decode_device, device, rates=measured_rates(

@@ -1,5 +1,5 @@
 """ImageNet as TFRecord shards (``train-00000-of-01024``, ``validation-00000-of-00128``, in the folder or its
-``imagenet-data/``), each record a tf.train.Example with the encoded image and its label (`cnns.data.tfrecord`)."""
+``imagenet-data/``), each record a tf.train.Example with the encoded image and its label (`cnns.data.tfrecord_reader`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class TFRecords(ImageNetFiles):
 
     def recognise(self, folder: Path) -> bool:
         """Shards of either split in the folder or its imagenet-data/."""
-        from cnns.data.tfrecord import find_shards
+        from cnns.data.tfrecord_reader import find_shards
 
         for split in ("train", "validation"):
             try:
@@ -29,7 +29,7 @@ class TFRecords(ImageNetFiles):
         return False
 
     def records(self, folder: Path, split: str, size_limit: int | None = None):
-        from cnns.data.tfrecord import TFRecordDataset
+        from cnns.data.tfrecord_reader import TFRecordDataset
 
         return TFRecordDataset(folder, split, size_limit=size_limit)
 
@@ -46,7 +46,7 @@ def check_tfrecord_split(folder: Path, split: str, batch: TrainingBatch | None,
     """Every shard of the split is a regular file that begins with a whole TFRecord, no longer than `size_limit`
     (--max-file-size), holding an ImageNet tf.train.Example, and the training split holds one batch (shards are
     indexed, headers only, until it does). Returns the first image's bytes and where they come from."""
-    from cnns.data.tfrecord import find_shards, first_example, index_records
+    from cnns.data.tfrecord_reader import find_shards, first_example, index_records
 
     shards = find_shards(folder, split)
     first = None

@@ -5,7 +5,7 @@ share a key (the member's name up to the first dot of its base name, webdataset'
 (``KEY.json``, ...) are ignored.
 
 Read with the standard library's `tarfile`, by offsets, not with the `webdataset` library: its pipeline decodes
-in its own stages and orders samples by worker, where the loader (`cnns.data.imagenet`) needs each image's bytes
+in its own stages and orders samples by worker, where the loader (`cnns.data.image_loader`) needs each image's bytes
 for the native region decoder and an order that is a function of (seed, epoch) alone, so that a restore
 continues at the same sample and R replicas with accumulation A see what one process with R x A sees
 (`cnns.data.batches.ShardPlan`). So the shards are indexed once, tar headers and the tiny label members only
@@ -35,7 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
-from cnns.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
+from cnns.bounded_reads import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
 from cnns.data.formats.base import TrainingBatch
 from cnns.data.formats.imagenet import ImageNetFiles
 from cnns.errors import DataError
@@ -217,7 +217,7 @@ def _sample(path: str, file: io.BufferedReader, key: str, members: dict[str, tar
 
 
 class ShardRecords:
-    """One split's samples over all its shards, in shard order: the loader's reader (`cnns.data.imagenet`'s
+    """One split's samples over all its shards, in shard order: the loader's reader (`cnns.data.image_loader`'s
     ImageRecords). Holds the index, not open files, so it crosses to DataLoader workers as it is."""
 
     def __init__(self, folder: Path, split: str, num_classes: int, size_limit: int | None = None) -> None:
@@ -310,7 +310,7 @@ WEBDATASET = WebDatasetShards()
 def write_shard(path: str | os.PathLike, samples: Iterable[tuple[str, bytes, int]]) -> int:
     """A shard of (key, JPEG bytes, 0-based class) samples as KEY.jpg + KEY.cls, written whole or not at all;
     its size. What `--make-jpeg-tree --layout webdataset` writes (tests make theirs with GNU tar)."""
-    from cnns.runfolder.files import write_atomically
+    from cnns.safe_writes import write_atomically
 
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:

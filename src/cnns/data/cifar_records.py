@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cnns.bounded import check_regular_file, open_regular_file
+from cnns.bounded_reads import check_regular_file, open_regular_file
 from cnns.errors import DataError
-from cnns.runfolder.files import write_atomically  # readers, and processes writing the same file at once, never see a partial file
+from cnns.safe_writes import write_atomically  # readers, and processes writing the same file at once, never see a partial file
 
 IMAGE_SIZE = 32
 CHANNELS = 3

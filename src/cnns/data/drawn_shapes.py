@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from cnns.data.cifar import CIFAR10_FILES, IMAGE_SIZE, cifar10_file_contents, record_size
-from cnns.runfolder.files import write_atomically, write_once
+from cnns.data.cifar_records import CIFAR10_FILES, IMAGE_SIZE, cifar10_file_contents, record_size
+from cnns.safe_writes import write_atomically, write_once
 
 BUILTIN_CLASSES = [
     "circle",

@@ -45,7 +45,7 @@ class RestoredModel:
 
     @property
     def description(self) -> str:
-        from cnns.models.spec import display_name
+        from cnns.models.model_spec import display_name
 
         return display_name(self.cfg.model)
 
@@ -88,7 +88,7 @@ def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
     checkpoint that holds no moving average."""
     from cnns.runfolder.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runfolder.folder import checkpoint_weights
+    from cnns.runfolder.run_folder import checkpoint_weights
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights must be raw or ema, got {weights!r}")
@@ -147,7 +147,7 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
     normalisation of uint8 NHWC images; `checkpoint`'s weights, or random ones from torch's generator."""
     from cnns.runfolder.checkpoint import check_matches_model
     from cnns.models import build_model
-    from cnns.runfolder.folder import checkpoint_weights
+    from cnns.runfolder.run_folder import checkpoint_weights
 
     model = build_model(cfg.model)
     if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback

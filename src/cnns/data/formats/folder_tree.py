@@ -63,7 +63,7 @@ class FolderTree(ImageNetFiles):
         """The validation classes are the training ones; with `decode`, the first image of each split is read
         (within --max-file-size) and decoded. Without it (--skip-corrupt-images) the first image is not read:
         training leaves it out if it cannot be read."""
-        from cnns.bounded import read_bounded
+        from cnns.bounded_reads import read_bounded
 
         check_same_classes(self.split_classes(folder), folder)
         for split in splits:

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from cnns.errors import ConfigError
-from cnns.models.splits import Piece
+from cnns.models.split_points import Piece
 from cnns.parallel.pipeline import StageModule, as_sent, boundary_shapes, keep_only
 
 

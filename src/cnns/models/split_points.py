@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .spec import ModelError, ModelSpec, display_name
+from .model_spec import ModelError, ModelSpec, display_name
 
 # The children of timm's EfficientNet blocks in the order their forward runs them.
 _INVERTED_RESIDUAL = ("conv_pw", "bn1", "conv_dw", "bn2", "aa", "se", "conv_pwl", "bn3")

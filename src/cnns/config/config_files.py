@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from cnns.bounded import UnreadableFile, read_bounded
+from cnns.bounded_reads import UnreadableFile, read_bounded
 from cnns.config.table import IPU_ONLY_OPTIONS, build_parser, domain_of
 from cnns.errors import ConfigError
 

@@ -23,7 +23,7 @@ from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.errors import CheckpointError
 from cnns.runfolder.checkpoint import (check_matches_model, iteration_of, list_checkpoints, list_weight_averages,
                                        load_checkpoint)
-from cnns.runfolder.folder import RestoreTarget
+from cnns.runfolder.run_folder import RestoreTarget
 from cnns.runfolder.log import RunLog, validated_names
 
 EMA_SUFFIX = "_ema"
@@ -60,7 +60,7 @@ def latency_line(latencies_ms: list[float]) -> str:
 
 def checkpoint_files(target: RestoreTarget) -> tuple[Path, list[Path]]:
     """(run folder, files): the checkpoint file --restore-path names, or its run's checkpoints by iteration then
-    its weight averages (`cnns.runfolder.folder.open_restore_path`'s reading and lines)."""
+    its weight averages (`cnns.runfolder.run_folder.open_restore_path`'s reading and lines)."""
     if target.file is not None:
         return target.run.path, [target.file]
     run = target.run

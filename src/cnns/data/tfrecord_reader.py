@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from cnns.bounded import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
+from cnns.bounded_reads import FILE_SIZE_OPTION, UnreadableFile, describe_size, file_size_limit, open_regular_file
 from cnns.data.batches import shuffled
 from cnns.errors import DataError
-from cnns.runfolder.files import write_atomically
+from cnns.safe_writes import write_atomically
 
 SPLITS = ("train", "validation")
 IMAGENET_CLASSES = 1000
@@ -55,7 +55,7 @@ def find_shards(folder: str | os.PathLike, split: str) -> list[Path]:
     for candidate in (root, root / "imagenet-data"):
         if not candidate.is_dir():
             continue
-        # Whatever each is: one that is not a regular file is named when it is indexed (cnns.bounded).
+        # Whatever each is: one that is not a regular file is named when it is indexed (cnns.bounded_reads).
         shards = [p for p in candidate.iterdir() if pattern.fullmatch(p.name)]
         if shards:
             return sorted(shards, key=lambda p: int(pattern.fullmatch(p.name).group(1)))

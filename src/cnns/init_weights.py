@@ -151,6 +151,6 @@ def timm_model(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
 
 
 def _described(spec: ModelSpec) -> str:
-    from cnns.models.spec import display_name
+    from cnns.models.model_spec import display_name
 
     return display_name(spec)

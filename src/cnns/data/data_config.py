@@ -23,4 +23,4 @@ class DataConfig:
     cutmix_version: int
     skip_corrupt_images: bool = False  # drop and count undecodable images
     decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" | "dali" (cnns.data.decoding.choose_decode_device)
-    max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.bounded's default)
+    max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.bounded_reads's default)

@@ -53,7 +53,7 @@ class Entry:
 
 
 def load_spec(path: str | Path) -> tuple[list[Entry], dict[str, Any]]:
-    from cnns.config.files import read_yaml
+    from cnns.config.config_files import read_yaml
 
     path = Path(path)
     document = read_yaml(path, "benchmark spec") or {}

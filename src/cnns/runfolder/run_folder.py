@@ -25,7 +25,7 @@ from cnns.config import RunConfig, check_option_types
 from cnns.errors import CheckpointError, ConfigError, first_line
 from cnns.runfolder.checkpoint import list_checkpoints, list_weight_averages, load_checkpoint
 from cnns.runfolder.classes import class_names
-from cnns.runfolder.files import may_write, own_run_folder
+from cnns.safe_writes import may_write, own_run_folder
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, new_run_folder, read_run_text, write_arguments
 
