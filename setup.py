@@ -4,8 +4,8 @@ Everything else is in pyproject.toml. The kernels are plain shared libraries wit
 (cnns/kernels/__init__.py): they include no torch or Python header, so the build needs neither torch nor
 more than a few seconds a library. They are compiled once, at install time, never at run time. Where they
 cannot be built (no C++ compiler) the install goes on without them and cnns runs torch's own modules and
-kernels (`cnns.kernels.norm_act.available()`,
-`cnns.kernels.depthwise.available()`, `cnns.kernels.rounding.available()`). The region JPEG decoder
+kernels (`cnns.kernels.norm_act.available()`, `cnns.kernels.depthwise.available()`,
+`cnns.kernels.rounding.available()`), as a CPU run's header says. The region JPEG decoder
 (`cnns.kernels.jpeg.available()`) also needs libjpeg-turbo's headers; without them whole images are decoded.
 """
 
@@ -24,7 +24,7 @@ def extensions():
     """The numeric kernels as plain shared libraries with a C ABI (cnns/kernels/__init__.py loads them with
     ctypes): no torch or Python header, so each compiles in seconds and the build needs no torch."""
     # -fno-trapping-math: lets the compiler turn the activations' selects into vector blends. -g0: no debug
-    # information (Python's own CFLAGS may ask for it), which is most of what a build writes.
+    # information, which Python's own CFLAGS (-g) would otherwise add to every build.
     # -Wno-maybe-uninitialized: GCC 12 flags AVX-512's own intrinsics (`__m512i __Y = __Y;` in avx512fintrin.h)
     # 68 times under Python's -Wall; nothing of the kernels'.
     flags = ["-std=c++17", "-O3", "-g0", "-fno-trapping-math", "-Wno-maybe-uninitialized"]
