@@ -37,9 +37,8 @@ import torch
 
 from cnns.data.dali_probe import HW_DECODER_LOAD, check_dali_installed
 from cnns.data.decoding import Crop, ImageDecoder, device_jpeg_size
-from cnns.data.image_loader import (CACHE_MEMORY_FRACTION, SKIPPED_NAMES_KEPT, BatchKeys, EvaluationSampler,
-                                ImageNetTransform, ImageRecords, SampleKey, TrainingSampler, _index, _private_copy,
-                                physical_memory_bytes, training_subset)
+from cnns.data.image_loader import (BatchKeys, EpochBatches, EvaluationSampler, ImageNetTransform, ImageRecords,
+                                SampleKey, TrainingSampler, _index, training_subset)
 from cnns.errors import ConfigError, DataError, first_line
 
 # Batches handed to DALI before the one being taken out, so that decoding the next overlaps the step. Each is
@@ -227,7 +226,7 @@ class PendingBatch:
                             self.skipped + [self.dali_samples[position].source for position in sorted(positions)])
 
 
-class DaliBatches:
+class DaliBatches(EpochBatches):
     """The batch-source protocol of cnns.data.sources (len() batches per epoch, epoch(e, start_batch) yielding
     (uint8 NHWC, int64) batches, num_samples, num_classes) over DALI, with `ImageNetBatches`'s samplers, batch
     rule, evaluation cache and --skip-corrupt-images accounting."""
@@ -257,14 +256,7 @@ class DaliBatches:
         # The crops are cnns's own (seed, epoch, index) draws; files DALI is not given decode on the CPU here.
         self.transform = ImageNetTransform(train, image_size, seed, ImageDecoder())
         self._pipe = None
-        self.skipped_images = 0
-        self.skipped_names: list[str] = []
-        cache_bytes = self.keys.samples_per_epoch * image_size * image_size * 3
-        self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
-        self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def __len__(self) -> int:
-        return self.keys.batches_per_epoch()
+        self._start_epochs(train, cache, image_size)
 
     @property
     def pipe(self):
@@ -274,38 +266,18 @@ class DaliBatches:
             self._pipe = build_pipeline(self.train, self.batch_size, self.image_size, self.threads, self.device)
         return self._pipe
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if start_batch < 0:
-            raise ValueError(f"start_batch must not be negative, got {start_batch}")
-        if self._cached is not None:
-            yield from self._cached[start_batch:]
-            return
-        keep = [] if self.caching and start_batch == 0 else None
-        self.keys.set_epoch(epoch, start=start_batch * self.batch_size)
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         keys = iter(self.keys)
         fed: deque[PendingBatch] = deque()  # in DALI's queue, in the order fed
-        finished = False
-        try:
-            while len(fed) < BATCHES_AHEAD and self._feed_next(keys, fed):
-                pass
-            while fed:
-                batch = fed.popleft()
-                batch, images = self._take(batch, fed)
-                labels = torch.tensor(batch.labels, dtype=torch.int64)
-                self._feed_next(keys, fed)
-                self._count_skipped(batch.skipped)
-                if len(labels) == 0:
-                    continue  # every image of this batch was corrupt (--skip-corrupt-images)
-                if keep is not None:
-                    keep.append(_private_copy(images, labels))
-                yield images, labels
-            finished = True
-        finally:
-            self.keys.set_epoch(epoch, start=0)
-            if not finished:
-                self._pipe = None  # inputs of batches never taken are still queued in it
-        if keep is not None:
-            self._cached = keep
+        while len(fed) < BATCHES_AHEAD and self._feed_next(keys, fed):
+            pass
+        while fed:
+            batch, images = self._take(fed.popleft(), fed)
+            self._feed_next(keys, fed)
+            yield images, torch.tensor(batch.labels, dtype=torch.int64), batch.skipped
+
+    def _abandoned(self) -> None:
+        self._pipe = None  # inputs of batches never taken are still queued in it
 
     def _feed_next(self, keys: Iterator[list], fed: deque) -> bool:
         """Prepare the next batch of keys and queue its JPEGs on the pipeline; False at the epoch's end."""
@@ -407,8 +379,3 @@ class DaliBatches:
             except RuntimeError:
                 bad.add(position)
         return bad
-
-    def _count_skipped(self, skipped: list[str]) -> None:
-        self.skipped_images += len(skipped)
-        self.skipped_names += [name for name in skipped if name not in self.skipped_names][
-            :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]

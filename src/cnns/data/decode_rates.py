@@ -1,7 +1,6 @@
 """The CPU decoder's rate, measured on this machine, for --decode-device auto to weigh against the step's
 (`cnns.data.decoding.choose_from_rates`): a measurement, not a core count, since a core's rate differs
-several-fold between machines (DESIGN.md: about 1,300 crops a second on a Zen 4 core, 272-453 on the
-H200 host's)."""
+several-fold between machines (docs/performance.md has the rates measured on each)."""
 
 from __future__ import annotations
 

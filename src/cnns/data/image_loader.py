@@ -573,7 +573,67 @@ def physical_memory_bytes() -> int:
 CACHE_MEMORY_FRACTION = 0.25
 
 
-class ImageNetBatches:
+class EpochBatches:
+    """What every ImageNet batch source does around its decoder (`ImageNetBatches` here, `cnns.data.dali`'s
+    `DaliBatches`): an epoch from a start batch, the evaluation cache, --skip-corrupt-images' count of the images
+    left out. A source sets `keys` (its BatchKeys), `batch_size`, calls `_start_epochs`, and yields
+    (images, labels, names of the images left out) from `_batches`, its keys' current epoch."""
+
+    keys: BatchKeys
+    batch_size: int
+
+    def _start_epochs(self, train: bool, cache: bool, image_size: int) -> None:
+        # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none), and the
+        # first few of them by name.
+        self.skipped_images = 0
+        self.skipped_names: list[str] = []
+        cache_bytes = self.keys.samples_per_epoch * image_size * image_size * 3
+        self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
+        self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch on this rank (also while an epoch resumed mid-way is running)."""
+        return self.keys.batches_per_epoch()
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if start_batch < 0:
+            raise ValueError(f"start_batch must not be negative, got {start_batch}")
+        if self._cached is not None:
+            yield from self._cached[start_batch:]
+            return
+        keep = [] if self.caching and start_batch == 0 else None
+        self.keys.set_epoch(epoch, start=start_batch * self.batch_size)
+        finished = False
+        try:
+            for images, labels, skipped in self._batches():
+                self._count_skipped(skipped)
+                if len(labels) == 0:
+                    continue  # every image of this batch was corrupt (--skip-corrupt-images)
+                if keep is not None:
+                    keep.append(_private_copy(images, labels))
+                yield images, labels
+                del images, labels  # so that a buffer pool can take the buffer back once the consumer lets go
+            finished = True
+        finally:
+            self.keys.set_epoch(epoch, start=0)
+            if not finished:
+                self._abandoned()
+        if keep is not None:  # only a pass that ran to the end is complete
+            self._cached = keep
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        raise NotImplementedError
+
+    def _abandoned(self) -> None:
+        """An epoch left part-way (an error, or the consumer stopped): what the source must undo."""
+
+    def _count_skipped(self, skipped: list[str]) -> None:
+        self.skipped_images += len(skipped)
+        self.skipped_names += [name for name in skipped if name not in self.skipped_names][
+            :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]
+
+
+class ImageNetBatches(EpochBatches):
     """The batch-source protocol of cnns.data.sources over build_imagenet_loader: len() batches
     per epoch, epoch(e, start_batch) yields (uint8 NHWC, int64) batches, num_samples, num_classes.
     Training uses whole batches on every rank (every rank then runs the same number of steps), and
@@ -601,49 +661,22 @@ class ImageNetBatches:
         self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)
-        # --skip-corrupt-images: images dropped so far (a pass over cached batches adds none), and the
-        # first few of them by name.
-        self.skipped_images = 0
-        self.skipped_names: list[str] = []
         self.batch_size = batch_size
         if train and len(self.loader) == 0:
             whole = global_batch_size or batch_size * shard[1]
             raise DataError(f"the training set in {records.where} has {self.num_samples} images, fewer than one global "
                             f"batch of {whole} ({shard[1]} ranks x {whole // shard[1]})")
-        cache_bytes = self.keys.samples_per_epoch * image_size * image_size * 3
-        self.caching = cache and not train and cache_bytes <= CACHE_MEMORY_FRACTION * physical_memory_bytes()
-        self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._start_epochs(train, cache, image_size)
 
-    def __len__(self) -> int:
-        """Batches in a whole epoch on this rank (also while an epoch resumed mid-way is running)."""
-        return self.keys.batches_per_epoch()
-
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if start_batch < 0:
-            raise ValueError(f"start_batch must not be negative, got {start_batch}")
-        if self._cached is not None:
-            yield from self._cached[start_batch:]
-            return
-        keep = [] if self.caching and start_batch == 0 else None
-        self.keys.set_epoch(epoch, start=start_batch * self.batch_size)
-        try:
-            batches = iter(self.loader)
-            while True:
-                try:  # a bad file met in a worker process is raised here as there (one line, as in this one)
-                    images, labels, skipped = self._finished(handed_back(next(batches)))
-                except StopIteration:
-                    break
-                self._count_skipped(skipped)
-                if len(labels) == 0:
-                    continue  # every image of this batch was corrupt (--skip-corrupt-images)
-                if keep is not None:
-                    keep.append(_private_copy(images, labels))
-                yield images, labels
-                del images, labels  # so that the pool can take the buffer back once the consumer lets go
-        finally:
-            self.keys.set_epoch(epoch, start=0)
-        if keep is not None:  # only a pass that ran to the end is complete
-            self._cached = keep
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        batches = iter(self.loader)
+        while True:
+            try:  # a bad file met in a worker process is raised here as there (one line, as in this one)
+                images, labels, skipped = self._finished(handed_back(next(batches)))
+            except StopIteration:
+                return
+            yield images, labels, skipped
+            del images, labels  # not held while the next batch is fetched: the pool takes its buffer back
 
     def _finished(self, batch: tuple | DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """(images, labels, names of the images dropped) from what a worker made; a batch in one of the
@@ -655,8 +688,3 @@ class ImageNetBatches:
         if pool is not None:
             images = pool.receive(images, len(labels), number)
         return images, torch.as_tensor(labels, dtype=torch.int64), skipped
-
-    def _count_skipped(self, skipped: list[str]) -> None:
-        self.skipped_images += len(skipped)
-        self.skipped_names += [name for name in skipped if name not in self.skipped_names][
-            :max(0, SKIPPED_NAMES_KEPT - len(self.skipped_names))]

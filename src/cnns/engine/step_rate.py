@@ -3,14 +3,14 @@ against the CPU decoder's measured rate (`cnns.data.decoding.choose_from_rates`)
 per image against the GPU's measured matmul rate, at the share of it a compiled CNN step reaches.
 
 An estimate, not a measurement (measuring the step would mean compiling it first): it only has to say whether
-the CPU decoder falls short by a clear margin, as it does for ResNet-50 on an H200 (4,400 against 6,800)."""
+the CPU decoder falls short by a clear margin, as it does for ResNet-50 on an H200 (docs/performance.md)."""
 
 from __future__ import annotations
 
 import torch
 
-# ResNet-50 compiled on one H200 trained at 6,762 images/s (docs/performance.md), at 3 x 8.2 GFLOP an image:
-# 166 TFLOP/s, a third of the 2048 x 2048 bfloat16 matmul's 480-520 TFLOP/s measured on the same GPU.
+# The share of the GPU's measured 2048 x 2048 bfloat16 matmul rate that compiled ResNet-50 training reached
+# on an H200 (its images/s x training FLOPs an image; docs/performance.md has both figures).
 STEP_SHARE_OF_MATMUL_RATE = 0.33
 TRAINING_FLOPS_PER_FORWARD = 3  # forward, and the backward pass's two products per layer
 

@@ -1,8 +1,8 @@
 """Hand-written CPU kernels that no library has at speed (norm_act.cpp, depthwise.cpp, rounding.cpp, jpeg.cpp).
 
 setup.py compiles each, when the package is installed, into a plain shared library with a C ABI: raw pointers
-and sizes in, nothing of torch's or Python's headers (torch's were 20 of every 25 seconds of a build, and the
-builds were most of a fresh machine's set-up). This package loads them with ctypes; each kernel's module
+and sizes in, nothing of torch's or Python's headers (torch's were most of every build's compile time, and the
+builds most of a fresh machine's set-up; docs/performance-history.md has the figures). This package loads them with ctypes; each kernel's module
 declares its entry points' signatures, checks the tensors it hands them and allocates their results. On x86
 the numeric kernels have two builds, AVX2 + FMA (x86-64-v3) and AVX-512 with AVX512-BF16 (x86-64-v4), and
 the widest this CPU runs is chosen when a module is imported, so a machine that gains AVX-512 after the

@@ -1,10 +1,10 @@
 // Threads for the hand-written CPU kernels: ATen's OpenMP parallel_for, without ATen's headers.
 //
 // The kernels used to include <torch/extension.h> for at::parallel_for alone (and pybind11 for their entry
-// points): about 20 s of a 25 s compile per build was torch's headers. This is the same split ATen's OpenMP
+// points), and torch's headers were most of every build's compile time. This is the same split ATen's OpenMP
 // backend makes (ATen/ParallelOpenMP.h: at most `threads` threads, each one contiguous chunk of
 // ceil(range / threads) items, none for ranges within one grain), so partial sums per task or per thread fall
-// as they did. The thread count is torch.get_num_threads(), passed by every entry point (native.py): the
+// as they did. The thread count is torch.get_num_threads(), passed by every entry point (cnns/kernels/*.py): the
 // extension links libgomp.so.1, which resolves to the copy torch has loaded, but only the count torch was told
 // is the count the user asked for, on whatever thread calls.
 

@@ -2,7 +2,7 @@
 // storage type (float32, or bfloat16 as its bits), and a vector of the build's widest float registers with
 // bfloat16 loads and rounding stores. Each kernel source is compiled twice by setup.py (x86-64-v3 and
 // x86-64-v4), so these pick their instructions from the build's ISA. No torch header: the kernels take raw
-// pointers and sizes through a plain C ABI (cnns/kernels/native.py), so they compile in seconds.
+// pointers and sizes through a plain C ABI (cnns/kernels/__init__.py loads them), so they compile in seconds.
 
 #pragma once
 
@@ -39,7 +39,7 @@ template <> inline uint16_t from_float<uint16_t>(float v) {
   return v != v ? uint16_t(0x7FC0) : uint16_t(rounded);
 }
 
-// The storage type of an activation, as its C entry point names it (cnns/kernels/native.py's DTYPE codes).
+// The storage type of an activation, as its C entry point names it (cnns/kernels/__init__.py's DTYPE_CODES).
 enum Dtype : int { kFloat32 = 0, kBFloat16 = 1 };
 
 // A vector of the build's widest float registers (16 floats with AVX-512, 8 otherwise), as a GCC/Clang vector
