@@ -281,8 +281,6 @@ class FakeNative:
     class TooManyPixels(ValueError):
         pass
 
-    TRAINING_DRAW = True  # draws training crops itself (decode_training_into)
-
     def __init__(self, corrupt: bytes = b"") -> None:
         self.calls: list[tuple] = []
         self.corrupt = corrupt
@@ -341,19 +339,6 @@ def test_the_native_decoder_gets_the_crop_drawn_from_the_header(fake_native):
     # Short side 40 -> 18 (16 * 256/224), so 60 -> 27; the centre 16 square starts at row 1, column
     # round(5.5) = 6 of the resized image: in source pixels scaled by 40/18 and 60/27.
     assert fake_native.calls[-1][0] == pytest.approx((1 * 40 / 18, 6 * 60 / 27, 16 * 40 / 18, 16 * 60 / 27))
-
-
-def test_a_build_without_the_native_draw_gets_the_crop_drawn_in_python(fake_native):
-    """A native build older than its source (no decode_training_into) still decodes training crops: drawn in
-    Python from its header, decoded by decode_resized_into, the same crop."""
-    fake_native.TRAINING_DRAW = False
-    fake_native.decode_training_into = None
-    data = encoded(smooth_image(60, 40))
-    transform = ImageNetTransform(True, 16, seed=4, decoder=ImageDecoder(use_native=True))
-    out = np.zeros((16, 16, 3), dtype=np.uint8)
-    transform.into(data, "a.JPEG", (3, 1), out)
-    crop = transform.crop(40, 60, (3, 1))
-    assert fake_native.calls == [(crop.box, crop.flip, (16, 16, 3))] and (out == 7).all()
 
 
 def test_a_clock_adds_each_stages_time_and_changes_no_pixel(fake_native):

@@ -203,9 +203,6 @@ class ImageDecoder:
         as `place` draws): the native decoder reads the header, draws the crop and decodes it in one call; the
         whole-image path draws with `place`. `out` may also be a numpy array (a row of a batch's numpy view)."""
         native = native_jpeg() if self.use_native else None
-        if native is not None and not native.TRAINING_DRAW:  # a build older than its source: drawn in Python
-            self.decode_into(data, source, place, out, clock)
-            return
         if native is not None and data[:2] == b"\xff\xd8":
             try:
                 times = native.decode_training_into(data, out, draw, MAX_IMAGE_PIXELS, clock is not None)

@@ -74,9 +74,6 @@ class _Decoder:
 _library = load_build("jpeg")
 _ext: _Decoder | None = _Decoder(_library) if _library is not None else None
 
-# Whether the decoder draws training crops itself (always, since the C entry points; kept for the loader).
-TRAINING_DRAW = _ext is not None
-
 
 def available() -> bool:
     """Whether the region decoder was built and loads here."""
