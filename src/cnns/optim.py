@@ -516,7 +516,7 @@ class HalfPrecisionOptimiser:
         self._flat_grad: Tensor | None = None  # made on first use: callers passing float32 gradients never need it
         self._working: list[Tensor] = list(self.params)  # float32 tensor the inner optimiser updates
         for i, start in self._offsets.items():
-            view = _in_layout_of(self._flat[start:start + self.params[i].numel()], self.params[i])
+            view = in_layout_of(self._flat[start:start + self.params[i].numel()], self.params[i])
             view.copy_(self.params[i].detach())
             self._working[i] = view
         by_param = {id(p): w for p, w in zip(self.params, self._working)}
@@ -571,14 +571,14 @@ class HalfPrecisionOptimiser:
         for dtype, indices, start, end in self._segments:
             rounded = self._round(self._flat[start:end], dtype)
             sizes = [self.params[i].numel() for i in indices]
-            pieces = [_in_layout_of(part, self.params[i]) for part, i in zip(rounded.split(sizes), indices)]
+            pieces = [in_layout_of(part, self.params[i]) for part, i in zip(rounded.split(sizes), indices)]
             torch._foreach_copy_([self.params[i] for i in indices], pieces)
 
     def _grad_view(self, i: int) -> Tensor:
         if self._flat_grad is None:
             self._flat_grad = torch.empty_like(self._flat)
         start = self._offsets[i]
-        return _in_layout_of(self._flat_grad[start:start + self.params[i].numel()], self.params[i])
+        return in_layout_of(self._flat_grad[start:start + self.params[i].numel()], self.params[i])
 
     def _round(self, value: Tensor, dtype: torch.dtype) -> Tensor:
         if self.stochastic_rounding and dtype in HALF_TYPES:
@@ -643,17 +643,35 @@ def set_or_derive_generator_state(generator: torch.Generator, state: Tensor) -> 
         return False
 
 
-def _in_layout_of(flat: Tensor, like: Tensor) -> Tensor:
-    """`flat` (1-D, numel of `like`) viewed with `like`'s shape and memory order.
+def in_layout_of(flat: Tensor, like: Tensor) -> Tensor:
+    """`flat` (1-D, numel of `like`) viewed with `like`'s shape and memory order: element k of `flat` is the
+    k-th element of `like` in memory, as DDP's gradient buckets and this module's flat buffers store them.
 
     Convolution weights are channels_last: a working copy, gradient or rounded result laid out the same
     way makes every copy between them a straight pass in memory order (a copy that also permutes the
-    layout measured several times slower).
+    layout measured several times slower). Reading such a buffer as if it were contiguous
+    (``flat.view(like.shape)``) silently permutes the elements: torch's own ``GradBucket.gradients()`` does
+    that (torch 2.14.1), which is why the float32 all-reduce hook reads its buckets through this function.
+    A tensor whose elements do not tile their memory (expanded, overlapping) is read as contiguous, as DDP
+    then lays it out.
     """
-    if like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last):
-        n, c, h, w = like.shape
-        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    if _dense_in_memory(like):
+        return flat.as_strided(like.shape, like.stride())
     return flat.view(like.shape)
+
+
+def _dense_in_memory(tensor: Tensor) -> bool:
+    """Whether `tensor`'s elements fill numel() consecutive places of memory, each once, in some order of its
+    dimensions (contiguous, channels_last or any permutation): `torch._prims_common.is_non_overlapping_and_dense`,
+    which is private."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _require(condition: bool, message: str) -> None:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cnns import profiling
 from cnns.errors import CnnsError
-from cnns.optim import HalfPrecisionOptimiser, set_lr
+from cnns.optim import HalfPrecisionOptimiser, in_layout_of, set_lr
 from cnns.precision import LossScaler, PrecisionPolicy
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -94,27 +94,51 @@ class FloatGradientAccumulator:
         return [p.grad if p.grad is None or p.grad.dtype == torch.float32 else p.grad.float() for p in self.params]
 
     def reduce_hook(self, group, world_size: int):
-        """A DDP communication hook: float32 sum of the update, all-reduced, mean over the replicas."""
+        """A DDP communication hook: float32 sum of the update, all-reduced, mean over the replicas.
+
+        The bucket is read in DDP's own memory order (`bucket_gradients`), and the float32 sum is laid out
+        the same way, so the all-reduce is one pass over memory and each mean is the parameter's own layout."""
         import torch.distributed as dist
 
         def hook(_state, bucket):
-            params, grads = bucket.parameters(), bucket.gradients()
+            params, grads = bucket.parameters(), bucket_gradients(bucket)
             indices = [self._index[id(p)] for p in params]
-            sums = [g.float() if self.buffers is None else self.buffers[i] + g for i, g in zip(indices, grads)]
-            flat = torch.cat([s.reshape(-1) for s in sums])
+            flat = torch.empty(bucket.buffer().numel(), dtype=torch.float32, device=bucket.buffer().device)
+            sums = [in_layout_of(piece, p) for piece, p in zip(flat.split([p.numel() for p in params]), params)]
+            for total, i, g in zip(sums, indices, grads):
+                total.copy_(g)
+                if self.buffers is not None:
+                    total.add_(self.buffers[i])
             reduced = dist.all_reduce(flat, group=group, async_op=True).get_future()
 
-            def store(future):
-                mean = future.value()[0].div_(world_size)
+            def store(_future):
+                flat.div_(world_size)  # reduced in place: `sums` are its views
                 if self._mean is None:
                     self._mean = [None] * len(self.params)
-                for i, piece in zip(indices, mean.split([g.numel() for g in grads])):
-                    self._mean[i] = piece.view(self.params[i].shape)
+                for i, total in zip(indices, sums):
+                    self._mean[i] = total
                 return bucket.buffer()  # what DDP writes into .grad: discarded by after_backward
 
             return reduced.then(store)
 
         return hook
+
+
+def bucket_gradients(bucket) -> list[torch.Tensor]:
+    """The local gradients of a DDP bucket, one per `bucket.parameters()`, each with its parameter's layout.
+
+    DDP copies each gradient into the bucket's flat buffer in its parameter's memory order (channels_last
+    convolution weights stay channels_last), one after the other; torch's own ``bucket.gradients()``
+    (torch 2.14.1) views those stretches as contiguous, which permutes the elements of every channels_last
+    weight's gradient: a float32 all-reduce built on it trained 16.16 replicas on scrambled convolution
+    gradients (docs/performance.md, "Precision x parallelism").
+    """
+    buffer, params = bucket.buffer(), bucket.parameters()
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != buffer.numel():
+        raise RuntimeError(f"a DDP bucket of {buffer.numel()} elements holds parameters of {sum(sizes)}: "
+                           "its layout is not the packed one this reads")
+    return [in_layout_of(piece, p) for piece, p in zip(buffer.split(sizes), params)]
 
 
 def _owned_float32(grad: torch.Tensor) -> torch.Tensor:
