@@ -292,7 +292,7 @@ class PipelinedTrainStep(_OptimiserStep):
         return self.scaler.scale_loss(loss / self.grad_accum)
 
     def __call__(self, micro_batches: Sequence[Batch], lr: float) -> StepMetrics:
-        from cnns.parallel.replicas import average_gradients
+        from cnns.parallel.replicas import averaged_gradients
 
         world = self.world
         set_lr(self.optimiser, lr)
@@ -318,7 +318,7 @@ class PipelinedTrainStep(_OptimiserStep):
         self._losses.clear()
         grads = self.accumulator.gradients(to_float32=self.scaler.active)
         if world.replicas > 1:
-            average_gradients(grads, world.replica_group, world.replicas)
+            grads = averaged_gradients(grads, world.replica_group, world.replicas)
         # With dynamic loss scaling every stage skips the update when any stage overflowed.
         backed_off = self._update(grads, loss_sum, all_finite=lambda finite: not world.any(not finite))
         return StepMetrics(loss_sum, correct, sum(y.shape[0] for _, y in micro_batches), backed_off)

@@ -48,22 +48,26 @@ def average_running_statistics(model: nn.Module, world: World) -> None:
             buffer.copy_(values.view_as(buffer))
 
 
-def average_gradients(grads: list[torch.Tensor | None], group, replicas: int) -> None:
-    """Average an update's gradients over the replicas in place: one all-reduce per dtype.
+def averaged_gradients(grads: list[torch.Tensor | None], group, replicas: int) -> list[torch.Tensor | None]:
+    """An update's gradients averaged over the replicas, in float32 whatever their dtype: one all-reduce.
 
     For pipeline stages, whose schedule runs the backward passes itself (DDP's reducer would only
-    see the last micro-batch's half gradients; the accumulated sum, float32 with half weights, is
-    what has to be averaged).
+    see the last micro-batch's half gradients). The sum is taken in float32 even where the gradients are
+    half (one micro-batch per update, or --gradient-accumulation-dtype half): the optimiser computes the
+    update in float32 anyway, and a half all-reduce would round every replica's sum to the half spacing.
+    Each average has its gradient's memory layout (`in_layout_of`), so the copies are straight passes.
     """
     import torch.distributed as dist
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        if grad is not None:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=group)
-        flat.div_(replicas)
-        for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-            tensor.copy_(piece.view(tensor.shape))
+    from cnns.optim import in_layout_of
+
+    present = [g for g in grads if g is not None]
+    if not present:
+        return list(grads)
+    flat = torch.empty(sum(g.numel() for g in present), dtype=torch.float32, device=present[0].device)
+    views = [in_layout_of(piece, g) for piece, g in zip(flat.split([g.numel() for g in present]), present)]
+    torch._foreach_copy_(views, present)
+    dist.all_reduce(flat, group=group)
+    flat.div_(replicas)
+    averaged = iter(views)
+    return [None if g is None else next(averaged) for g in grads]
