@@ -58,10 +58,13 @@ def dataset_named_in_path(path: str) -> str | None:
 
 def format_of_folder(folder: str | os.PathLike | None, dataset: str | None = None) -> DataFormat | None:
     """The format `folder` holds, from its file names only (no data is read): the first of `dataset`'s formats
-    (of any dataset for None) that recognises it; None when none does or the folder is not there."""
-    if not folder or not os.path.isdir(folder):
+    (of any dataset for None) that recognises it; None when none does or the folder is not there. A --data-dir
+    that is not a folder (a file, a glob, a list) is asked of the formats that take one (`names_files`)."""
+    if not folder:
         return None
-    return next((f for f in formats_of(dataset) if not f.named_only and f.recognise(Path(folder))), None)
+    is_folder = os.path.isdir(folder)
+    return next((f for f in formats_of(dataset) if not f.named_only and (is_folder or f.names_files)
+                 and f.recognise(Path(folder))), None)
 
 
 def find_format(dataset: str | None, data_dir: str | os.PathLike) -> tuple[DataFormat, Path]:
@@ -72,9 +75,9 @@ def find_format(dataset: str | None, data_dir: str | os.PathLike) -> tuple[DataF
     named = next((f for f in candidates if f.named_only), None)
     if named is not None:
         return named, named.prepare(folder)
-    if not folder.is_dir():
-        raise DataError(f"data folder not found: {folder}")
     found = format_of_folder(folder, dataset)
+    if found is None and not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
     if found is not None:
         return found, found.prepare(folder)
     if dataset is not None:
