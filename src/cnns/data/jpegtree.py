@@ -93,7 +93,8 @@ def make_jpeg_tree(root: str | os.PathLike, images: int, classes: int = 10, vali
       RECORDS_PER_SHARD tf.train.Example records with 1-based labels, as in the ImageNet TFRecords
       Graphcore's application reads;
     * "webdataset": root/imagenet1k-train-NNNN.tar and root/imagenet1k-validation-NNNN.tar shards of up to
-      RECORDS_PER_SHARD samples, each KEY.jpg + KEY.cls (0-based), as timm/imagenet-1k-wds.
+      RECORDS_PER_SHARD samples, each KEY.jpg + KEY.cls (0-based), as timm/imagenet-1k-wds, with the _info.json
+      timm's wds reader reads.
 
     Files already present are kept, so a second call with the same arguments writes nothing.
     Returns {"train": count, "validation": count, "bytes": bytes written}."""
@@ -114,4 +115,19 @@ def make_jpeg_tree(root: str | os.PathLike, images: int, classes: int = 10, vali
             written = sum(pool.map(write, jobs, chunksize=16 if per_image else 1))
     else:
         written = sum(map(write, jobs))
+    if layout == "webdataset":
+        _write_tar_info(Path(root), images, validation_images, classes)
     return {"train": images, "validation": validation_images, "bytes": written}
+
+
+def _write_tar_info(root: Path, images: int, validation_images: int, classes: int) -> None:
+    """The _info.json timm's wds reader needs (`timm.data.create_dataset("wds/...", root=...)`): each split's
+    shards and their sample counts, as `_tar_shard_jobs` dealt them."""
+    from cnns.data.formats.webdataset import write_info
+
+    splits = {}
+    for split, count in (("train", images), ("validation", validation_images)):
+        shards = max(1, -(-count // RECORDS_PER_SHARD))
+        splits[split] = [(f"imagenet1k-{split}-{shard:04d}.tar", len(range(shard, count, shards)))
+                         for shard in range(shards)]
+    write_info(root, "cnns-jpeg-tree", splits, classes)
