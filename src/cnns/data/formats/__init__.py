@@ -18,15 +18,17 @@ from cnns.data.formats.base import (BatchSource, DataFormat, Dataset, FormatSour
 from cnns.data.formats.builtin import BUILTIN_SHAPES
 from cnns.data.formats.cifar import CIFAR_10_BINARY, CIFAR_100_BINARY
 from cnns.data.formats.folder_tree import FOLDER_TREE
+from cnns.data.formats.huggingface_arrow import HF_ARROW
+from cnns.data.formats.huggingface_parquet import HF_PARQUET
 from cnns.data.formats.imagenet import IMAGENET
 from cnns.data.formats.tfrecord import TFRECORDS
 from cnns.data.formats.webdataset import WEBDATASET
 from cnns.errors import ConfigError, DataError
 
 # In the order a folder's contents are tried: CIFAR-10 wins over CIFAR-100 in a folder holding both, and
-# shards (TFRecords, then WebDataset tars) over a folder tree.
-FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, FOLDER_TREE,
-                                   BUILTIN_SHAPES)
+# shards (TFRecords, WebDataset tars, Hugging Face's Parquet and save_to_disk files) over a folder tree.
+FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, HF_PARQUET, HF_ARROW,
+                                   FOLDER_TREE, BUILTIN_SHAPES)
 
 # What --dataset names, each once, in the order of `FORMATS`.
 DATASETS: dict[str, Dataset] = {f.dataset.name: f.dataset for f in FORMATS}
