@@ -76,7 +76,7 @@ def columns_of(features: dict | None, field_names: list[str], where: str) -> Col
 
     image, label = pick("Image", "image"), pick("ClassLabel", "label")
     if image is None or label is None:
-        what = "an Image feature (or an 'image' column)" if image is None else "a ClassLabel feature (or a 'label' column)"
+        what = "Image feature or 'image' column" if image is None else "ClassLabel feature or 'label' column"
         raise DataError(f"{where}: no {what} among its columns ({', '.join(field_names)})")
     names = features.get(label, {}).get("names") if isinstance(features.get(label), dict) else None
     names = tuple(str(name) for name in names) if isinstance(names, list) and names else None
