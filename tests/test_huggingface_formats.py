@@ -93,7 +93,7 @@ def batches(folder: Path, *, train=True, seed=5, epoch=0, start=0, **options) ->
 
 @pytest.mark.parametrize("layout", ["parquet", "saved"])
 def test_order_restore_replicas_and_workers(layouts, layout, monkeypatch):
-    monkeypatch.setattr(huggingface_parquet, "SHUFFLE_BUFFER", 4)
+    monkeypatch.setattr(huggingface_parquet, "WINDOW_GROUPS", 2)
     folder = layouts[layout]
     whole = batches(folder, global_batch_size=4)
     assert whole == batches(folder, global_batch_size=4) and whole != batches(folder, global_batch_size=4, epoch=1)
@@ -109,14 +109,20 @@ def test_order_restore_replicas_and_workers(layouts, layout, monkeypatch):
     assert sorted(sum(evaluation, [])) == list(range(TRAIN, TRAIN + VALIDATION))
 
 
-def test_parquet_training_reads_few_row_groups_per_stretch(layouts, monkeypatch):
-    """The streaming order: with a buffer of 4 rows, the first 4 rows of an epoch come from at most two row
-    groups (of 4 rows) of the shuffled stream, so a worker reads a few row groups, not every one, per batch."""
-    monkeypatch.setattr(huggingface_parquet, "SHUFFLE_BUFFER", 4)
+def test_parquet_training_reads_a_few_row_groups_at_a_time(layouts, monkeypatch):
+    """The windowed order: with windows of 2 row groups (of 4 rows), each row group's rows lie within 8
+    consecutive places of the epoch's order, so a worker reads each row group once, not once per row."""
+    monkeypatch.setattr(huggingface_parquet, "WINDOW_GROUPS", 2)
     records = records_in(layouts["parquet"], "train")
-    order = records.training_order(np.arange(TRAIN), seed=5, epoch=0)
-    assert sorted(order.tolist()) == list(range(TRAIN))
-    assert len(set(records.index.piece_ids[order[:4]].tolist())) <= 2
+    assert records.index.piece_count == 6  # 11 rows a file: groups of 4, 4 and 3
+    for epoch in (0, 1):
+        order = records.training_order(np.arange(TRAIN), seed=5, epoch=epoch)
+        assert sorted(order.tolist()) == list(range(TRAIN)) and order.tolist() != list(range(TRAIN))
+        groups = records.index.piece_ids[order]
+        for group in range(6):
+            places = np.flatnonzero(groups == group)
+            assert places.max() - places.min() < 8, (epoch, group, places)
+    assert not np.array_equal(records.training_order(np.arange(TRAIN), 5, 0), records.training_order(np.arange(TRAIN), 5, 1))
 
 
 RESNET18 = ["--model", "resnet", "--model-size", "18", "--image-size", "48", "--micro-batch-size", "4", "--seed", "3",
