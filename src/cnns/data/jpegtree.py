@@ -117,7 +117,8 @@ def _write_table(job: tuple[str, int, list[tuple[int, int]], int]) -> int:
     table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
     buffer = io.BytesIO()
     if path.endswith(".parquet"):
-        pq.write_table(table, buffer, row_group_size=ROWS_PER_GROUP)
+        # datasets' own choice for image columns: JPEG bytes stored plain, uncompressed
+        pq.write_table(table, buffer, row_group_size=ROWS_PER_GROUP, compression="none", use_dictionary=False)
     else:
         with pa.ipc.new_stream(buffer, table.schema) as stream:
             stream.write_table(table, max_chunksize=1000)
