@@ -25,15 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from cnns.data.formats.huggingface import (SPLITS, Columns, HuggingFaceFiles, TableIndex, TableRecords, build_index,
+from cnns.data.formats.huggingface import (SPLIT_NAMES, SPLITS, Columns, HuggingFaceFiles, TableIndex, TableRecords, build_index,
                                            choose_splits, columns_of, features_of, identities, same_columns,
                                            split_named)
 from cnns.errors import DataError
 
 SUFFIX = ".parquet"
 # Where `huggingface-cli download` of a dataset puts its Parquet files: the folder, data/, a split or config
-# folder, or data/<split>/ (hidden folders, such as its .cache/, are not looked in).
-PATTERNS = ("*.parquet", "*/*.parquet", "*/*/*.parquet")
+# folder, or <config or data>/<split>/ (the Hub's converted layout, default/train/0000.parquet); hidden folders,
+# such as its .cache/, are not looked in, nor a folder of datasets' folders.
+PATTERNS = ("*.parquet", "*/*.parquet",
+            *(f"*/{name}/*.parquet" for names in SPLIT_NAMES.values() for name in names))
 # Row groups whose rows are shuffled together: a batch mixes rows of 8 row groups drawn from anywhere in the set
 # (800 rows of datasets' 100-row groups, as many as datasets' own 1,000-row shuffle buffer mixes), and a worker's
 # cache holds a window (8 x ~11 MB of ImageNet JPEGs) and the next.

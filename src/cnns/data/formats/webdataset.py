@@ -133,6 +133,12 @@ def _tars(paths: Iterable[Path]) -> list[Path]:
 def shard_paths(spec: str) -> tuple[list[Path], Path | None] | None:
     """(the shard files `spec` names, the folder holding them) from names only; None when `spec` names no tar file.
     A list or brace pattern keeps its given order; a folder's or a glob's shards are in shard-number order."""
+    path = Path(spec)
+    if path.is_dir():  # a folder is a folder, whatever its name holds ([, {, ::)
+        found = _tars(_listing(path))
+        for name in ("train", "val", "validation"):
+            found += _tars(_listing(path / name)) if (path / name).is_dir() else []
+        return (sorted(found, key=natural_key), path) if found else None
     if "::" in spec or re.search(r"\{[^}]*(\.\.|,)[^}]*\}", spec):
         from webdataset.shardlists import expand_urls  # webdataset's own expansion of "::" lists and braces
 
@@ -145,15 +151,7 @@ def shard_paths(spec: str) -> tuple[list[Path], Path | None] | None:
         paths = sorted(_tars(Path(name) for name in glob.glob(spec)), key=natural_key)
         parents = {path.parent for path in paths}
         return (paths, parents.pop() if len(parents) == 1 else None) if paths else None
-    path = Path(spec)
-    if path.name.endswith(SHARD_SUFFIX) and not path.is_dir():
-        return [path], path.parent
-    if not path.is_dir():
-        return None
-    found = _tars(_listing(path))
-    for name in ("train", "val", "validation"):
-        found += _tars(_listing(path / name)) if (path / name).is_dir() else []
-    return (sorted(found, key=natural_key), path) if found else None
+    return ([path], path.parent) if path.name.endswith(SHARD_SUFFIX) else None
 
 
 def shard_set(spec: str | os.PathLike) -> ShardSet | None:
