@@ -100,7 +100,8 @@ def test_cifar_file_of_the_wrong_record_size(cifar, tmp_path, capfd):
     (None, "cannot infer the dataset in {folder}; name it with --dataset"),
     ("cifar-10", "no cifar-10 binary files found in {folder}"),
     ("imagenet", "no imagenet files found in {folder}: expected TFRecords (train-*-of-*), WebDataset shards "
-                 "(*-train-NNNN.tar) or JPEG folders (train/<class>/)"),
+                 "(*.tar), Hugging Face Parquet shards (data/train-*.parquet), a Hugging Face save_to_disk folder "
+                 "(dataset_dict.json, train/state.json) or JPEG folders (train/<class>/)"),
 ])
 def test_empty_data_folder(tmp_path, capfd, dataset, message):
     folder = tmp_path / "empty"

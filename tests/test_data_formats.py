@@ -46,10 +46,11 @@ def write_each_format(root: Path) -> dict[str, Path]:
     from cnns.data.jpegtree import make_jpeg_tree
 
     images, labels = draw_shapes(12, seed=3)
-    folders = {name: root / name for name in ("cifar-10", "cifar-100", "tfrecord", "folder")}
+    layouts = ("tfrecord", "folder", "webdataset", "huggingface-parquet", "huggingface-arrow")
+    folders = {name: root / name for name in ("cifar-10", "cifar-100", *layouts)}
     write_cifar10(folders["cifar-10"], (images[:8], labels[:8]), (images[8:], labels[8:]))
     write_cifar100(folders["cifar-100"], (images[:8], labels[:8] * 7), (images[8:], labels[8:] * 7))
-    for layout in ("tfrecord", "folder"):
+    for layout in layouts:
         make_jpeg_tree(folders[layout], 8, classes=3, validation_images=3, seed=1, layout=layout)
     return folders
 
@@ -60,6 +61,7 @@ def each_format(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_each_format_recognises_its_own_folder_and_no_other(each_format):
+    assert sorted(each_format) == sorted(f.name for f in FORMATS if not f.named_only)  # every format is here
     for written, folder in each_format.items():
         assert formats.format_of_folder(folder).name == written
         assert [f.name for f in FORMATS if not f.named_only and f.recognise(folder)] == [written]

@@ -92,7 +92,8 @@ def labels_of(found: list) -> list[int]:
 def test_gnu_tar_shards_are_recognised_and_read_as_written(shards):
     assert format_of_folder(shards) is WEBDATASET and find_format("imagenet", shards)[0] is WEBDATASET
     train, validation = records_in(shards, "train"), records_in(shards, "validation")
-    assert (len(train), len(validation), train.num_classes) == (TRAIN, VALIDATION, 1000)
+    # the classes the labels hold: here each sample its own, 0..36
+    assert (len(train), len(validation), train.num_classes) == (TRAIN, VALIDATION, TRAIN + VALIDATION)
     data, label, source = train.read(9)  # the second shard's second sample
     assert (data, label) == (noise_jpeg(9), 9)
     assert source == f"{shards / 'imagenet1k-train-0001.tar'}: member n00000009_00009.jpg"
@@ -196,13 +197,14 @@ def damaged(root: Path, damage: str) -> str:
         del members["n00000012_00012.cls"]
         shard.unlink()
         gnu_tar(shard, members)
-        return f"{shard}: member n00000012_00012.jpg has no label (n00000012_00012.cls)"
-    if damage == "label out of range":
+        return (f"{shard}: member n00000012_00012.jpg has no label (n00000012_00012.cls, n00000012_00012.json's "
+                "'label', n00000012_00012.txt or n00000012_00012.idx)")
+    if damage == "negative label":  # timm's sets mark a sample without a class -1
         shard.unlink()
-        write_shards(root, "train", 8, first=8, label=lambda index: 1003 if index == 13 else index)
+        write_shards(root, "train", 8, first=8, label=lambda index: -1 if index == 13 else index)
         (root / "imagenet1k-train-0000.tar").rename(shard)
         write_shards(root, "train", 8)  # the first shard again, as it was
-        return f"{shard}: member n00001003_00013.cls holds class 1003, outside 0..999"
+        return f"{shard}: member n-0000001_00013.cls holds class -1: classes are numbered from 0"
     assert damage == "corrupt header"
     data = bytearray(shard.read_bytes())
     header = data.index(b"n00000011_00011.cls")  # the checksum no longer matches the header
@@ -211,7 +213,7 @@ def damaged(root: Path, damage: str) -> str:
     return f"{shard}: not a readable tar file"
 
 
-@pytest.mark.parametrize("damage", ["cut short", "no label", "label out of range", "corrupt header"])
+@pytest.mark.parametrize("damage", ["cut short", "no label", "negative label", "corrupt header"])
 def test_a_damaged_shard_is_one_line_naming_it_and_no_run_folder(tmp_path, capfd, damage):
     expected = damaged(tmp_path / "data", damage)
     out = scripts.run_here(capfd, "train.py", *RESNET18, "--data-dir", str(tmp_path / "data"), "--iterations", "1",
@@ -226,14 +228,14 @@ def test_indexing_processes_give_the_threads_index_and_their_errors_one_line(tmp
     root = tmp_path / "data"
     write_shards(root, "train", 20)
     shards = wds.find_shards(root, "train")
-    by_threads = wds._index_each([str(path) for path in shards], 1000)
+    by_threads = wds._index_each([str(path) for path in shards])
     monkeypatch.setattr(wds, "INDEX_PROCESSES_FROM", 1)
     monkeypatch.setattr(wds.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    by_processes = wds._index_each([str(path) for path in shards], 1000)
+    by_processes = wds._index_each([str(path) for path in shards])
     assert len(by_processes) == 3 and all(
         np.array_equal(getattr(a, field), getattr(b, field)) for a, b in zip(by_threads, by_processes, strict=True)
-        for field in ("offsets", "sizes", "labels", "names"))
+        for field in wds.INDEX_FIELDS)
     expected = damaged(tmp_path / "bad", "no label")
     with pytest.raises(DataError) as error:
-        wds._index_each([str(path) for path in wds.find_shards(tmp_path / "bad", "train")], 1000)
+        wds._index_each([str(path) for path in wds.find_shards(tmp_path / "bad", "train")])
     assert str(error.value) == expected

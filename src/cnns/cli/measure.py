@@ -15,6 +15,7 @@ from cnns.cli.parsing import device_defaults, inference_options, parse_options, 
 from cnns.config.config_files import check_parsed
 from cnns.config.table import COUNT, SEED_MAX, Domain, OneLineErrorParser
 from cnns.data.formats import DATASETS, IMAGENET
+from cnns.data.jpegtree import LAYOUTS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,11 +121,12 @@ def bench_data_parser() -> argparse.ArgumentParser:
                         help="Inferred from the folder when omitted.")
     parser.add_argument("--make-jpeg-tree", metavar="DIR",
                         help="First write synthetic ImageNet-like JPEGs to DIR (a folder tree, or shards with "
-                             "--layout tfrecord or webdataset; files already there are kept): the data measured.")
+                             "--layout; files already there are kept): the data measured.")
     parser.add_argument("--images", type=COUNT, default=2000, help="Training images of --make-jpeg-tree.")
     parser.add_argument("--classes", type=COUNT, default=10, help="Classes of --make-jpeg-tree.")
-    parser.add_argument("--layout", choices=("folder", "tfrecord", "webdataset"), default="folder",
-                        help="--make-jpeg-tree writes a folder tree, TFRecord shards or WebDataset tar shards.")
+    parser.add_argument("--layout", choices=tuple(LAYOUTS), default="folder",
+                        help="--make-jpeg-tree writes a folder tree, TFRecord shards, WebDataset tar shards, the "
+                             "Hub's Parquet shards or a save_to_disk folder.")
     parser.add_argument("--workers", "--pipeline-num-parallel", dest="workers", nargs="+", default=[1],
                         type=Domain(int, "[0, 1024]", zero="load in the main process"),
                         help="Data-loading worker processes; several values are measured one after the other.")

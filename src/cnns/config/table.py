@@ -290,9 +290,12 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", choices=tuple(DATASETS), type=str.lower,
                        help=f"{', '.join(list(DATASETS)[:-1])} or {list(DATASETS)[-1]} (inferred from --data-dir "
                             "when omitted: its path's name, else its files).")
-    group.add_argument("--data-dir", help="Folder holding the dataset (default: the DATA_DIR environment variable).")
+    group.add_argument("--data-dir", help="Folder holding the dataset, or WebDataset shards named as one file, a glob, "
+                                          "a brace pattern or a list joined by :: (docs/datasets.md; default: the "
+                                          "DATA_DIR environment variable).")
     group.add_argument("--num-classes", type=Domain(int, f"[1, {CLASSES_MAX}]"),
-                       help="Outputs of the classifier (default: the data's classes: a folder tree's class folders, "
+                       help="Outputs of the classifier, at least the data's classes (default: the data's classes: a "
+                            "folder tree's class folders, a shard set's labels, a Hugging Face dataset's ClassLabel, "
                             "else the dataset's: " + ", ".join(f"{d.num_classes:,} for {d.name}" for d in DATASETS.values())
                             + ").")
     synthetic = group.add_mutually_exclusive_group()

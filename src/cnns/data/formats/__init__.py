@@ -18,15 +18,17 @@ from cnns.data.formats.base import (BatchSource, DataFormat, Dataset, FormatSour
 from cnns.data.formats.builtin import BUILTIN_SHAPES
 from cnns.data.formats.cifar import CIFAR_10_BINARY, CIFAR_100_BINARY
 from cnns.data.formats.folder_tree import FOLDER_TREE
+from cnns.data.formats.huggingface_arrow import HF_ARROW
+from cnns.data.formats.huggingface_parquet import HF_PARQUET
 from cnns.data.formats.imagenet import IMAGENET
 from cnns.data.formats.tfrecord import TFRECORDS
 from cnns.data.formats.webdataset import WEBDATASET
 from cnns.errors import ConfigError, DataError
 
 # In the order a folder's contents are tried: CIFAR-10 wins over CIFAR-100 in a folder holding both, and
-# shards (TFRecords, then WebDataset tars) over a folder tree.
-FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, FOLDER_TREE,
-                                   BUILTIN_SHAPES)
+# shards (TFRecords, WebDataset tars, Hugging Face's Parquet and save_to_disk files) over a folder tree.
+FORMATS: tuple[DataFormat, ...] = (CIFAR_10_BINARY, CIFAR_100_BINARY, TFRECORDS, WEBDATASET, HF_PARQUET, HF_ARROW,
+                                   FOLDER_TREE, BUILTIN_SHAPES)
 
 # What --dataset names, each once, in the order of `FORMATS`.
 DATASETS: dict[str, Dataset] = {f.dataset.name: f.dataset for f in FORMATS}
@@ -58,10 +60,13 @@ def dataset_named_in_path(path: str) -> str | None:
 
 def format_of_folder(folder: str | os.PathLike | None, dataset: str | None = None) -> DataFormat | None:
     """The format `folder` holds, from its file names only (no data is read): the first of `dataset`'s formats
-    (of any dataset for None) that recognises it; None when none does or the folder is not there."""
-    if not folder or not os.path.isdir(folder):
+    (of any dataset for None) that recognises it; None when none does or the folder is not there. A --data-dir
+    that is not a folder (a file, a glob, a list) is asked of the formats that take one (`names_files`)."""
+    if not folder:
         return None
-    return next((f for f in formats_of(dataset) if not f.named_only and f.recognise(Path(folder))), None)
+    is_folder = os.path.isdir(folder)
+    return next((f for f in formats_of(dataset) if not f.named_only and (is_folder or f.names_files)
+                 and f.recognise(Path(folder))), None)
 
 
 def find_format(dataset: str | None, data_dir: str | os.PathLike) -> tuple[DataFormat, Path]:
@@ -72,9 +77,9 @@ def find_format(dataset: str | None, data_dir: str | os.PathLike) -> tuple[DataF
     named = next((f for f in candidates if f.named_only), None)
     if named is not None:
         return named, named.prepare(folder)
-    if not folder.is_dir():
-        raise DataError(f"data folder not found: {folder}")
     found = format_of_folder(folder, dataset)
+    if found is None and not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
     if found is not None:
         return found, found.prepare(folder)
     if dataset is not None:

@@ -135,6 +135,8 @@ class DataFormat(ABC):
     image_folder: bool = False  # torchvision's ImageFolder reads it as it is (bench-data's --compare-baseline)
     # Named only: never recognised from a folder's contents (the built-in set is CIFAR-10's files).
     named_only: bool = False
+    # Its --data-dir may name files rather than a folder (a shard file, a glob, a brace pattern, a list).
+    names_files: bool = False
 
     @abstractmethod
     def recognise(self, folder: Path) -> bool:

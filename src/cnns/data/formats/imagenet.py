@@ -1,4 +1,5 @@
-"""ImageNet: what its layouts (`tfrecord`, `webdataset`, `folder`) share. Each layout's module recognises its
+"""ImageNet, and any set of encoded images read as it is: what its layouts (`tfrecord`, `webdataset`,
+`huggingface-parquet`, `huggingface-arrow`, `folder`) share. Each layout's module recognises its
 files and hands the loader its reader (`records`); the loader (`cnns.data.image_loader`) decodes each training
 crop's region only, in worker processes, on the CPU or, with --decode-device, on the GPU (nvJPEG), or NVIDIA
 DALI decodes it (`cnns.data.dali`)."""
