@@ -213,7 +213,6 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
 
 def timm_config(restored: RestoredModel, architecture: str, model_args: dict) -> dict:
     """config.json in timm's hub layout (what timm.models.load_model_config_from_path reads)."""
-    from cnns.models.model_spec import display_name
     from cnns.runfolder.classes import class_names
     from cnns.init_weights import classifier_name
 
@@ -225,17 +224,24 @@ def timm_config(restored: RestoredModel, architecture: str, model_args: dict) ->
         "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 0.875,
         "crop_mode": "center", "mean": list(restored.mean), "std": list(restored.std),
         "num_classes": restored.num_classes, "classifier": classifier_name(restored.model),
-        "first_conv": "conv_stem" if restored.cfg.model.arch == "efficientnet" else "conv1",
+        "first_conv": first_conv(restored.cfg.model),
     }
     config = {"architecture": architecture, "num_classes": restored.num_classes,
               "num_features": restored.model.get_classifier().in_features, "pretrained_cfg": pretrained_cfg,
-              "cnns": {"model": display_name(restored.cfg.model), "checkpoint": str(restored.checkpoint),
+              "cnns": {"model": restored.cfg.model.display_name, "checkpoint": str(restored.checkpoint),
                        "weights": restored.weights}}
     if model_args:
         config["model_args"] = model_args
     if names is not None:
         config["label_names"] = list(names)
     return config
+
+
+def first_conv(spec) -> str:
+    """The stem convolution's module name (timm's pretrained_cfg): the family's, or the timm model's own."""
+    family = spec.family
+    own = family.evaluation(spec) if family.evaluation is not None else None
+    return family.first_conv or (own or {}).get("first_conv", "")
 
 
 def inputs(checkpoint: Path) -> tuple[Path, Path]:

@@ -218,7 +218,7 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
     runs and the policy's note says why."""
     t = cfg.train
     log.print(f"Command line: {cfg.log.command}")
-    log.print(f"{cfg.model.arch}-{cfg.model.size} on {cfg.data.dataset}, device {setup.device}, precision "
+    log.print(f"{cfg.model.tag} on {cfg.data.dataset}, device {setup.device}, precision "
               f"{precision_words(setup.policy, setup.optimiser)}")
     if setup.policy.note:
         log.print(setup.policy.note)
