@@ -113,12 +113,14 @@ def replace_batch_norms(model, groups: int, name: str) -> int:
 
 def _entries(model) -> list[str]:
     """The model's top-level modules in order, nn.Sequential containers opened one level (timm's
-    feature extraction walks them so): 'stem', 'stages.0', 'stages.1', ..."""
+    feature extraction walks them so) unless the container is itself one of the model's stages (ResNet's
+    layer1): 'stem', 'stages.0', 'stages.1', ...; 'conv1', ..., 'layer1', 'layer2', ..."""
     from torch import nn
 
+    stages = set(_feature_modules(model))
     names = []
     for name, child in model.named_children():
-        if isinstance(child, nn.Sequential) and len(child):
+        if isinstance(child, nn.Sequential) and len(child) and name not in stages:
             names += [f"{name}.{grandchild}" for grandchild, _ in child.named_children()]
         else:
             names.append(name)
