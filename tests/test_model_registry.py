@@ -147,3 +147,17 @@ def test_what_a_timm_model_cannot_take_is_one_line(options, words, capfd, tmp_pa
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_docs_models_names_every_family_and_the_load_line_export_prints():
+    """docs/models.md's table has a row per family, and its timm load line is the one `cnns export` prints."""
+    from cnns.commands.export import timm_usage_line
+
+    text = (PACKAGE.parents[1] / "docs" / "models.md").read_text()
+    for family in registered_families():
+        if not family.named:
+            assert f"| `{family.key}` |" in text, family.key
+    line = timm_usage_line(Path("FOLDER")).split("  #")[0]
+    for statement in line.removeprefix("import timm; ").split("; "):
+        assert statement.replace("'", '"').replace(".eval()", "").split(" = ")[1] in text.replace(".eval()", ""), \
+            statement
