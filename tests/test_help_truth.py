@@ -22,10 +22,10 @@ import pytest
 
 import scripts
 from cnns.cli import COMMANDS, main
-from cnns.config.defaults import FAMILY_RUNS
 from cnns.config.defaults import family as family_of
+from cnns.config.defaults import family_runs, optimiser_tables
 from cnns.config.table import build_parser, byte_size, has_effect
-from cnns.optim import FAMILIES as OPTIMISER_FAMILIES
+from cnns.models.families import registered_families
 from cnns.optim import OPTIMISERS
 
 COMMAND_LINES = {
@@ -41,7 +41,7 @@ VARIANTS = ((), *(("--optimiser", name) for name in OPTIMISERS), ("--lr-schedule
             ("--lr-schedule", "polynomial"), ("--half-dtype", "float16"))
 
 CIFAR_LIKE = ("cifar-10", "cifar-100", "builtin")
-MODELS = {"ResNet": "resnet", "ResNeXt": "resnext", "EfficientNet": "efficientnet"}
+MODELS = {family.display: family.key for family in registered_families()}  # how --help names each family
 CONDITION = re.compile(r"(?:for (?P<models>.+?))?(?: ?on (?P<data>CIFAR-sized data|ImageNet))?"
                        r"(?: ?with (?P<options>--.+))?")
 ACTIONS = {action.dest: action for action in reversed(build_parser("train")._actions)}  # each dest's first
@@ -199,12 +199,13 @@ def test_no_cnns_command_help_states_argparses_none(command, capfd):
 
 
 def test_the_optimisers_families_are_said_as_the_runs_they_are(capfd):
-    """--help names the optimisers' model families (`cnns.optim.FAMILIES`) by the runs `FAMILY_RUNS` says they are:
-    each family's runs hold a run of it and no other family's do."""
-    assert set(FAMILY_RUNS) == set(OPTIMISER_FAMILIES)
+    """--help names the optimisers' model families (CIFAR-sized data, and the model families' tables of their
+    ImageNet defaults) by the runs `family_runs` says they are: each family's runs hold a run of it and no other
+    family's do."""
+    assert set(family_runs()) == {"cifar", *optimiser_tables()}
     for argv in FAMILIES_ARGV:
         o = printed_options(capfd, *argv)
-        assert [name for name, runs in FAMILY_RUNS.items() if runs.hold(o)] == [family_of(o)]
+        assert [name for name, runs in family_runs().items() if runs.hold(o)] == [family_of(o)]
 
 
 # The README's statements of defaults and figures (issue 65), each as the README says it and the value --print-config must print

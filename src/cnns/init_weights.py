@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cnns.errors import CheckpointError, first_line
-from cnns.models import ModelSpec, build_model
+from cnns.models import ModelError, ModelSpec, build_model
 from cnns.runfolder.checkpoint import list_checkpoints, load_checkpoint
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -119,38 +119,14 @@ def classifier_name(model: nn.Module) -> str:
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
 
 
-# timm's model names for the models cnns builds from its definitions, by (architecture, size).
-TIMM_RESNETS = {"18", "34", "50", "101", "152"}
-TIMM_RESNEXTS = {"50", "101"}
-TIMM_EFFICIENTNETS = {f"B{i}" for i in range(8)}
-
-
 def timm_model(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
-    """(timm's model name, the model arguments beyond the class count) for the model `spec` builds;
-    CheckpointError saying why when timm defines none."""
-    what = _described(spec)
-    if spec.cifar:
-        raise CheckpointError(f"timm defines no model for {what}: the CIFAR models are cnns' own "
-                              "(export them as onnx or pt2)")
-    model_args: dict[str, Any] = {}
-    if spec.norm == "group":
-        if spec.arch == "efficientnet" or spec.groups != 32:
-            raise CheckpointError(f"timm builds {what} with group norm of {spec.groups} groups from code only, not "
-                                  "from a model name: export a --batch-norm run, or as onnx or pt2")
-        model_args["norm_layer"] = "groupnorm"  # timm's GroupNorm: 32 groups
-    if spec.arch == "resnet" and spec.size in TIMM_RESNETS:
-        return f"resnet{spec.size}", model_args
-    if (spec.arch == "resnext" and spec.size in TIMM_RESNEXTS and spec.convolution_groups == 32
-            and spec.group_width == 4):
-        return f"resnext{spec.size}_32x4d", model_args
-    if (spec.arch == "efficientnet" and spec.size in TIMM_EFFICIENTNETS and spec.group_dim == 1
-            and spec.expand_ratio == 6):
-        return f"efficientnet_{spec.size.lower()}", model_args
-    raise CheckpointError(f"timm defines no model for {what} (only ResNet 18-152, ResNeXt 50/101 32x4d and "
-                          "EfficientNet B0-B7 as the papers define them): export it as onnx or pt2")
+    """(timm's model name, the model arguments beyond the class count) for the model `spec` builds (its family's
+    `timm_name`); CheckpointError saying why when timm defines none."""
+    try:
+        return spec.family.timm_name(spec)
+    except ModelError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def _described(spec: ModelSpec) -> str:
-    from cnns.models.model_spec import display_name
-
-    return display_name(spec)
+    return spec.display_name

@@ -41,16 +41,22 @@ NORM_OR_BIAS = "norm_or_bias"
 # The registry's parts: options, entries
 # --------------------------------------------------------------------------------------------
 
-# The model families whose defaults differ, as `cnns.config.defaults.family` names a run's: any model on
-# CIFAR-sized data, and on ImageNet the ResNets (ResNeXts too) and the EfficientNets.
-FAMILIES = {"cifar": "CIFAR-sized data", "resnet": "ImageNet ResNets", "efficientnet": "ImageNet EfficientNets"}
-
-# A default: one value, one per family (a family left out has none), or None (none).
+# A default: one value for every run, a mapping (its value on CIFAR-sized data under "cifar", or none) where it
+# differs by model family, or None (none). On ImageNet-sized data such a default is the model family's: its
+# entry's table (`cnns.models.family.OptimiserDefaults`, which `cnns.config.defaults` reads), by optimiser name.
 Default = Union[float, Mapping[str, float], None]
+ON_CIFAR = "cifar"
+
+
+def by_family(on_cifar: float | None = None) -> Mapping[str, float]:
+    """A `Default` that differs by model family: `on_cifar` on CIFAR-sized data (any model), the model family's
+    table's on ImageNet-sized data."""
+    return MappingProxyType({} if on_cifar is None else {ON_CIFAR: on_cifar})
 
 
 def default_in(default: Default, family: str) -> float | None:
-    """The value of `default` for a run of `family`."""
+    """The value of `default` for a run of the optimisers' `family` ("cifar", or a model family's table: there a
+    per-family default is the table's, `cnns.config.defaults.optimiser_default`)."""
     return default.get(family) if isinstance(default, Mapping) else default
 
 
@@ -119,8 +125,8 @@ class OptimiserInfo:
         return self.shared + tuple(option.dest for option in self.options)
 
 
-# Graphcore's application's L2 decay in each family.
-L2_DECAY = MappingProxyType({"cifar": 1e-6, "resnet": 1e-4, "efficientnet": 1e-5})
+# Graphcore's application's L2 decay on CIFAR-sized data (each model family's on ImageNet).
+L2_DECAY = by_family(1e-6)
 
 SHARED_OPTIONS: dict[str, OptimiserOption] = {option.dest: option for option in (
     OptimiserOption("momentum", "Momentum coefficient", "[0, 1)", 0.9),
@@ -217,7 +223,7 @@ def _sgd(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict], dic
 register(OptimiserInfo(
     "SGD", _sgd, state_per_parameter=0, summary="SGD without momentum, weight decay {weight_decay:g}",
     shared=("weight_decay",),
-    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -7.0}},
+    defaults={"base_learning_rate_exponent": by_family(-6.0)},
 ))
 
 
@@ -231,7 +237,7 @@ def _momentum(groups: list[dict], spec: OptimiserSpec) -> tuple[type, list[dict]
 register(OptimiserInfo(
     "momentum", _momentum, state_per_parameter=1, summary="momentum {momentum:g}, weight decay {weight_decay:g}",
     shared=("momentum", "weight_decay"),
-    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -11.0, "efficientnet": -10.0}},
+    defaults={"base_learning_rate_exponent": by_family(-6.0)},
 ))
 
 
@@ -269,8 +275,8 @@ register(OptimiserInfo(
                         "--rmsprop-decay is not given", None),
         OptimiserOption("rmsprop_epsilon", "RMSprop epsilon, inside the square root", "[0, inf)", 0.001),
     ),
-    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -14.0},
-              "rmsprop_base_decay_exp": {"efficientnet": -14.0}},
+    defaults={"base_learning_rate_exponent": by_family(-6.0),
+              "rmsprop_base_decay_exp": by_family()},
 ))
 
 
@@ -307,7 +313,7 @@ register(OptimiserInfo(
         OptimiserOption("lars_epsilon", "LARS epsilon", "[0, inf)", 0.0),
         OptimiserOption("lars_weight_decay", "LARS weight decay (0: --weight-decay's)", "[0, inf)", L2_DECAY),
     ),
-    defaults={"base_learning_rate_exponent": {"cifar": -6.0, "resnet": -8.0, "efficientnet": -7.0},
+    defaults={"base_learning_rate_exponent": by_family(-6.0),
               "weight_decay": 0.0},
     rules=_lars_rules,
 ))
@@ -328,7 +334,7 @@ register(OptimiserInfo(
     summary=f"AdamW (betas {ADAMW_BETAS[0]:g}, {ADAMW_BETAS[1]:g}), decoupled weight decay {{weight_decay:g}}",
     shared=("weight_decay",),
     # The learning rate about 2e-3 at the quick start's batch of 32, 1e-3 at ImageNet's 256; torch's weight decay.
-    defaults={"base_learning_rate_exponent": {"cifar": -14.0, "resnet": -18.0, "efficientnet": -18.0},
+    defaults={"base_learning_rate_exponent": by_family(-14.0),
               "weight_decay": 0.01},
 ))
 
@@ -362,7 +368,7 @@ register(OptimiserInfo(
     shared=("weight_decay",),
     # The learning rate (a step of about lr ||w|| per layer) about 8e-3 at the quick start's batch of 32 and at
     # ImageNet's 2048 (timm's ResNet recipe: 5e-3 at 2048); timm's Lamb's weight decay.
-    defaults={"base_learning_rate_exponent": {"cifar": -12.0, "resnet": -18.0, "efficientnet": -18.0},
+    defaults={"base_learning_rate_exponent": by_family(-12.0),
               "weight_decay": 0.01},
     rules=_lamb_rules,
 ))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cnns.bench.rates import best_seconds
 
-SHAPES = [(32, 256, 56, 56), (32, 2048, 7, 7), (128, 16, 32, 32)]
+SHAPES = [(32, 256, 56, 56), (32, 2048, 7, 7), (128, 16, 32, 32)]  # ResNet-50 stages 1 and 4, ResNet-20 stage 1
 
 
 def best_ms(fn, calls: int) -> float:
@@ -62,7 +62,7 @@ TENSOR_PASSES = {"moments": 1, "apply": 2, "backward reduce": 4, "input gradient
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cnns.bench.passes", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, action="append", metavar=("N", "C", "H", "W"),
-                        help="activation shapes (repeatable); default: ResNet-50 stage 1 and 4, ResNet-20 stage 1")
+                        help="activation shapes (repeatable); default: " + ", ".join("x".join(map(str, shape)) for shape in SHAPES))
     parser.add_argument("--calls", type=int, default=9, help="timed calls per figure (the best is kept)")
     args = parser.parse_args(argv)
     from cnns.engine.build import keep_freed_host_memory

@@ -26,11 +26,11 @@ from cnns.errors import CnnsError, ConfigError, continue_with_nothing
 from cnns.safe_writes import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
-            "plot", "predict", "export")
+            "plot", "predict", "export", "models")
 
 
 def _dispatch(command: str) -> Callable[[list[str]], int]:
-    from cnns.cli import inference, measure, plot, runs
+    from cnns.cli import inference, measure, models, plot, runs
 
     return {
         "train": runs.train_main,
@@ -45,6 +45,7 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
         "bench-data": measure.bench_data_main,
         "splits": measure.splits_main,
         "plot": plot.plot_main,
+        "models": models.models_main,
     }[command]
 
 

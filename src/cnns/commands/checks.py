@@ -139,7 +139,7 @@ def print_split_points(cfg: RunConfig) -> int:
 
     points = split_points(cfg.model, build_model(cfg.model))
     print(f"--pipeline-splits needs {max(1, cfg.parallel.shards - 1)} of these split names for "
-          f"{cfg.model.arch}-{cfg.model.size} (aliases in brackets):")
+          f"{cfg.model.tag} (aliases in brackets):")
     print(describe_split_points(points))
     return 0
 

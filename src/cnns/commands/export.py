@@ -33,12 +33,14 @@ cnns export --restore-path logs/RN8_bs32_BN_16.16_X7Q/ckpt-937.pt --format pt2 -
   ``safetensors``: the weights alone, for timm and the model hubs: ``--out`` is a folder that gets
   ``model.safetensors`` (the state dict under timm's key names, which are cnns' own; float32, or the
   training half type with ``--keep-dtype``) and ``config.json`` in timm's hub layout (architecture as
-  timm names it, class count and names, input size, mean and std). timm then builds the model from
-  either ``timm.create_model("local-dir:FOLDER", pretrained=True)`` or ``timm.create_model(NAME, pretrained=True,
-  pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N), num_classes=N)`` (the
-  overlay's class count tells timm the file's classifier fits; without it timm drops the classifier
-  of a class count other than its own default). Only models timm defines by name qualify
-  (`cnns.init_weights.timm_model`); the others are one line saying so.
+  timm names it, class count and names, and the run's evaluation preprocessing: input size, interpolation,
+  crop, mean and std). The printed way, ``timm.create_model("local-dir:FOLDER", pretrained=True)`` with
+  ``timm.data.create_transform(**timm.data.resolve_data_config(model=model))``, reproduces `cnns predict`
+  (a test runs it). ``timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=
+  "FOLDER/model.safetensors", num_classes=N), num_classes=N)`` loads the same weights but leaves timm's own
+  preprocessing (its input size and statistics), so it is printed second, for the weights alone. Only models
+  timm defines by name qualify (the family's `timm_name`: `cnns.init_weights.timm_model`); the others are
+  one line saying so.
 * The file is written under a temporary name in the destination folder and renamed (`cnns.safe_writes`), so `--out`
   never holds a partial file, and a full disk is one line naming the file. An existing file (a checkpoint
   above all) is replaced only with `--overwrite`, and never the checkpoint or arguments.json the export reads.
@@ -203,39 +205,63 @@ def export_for_timm(checkpoint: Path, cfg: RunConfig, out: Path, weights: str, k
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
     print(f"Exported {restored.checkpoint} ({restored.weights} weights, {restored.description}) to "
           f"{out}/model.safetensors ({', '.join(dtypes)}) and {out}/config.json: timm's {architecture}")
-    n = restored.num_classes
-    extra = "".join(f", {key}={value!r}" for key, value in model_args.items())
-    print(f"run: import timm; model = timm.create_model({architecture!r}, pretrained=True, pretrained_cfg_overlay="
-          f"dict(file={str(out / 'model.safetensors')!r}, num_classes={n}), num_classes={n}{extra})  "
-          f"# or timm.create_model({'local-dir:' + str(out)!r}, pretrained=True)")
+    print(f"run: {timm_usage_line(out)}")
+    print(f"weights alone: {timm_weights_line(architecture, model_args, out, restored.num_classes)}  (timm then "
+          "preprocesses as its own pretrained_cfg says, not as this run: take the transform above)")
     return 0
+
+
+def timm_usage_line(out: Path) -> str:
+    """How timm loads the export and prepares images as `cnns predict` does: timm's `local-dir:` form reads
+    config.json (the run's input size, interpolation, crop and mean/std), and its transform follows them
+    (tests/test_timm_models.py runs this line and compares it with `cnns predict`)."""
+    return (f"import timm; model = timm.create_model({'local-dir:' + str(out)!r}, pretrained=True).eval(); "
+            "transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))  "
+            "# logits = model(transform(pil_image)[None])")
+
+
+def timm_weights_line(architecture: str, model_args: dict, out: Path, classes: int) -> str:
+    """timm's documented call for a local weights file under the model's timm name."""
+    extra = "".join(f", {key}={value!r}" for key, value in model_args.items())
+    return (f"timm.create_model({architecture!r}, pretrained=True, pretrained_cfg_overlay="
+            f"dict(file={str(out / 'model.safetensors')!r}, num_classes={classes}), num_classes={classes}{extra})")
 
 
 def timm_config(restored: RestoredModel, architecture: str, model_args: dict) -> dict:
     """config.json in timm's hub layout (what timm.models.load_model_config_from_path reads)."""
-    from cnns.models.model_spec import display_name
     from cnns.runfolder.classes import class_names
     from cnns.init_weights import classifier_name
 
     names, _ = class_names(restored.cfg, restored.checkpoint.parent)
+    from cnns.data.formats import DATASETS
+
     size = restored.image_size
+    cifar = restored.cfg.data.dataset in DATASETS and DATASETS[restored.cfg.data.dataset].cifar_sized
     pretrained_cfg = {
-        # Evaluation preprocessing as cnns's (cnns.data.image_loader.evaluation_transform): the short side to
-        # size x 256/224, the centre size x size square.
-        "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 0.875,
+        # Evaluation preprocessing as `cnns predict`'s (cnns.commands.predict.evaluation_transform): the short side
+        # to size x 256/224, the centre size x size square; on CIFAR-sized data the short side to size (timm's
+        # crop_pct 1), so a size x size image is taken as it is.
+        "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 1.0 if cifar else 0.875,
         "crop_mode": "center", "mean": list(restored.mean), "std": list(restored.std),
         "num_classes": restored.num_classes, "classifier": classifier_name(restored.model),
-        "first_conv": "conv_stem" if restored.cfg.model.arch == "efficientnet" else "conv1",
+        "first_conv": first_conv(restored.cfg.model),
     }
     config = {"architecture": architecture, "num_classes": restored.num_classes,
               "num_features": restored.model.get_classifier().in_features, "pretrained_cfg": pretrained_cfg,
-              "cnns": {"model": display_name(restored.cfg.model), "checkpoint": str(restored.checkpoint),
+              "cnns": {"model": restored.cfg.model.display_name, "checkpoint": str(restored.checkpoint),
                        "weights": restored.weights}}
     if model_args:
         config["model_args"] = model_args
     if names is not None:
         config["label_names"] = list(names)
     return config
+
+
+def first_conv(spec) -> str:
+    """The stem convolution's module name (timm's pretrained_cfg): the family's, or the timm model's own."""
+    family = spec.family
+    own = family.evaluation(spec) if family.evaluation is not None else None
+    return family.first_conv or (own or {}).get("first_conv", "")
 
 
 def inputs(checkpoint: Path) -> tuple[Path, Path]:

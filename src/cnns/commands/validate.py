@@ -84,7 +84,7 @@ def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notice
         targets, unreadable = targets_of(files), []
     todo = [t for t in targets if t.name not in done]
     c = set_up(cfg, world, train=False)
-    check_targets_match(todo, c.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
+    check_targets_match(todo, c.plain_model, cfg.model.tag)
     # Nothing was written so far; from here on the checks have passed.
     log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
     for notice in notices:

@@ -57,7 +57,7 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     here = World(device=process_device(resolve_device(cfg.device)))  # the averaging process alone
     evaluation = set_up(cfg, here, train=False) if validate else None
     if evaluation is not None:
-        check_targets_match(probes[:1], evaluation.plain_model, f"{cfg.model.arch}-{cfg.model.size}")
+        check_targets_match(probes[:1], evaluation.plain_model, cfg.model.tag)
     log = RunLog(folder)
     for notice in notices:
         log.notice(notice)

@@ -2,8 +2,9 @@
 
 Every default is applied here: the generic ones, the dataset's and the model's, the device's
 (`device_defaults`, given the device's facts) and the random seed (`draw_seed`). Each is declared once, in
-`GENERIC_DEFAULTS` or, where it differs by dataset, model or another option, in `BY_RUN` (the optimisers' own
-in their registry, `cnns.optim`); `stated_default` says them in --help from there. Resolution follows
+`GENERIC_DEFAULTS` or, where it differs by dataset, model or another option, in `by_run()`: the generic ones here
+and each model family's in its entry (`cnns.models.family`); the optimisers' own in their registry, `cnns.optim`,
+and on ImageNet-sized data in the model family's table. `stated_default` says them in --help from there. Resolution follows
 Graphcore's application: a named configuration from ``configs.yml`` supplies defaults, the command
 line overrides them, then the dataset- and model-dependent defaults fill whatever is still unset, and
 derived values (global batch size, learning rate, run name) are computed. The result is a flat dict of
@@ -26,10 +27,10 @@ from cnns.config.config_files import check_domains
 from cnns.config.table import FLOAT32_MAX, FLOAT32_TINY, byte_size
 from cnns.data.formats import DATASETS, dataset_facts, dataset_named_in_path
 from cnns.errors import ConfigError
+from cnns.models.families import default_family, family_of, registered_families
+from cnns.models.family import ModelFamily, OptimiserDefaults
+from cnns.models.model_spec import ModelError
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
-
-# EfficientNet's own input sizes (Tan and Le), Graphcore's application's ImageNet default for each size.
-EFFICIENTNET_IMAGE_SIZES = {"B0": 224, "B1": 240, "B2": 260, "B3": 300, "B4": 380, "B5": 456, "B6": 528, "B7": 600}
 # Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run (these
 # defaults are stated only here: RunConfig and cnns.lr_schedules take them from the resolved options).
 EXPONENTIAL_DECAY_RATE = 0.97
@@ -74,9 +75,9 @@ def _set_if_unset(o: dict[str, Any], key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Runs:
-    """The runs a default is given for: those of `models` (None: any), on CIFAR-sized data (`cifar_sized` True:
-    or data not yet known, whose model defaults are CIFAR's) or on ImageNet-sized data (False; None: either), of
-    model `size`, and whose resolved `options` have these values."""
+    """The runs a default is given for: those of the model families `models` (their keys; None: any), on
+    CIFAR-sized data (`cifar_sized` True: or data not yet known, whose model defaults are CIFAR's) or on
+    ImageNet-sized data (False; None: either), of model `size`, and whose resolved `options` have these values."""
 
     models: tuple[str, ...] | None = None
     cifar_sized: bool | None = None
@@ -85,7 +86,7 @@ class Runs:
 
     def hold(self, o: Mapping[str, Any]) -> bool:
         """Whether the run of the resolved options `o` is one of these."""
-        return ((self.models is None or o.get("model") in self.models)
+        return ((self.models is None or family_key(o.get("model")) in self.models)
                 and (self.cifar_sized is None or self.cifar_sized == cifar_sized(o))
                 and (self.size is None or str(o.get("model_size")) == self.size)
                 and all(o.get(dest) == value for dest, value in self.options))
@@ -95,7 +96,8 @@ class Runs:
         """How --help names them: "for ResNeXt on CIFAR-sized data", "with --half-dtype float16"."""
         words = []
         if self.models is not None:
-            names = [_MODEL_NAMES[model] + (f"-{self.size}" if self.size else "") for model in self.models]
+            displays = {family.key: family.display for family in registered_families()}
+            names = [displays[model] + (f"-{self.size}" if self.size else "") for model in self.models]
             words.append("for " + " and ".join(names))
         if self.cifar_sized is not None:
             words.append("on CIFAR-sized data" if self.cifar_sized else "on ImageNet")
@@ -104,40 +106,44 @@ class Runs:
         return " ".join(words)
 
 
-_MODEL_NAMES = {"resnet": "ResNet", "resnext": "ResNeXt", "efficientnet": "EfficientNet"}
-_RESNETS = ("resnet", "resnext")
+def family_key(model: Any) -> str | None:
+    """The key of the family of the --model value `model` (`cnns.models.family`), or None for none."""
+    try:
+        return family_of(model).key
+    except ModelError:
+        return None
+
+
+def model_family(o: Mapping[str, Any]) -> ModelFamily:
+    """The entry of the run's model family; ConfigError in one line (with the nearest names) for an unknown one."""
+    try:
+        return family_of(o.get("model"))
+    except ModelError as error:
+        raise ConfigError(f"--model: {error}") from None
+
+
 ALL_RUNS = Runs()
 _CIFAR = Runs(cifar_sized=True)
-_RESNEXT, _RESNEXT_ON_CIFAR = Runs(("resnext",)), Runs(("resnext",), True)
-_RESNETS_ON_CIFAR, _RESNETS_ON_IMAGENET = Runs(_RESNETS, True), Runs(_RESNETS, False)
-_EFFICIENTNET = Runs(("efficientnet",))
-_EFFICIENTNET_ON_CIFAR = Runs(("efficientnet",), True)
-_EFFICIENTNET_ON_IMAGENET = Runs(("efficientnet",), False)
 _FLOAT16, _EXPONENTIAL = Runs(options=(("half_dtype", "float16"),)), Runs(options=(("lr_schedule", "exponential"),))
+_DATA = {None: None, "cifar": True, "imagenet": False}  # a FamilyDefault's data as Runs.cifar_sized
 
-# The optimisers' model families (`cnns.optim.FAMILIES`, as `family` tells a run's) as runs: any model on
-# CIFAR-sized data, the ImageNet ResNets (ResNeXts too) and the ImageNet EfficientNets.
-FAMILY_RUNS = {"cifar": _CIFAR, "resnet": _RESNETS_ON_IMAGENET, "efficientnet": _EFFICIENTNET_ON_IMAGENET}
-
-# Graphcore's application's defaults that differ by run (its set_defaults functions), each a sequence of (runs,
-# value): the last pair whose runs hold a run gives its default; none: the option has none there.
-BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
-    "model_size": ((ALL_RUNS, "18"), (_CIFAR, "20"), (_RESNEXT, "50"), (_RESNEXT_ON_CIFAR, "29"),
-                   (_EFFICIENTNET, "B0"), (_EFFICIENTNET_ON_CIFAR, "cifar")),
-    "norm": ((ALL_RUNS, "group"), (_RESNETS_ON_CIFAR, "batch")),  # --group-norm or --batch-norm
-    "groups": ((ALL_RUNS, 32), (_CIFAR, 16), (_EFFICIENTNET, 4)),
-    # ResNeXt's group width (channels per group), EfficientNet's group size of the depthwise convolutions
-    "group_dim": ((_RESNEXT, 4), (_RESNEXT_ON_CIFAR, 16), (_EFFICIENTNET, 1)),
-    "expand_ratio": ((_EFFICIENTNET, 6),),
-    "convolution_groups": ((_RESNEXT, 32), (_RESNEXT_ON_CIFAR, 8)),
-    # CIFAR's images are 32 x 32 (another --image-size is refused there); EfficientNet's own sizes on ImageNet.
-    "image_size": ((ALL_RUNS, 224), (_CIFAR, 32),
-                   *((Runs(("efficientnet",), False, size), pixels)
-                     for size, pixels in EFFICIENTNET_IMAGE_SIZES.items() if pixels != 224)),
-    "micro_batch_size": ((ALL_RUNS, 4), (_CIFAR, 32), (_EFFICIENTNET_ON_CIFAR, 8)),
-    "epochs": ((ALL_RUNS, 100.0), (_CIFAR, 160.0), (_EFFICIENTNET, 350.0), (_EFFICIENTNET_ON_CIFAR, 300.0)),
-    "learning_rate_schedule": ((ALL_RUNS, "0.5,0.75"), (_RESNETS_ON_IMAGENET, "0.3,0.6,0.8,0.9")),
-    "label_smoothing": ((ALL_RUNS, 0.0), (_EFFICIENTNET_ON_IMAGENET, 0.1)),
+# The defaults that differ by run and are no family's (Graphcore's application's set_defaults functions), each a
+# sequence of (runs, value): the last pair whose runs hold a run gives its default; none: the option has none there.
+# Each model family's own follow them (`by_run`).
+GENERIC_BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
+    "model_size": (),
+    "norm": ((ALL_RUNS, "group"),),  # --group-norm or --batch-norm
+    "groups": ((ALL_RUNS, 32), (_CIFAR, 16)),
+    "group_dim": (),
+    "expand_ratio": (),
+    "convolution_groups": (),
+    # CIFAR's images are 32 x 32 (another --image-size is refused there).
+    "image_size": ((ALL_RUNS, 224), (_CIFAR, 32)),
+    "micro_batch_size": ((ALL_RUNS, 4), (_CIFAR, 32)),
+    "epochs": ((ALL_RUNS, 100.0), (_CIFAR, 160.0)),
+    "learning_rate_schedule": ((ALL_RUNS, "0.5,0.75"),),
+    "label_smoothing": ((ALL_RUNS, 0.0),),
+    "normalise_input": ((ALL_RUNS, False),),  # the ImageNet mean/std, or Graphcore's mean subtraction
     # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     "loss_scaling": ((ALL_RUNS, 1.0), (_FLOAT16, 128.0),
                      (Runs(options=(("half_dtype", "float16"), ("precision", FLOAT32_PRECISION))), 1.0)),
@@ -145,18 +151,64 @@ BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
     "lr_drops": ((_EXPONENTIAL, EXPONENTIAL_DROPS),),
 }
 
+_BY_RUN_CACHE: dict[tuple[str, ...], dict[str, tuple[tuple[Runs, Any], ...]]] = {}
+
+
+def by_run() -> dict[str, tuple[tuple[Runs, Any], ...]]:
+    """Every default that differs by run: the generic ones, then each family's (`ModelFamily.defaults`) in the
+    registry's order. Families giving the same value on the same data one after the other are said together
+    ("batch for ResNet and ResNeXt on CIFAR-sized data")."""
+    families = registered_families()
+    key = tuple(family.key for family in families)
+    if key not in _BY_RUN_CACHE:
+        table = {dest: list(pairs) for dest, pairs in GENERIC_BY_RUN.items()}
+        merged: dict[str, list[tuple[tuple[str, ...], Any, bool | None, str | None]]] = {}
+        for family in families:
+            for dest, defaults in family.defaults.items():
+                rows = merged.setdefault(dest, [])
+                for default in defaults:
+                    data = _DATA[default.data]
+                    last = rows[-1] if rows else None
+                    if (last is not None and last[0][-1] != family.key and default.size is None
+                            and last[1:] == (default.value, data, None)
+                            and all(family.key != key for key in last[0])):
+                        rows[-1] = ((*last[0], family.key), *last[1:])
+                    else:
+                        rows.append(((family.key,), default.value, data, default.size))
+        for dest, rows in merged.items():
+            table.setdefault(dest, []).extend((Runs(models, data, size), value) for models, value, data, size in rows)
+        _BY_RUN_CACHE[key] = {dest: tuple(pairs) for dest, pairs in table.items()}
+    return _BY_RUN_CACHE[key]
+
+
+def family_runs() -> dict[str, Runs]:
+    """The optimisers' model families (as `family` tells a run's) as runs: any model on CIFAR-sized data, then on
+    ImageNet-sized data the families sharing each table of the optimisers' defaults
+    (`cnns.models.family.OptimiserDefaults`: the ImageNet ResNets and ResNeXts, the ImageNet EfficientNets...)."""
+    runs: dict[str, list[str]] = {}
+    for family in registered_families():
+        if family.optimiser_defaults is not None:
+            runs.setdefault(family.optimiser_defaults.name, []).append(family.key)
+    return {"cifar": _CIFAR, **{name: Runs(tuple(models), False) for name, models in runs.items()}}
+
+
+def optimiser_tables() -> dict[str, OptimiserDefaults]:
+    """The tables of the optimisers' defaults on ImageNet-sized data, by name."""
+    return {family.optimiser_defaults.name: family.optimiser_defaults for family in registered_families()
+            if family.optimiser_defaults is not None}
+
 
 def default_for(dest: str, o: Mapping[str, Any]) -> Any:
-    """The default of option `dest` (`BY_RUN`) for the run of the options `o`, or None where it has none."""
+    """The default of option `dest` (`by_run`) for the run of the options `o`, or None where it has none."""
     value = None
-    for runs, candidate in BY_RUN[dest]:
+    for runs, candidate in by_run()[dest]:
         if runs.hold(o):
             value = candidate
     return value
 
 
 def stated_default(action: argparse.Action) -> str:
-    """What --help says of an option's default, from where it is declared: `BY_RUN`, `GENERIC_DEFAULTS` or the
+    """What --help says of an option's default, from where it is declared: `by_run`, `GENERIC_DEFAULTS` or the
     optimisers' registry (`cnns.optim`: the option's own default, then each optimiser's own where it differs).
     " (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)": parts separated by "; ", each a value for some
     runs, or values for disjoint ones separated by ", ", a part "with SGD or LARS: ..." for those optimisers
@@ -164,10 +216,11 @@ def stated_default(action: argparse.Action) -> str:
     of a plain default (off, or decided by the device)."""
     dest = action.dest
     parts: list[tuple[tuple[str, ...], list[tuple[Runs, Any]]]] = []  # (optimisers, or () for any; values)
+    table = by_run()
     if dest in ("batch_norm", "group_norm"):
-        parts = [((), [(runs, norm == dest.removesuffix("_norm"))]) for runs, norm in BY_RUN["norm"]]
-    elif dest in BY_RUN:
-        parts = [((), [(runs, value)]) for runs, value in BY_RUN[dest]]
+        parts = [((), [(runs, norm == dest.removesuffix("_norm"))]) for runs, norm in table["norm"]]
+    elif dest in table:
+        parts = [((), [(runs, value)]) for runs, value in table[dest] if value is not None]
     elif dest in GENERIC_DEFAULTS and not (isinstance(GENERIC_DEFAULTS[dest], bool) and action.nargs == 0):
         parts = [((), [(ALL_RUNS, GENERIC_DEFAULTS[dest])])]
     elif dest in optim.OPTIONS or any(dest in info.defaults for info in optim.OPTIMISERS.values()):
@@ -187,29 +240,44 @@ def _optimiser_defaults_stated(dest: str) -> list[tuple[tuple[str, ...], list[tu
     own: dict[str, tuple[list[str], list[tuple[Runs, Any]]]] = {}
     for info in readers:
         if dest in info.defaults:
-            values = _family_values(info.defaults[dest])
+            values = _family_values(info.defaults[dest], info.name, dest)
             own.setdefault(repr(values), ([], values))[0].append(info.name)
     parts = []
     if option is not None and option.default is not None:
         # Not where its reader's defaults derive it (RMSprop's decay from its exponent on ImageNet EfficientNets).
-        derived = {family for family in FAMILY_RUNS for info in readers if option.derive is not None
+        derived = {family for family in family_runs() for info in readers if option.derive is not None
                    and option.derive({"global_batch_size": 1, **_defaults_of(info, family)}) is not None}
-        parts = [((), _family_values(option.default, without=derived))]
+        parts = [((), _family_values(option.default, None, dest, without=derived))]
     if len(readers) == 1 and not parts:
         return [((), values) for _, values in own.values()]
     return parts + [(tuple(names), values) for names, values in own.values()]
 
 
+def optimiser_default(default: optim.Default, optimiser: str | None, dest: str, family: str) -> Any:
+    """The default of `dest` for a run of the optimisers' `family` ("cifar", or a table's name: `family`):
+    the registry's value, or where it gives one per family (`cnns.optim.Default`), on CIFAR-sized data its own and
+    on ImageNet-sized data the model family's table's for `optimiser` (None: the option's own default)."""
+    if not isinstance(default, Mapping) or family == "cifar":
+        return optim.default_in(default, family)
+    table = optimiser_tables().get(family)
+    return None if table is None else table.value(dest, optimiser)
+
+
 def _defaults_of(info: optim.OptimiserInfo, family: str) -> dict[str, Any]:
-    return {dest: optim.default_in(default, family) for dest, default in info.defaults.items()}
+    return {dest: optimiser_default(default, info.name, dest, family) for dest, default in info.defaults.items()}
 
 
-def _family_values(default: optim.Default, without: set[str] = frozenset()) -> list[tuple[Runs, Any]]:
+def _family_values(default: optim.Default, optimiser: str | None, dest: str,
+                   without: set[str] = frozenset()) -> list[tuple[Runs, Any]]:
     """A registry default as values for runs: one for all, or one per model family (but those `without`)."""
     if not isinstance(default, Mapping) and not without:
         return [(ALL_RUNS, default)]
-    return [(runs, optim.default_in(default, name)) for name, runs in FAMILY_RUNS.items()
-            if name not in without and optim.default_in(default, name) is not None]
+    values = []
+    for name, runs in family_runs().items():
+        value = optimiser_default(default, optimiser, dest, name)
+        if name not in without and value is not None:
+            values.append((runs, value))
+    return values
 
 
 def _shown(value: Any, action: argparse.Action) -> str:
@@ -225,12 +293,12 @@ def _shown(value: Any, action: argparse.Action) -> str:
 
 
 def _model_defaults(o: dict[str, Any]) -> None:
-    size = str(o.get("model_size") or default_for("model_size", o))
-    if o["model"] == "efficientnet":  # Graphcore's spellings 4, b4 and B4; "cifar" in any case
-        size = f"B{size}" if size.isdigit() else (size.upper() if size.lower() != "cifar" else "cifar")
-    o["model_size"] = size
+    family = model_family(o)  # one line naming the nearest names for an unknown --model
+    size = o.get("model_size") or default_for("model_size", o)
+    # The family's spelling (EfficientNet: Graphcore's 4, b4 and B4; "cifar" in any case); a named model has none.
+    o["model_size"] = None if size is None else family.normalise_size(str(size).strip())
     for dest in ("micro_batch_size", "image_size", "groups", "group_dim", "expand_ratio", "convolution_groups",
-                 "learning_rate_schedule"):
+                 "learning_rate_schedule", "normalise_input"):
         _set_if_unset(o, dest, default_for(dest, o))
     if o["dataset"] is None:  # data not known yet: the model is CIFAR's, at CIFAR's size whatever --image-size says
         o["image_size"] = default_for("image_size", o)
@@ -245,7 +313,7 @@ def _model_defaults(o: dict[str, Any]) -> None:
 
 
 GENERIC_DEFAULTS: dict[str, Any] = {
-    "model": "resnet",
+    "model": default_family().key,  # the family a run without --model trains (`cnns.models.families`)
     "optimiser": "SGD",
     "lr_schedule": "stepped",
     "learning_rate_decay": 0.1,
@@ -276,7 +344,6 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "decode_device": "auto",
     "max_file_size": DEFAULT_FILE_SIZE_LIMIT,  # cnns.bounded_reads's
     "dataset_cache": True,
-    "normalise_input": False,
     "eight_bit_io": False,
     "log_dir": "logs",
     "logs_per_epoch": 16.0,
@@ -336,13 +403,13 @@ def _power_of_two(exponent: float, option: str) -> float:
         raise ConfigError(f"{option} {exponent} is too large: 2^{exponent} overflows") from None
 
 
-def family(o: dict[str, Any]) -> str:
-    """The run's model family as the optimisers' defaults are given (`cnns.optim.FAMILIES`; `FAMILY_RUNS` says
-    them so in --help): any model on CIFAR-sized data (or on data not yet known, whose model defaults were
-    CIFAR's), else the ImageNet model."""
-    if cifar_sized(o):
-        return "cifar"
-    return "efficientnet" if o["model"] == "efficientnet" else "resnet"
+def family(o: Mapping[str, Any]) -> str:
+    """The run's model family as the optimisers' defaults are given (`family_runs` says them so in --help): any
+    model on CIFAR-sized data (or on data not yet known, whose model defaults were CIFAR's), else the name of the
+    model family's table of them (`cnns.models.family.OptimiserDefaults`; a family without one takes the
+    optimisers' own, those of CIFAR-sized data)."""
+    table = None if cifar_sized(o) else model_family(o).optimiser_defaults
+    return "cifar" if table is None else table.name
 
 
 def _optimiser_defaults(o: dict[str, Any]) -> None:
@@ -353,11 +420,11 @@ def _optimiser_defaults(o: dict[str, Any]) -> None:
     info = optim.optimiser_info(o["optimiser"])
     run_family = family(o)
     for dest, default in info.defaults.items():
-        _set_if_unset(o, dest, optim.default_in(default, run_family))
+        _set_if_unset(o, dest, optimiser_default(default, info.name, dest, run_family))
     for dest, option in optim.OPTIONS.items():
         if o.get(dest) is None and option.derive is not None:
             o[dest] = option.derive(o)
-        _set_if_unset(o, dest, optim.default_in(option.default, run_family))
+        _set_if_unset(o, dest, optimiser_default(option.default, None, dest, run_family))
     if info.rules is not None:
         info.rules(o)
 
@@ -464,17 +531,16 @@ def draw_seed() -> int:
 
 
 def run_name(o: dict[str, Any]) -> str:
-    """Graphcore's application's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4."""
+    """Graphcore's application's run name, e.g. RN20_bs32_BN_16.16 or EfficientNet-B0_bs4x16a_GN4: the model
+    family's tag and form (`cnns.models.family.ModelFamily.run_name`), then the image size and the suffix."""
+    family = model_family(o)
     accumulation = o["gradient_accumulation_count"]
-    accum_tag = f"x{accumulation}p" if o["pipeline"] else (f"x{accumulation}a" if accumulation > 1 else "")
-    replica_tag = f"x{o['replicas']}r" if o["replicas"] > 1 else ""
-    norm_tag = f"_GN{o['groups']}" if o.get("group_norm") else "_BN"
-    if o["model"] == "efficientnet":
-        name = f"EfficientNet-{o['model_size']}_bs{o['micro_batch_size']}{accum_tag}{replica_tag}{norm_tag}"
-    else:
-        prefix = "RNX" if o["model"] == "resnext" else "RN"
-        name = f"{prefix}{o['model_size']}_bs{o['micro_batch_size']}{replica_tag}{accum_tag}{norm_tag}"
-        name += f"_{o['precision']}" + ("_noSR" if not o["stochastic_rounding"] else "")
+    name = family.run_name.format(
+        prefix=family.prefix(o["model"], str(o.get("model_size") or "")), bs=o["micro_batch_size"],
+        accum=f"x{accumulation}p" if o["pipeline"] else (f"x{accumulation}a" if accumulation > 1 else ""),
+        replicas=f"x{o['replicas']}r" if o["replicas"] > 1 else "",
+        norm=f"_GN{o['groups']}" if o.get("group_norm") else family.own_norm_tag,
+        precision=o["precision"], sr="_noSR" if not o["stochastic_rounding"] else "")
     if o.get("image_size") and not cifar_sized(o) and o["image_size"] != 224:
         name += f"_{o['image_size']}x{o['image_size']}"
     if o.get("name_suffix"):

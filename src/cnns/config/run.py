@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cnns.config.defaults import GENERIC_DEFAULTS, check_label_smoothing, default_for, draw_seed
+from cnns.config.defaults import GENERIC_DEFAULTS, check_label_smoothing, default_for, draw_seed, model_family
 from cnns.data.formats import dataset_facts
 from cnns.data.data_config import DataConfig
 from cnns.devices import requested_device
@@ -174,13 +174,14 @@ class RunConfig:
         # The run's class count (arguments.json records it; a run of an older version: the dataset's).
         num_classes = o.get("num_classes") or dataset_facts(dataset).num_classes
         check_label_smoothing(o["label_smoothing"], num_classes)
-        # The architecture options its model reads (`cnns.config.defaults`: none of them for a ResNet, which
-        # takes the model's own).
+        # The architecture options its model reads (those its family gives defaults, `cnns.config.defaults`; none
+        # of them for a ResNet, which takes the model's own), and those its family reads under another name.
         shape = {key: o[key] for key in ("group_dim", "expand_ratio", "convolution_groups") if o.get(key)}
+        family = model_family(o)
+        shape.update({field: o[dest] for dest, field in family.option_fields.items() if o.get(dest)})
         model = ModelSpec(
-            arch=o["model"], size=str(o["model_size"]), num_classes=num_classes,
+            arch=o["model"], size=str(o.get("model_size") or ""), num_classes=num_classes,
             image_size=image_size, norm="group" if o.get("group_norm") else "batch", groups=o["groups"], **shape,
-            **({"group_width": o["group_dim"]} if o["model"] == "resnext" and o.get("group_dim") else {}),
         )
         data = DataConfig(
             dataset=dataset, data_dir=o.get("data_dir"), source=source,

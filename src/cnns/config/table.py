@@ -76,7 +76,6 @@ IPU_ONLY_OPTIONS = {
     "lars_skip_list": ("--lars-skip-list", "list"),
 }
 
-MODELS = ("resnet", "resnext", "efficientnet")
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 
@@ -247,6 +246,38 @@ def byte_size(value: str) -> int:
     return size
 
 
+def model_help() -> str:
+    """--model's help from the model families' registry (`cnns.models.family`): the families by key, and the
+    models a named family (timm's) takes by their own names."""
+    from cnns.models.families import family_keys
+
+    return (f"Model: one of the families {', '.join(family_keys())}, or a timm image classifier by its timm name "
+            "(convnext_atto, regnetx_002, ...; `cnns models [PATTERN]` lists them); unknown names get the nearest.")
+
+
+def family_option_help(dest: str) -> str:
+    """The help of a model option some families read: each one's words for it (`ModelFamily.option_help`)."""
+    from cnns.models.families import registered_families
+
+    return "; ".join(f"{family.display}: {family.option_help[dest]}" for family in registered_families()
+                     if dest in family.option_help) + "."
+
+
+def model_size_help() -> str:
+    """--model-size's help: each sized family's sizes on CIFAR-sized and on ImageNet-sized data."""
+    from cnns.models.families import registered_families
+
+    parts = []
+    for family in registered_families():
+        if family.named:
+            continue
+        cifar, imagenet = list(family.sizes(True)), list(family.sizes(False))
+        sizes = (", ".join(cifar) if cifar == imagenet
+                 else f"CIFAR: {', '.join(cifar)}; ImageNet: {', '.join(imagenet)}")
+        parts.append(f"{family.display} {sizes}")
+    return "The family's size: " + "; ".join(parts) + " (a timm model takes none: its name says it)."
+
+
 def _model_size(value: str) -> str:
     # Graphcore's application accepts 4, B4 and b4 for EfficientNet; ResNet sizes are numbers. Keep it a string.
     return str(value)
@@ -261,9 +292,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Model")
-    group.add_argument("--model", choices=MODELS, type=str.lower, help="Model architecture.")
-    group.add_argument("--model-size", type=_model_size,
-                       help="ResNet depth (CIFAR: 8..110, ImageNet: 18..152), ResNeXt 29/50/101, EfficientNet B0..B7 or 'cifar'.")
+    group.add_argument("--model", type=str.lower, metavar="MODEL", help=model_help())
+    group.add_argument("--model-size", type=_model_size, help=model_size_help())
     norm = group.add_mutually_exclusive_group()
     norm.add_argument("--batch-norm", action="store_true", default=None, help="Batch normalisation.")
     norm.add_argument("--group-norm", action="store_true", default=None, help="Group normalisation.")
@@ -272,10 +302,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="Number of replicas over which batch-norm statistics are computed.")
     group.add_argument("--BN-decay", "--bn-decay", dest="BN_decay", type=DECAY,
                        help="Batch-norm moving-average decay d, torch's momentum 1 - d.")
-    group.add_argument("--group-dim", type=COUNT, help="EfficientNet: group size of the depthwise convolutions; "
-                       "ResNeXt: channels per group.")
-    group.add_argument("--expand-ratio", type=COUNT, help="EfficientNet: expansion ratio.")
-    group.add_argument("--convolution-groups", type=COUNT, help="ResNeXt cardinality.")
+    for flag in ("--group-dim", "--expand-ratio", "--convolution-groups"):  # the families that read each say what
+        group.add_argument(flag, type=COUNT, help=family_option_help(flag[2:].replace("-", "_")))
     group.add_argument("--image-size", type=Domain(int, "[8, 8192]"),
                        help="Input image size; CIFAR's images are 32 x 32.")
 
@@ -594,7 +622,7 @@ def option_defaults(script: str) -> dict[str, object]:
 
 
 _DESCRIPTIONS = {
-    "train": "Train a CNN classifier (ResNet, ResNeXt, EfficientNet) on CIFAR or ImageNet.",
+    "train": "Train a CNN image classifier (the families of --model, or a timm model by name) on CIFAR or ImageNet.",
     "validate": "Validate the checkpoints of a run, or measure inference throughput on generated data. Options "
                 "not given are the run's (its arguments.json); the defaults shown are those of a new run.",
     "restore": "Continue a training run from its newest checkpoint.",

@@ -95,7 +95,7 @@ def restore_model(checkpoint: Path, cfg: RunConfig, weights: str = "raw",
     device = torch.device(device)
     state_dict = checkpoint_weights(checkpoint, weights)
     model = build_model(cfg.model)
-    description = f"{cfg.model.arch}-{cfg.model.size}"
+    description = cfg.model.tag
     check_matches_model(checkpoint, state_dict, model.state_dict(), description)
     model.load_state_dict(state_dict)  # half-precision tensors are converted to the float32 parameters
     model = deployed(model, cfg, device, PrecisionPolicy.float32(device))
@@ -152,7 +152,7 @@ def build_inference_model(cfg: RunConfig, checkpoint: Path | None, device: torch
     model = build_model(cfg.model)
     if checkpoint is not None:  # a model the command line changed (--model-size) is one line, not a traceback
         weights = checkpoint_weights(checkpoint)
-        check_matches_model(checkpoint, weights, model.state_dict(), f"{cfg.model.arch}-{cfg.model.size}")
+        check_matches_model(checkpoint, weights, model.state_dict(), cfg.model.tag)
         model.load_state_dict(weights)
     policy = cfg.precision.policy(device).for_inference()
     std = inference_std(cfg)

@@ -35,6 +35,7 @@ class AssembledModel:
     plain: nn.Module  # what is saved and loaded: the model, or the part of it this stage holds
     replicated: DistributedDataParallel | None = None  # the DDP wrapper, with replicas
     stage: Stage | None = None  # with pipelining: this process's stage
+    fused: int = 0  # the layers given the fused CPU passes (`cnns.engine.fusion.fuse_passes`), for the header
 
 
 def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.device,
@@ -59,7 +60,7 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     set_norm_momentum(model, cfg.train.BN_decay)
     policy.apply_to_model(model)
     model.to(device=device, memory_format=torch.channels_last)
-    fuse_passes(model, device, batch_norm_span(world.bn_group), cfg.train.fused_norm)
+    fused = fuse_passes(model, device, batch_norm_span(world.bn_group), cfg.train.fused_norm)
     choose_kernels(model, device, policy.compute_dtype, reproducible=cfg.train.seed_specified)
     if cfg.parallel.enable_recomputation:
         recompute(model, cfg.model, cfg.parallel.pipeline_splits,
@@ -68,10 +69,10 @@ def assemble(model: nn.Module, cfg: RunConfig, world: World, device: torch.devic
     if world.shards > 1:
         stage = build_stage(cfg, model, world, device, policy)
         world.broadcast_state(stage.module.model, among_replicas=True)
-        return AssembledModel(stage.module, stage.module.model, stage=stage)
+        return AssembledModel(stage.module, stage.module.model, stage=stage, fused=fused)
     replicated = data_parallel(model, world, device)
     running = maybe_compile(replicated, cfg.train.compile)
-    return AssembledModel(running, model, replicated if replicated is not model else None)
+    return AssembledModel(running, model, replicated if replicated is not model else None, fused=fused)
 
 
 def set_norm_momentum(model: nn.Module, decay: float) -> None:

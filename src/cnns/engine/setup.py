@@ -29,6 +29,7 @@ from cnns.engine.cadence import RunLength
 from cnns.engine.checkpointer import Checkpointer
 from cnns.engine.ema import WeightEma, build_ema
 from cnns.engine.feed import DeviceFeed
+from cnns.engine.fusion import fused_norms
 from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
@@ -210,6 +211,16 @@ def _continue_from(restore: RestorePoint, checkpointer: Checkpointer, log: RunLo
     return start_iteration
 
 
+def fused_passes_line(fused: int, norms: tuple) -> str:
+    """How many of the model's layers train with the fused CPU passes (norm + activation, + residual, and
+    squeeze-excitation: `cnns.engine.fusion`), and why none where none does."""
+    if fused:
+        return f" Fused passes: {fused} layers (norm + activation, residual units, squeeze-excitation)"
+    if not norms:
+        return " Fused passes: none (--fused-norm off, or not measured faster on this CPU's build)"
+    return " Fused passes: none (the model has no norm + activation pattern they take)"
+
+
 def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list[str]) -> None:
     """The run's header: what trains on what, its batch and learning rate, its cadence, what this process holds.
 
@@ -218,7 +229,7 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
     runs and the policy's note says why."""
     t = cfg.train
     log.print(f"Command line: {cfg.log.command}")
-    log.print(f"{cfg.model.arch}-{cfg.model.size} on {cfg.data.dataset}, device {setup.device}, precision "
+    log.print(f"{cfg.model.tag} on {cfg.data.dataset}, device {setup.device}, precision "
               f"{precision_words(setup.policy, setup.optimiser)}")
     if setup.policy.note:
         log.print(setup.policy.note)
@@ -229,6 +240,7 @@ def print_startup(log: RunLog, cfg: RunConfig, setup: Setup, initial_notes: list
     log.print(f"Total Parameters:{setup.total_parameters}")
     if setup.device.type == "cpu":  # the C++ kernels this CPU runs, or torch's where they were not built
         log.print(kernels.describe())
+        log.print(fused_passes_line(setup.assembled.fused, fused_norms(setup.device, cfg.train.fused_norm)))
     if setup.sources.decoding:
         log.print(setup.sources.decoding)
     if setup.stage is not None:  # what this process holds of the model (each stage's log with --log-all-instances)

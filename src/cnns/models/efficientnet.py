@@ -17,7 +17,7 @@ from timm.models._efficientnet_builder import decode_arch_def, round_channels
 from timm.models.efficientnet import EfficientNet
 
 from .norms import norm_act_layer
-from .model_spec import ModelError, ModelSpec, display_name
+from .model_error import ModelError
 
 # (width multiplier, depth multiplier) of Tan & Le 2019 ("efficientnet_params" of the reference code).
 # The resolution and dropout of that table are the data's and the trainer's business, not the model's.
@@ -97,7 +97,7 @@ def efficientnet(spec: ModelSpec) -> EfficientNet:
     try:
         set_group_sizes(block_args, round_chs(STEM_CHANNELS), round_chs, spec.group_dim)
     except ModelError as error:
-        raise ModelError(f"{display_name(spec)} with expand ratio {spec.expand_ratio}: {error}") from None
+        raise ModelError(f"{spec.display_name} with expand ratio {spec.expand_ratio}: {error}") from None
     model = EfficientNet(
         block_args=block_args,
         num_classes=spec.num_classes,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cnns.errors import CnnsError
+from .model_error import ModelError
 
-ARCHITECTURES = ("resnet", "resnext", "efficientnet")
 NORMS = ("batch", "group")
 
 # Inputs at most this large get the CIFAR-style networks (3x3 stem, no max-pool, three stages);
@@ -14,60 +13,35 @@ NORMS = ("batch", "group")
 # rejects --image-size for CIFAR), while ImageNet models are trained at reduced sizes such as 64 px.
 CIFAR_MAX_IMAGE_SIZE = 32
 
-# He et al. 2015: 6n+2 layers with basic blocks, 9n+2 with bottleneck blocks.
-CIFAR_RESNET_BASIC_SIZES = ("8", "14", "20", "32", "44", "56", "110")
-CIFAR_RESNET_BOTTLENECK_SIZES = ("11", "29", "38", "47", "65")
-IMAGENET_RESNET_SIZES = ("10", "14", "18", "26", "34", "50", "101", "152")
-# ResNeXt-29 is Xie et al.'s; Graphcore's application also built the other 9n+2 depths
-# (its default was 11).
-CIFAR_RESNEXT_SIZES = ("11", "29", "38", "47", "56", "65")
-IMAGENET_RESNEXT_SIZES = ("14", "26", "50", "101", "152")
-EFFICIENTNET_SIZES = tuple(f"B{i}" for i in range(8)) + ("cifar",)
-
-_DISPLAY_NAMES = {"resnet": "ResNet", "resnext": "ResNeXt", "efficientnet": "EfficientNet"}
-
-
-class ModelError(CnnsError):
-    """An unknown architecture, size, option combination or split name."""
-
 
 def is_cifar_sized(image_size: int) -> bool:
     return image_size <= CIFAR_MAX_IMAGE_SIZE
 
 
+def _family(arch: str):
+    from .families import family_of  # the registry, whose entries build ModelSpecs
+
+    return family_of(arch)
+
+
 def valid_sizes(arch: str, cifar: bool) -> list[str]:
-    """The sizes ``arch`` can be built at for CIFAR-sized (``cifar``) or ImageNet-sized inputs."""
-    if arch == "resnet":
-        return list(CIFAR_RESNET_BASIC_SIZES + CIFAR_RESNET_BOTTLENECK_SIZES if cifar else IMAGENET_RESNET_SIZES)
-    if arch == "resnext":
-        return list(CIFAR_RESNEXT_SIZES if cifar else IMAGENET_RESNEXT_SIZES)
-    if arch == "efficientnet":
-        # EfficientNet is resolution-agnostic: every size runs on every input size; 'cifar' is merely
-        # the one meant for 32x32 inputs.
-        return list(EFFICIENTNET_SIZES)
-    raise ModelError(f"unknown model {arch!r}; valid models: {', '.join(ARCHITECTURES)}")
+    """The sizes ``arch`` can be built at for CIFAR-sized (``cifar``) or ImageNet-sized inputs (its family's
+    entry, `cnns.models.family`); none for a model named by its own name (timm's); ModelError for an unknown one."""
+    family = _family(arch)
+    return [] if family.named else list(family.sizes(cifar))
 
 
 def normalise_size(arch: str, size: str | int) -> str:
-    """The canonical spelling of a size: EfficientNet '4', 'b4', 'B4' -> 'B4', 'CIFAR' -> 'cifar'."""
-    text = str(size).strip()
-    if arch != "efficientnet":
-        return text
-    if text.lower() == "cifar":
-        return "cifar"
-    if text.isdigit():
-        return f"B{text}"
-    if text[:1] in "bB" and text[1:].isdigit():
-        return f"B{text[1:]}"
-    return text
+    """The canonical spelling of a size (the family's): EfficientNet '4', 'b4', 'B4' -> 'B4', 'CIFAR' -> 'cifar'."""
+    return _family(arch).normalise_size(str(size).strip())
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything that decides a model's architecture (never how it is trained or run)."""
 
-    arch: str  # "resnet" | "resnext" | "efficientnet"
-    size: str  # resnet "8".."152", resnext "29"/"50"/"101", efficientnet "B0".."B7" or "cifar"
+    arch: str  # --model: a family's key (`cnns.models.family`), or the name of a named family's model (timm's)
+    size: str  # the family's sizes; "" for a named model
     num_classes: int
     image_size: int  # <= 32: CIFAR-style networks; else ImageNet definitions
     norm: str = "batch"  # "batch" | "group"
@@ -80,19 +54,40 @@ class ModelSpec:
     def __post_init__(self) -> None:
         arch = str(self.arch).lower()
         object.__setattr__(self, "arch", arch)
-        object.__setattr__(self, "size", normalise_size(arch, self.size))
+        family = _family(arch)  # ModelError naming the nearest names for an unknown one
+        size = "" if self.size is None else str(self.size).strip()
+        object.__setattr__(self, "size", family.normalise_size(size) if size else size)
         self._validate()
 
     @property
     def cifar(self) -> bool:
         return is_cifar_sized(self.image_size)
 
+    @property
+    def family(self):
+        """The family's entry (`cnns.models.family.ModelFamily`)."""
+        return _family(self.arch)
+
+    @property
+    def display_name(self) -> str:
+        """A human-readable model name for messages: 'ResNet-50', 'EfficientNet-B4', 'convnext_atto'."""
+        return self.family.display_name(self.arch, self.size)
+
+    @property
+    def tag(self) -> str:
+        """How the header and file names give the model: 'resnet-20', 'efficientnet-B0'; a named model's name."""
+        return f"{self.arch}-{self.size}" if self.size else self.arch
+
     def _validate(self) -> None:
-        sizes = valid_sizes(self.arch, self.cifar)  # also rejects an unknown arch
-        if self.size not in sizes:
+        family = self.family
+        if family.named and self.size:
+            raise ModelError(f"{self.arch} is a model of its own, named by timm: it takes no --model-size "
+                             f"(got {self.size})")
+        sizes = valid_sizes(self.arch, self.cifar)
+        if not family.named and self.size not in sizes:
             dataset = "CIFAR" if self.cifar else "ImageNet"
             raise ModelError(
-                f"unknown {_DISPLAY_NAMES[self.arch]} size {self.size} for {dataset}-sized images "
+                f"unknown {family.display} size {self.size} for {dataset}-sized images "
                 f"({self.image_size}x{self.image_size}); valid sizes: {', '.join(sizes)}"
             )
         if self.norm not in NORMS:
@@ -102,19 +97,17 @@ class ModelSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"model option {field} must be a positive integer, got {value!r}")
+        if family.check is not None:
+            family.check(self)
 
 
 def run_name_prefix(spec: ModelSpec) -> str:
-    """The model tag at the start of a run name, as Graphcore's application writes it: RN20, RN50, RNX29,
-    RNX101, EfficientNet-B0."""
-    if spec.arch == "resnet":
-        return f"RN{spec.size}"
-    if spec.arch == "resnext":
-        return f"RNX{spec.size}"
-    # Graphcore's application upper-cased the size: EfficientNet-B4, EfficientNet-CIFAR.
-    return f"EfficientNet-{spec.size.upper()}"
+    """The model tag at the start of a run name, as Graphcore's application writes it (its family's `prefix`):
+    RN20, RN50, RNX29, RNX101, EfficientNet-B0 (Graphcore's application upper-cased the size: EfficientNet-CIFAR);
+    a timm model's own name."""
+    return spec.family.prefix(spec.arch, spec.size.upper())
 
 
 def display_name(spec: ModelSpec) -> str:
     """A human-readable model name for messages: 'ResNet-50', 'EfficientNet-B4'."""
-    return f"{_DISPLAY_NAMES[spec.arch]}-{spec.size}"
+    return spec.display_name

@@ -1,44 +1,24 @@
-"""ModelSpec -> nn.Module.
+"""ModelSpec -> nn.Module: the family's entry builds it (`cnns.models.family`).
 
-The timm-built families (ImageNet ResNets, ResNeXts, EfficientNets) are imported when one is built: timm brings
-torchvision and torch._dynamo, seconds of start-up that the launcher of a CIFAR ResNet run, which builds the model
-only to check its --pipeline-splits, does not need (its workers import them anyway, to train).
+The timm-built families (ImageNet ResNets, ResNeXts, EfficientNets, timm's own models) import timm when one is
+built: timm brings torchvision and torch._dynamo, seconds of start-up that the launcher of a CIFAR ResNet run,
+which builds the model only to check its --pipeline-splits, does not need (its workers import them anyway, to
+train).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .cifar_resnet import CifarResNet
-from .norms import norm_layer
-from .model_spec import CIFAR_RESNET_BOTTLENECK_SIZES, ModelSpec
-
-
-def cifar_resnet(spec: ModelSpec) -> CifarResNet:
-    return CifarResNet(
-        depth=int(spec.size),
-        num_classes=spec.num_classes,
-        bottleneck=spec.size in CIFAR_RESNET_BOTTLENECK_SIZES,
-        norm_layer=norm_layer(spec.norm, spec.groups),
-    )
+from .model_spec import ModelSpec
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
     """A freshly initialised single-device model that maps images to logits (no softmax).
 
-    ``ModelSpec`` has already checked the size against the architecture and the input size.
+    ``ModelSpec`` has already checked the size against the family and the input size.
     """
-    if spec.arch == "resnet" and spec.cifar:
-        return cifar_resnet(spec)
-    if spec.arch == "efficientnet":
-        from .efficientnet import efficientnet
-
-        return efficientnet(spec)
-    from .resnet import cifar_resnext, imagenet_resnet, imagenet_resnext
-
-    if spec.arch == "resnet":
-        return imagenet_resnet(spec)
-    return cifar_resnext(spec) if spec.cifar else imagenet_resnext(spec)
+    return spec.family.build(spec)
 
 
 def count_parameters(model: nn.Module) -> int:

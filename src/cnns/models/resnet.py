@@ -8,7 +8,6 @@ from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from torch import nn
 
 from .norms import norm_layer
-from .model_spec import ModelSpec
 
 # ResNeXt-29 (Xie et al. 2017, section 5.3): three stages of three bottleneck units, output widths 256/512/1024
 # (the --widenet layout of Graphcore's application); other 9n+2 depths have n units per stage.

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .model_spec import ModelError, ModelSpec, display_name
+from .model_error import ModelError
 
 # The children of timm's EfficientNet blocks in the order their forward runs them.
 _INVERTED_RESIDUAL = ("conv_pw", "bn1", "conv_dw", "bn2", "aa", "se", "conv_pwl", "bn3")
@@ -36,16 +36,18 @@ _DEPTHWISE_SEPARABLE = ("conv_dw", "bn1", "aa", "se", "conv_pw", "bn2")
 
 
 def split_points(spec: ModelSpec, model: nn.Module) -> dict[str, str]:
-    """Every accepted split name -> the cut it names (see the module docstring), in model order."""
-    cuts = _efficientnet_cuts(model) if spec.arch == "efficientnet" else _resnet_cuts(model)
-    return {name: cut for cut, names in cuts for name in names}
+    """Every accepted split name -> the cut it names (see the module docstring), in model order: the family's
+    cuts (`cnns.models.family.ModelFamily.cuts`)."""
+    return {name: cut for cut, names in spec.family.cuts(spec, model) for name in names}
 
 
 def recomputation_blocks(spec: ModelSpec, model: nn.Module) -> list[str]:
-    """The residual units (ResNet/ResNeXt) or blocks (EfficientNet) in order: what recomputation keeps
-    the inputs of. The whole-unit cuts of the pipeline, less EfficientNet's stem."""
-    cuts = _efficientnet_cuts(model) if spec.arch == "efficientnet" else _resnet_cuts(model)
-    return [cut for cut, _ in cuts if cut.startswith(("layer", "blocks")) and "@" not in cut]
+    """The blocks in order whose inputs recomputation keeps: the family's `recomputed`, else its whole-block
+    cuts (a residual unit, an EfficientNet block; no cut inside a block), less a stem's."""
+    family = spec.family
+    if family.recomputed is not None:
+        return family.recomputed(spec, model)
+    return [cut for cut, _ in family.cuts(spec, model) if cut.startswith(("layer", "blocks")) and "@" not in cut]
 
 
 def resolve_splits(spec: ModelSpec, model: nn.Module, names: Sequence[str]) -> list[str]:
@@ -54,7 +56,7 @@ def resolve_splits(spec: ModelSpec, model: nn.Module, names: Sequence[str]) -> l
     unknown = [name for name in names if name not in points]
     if unknown:
         raise ModelError(
-            f"unknown pipeline split {', '.join(unknown)} for {display_name(spec)}; "
+            f"unknown pipeline split {', '.join(unknown)} for {spec.display_name}; "
             f"valid splits: {describe_split_points(points)}"
         )
     order = {cut: position for position, cut in enumerate(dict.fromkeys(points.values()))}
@@ -63,7 +65,7 @@ def resolve_splits(spec: ModelSpec, model: nn.Module, names: Sequence[str]) -> l
     if any(later <= earlier for earlier, later in zip(positions, positions[1:])):
         raise ModelError(
             f"pipeline splits {' '.join(names)} must name different cuts in the model's order "
-            f"(from input to output) for {display_name(spec)}"
+            f"(from input to output) for {spec.display_name}"
         )
     return cuts
 
@@ -116,20 +118,25 @@ class Piece:
 def model_pieces(spec: ModelSpec, model: nn.Module, cuts: Sequence[str] = ()) -> list[Piece]:
     """The model as a sequence of pieces; running them in order is the model's forward.
 
-    Pieces are the stem, each residual unit or block, and the head; a block with a cut inside it (one of
-    ``cuts``) is cut into its parts there.
+    Pieces are the stem, each residual unit or block, and the head (the family's `pieces`); a block with a cut
+    inside it (one of ``cuts``) is cut into its parts there.
     """
-    if spec.arch == "efficientnet":
-        stem = _children_piece(model, "", ("conv_stem", "bn1"), cut="bn1")
-        head = _head_piece(model, ("conv_head", "bn2"))
-        units = [piece for cut, _ in _efficientnet_cuts(model) if "@" not in cut and cut != "bn1"
-                 for piece in _block_pieces(model, cut, cuts)]
-    else:
-        stem = _children_piece(model, "", tuple(n for n in ("conv1", "bn1", "act1", "maxpool") if hasattr(model, n)),
-                               cut="stem")
-        head = _head_piece(model, ())
-        units = [_module_piece(model, cut) for cut, _ in _resnet_cuts(model)]
+    return spec.family.pieces(spec, model, cuts)
+
+
+def efficientnet_pieces(spec: ModelSpec, model: nn.Module, cuts: Sequence[str]) -> list[Piece]:
+    stem = _children_piece(model, "", ("conv_stem", "bn1"), cut="bn1")
+    head = _head_piece(model, ("conv_head", "bn2"))
+    units = [piece for cut, _ in efficientnet_cuts(spec, model) if "@" not in cut and cut != "bn1"
+             for piece in _block_pieces(model, cut, cuts)]
     return [stem, *units, head]
+
+
+def resnet_pieces(spec: ModelSpec, model: nn.Module, cuts: Sequence[str]) -> list[Piece]:
+    stem = _children_piece(model, "", tuple(n for n in ("conv1", "bn1", "act1", "maxpool") if hasattr(model, n)),
+                           cut="stem")
+    units = [_module_piece(model, cut) for cut, _ in resnet_cuts(spec, model)]
+    return [stem, *units, _head_piece(model, ())]
 
 
 def stage_pieces(pieces: list[Piece], cuts: Sequence[str]) -> list[list[Piece]]:
@@ -196,7 +203,7 @@ def _block_children(block: nn.Module) -> tuple[str, ...]:
 # Cut names
 
 
-def _resnet_cuts(model: nn.Module) -> Iterator[tuple[str, list[str]]]:
+def resnet_cuts(spec: ModelSpec, model: nn.Module) -> Iterator[tuple[str, list[str]]]:
     for stage, units in _numbered_stages(model, prefix="layer"):
         for unit in range(1, len(units) + 1):
             module = f"layer{stage}.{unit - 1}"
@@ -214,7 +221,7 @@ def _numbered_stages(model: nn.Module, prefix: str) -> Iterator[tuple[int, nn.Se
         stage += 1
 
 
-def _efficientnet_cuts(model: nn.Module) -> Iterator[tuple[str, list[str]]]:
+def efficientnet_cuts(spec: ModelSpec, model: nn.Module) -> Iterator[tuple[str, list[str]]]:
     yield "bn1", ["block0"]  # timm's stem is conv_stem then bn1 (norm + activation)
     for stage_index, stage in enumerate(model.blocks):
         for block_index, block in enumerate(stage):
