@@ -423,18 +423,24 @@ def test_a_rendezvous_that_never_completes_ends_with_one_line(tmp_path):
     assert len(lines) == 1 and "rank 1" in lines[0] and "--dist-timeout" in lines[0], err
 
 
-def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path):
+# Options two launchers may be given differently, each member of the kind: an option every process resolves alike,
+# and the seed, which rank 0 hands to the others only when none was given (a drawn seed).
+@pytest.mark.parametrize("option, values", [("--micro-batch-size", ("16", "8")), ("--seed", ("5", "6"))])
+def test_mismatched_options_across_ranks_are_named(data_dir, tmp_path, option, values):
     port = free_port()
     launchers = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cnns-mismatch",
                         str(ROOT / "train.py"), *COMMON, "--data-dir", str(data_dir), "--logs-path",
-                        str(tmp_path / "mismatch"), "--replicas", "2", "--micro-batch-size", str(16 if node == 0 else 8)],
+                        str(tmp_path / "mismatch"), "--replicas", "2", "--micro-batch-size", "16",
+                        option, values[node]],
                        tmp_path) for node in (0, 1)]
     outputs = [finish(launcher, expect=None) for launcher in launchers]
     assert all(launcher.returncode != 0 for launcher in launchers)
     errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error:")]
-    assert errors and all("rank 1 was started with different options" in line and "micro_batch_size" in line
+    dest = option.removeprefix("--").replace("-", "_")
+    assert errors and all("rank 1 was started with different options" in line and f"{dest} = {values[1]}" in line
                           for line in errors), errors
+    assert not (tmp_path / "mismatch" / "training.csv").exists()
 
 
 def test_a_worker_that_dies_stops_the_run_with_one_line_naming_it(data_dir, tmp_path):

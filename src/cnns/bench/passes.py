@@ -13,6 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from cnns.config.strict_parser import StrictParser
 from cnns.bench.rates import best_seconds
 
 SHAPES = [(32, 256, 56, 56), (32, 2048, 7, 7), (128, 16, 32, 32)]  # ResNet-50 stages 1 and 4, ResNet-20 stage 1
@@ -60,7 +61,7 @@ TENSOR_PASSES = {"moments": 1, "apply": 2, "backward reduce": 4, "input gradient
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cnns.bench.passes", description=__doc__.splitlines()[0])
+    parser = StrictParser(prog="python -m cnns.bench.passes", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, action="append", metavar=("N", "C", "H", "W"),
                         help="activation shapes (repeatable); default: " + ", ".join("x".join(map(str, shape)) for shape in SHAPES))
     parser.add_argument("--calls", type=int, default=9, help="timed calls per figure (the best is kept)")

@@ -49,6 +49,22 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
     }[command]
 
 
+def command_parsers() -> dict:
+    """Every command's argument parser, by command (each a `cnns.config.strict_parser.StrictParser`): what
+    tests/test_strict_options.py holds to "an option is exactly what was typed"."""
+    from cnns.cli import inference, measure, plot
+    from cnns.config import defaults
+    from cnns.config.table import build_parser
+
+    own = {"benchmark": measure.benchmark_parser, "profile": measure.profile_parser,
+           "bench-data": measure.bench_data_parser, "plot": plot._parser, "predict": inference.predict_parser,
+           "export": inference.export_parser}
+    # splits reads train.py's options (`cnns.cli.measure.splits_main`)
+    return {command: own[command]() if command in own else
+            build_parser("train" if command == "splits" else command, defaults.stated_default)
+            for command in COMMANDS}
+
+
 def run_script(command: str, argv: list[str] | None = None) -> int:
     """Run one command; every way it can end is an exit code and at most one line (`cnns.cli.endings`): a CnnsError
     is `error: <line>` and 2, a signal 128 + its number, a reader gone from stdout a quiet end."""

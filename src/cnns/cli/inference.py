@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cnns.config.strict_parser import StrictParser
 from cnns.cli.parsing import print_config, resolve_command_line
 from cnns.config import RunConfig
 from cnns.config.config_files import check_parsed
@@ -54,7 +55,7 @@ def predict_parser() -> argparse.ArgumentParser:
     from cnns.config.table import COUNT, byte_size
     from cnns.deploy.restored_model import WEIGHT_CHOICES
 
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns predict",
         description="Classify image files with a trained run's model: top-k labels and probabilities per image.")
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER",
@@ -91,7 +92,7 @@ def export_parser() -> argparse.ArgumentParser:
     from cnns.commands.export import FORMATS
     from cnns.deploy.restored_model import WEIGHT_CHOICES
 
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns export",
         description="Write a trained run's model as an ONNX graph or an AOTInductor .pt2 package (float32), or its "
                     "weights as safetensors with the config.json timm reads.")

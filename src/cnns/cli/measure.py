@@ -13,7 +13,8 @@ from typing import Any
 
 from cnns.cli.parsing import device_defaults, inference_options, parse_options, resolve_command_line
 from cnns.config.config_files import check_parsed
-from cnns.config.table import COUNT, SEED_MAX, Domain, OneLineErrorParser
+from cnns.config.strict_parser import StrictParser
+from cnns.config.table import COUNT, SEED_MAX, Domain
 from cnns.data.formats import DATASETS, IMAGENET
 from cnns.data.jpegtree import LAYOUTS
 
@@ -23,7 +24,7 @@ from cnns.data.jpegtree import LAYOUTS
 
 
 def benchmark_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns benchmark",
         description="Run each benchmarks.yml entry as Graphcore's command line, beside the plain PyTorch loop.")
     parser.add_argument("--spec", default="benchmarks.yml", help="The benchmark list (YAML).")
@@ -70,7 +71,7 @@ def benchmark_main(argv: list[str]) -> int:
 
 
 def profile_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns profile",
         description="Where a training update's time goes (convolutions, normalisation, activations, additions, "
                     "optimiser, data), for cnns and the plain PyTorch loop side by side.")
@@ -112,7 +113,7 @@ class StatedDefaults(argparse.HelpFormatter):
 
 
 def bench_data_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="cnns bench-data", formatter_class=StatedDefaults,
+    parser = StrictParser(prog="cnns bench-data", formatter_class=StatedDefaults,
                                 description="Run the input pipeline alone and report images/s (per worker core), "
                                             "and on ImageNet files the account of one image's time.")
     parser.add_argument("--data-dir", default=os.environ.get("DATA_DIR"),
@@ -194,8 +195,14 @@ def splits_main(argv: list[str]) -> int:
     from cnns.commands.splits import propose_splits
 
     # The model's shape is all it needs: no data folder (ImageNet-sized unless --dataset says otherwise).
-    if not any(a.startswith(("--data-dir", "--synthetic-data", "--generated-data")) for a in argv):
-        argv = [*argv, "--synthetic-data"] + ([] if any(a.startswith("--dataset") for a in argv) else
+    if not any(_names(a, ("--data-dir", "--synthetic-data", "--generated-data")) for a in argv):
+        argv = [*argv, "--synthetic-data"] + ([] if any(_names(a, ("--dataset",)) for a in argv) else
                                               ["--dataset", IMAGENET.name])
     argv = argv if "--pipeline" in argv else [*argv, "--pipeline"]
     return propose_splits(resolve_command_line("train", argv).config)
+
+
+def _names(token: str, options: tuple[str, ...]) -> bool:
+    """Whether a command-line token is one of `options`, as `--x` or `--x=value`: exactly, as the parser reads
+    it (`--dataset-percentage-to-use` is not `--dataset`)."""
+    return token.split("=", 1)[0] in options

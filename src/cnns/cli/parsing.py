@@ -9,6 +9,7 @@ them once, which is all a command reads.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -17,6 +18,7 @@ from typing import Any
 from dataclasses import dataclass
 
 from cnns.config import RunConfig, load_named_config, resolve
+from cnns.config.config_files import command_line_over_config
 from cnns.config import defaults
 from cnns.config.table import IPU_ONLY_OPTIONS, USED_ONLY_WITH, build_parser, flag_of, has_effect
 from cnns.data.formats import classes_in_folder, format_of_folder
@@ -31,11 +33,12 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     first, _ = parser.parse_known_args(argv)
     ignored_config_keys: list[str] = []
     if getattr(first, "config", None):
-        values = load_named_config(first.config, first.config_path)
+        values = load_named_config(first.config, first.config_path)  # a key that is no option is refused there
         known = {action.dest for action in parser._actions}
         if "batch_size" in values and "micro_batch_size" not in values:
             values["micro_batch_size"] = values.pop("batch_size")  # Graphcore's application's deprecated spelling
-        ignored_config_keys = sorted(k for k in values if k not in known)
+        ignored_config_keys = sorted(k for k in values if k not in known)  # another script's option
+        values = command_line_over_config(parser, options_given(parser, argv), values)
         parser.set_defaults(**{k: v for k, v in values.items() if k in known})
     args = parser.parse_args(argv)
     values = vars(args)
@@ -56,12 +59,26 @@ def parse_options(script: str, argv: list[str]) -> tuple[dict[str, Any], list[st
     return values, notices
 
 
+def options_given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options `argv` names (whatever their values, a default's value too): argv parsed with
+    every default suppressed, so that only what was typed lands in the namespace."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
 def _ipu_only_notice(values: dict[str, Any], ignored_config_keys: list[str]) -> list[str]:
     used = [flag for dest, (flag, _) in IPU_ONLY_OPTIONS.items() if values.get(dest) not in (None, False)]
-    used += [f"{key} (configs.yml)" for key in ignored_config_keys]
-    if not used:
-        return []
-    return [f"IPU-only options accepted with no effect here: {', '.join(used)}"]
+    notices = [f"IPU-only options accepted with no effect here: {', '.join(used)}"] if used else []
+    if ignored_config_keys:  # options of another of the scripts (validation.py's --repeat in a training config)
+        notices.append(f"not options of this script, not used: {', '.join(ignored_config_keys)} (configs.yml)")
+    return notices
 
 
 def dataset_from_folder_contents(data_dir: str | None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cnns.config.strict_parser import StrictParser
 from cnns.safe_writes import check_output, refreshes
 from cnns.runfolder.plots import PLOT_FILE, TRAINING_FILE, VALIDATION_FILE, plot_runs, read_run
 
@@ -12,7 +13,7 @@ COMPARISON_FILE = "comparison.png"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns plot",
         description="Plot loss, top-1 accuracy, learning rate and throughput against iteration from run folders' "
                     "training.csv and validation.csv; several runs are overlaid to compare them.")

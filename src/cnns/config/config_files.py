@@ -126,8 +126,37 @@ def load_named_config(name: str, path: str | os.PathLike | None = None) -> dict[
                           ("epochs_per_ckpt", "ckpts_per_epoch")):
         if config.get(first) is not None and config.get(second) is not None:
             raise ConfigError(f"{where} gives both {first} and {second}: keep one of them")
+    check_known_keys(config, where)
     check_option_types(config, where, strings_are_parsed=True)
     return dict(config)
+
+
+def check_known_keys(config: dict[str, Any], where: str) -> None:
+    """ConfigError naming the key and the nearest option for a key that is no option of cnns nor of Graphcore's
+    application (the table declares both, the IPU-only ones too): a typo is not an option to ignore."""
+    import difflib
+
+    known = set(_option_actions()) | set(_CONFIG_ALIASES) | set(_DERIVED_TYPES)
+    for key in config:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=2, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ConfigError(f"{where}: {key} is not an option of cnns nor of Graphcore's application{hint}")
+
+
+def command_line_over_config(parser: argparse.ArgumentParser, given: set[str], config: dict[str, Any]) -> dict[str, Any]:
+    """The precedence, stated once: the command line over configs.yml over the defaults. `config`'s values are
+    the parser's defaults, the command line's (`given`, the dests it named) replace them, and an option the command
+    line gives also removes the config's value of every option that is its alternative (the other members of its
+    mutually exclusive group): `--iterations 20` over a config's `epochs: 10` leaves no epochs behind, so nothing
+    derived from them (the warm-up, the checkpoint cadence) survives either; `--group-norm` over `batch_norm: true`
+    is group norm."""
+    dropped: set[str] = set()
+    for group in parser._mutually_exclusive_groups:
+        dests = {action.dest for action in group._group_actions}
+        if dests & given:
+            dropped |= dests - given
+    return {key: value for key, value in config.items() if key not in dropped}
 
 
 def check_option_types(values: dict[str, Any], where: str, strings_are_parsed: bool) -> None:

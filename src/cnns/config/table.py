@@ -24,6 +24,7 @@ from typing import Any
 from cnns import optim
 from cnns.data.formats import DATASETS
 from cnns.precision import PRECISIONS
+from cnns.config.strict_parser import StrictParser
 
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
@@ -283,11 +284,8 @@ def _model_size(value: str) -> str:
     return str(value)
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit code 2, never a usage dump on stdout."""
-
-    def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message}\n")
+# Every parser takes options exactly as typed (no prefixes) and errs in one line: `cnns.config.strict_parser`.
+OneLineErrorParser = StrictParser
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -563,7 +561,7 @@ def build_parser(script: str, stated_default: StatedDefault | None = None) -> On
     argparse default of its own states that one."""
     prog = {"train": "train.py", "validate": "validation.py", "restore": "restore.py",
             "weight-avg": "weight_avg.py", "infer": "inference_embedded.py"}[script]
-    parser = OneLineErrorParser(prog=prog, allow_abbrev=True, description=_DESCRIPTIONS[script])
+    parser = OneLineErrorParser(prog=prog, description=_DESCRIPTIONS[script])
     if script == "restore":
         parser.add_argument("--restore-path", required=True, help="The run folder to continue.")
         parser.add_argument("--print-config", action="store_true", help="Print the resolved options and exit.")

@@ -375,6 +375,10 @@ def join_world(cfg, device: torch.device, agree: Callable[[World, Any], Any] | N
     p = cfg.parallel
     world = init_world(p.replicas, p.shards, p.BN_span, device, p.threads_per_worker, p.dist_timeout)
     try:
+        # What each launcher was given must agree before anything is taken from rank 0: a seed given on every
+        # command line is compared like every option; only a seed each process drew itself is rank 0's.
+        drawn = () if cfg.arguments.get("seed_specified") else ("seed",)
+        world.check_same_options(dict(cfg.arguments), ignore=("command", *drawn))
         cfg = cfg.with_seed(world.broadcast(cfg.train.seed))
         if agree is not None:
             cfg = agree(world, cfg)
