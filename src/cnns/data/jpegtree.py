@@ -2,7 +2,7 @@
 the input pipeline without a download.
 
 The images are `cnns.data.photos`'s photo-like JPEGs, which cost what real ImageNet JPEGs cost to decode. The
-README states the mean size and bytes this gives. The content carries no class signal: the tree is for
+bench-data section of docs/performance.md states the mean size and bytes this gives. The content carries no class signal: the tree is for
 measuring throughput, not accuracy.
 """
 
