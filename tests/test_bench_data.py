@@ -58,7 +58,7 @@ def test_jpeg_tree_is_imagenet_like_and_reproducible(tree, tmp_path):
 
 
 def test_jpeg_tree_bytes_are_imagenet_like():
-    """The README states the tree's mean size and bytes (about 460 x 425 px, about 95 KB). The images are a
+    """docs/performance.md states the tree's mean size and bytes (about 460 x 425 px, about 95 KB). The images are a
     pure function of (seed, index), so these figures are exact for the first 40 images: the mean lies
     within 20 % of 95 KB (the sizes' spread, about 40 KB, puts a 40-image mean's standard error near 6 KB),
     and every file between 15 KB (a small smooth image at quality 90) and 400 KB (an 800 x 600 textured one

@@ -1,8 +1,8 @@
 """Where step lines, checkpoints and the host's synchronisations fall: real tiny runs read back (training.csv's
 iteration column, the checkpoints' names, the updates each read-back brings) and compared with the rule's closed
 form, as this file states it from the rule's words (`cnns.config.table.CADENCE_RULE`), not from the code under test;
-the defaults of CIFAR-10 and ImageNet computed, not trained; and the rule said in the same words by --help and the
-README.
+the defaults of CIFAR-10 and ImageNet computed, not trained; and the rule said in the same words by --help and
+docs/outputs.md.
 
 The closed form, U the updates per epoch (training images // global batch), D the device iterations:
 - a cadence of s updates is the updates floor(k * s), k = 1, 2, ...: s = F for --log-freq F, s = U / N for
@@ -160,11 +160,11 @@ def _words(text: str) -> str:
     return " ".join(text.replace("\n>", " ").split())
 
 
-def test_help_and_the_readme_say_the_rule_in_the_same_words(capfd, monkeypatch):
+def test_help_and_docs_outputs_say_the_rule_in_the_same_words(capfd, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # argparse breaks no word at a hyphen
     help_text = scripts.run_here(capfd, "train.py", "--help").stdout
     assert _words(CADENCE_RULE) in _words(help_text)
-    assert _words(CADENCE_RULE) in _words((ROOT / "README.md").read_text())
+    assert _words(CADENCE_RULE) in _words((ROOT / "docs" / "outputs.md").read_text())
     # The options' own help points to it, and says nothing of its own about where they fall.
     for flag in ("--ckpts-per-epoch", "--device-iterations"):
         entry = re.search(rf"^  {flag} \S+\s+(.*)$", help_text, re.MULTILINE)  # its help, on this line or the next

@@ -1,6 +1,6 @@
 """The CUDA tier (`make test-gpu`): what only a GPU can show. Every test here is marked `cuda` and
 skipped without one (conftest.py counts them in `make test`'s summary). Written before any GPU was
-available to the project: the README says which of them have run, on which GPU.
+available to the project: docs/gpus.md says which of them have run, on which GPU.
 
 One process per GPU is cnns' rule (a worker uses cuda:LOCAL_RANK), so the multi-process tests need
 as many GPUs as processes."""

@@ -208,57 +208,60 @@ def test_the_optimisers_families_are_said_as_the_runs_they_are(capfd):
         assert [name for name, runs in family_runs().items() if runs.hold(o)] == [family_of(o)]
 
 
-# The README's statements of defaults and figures (issue 65), each as the README says it and the value --print-config must print
-# for the run it speaks of: (words the README holds, the run's command line, option, value the words state).
+# The documentation's statements of defaults and figures (issue 65), each as its page says it and the value --print-config must
+# print for the run it speaks of: (the page, words it holds, the run's command line, option, value the words state). The
+# option reference (docs/options.md) states the defaults; the README's "Configurations" the figures of a named configuration.
 CIFAR, IMAGENET = ("--dataset", "cifar-10"), ("--dataset", "imagenet", "--synthetic-data")
 EFFICIENTNET = (*IMAGENET, "--model", "efficientnet")
 RN50_16IPUS = ("--config", "resnet50_bn_16ipus", "--synthetic-data")
 RN50_ON_8_GPUS = (*RN50_16IPUS, "--replicas", "8", "--shards", "1", "--gradient-accumulation-count", "128")
-README_DEFAULTS = [
-    ("| `--eight-bit-io` | works, and is on by default", CIFAR, "eight_bit_io", True),
-    ("unless `--hostside-norm` is given without it", (*CIFAR, "--hostside-norm"), "eight_bit_io", False),
-    ("| `--ckpts-per-epoch` | works (default 1;", CIFAR, "ckpts_per_epoch", 1),
-    ("works (default 0.1 at 0.5,0.75 of the run;", CIFAR, "learning_rate_decay", 0.1),
-    ("works (default 0.1 at 0.5,0.75 of the run;", CIFAR, "learning_rate_schedule", "0.5,0.75"),
-    ("0.3,0.6,0.8,0.9 for ResNet and ResNeXt on ImageNet", IMAGENET, "learning_rate_schedule", "0.3,0.6,0.8,0.9"),
-    ("| `--warmup-epochs` | works (default 5,", CIFAR, "warmup_epochs", 5),
-    ("| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", IMAGENET, "groups", 32),
-    ("| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", CIFAR, "groups", 16),
-    ("| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", EFFICIENTNET, "groups", 4),
-    ("ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*CIFAR, "--model", "resnext"), "group_dim", 16),
-    ("ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*IMAGENET, "--model", "resnext"), "group_dim", 4),
-    ("| `--expand-ratio` | works (default 6)", EFFICIENTNET, "expand_ratio", 6),
-    ("| `--momentum` | works (default 0.9)", (*CIFAR, "--optimiser", "momentum"), "momentum", 0.9),
-    ("(default 0; 0.1 for EfficientNet on ImageNet)", CIFAR, "label_smoothing", 0),
-    ("(default 0; 0.1 for EfficientNet on ImageNet)", EFFICIENTNET, "label_smoothing", 0.1),
-    ("(default 128 with float16, 1 with bfloat16;", (*CIFAR, "--half-dtype", "float16"), "loss_scaling", 128),
-    ("(default 128 with float16, 1 with bfloat16;", (*CIFAR, "--half-dtype", "bfloat16"), "loss_scaling", 1),
-    ("| `--batch-norm` | works (the default for ResNet and ResNeXt on CIFAR-sized data)", CIFAR, "batch_norm", True),
-    ("| `--group-norm` | works (the default on ImageNet and for EfficientNet)", IMAGENET, "group_norm", True),
-    ("| `--group-norm` | works (the default on ImageNet and for EfficientNet)", EFFICIENTNET, "group_norm", True),
-    ("off on a CPU; recorded in `arguments.json`", (*CIFAR, "--device", "cpu"), "compile", False),
-    ("`auto` (the default) shares the usable cores out evenly", CIFAR, "threads_per_worker", "auto"),
-    ("`auto` (the default) where they were measured faster", CIFAR, "fused_norm", "auto"),
-    ("before the run ends in one line naming the rank (default 600)", CIFAR, "dist_timeout", 600),
-    ("1024-based; default `1G`", CIFAR, "max_file_size", 2**30),
-    ("gradients are summed over micro-batches in float32 by default", CIFAR, "gradient_accumulation_dtype", "float32"),
+OPTIONS_PAGE, README = "docs/options.md", "README.md"
+STATED_DEFAULTS = [
+    (OPTIONS_PAGE, "| `--eight-bit-io` | works, and is on by default", CIFAR, "eight_bit_io", True),
+    (OPTIONS_PAGE, "unless `--hostside-norm` is given without it", (*CIFAR, "--hostside-norm"), "eight_bit_io", False),
+    (OPTIONS_PAGE, "| `--ckpts-per-epoch` | works (default 1;", CIFAR, "ckpts_per_epoch", 1),
+    (OPTIONS_PAGE, "works (default 0.1 at 0.5,0.75 of the run;", CIFAR, "learning_rate_decay", 0.1),
+    (OPTIONS_PAGE, "works (default 0.1 at 0.5,0.75 of the run;", CIFAR, "learning_rate_schedule", "0.5,0.75"),
+    (OPTIONS_PAGE, "0.3,0.6,0.8,0.9 for ResNet and ResNeXt on ImageNet", IMAGENET, "learning_rate_schedule", "0.3,0.6,0.8,0.9"),
+    (OPTIONS_PAGE, "| `--warmup-epochs` | works (default 5,", CIFAR, "warmup_epochs", 5),
+    (OPTIONS_PAGE, "| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", IMAGENET, "groups", 32),
+    (OPTIONS_PAGE, "| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", CIFAR, "groups", 16),
+    (OPTIONS_PAGE, "| `--groups` | works (default 32; 16 on CIFAR-sized data; 4 for EfficientNet)", EFFICIENTNET, "groups", 4),
+    (OPTIONS_PAGE, "ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*CIFAR, "--model", "resnext"), "group_dim", 16),
+    (OPTIONS_PAGE, "ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*IMAGENET, "--model", "resnext"), "group_dim", 4),
+    (OPTIONS_PAGE, "| `--expand-ratio` | works (default 6)", EFFICIENTNET, "expand_ratio", 6),
+    (OPTIONS_PAGE, "| `--momentum` | works (default 0.9)", (*CIFAR, "--optimiser", "momentum"), "momentum", 0.9),
+    (OPTIONS_PAGE, "(default 0; 0.1 for EfficientNet on ImageNet)", CIFAR, "label_smoothing", 0),
+    (OPTIONS_PAGE, "(default 0; 0.1 for EfficientNet on ImageNet)", EFFICIENTNET, "label_smoothing", 0.1),
+    (OPTIONS_PAGE, "(default 128 with float16, 1 with bfloat16;", (*CIFAR, "--half-dtype", "float16"), "loss_scaling", 128),
+    (OPTIONS_PAGE, "(default 128 with float16, 1 with bfloat16;", (*CIFAR, "--half-dtype", "bfloat16"), "loss_scaling", 1),
+    (OPTIONS_PAGE, "| `--batch-norm` | works (the default for ResNet and ResNeXt on CIFAR-sized data)", CIFAR, "batch_norm", True),
+    (OPTIONS_PAGE, "| `--group-norm` | works (the default on ImageNet and for EfficientNet)", IMAGENET, "group_norm", True),
+    (OPTIONS_PAGE, "| `--group-norm` | works (the default on ImageNet and for EfficientNet)", EFFICIENTNET, "group_norm", True),
+    (OPTIONS_PAGE, "off on a CPU; recorded in `arguments.json`", (*CIFAR, "--device", "cpu"), "compile", False),
+    (OPTIONS_PAGE, "`auto` (the default) shares the usable cores out evenly", CIFAR, "threads_per_worker", "auto"),
+    (OPTIONS_PAGE, "`auto` (the default) where they were measured faster", CIFAR, "fused_norm", "auto"),
+    (OPTIONS_PAGE, "before the run ends in one line naming the rank (default 600)", CIFAR, "dist_timeout", 600),
+    (OPTIONS_PAGE, "1024-based; default `1G`", CIFAR, "max_file_size", 2**30),
+    (OPTIONS_PAGE, "gradients are summed over micro-batches in float32 by default", CIFAR, "gradient_accumulation_dtype", "float32"),
     # The figures of "Configurations": a named configuration as written, and fitted to 8 GPUs.
-    ("(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "replicas", 4),
-    ("(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "shards", 4),
-    ("global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "global_batch_size", 16384),
-    ("global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "micro_batch_size", 16),
-    ("`--replicas 8 --shards 1 --gradient-accumulation-count 128`", RN50_ON_8_GPUS, "global_batch_size", 16384),
+    (README, "(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "replicas", 4),
+    (README, "(`resnet50_bn_16ipus`: 4 replicas x 4 stages,", RN50_16IPUS, "shards", 4),
+    (README, "global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "global_batch_size", 16384),
+    (README, "global batch 16384 at micro-batch 16, on 8 GPUs", RN50_16IPUS, "micro_batch_size", 16),
+    (README, "`--replicas 8 --shards 1 --gradient-accumulation-count 128`", RN50_ON_8_GPUS, "global_batch_size", 16384),
 ]
 
 
-def test_the_readme_s_defaults_are_what_print_config_prints(capfd):
-    """Each default the README states (its words found in it, so a reworded claim is checked again) is the value
+def test_the_documented_defaults_are_what_print_config_prints(capfd):
+    """Each default a page states (its words found in it, so a reworded claim is checked again) is the value
     --print-config prints for the run it speaks of."""
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    root = Path(__file__).resolve().parents[1]
+    pages = {page: " ".join((root / page).read_text().split()) for page in (OPTIONS_PAGE, README)}
     printed: dict[tuple[str, ...], dict] = {}
     wrong = []
-    for words, argv, key, value in README_DEFAULTS:
-        assert words in readme, f"the README no longer says: {words}"
+    for page, words, argv, key, value in STATED_DEFAULTS:
+        assert words in pages[page], f"{page} no longer says: {words}"
         if argv not in printed:
             printed[argv] = printed_options(capfd, *argv)
         if printed[argv][key] != value:

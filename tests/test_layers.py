@@ -121,7 +121,7 @@ def test_the_cycle_finder_finds_a_circle_and_names_its_members():
 
 
 def test_layers_named_in_the_readme_hold():
-    """The README's layer list, as code: each folder may import only the layers below it."""
+    """The floor table of docs/architecture.md, as code: each folder may import only the layers below it."""
     below = {
         "cnns.cli": None,  # the top floor: anything
         "cnns.commands": {"cnns.bench", "cnns.deploy", "cnns.engine", "cnns.runfolder.run_folder", "cnns.runfolder.classes", "cnns.init_weights", "cnns.parallel", "cnns.data",

@@ -1,4 +1,5 @@
-"""The README's claims about the suite: every test it names as the proof of a row exists."""
+"""The documentation's claims about the suite: every test the README or a docs page names as the proof of a claim exists
+(docs/options.md names one for each option), and the figures docs/outputs.md gives are the cadence's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NAMED = re.compile(r"`?(test_\w+\.py)::(test_\w+)")
 
 
 def defined_tests(path: Path) -> set[str]:
@@ -14,24 +17,24 @@ def defined_tests(path: Path) -> set[str]:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-def test_every_test_the_readme_names_exists():
-    named = set(re.findall(r"`?(test_\w+\.py)::(test_\w+)", (ROOT / "README.md").read_text()))
-    assert len(named) > 50  # the option table's column, at least
-    missing = sorted(f"{file}::{name}" for file, name in named
+def test_every_test_the_documentation_names_exists():
+    assert len(set(NAMED.findall((ROOT / "docs" / "options.md").read_text()))) > 50  # the option table's column
+    missing = sorted(f"{page.relative_to(ROOT)}: {file}::{name}" for page in PAGES
+                     for file, name in set(NAMED.findall(page.read_text()))
                      if not (ROOT / "tests" / file).is_file() or name not in defined_tests(ROOT / "tests" / file))
-    assert not missing, f"the README names tests that do not exist: {missing}"
+    assert not missing, f"the documentation names tests that do not exist: {missing}"
 
 
-def test_the_readme_s_default_cifar10_checkpoints_are_the_cadence_s():
-    """"a default CIFAR-10 run (1,562 updates an epoch) saves at 1,562, 3,124, ...": the figures the README gives,
+def test_the_default_cifar10_checkpoints_docs_outputs_gives_are_the_cadence_s():
+    """"a default CIFAR-10 run (1,562 updates an epoch) saves at 1,562, 3,124, ...": the figures docs/outputs.md gives,
     against the run length the defaults resolve to for CIFAR-10's 50,000 training images."""
     from cnns.config import RunConfig, resolve
     from cnns.config.table import option_defaults
     from cnns.engine.cadence import RunLength
 
     said = re.search(r"a default CIFAR-10\s+run \(([\d,]+) updates an epoch\) saves at ([\d,]+), ([\d,]+),",
-                     (ROOT / "README.md").read_text())
-    assert said, "the README no longer states the default CIFAR-10 checkpoints"
+                     (ROOT / "docs" / "outputs.md").read_text())
+    assert said, "docs/outputs.md no longer states the default CIFAR-10 checkpoints"
     per_epoch, first, second = (int(text.replace(",", "")) for text in said.groups())
     options = resolve({**option_defaults("train"), "dataset": "cifar-10", "synthetic_data": True, "seed": 1})
     length = RunLength.resolve(RunConfig.from_options(options), 50_000)

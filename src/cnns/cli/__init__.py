@@ -5,7 +5,8 @@ lock reads the command line only to name its holder, and bench's two stand-alone
 command parses its command line into plain values (`cnns.cli.parsing` for Graphcore's options) and calls one entry point,
 grouped by what the commands do: `cnns.cli.runs` (make and read run folders: train, restore, validate,
 weight-avg), `cnns.cli.inference` (use a trained model: infer, predict, export), `cnns.cli.measure`
-(benchmark, profile, bench-data, splits) and `cnns.cli.plot`. A `CnnsError` anywhere becomes one line on
+(benchmark, profile, bench-data, splits), `cnns.cli.plot` and `cnns.cli.convert` (small public image sets
+written as CIFAR-10 binaries). A `CnnsError` anywhere becomes one line on
 stderr and exit code 2.
 """
 
@@ -26,11 +27,11 @@ from cnns.errors import CnnsError, ConfigError, continue_with_nothing
 from cnns.safe_writes import command_scope
 
 COMMANDS = ("train", "validate", "restore", "weight-avg", "infer", "benchmark", "profile", "bench-data", "splits",
-            "plot", "predict", "export", "models")
+            "plot", "predict", "export", "models", "convert")
 
 
 def _dispatch(command: str) -> Callable[[list[str]], int]:
-    from cnns.cli import inference, measure, models, plot, runs
+    from cnns.cli import convert, inference, measure, models, plot, runs
 
     return {
         "train": runs.train_main,
@@ -46,6 +47,7 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
         "splits": measure.splits_main,
         "plot": plot.plot_main,
         "models": models.models_main,
+        "convert": convert.convert_main,
     }[command]
 
 

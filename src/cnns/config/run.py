@@ -2,7 +2,7 @@
 
 `RunConfig.from_options` turns the resolved flat options (`cnns.config.defaults.resolve`) into typed
 objects, once per process; a field has its option's name (`cfg.train.gradient_accumulation_count`),
-except those README.md's option table names after it. Values the processes agree on later (the random seed,
+except those docs/options.md names after it. Values the processes agree on later (the random seed,
 automatic pipeline splits) come back as a `dataclasses.replace` of it (`with_seed`, `with_splits`); the
 flat options stay beside it, read-only, only to be written as ``arguments.json``.
 """

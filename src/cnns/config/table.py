@@ -29,7 +29,7 @@ from cnns.config.strict_parser import StrictParser
 # Options that only steer IPU compilation, memory planning or the Poplar runtime. They are accepted
 # (so Graphcore's command lines and configurations still run), change nothing, and are named once in a
 # notice. Keys are argparse dests; values are the spelled flag.
-# The cadence rule in words: --help prints it under "Logging" and the README quotes it word for word
+# The cadence rule in words: --help prints it under "Logging" and docs/outputs.md quotes it word for word
 # (tests/test_checkpoint_cadence.py compares both, and the positions `cnns.engine.cadence.RunLength` gives with it).
 CADENCE_RULE = ("Step lines and training.csv rows fall at the multiples of --log-freq F (with --iterations), or at "
                 "updates floor(k x U / N), k = 1, 2, ..., for --logs-per-epoch N (with --epochs; U is the updates "

@@ -3,7 +3,7 @@ layout (Parquet shards, a save_to_disk folder), for benchmarking
 the input pipeline without a download.
 
 The images are `cnns.data.photos`'s photo-like JPEGs, which cost what real ImageNet JPEGs cost to decode. The
-README states the mean size and bytes this gives. The content carries no class signal: the tree is for
+bench-data section of docs/performance.md states the mean size and bytes this gives. The content carries no class signal: the tree is for
 measuring throughput, not accuracy.
 """
 

@@ -1,7 +1,7 @@
 """How long a run is, in weight updates, and where step lines, checkpoints and the host's synchronisations fall.
 
 The cadence rule lives here: the loop asks `line_due`, `checkpoint_due` and `sync_due` and decides nothing of
-its own. `cnns.config.table.CADENCE_RULE` is the rule in words, which --help prints and the README repeats word for
+its own. `cnns.config.table.CADENCE_RULE` is the rule in words, which --help prints and docs/outputs.md repeats word for
 word (tests/test_checkpoint_cadence.py checks the positions against the closed form, and the texts against each
 other).
 

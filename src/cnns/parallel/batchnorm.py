@@ -99,7 +99,7 @@ def cross_replica_batch_norm(model: nn.Module, group: "dist.ProcessGroup | None"
     ``nn.SyncBatchNorm`` (timm's ``SyncBatchNormAct`` for ``BatchNormAct2d``), sharing the original
     parameters and buffers, so the state-dict keys are the same but the module objects are new; when
     `model` is itself a batch norm the returned model is a new object. Use the returned model. No test covers
-    this path yet (the CUDA tier's two-GPU test trains with group norm); the README's GPUs section says what
+    this path yet (the CUDA tier's two-GPU test trains with group norm); docs/gpus.md says what
     has run on GPUs.
     """
     if group is None or dist.get_world_size(group) <= 1:

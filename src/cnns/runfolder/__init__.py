@@ -10,6 +10,6 @@
 * `plots`: `training.png`
 * `files`: the write primitives and what a command may touch, for run folders and every other output
 
-Each module is its own floor (README's layer table): `files` is the ground floor every layer writes through,
+Each module is its own floor (the floor table of docs/architecture.md): `files` is the ground floor every layer writes through,
 `folder` sits above the data, models and configuration it reads a run with.
 """
