@@ -54,13 +54,13 @@ def _dispatch(command: str) -> Callable[[list[str]], int]:
 def command_parsers() -> dict:
     """Every command's argument parser, by command (each a `cnns.config.strict_parser.StrictParser`): what
     tests/test_strict_options.py holds to "an option is exactly what was typed"."""
-    from cnns.cli import inference, measure, plot
+    from cnns.cli import convert, inference, measure, models, plot
     from cnns.config import defaults
     from cnns.config.table import build_parser
 
     own = {"benchmark": measure.benchmark_parser, "profile": measure.profile_parser,
            "bench-data": measure.bench_data_parser, "plot": plot._parser, "predict": inference.predict_parser,
-           "export": inference.export_parser}
+           "export": inference.export_parser, "models": models.models_parser, "convert": convert._parser}
     # splits reads train.py's options (`cnns.cli.measure.splits_main`)
     return {command: own[command]() if command in own else
             build_parser("train" if command == "splits" else command, defaults.stated_default)

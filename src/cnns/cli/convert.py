@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+
+from cnns.config.strict_parser import StrictParser
 from pathlib import Path
 
 from cnns.data.as_cifar import (DEBIAN_FASHION_MNIST, DIGIT_CLASSES, FASHION_MNIST_CLASSES, GreySet, cifar10_files,
@@ -22,7 +24,7 @@ SOURCES = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="cnns convert",
         description="Write a small public image set as CIFAR-10 binaries (data_batch_1..5.bin, test_batch.bin, "
                     "batches.meta.txt): each grey image enlarged by the largest whole factor that fits 32 px, centred "

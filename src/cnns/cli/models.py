@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from cnns.config.table import OneLineErrorParser
+from cnns.config.strict_parser import StrictParser
 
 
 def models_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="cnns models", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = StrictParser(prog="cnns models", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("pattern", nargs="?", default="*",
                         help="An fnmatch pattern, as timm.list_models takes it: 'convnext*', 'regnet[xy]_00*' "
                              "(default: every name).")
