@@ -102,7 +102,17 @@ def test_the_readme_is_a_landing_page():
                 and re.search(r"\d", word)]
     linked = {(ROOT / target.partition("#")[0]).resolve() for target in relative_links(ROOT / "README.md")}
     assert not [page.name for page in (ROOT / "docs").glob("*.md") if page.resolve() not in linked]
-    assert (ROOT / "LICENSE").is_file() and (ROOT / "NOTICE").is_file()
+
+
+def test_the_licence_is_declared_where_tools_read_it():
+    """pyproject.toml's SPDX expression is the LICENSE file's licence, and both files ship in the package's metadata;
+    NOTICE keeps Graphcore's MIT notice for what is carried from its application."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "BSD-3-Clause" and set(project["license-files"]) == {"LICENSE", "NOTICE"}
+    assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")
+    notice = (ROOT / "NOTICE").read_text()
+    assert "Copyright (c) 2019 Graphcore Ltd." in notice and "The MIT License" in notice
 
 
 # ---------------------------------------------------------------------------------------------------------------
