@@ -72,7 +72,9 @@ def test_no_prefix_of_any_option_is_taken(name):
     parser = PARSERS[name]
     for action in parser._actions:
         action.required = False  # --restore-path and the like: only prefixes are under test
-    positionals = ["x" for action in parser._actions if not action.option_strings]
+    # a positional's first choice where it has choices (cnns convert's source), else any word
+    positionals = [sorted(action.choices)[0] if action.choices else "x"
+                   for action in parser._actions if not action.option_strings]
     spellings = set(parser.option_strings())
     tried = 0
     for option in sorted(spellings):
@@ -82,7 +84,8 @@ def test_no_prefix_of_any_option_is_taken(name):
         _, unknown = parser.parse_known_args([*positionals, prefix])
         assert unknown == [prefix], f"{name}: {prefix} was taken for {option}"
         tried += 1
-    assert tried >= 3
+    # every parser but `cnns models` (a pattern and --help alone) has long options to try
+    assert tried >= (0 if name == "cnns models" else 3)
 
 
 @pytest.mark.parametrize("command, argv, meant", [
