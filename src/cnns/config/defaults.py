@@ -125,7 +125,6 @@ def model_family(o: Mapping[str, Any]) -> ModelFamily:
 ALL_RUNS = Runs()
 _CIFAR = Runs(cifar_sized=True)
 _FLOAT16, _EXPONENTIAL = Runs(options=(("half_dtype", "float16"),)), Runs(options=(("lr_schedule", "exponential"),))
-_DATA = {None: None, "cifar": True, "imagenet": False}  # a FamilyDefault's data as Runs.cifar_sized
 
 # The defaults that differ by run and are no family's (Graphcore's application's set_defaults functions), each a
 # sequence of (runs, value): the last pair whose runs hold a run gives its default; none: the option has none there.
@@ -167,7 +166,7 @@ def by_run() -> dict[str, tuple[tuple[Runs, Any], ...]]:
             for dest, defaults in family.defaults.items():
                 rows = merged.setdefault(dest, [])
                 for default in defaults:
-                    data = _DATA[default.data]
+                    data = default.cifar_sized
                     last = rows[-1] if rows else None
                     if (last is not None and last[0][-1] != family.key and default.size is None
                             and last[1:] == (default.value, data, None)

@@ -53,7 +53,7 @@ def _build(spec: ModelSpec):
     return efficientnet(spec)
 
 
-_ON_CIFAR, _ON_IMAGENET = "cifar", "imagenet"
+_ON_CIFAR, _ON_IMAGENET = True, False  # FamilyDefault.cifar_sized
 
 EFFICIENTNET = ModelFamily(
     key="efficientnet", display="EfficientNet", build=_build,

@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FamilyDefault:
-    """A default the family gives an option: `value` on CIFAR-sized data (`data` "cifar"), on ImageNet-sized data
-    ("imagenet") or on either (None), for the family's `size` only where one is named. A family's defaults for
+    """A default the family gives an option: `value` on CIFAR-sized data (`cifar_sized` True), on ImageNet-sized
+    data (False) or on either (None), for the family's `size` only where one is named. The data's size, not a
+    dataset's name: which datasets are CIFAR-sized is cnns.data.formats' to say. A family's defaults for
     one option apply in their order (the last that holds a run gives its default), after the generic ones of
     `cnns.config.defaults`."""
 
     value: Any
-    data: str | None = None
+    cifar_sized: bool | None = None
     size: str | None = None
 
 

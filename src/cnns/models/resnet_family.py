@@ -31,7 +31,7 @@ RESNET_OPTIMISER_DEFAULTS = OptimiserDefaults("ImageNet ResNets", {
     "lars_weight_decay": {"*": 1e-4},
 })
 
-_ON_CIFAR, _ON_IMAGENET = "cifar", "imagenet"
+_ON_CIFAR, _ON_IMAGENET = True, False  # FamilyDefault.cifar_sized
 # Batch norm on CIFAR-sized data (the generic default is group norm), and the ImageNet step schedule.
 _RESNET_RECIPE = {
     "norm": (FamilyDefault("batch", _ON_CIFAR),),
