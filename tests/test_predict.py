@@ -168,7 +168,6 @@ def test_a_photo_is_predicted_alike_from_its_png_and_its_jpeg(run_folder, photos
     tells some photos' top two classes apart, and which one wins is decided by JPEG's loss and the CPU's
     rounding."""
     from cnns.commands.predict import evaluation_transform
-    from cnns.data.imagefolder import decode_rgb
     from cnns.deploy.restored_model import restore_model
 
     checkpoint, cfg = restored_run(str(run_folder))
@@ -176,7 +175,7 @@ def test_a_photo_is_predicted_alike_from_its_png_and_its_jpeg(run_folder, photos
     transform = evaluation_transform(restored.cfg)
     for stem in ("china", "flower"):
         png, jpeg = (photos / f"{stem}.png", photos / f"{stem}.jpg")
-        x_png, x_jpeg = (transform(decode_rgb(path.read_bytes(), str(path))).float() for path in (png, jpeg))
+        x_png, x_jpeg = (transform(path.read_bytes(), str(path)).float() for path in (png, jpeg))
         # Quality 90 moves a 427 x 640 photo's pixels by a few levels; averaged down to 32 x 32, less (measured:
         # 0.19 levels on average, 4 at most, for china). The bounds leave room for other decoders' IDCTs.
         difference = (x_jpeg - x_png).abs()

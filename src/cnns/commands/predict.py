@@ -16,8 +16,9 @@ What it does, step by step:
   checkpoint's bfloat16 weights are exactly representable in float32, and float32 arithmetic gives
   the same answer on every CPU and GPU (the validation after training computes in the half type, so
   its probabilities can differ from ours in the third decimal).
-* **Images.** Each argument is an image file (JPEG, PNG, WebP, GIF, BMP; decoded by
-  ``torchvision.io.decode_image`` to RGB, PIL for the rest, via `cnns.data.imagefolder.decode_rgb`)
+* **Images.** Each argument is an image file (JPEG, PNG, WebP, GIF, BMP; decoded as the run's evaluation
+  loader decodes them, `cnns.data.decoding.ImageDecoder`: libjpeg-turbo's region decoder for JPEGs, TorchCodec
+  for the rest, PIL for an animation's first frame and the formats TorchCodec does not read)
   or a folder, which means every image file under it (by extension, recursively, hidden entries
   skipped), sorted by path. A file is read only if it is a regular file no larger than ``--max-file-size``
   (1 GiB by default), and read no further (`cnns.bounded_reads`): a FIFO, a device (a symlink to
@@ -27,9 +28,9 @@ What it does, step by step:
   folder). A file found in a folder that cannot be read (``error: cannot read <path>: <reason>``) or
   decoded (``error: cannot decode <path>: <reason>``) is named on stderr in one line, the other images
   are still predicted, and the exit code is 1 (0 when every image was predicted).
-* **Preprocessing.** As the run's evaluation data is prepared:
-  ImageNet-sized models get `cnns.data.image_loader.evaluation_transform` (short side resized to
-  image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
+* **Preprocessing.** As the run's evaluation data is prepared, by the same code:
+  ImageNet-sized models get the evaluation loader's `cnns.data.image_loader.ImageNetTransform` (short side
+  resized to image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
   CIFAR-10/100 and the built-in dataset take a 32x32 image as it is; any other size is brought to
   32x32 by resizing its short side to 32 (antialiased) and cropping the centre 32x32 square: the
   aspect ratio is kept (a circle stays a circle; a plain resize would squash it), and no margin is
@@ -96,29 +97,30 @@ def image_files(arguments: Sequence[str], size_limit: int | None = None) -> list
 
 
 def evaluation_transform(cfg):
-    """uint8 [3, H, W] -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring)."""
-    from torchvision.transforms import v2
-
+    """(encoded bytes, file name) -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring),
+    by the evaluation loader's own decoder and crop: ImageNet-sized models through `ImageNetTransform(train=False)`
+    itself (libjpeg-turbo's region decoder and its resize for the JPEGs it takes, as validation.py), 32-px models
+    through the same decoder with the short side brought to 32 and the centre square kept (none of CIFAR's images
+    needs it: they are 32 x 32, taken as they are)."""
+    from cnns.data.decoding import Crop, ImageDecoder
     from cnns.data.formats import DATASETS
+    from cnns.data.image_loader import ImageNetTransform
 
     size = int(cfg.model.image_size)
-    if cfg.data.dataset in DATASETS and DATASETS[cfg.data.dataset].cifar_sized:
-        fit = v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+    if not (cfg.data.dataset in DATASETS and DATASETS[cfg.data.dataset].cifar_sized):
+        return ImageNetTransform(False, size)
+    decoder = ImageDecoder()
 
-        def cifar(image: torch.Tensor) -> torch.Tensor:
-            if tuple(image.shape[1:]) != (size, size):
-                image = fit(image)
-            return image.permute(1, 2, 0)
+    def centre_square(height: int, width: int) -> Crop:
+        short = min(height, width)
+        return Crop(((height - short) / 2, (width - short) / 2, short, short), whole_first=True)
 
-        return cifar
-    from cnns.data.image_loader import evaluation_transform as imagenet_evaluation
+    def cifar(data: bytes, source: str) -> torch.Tensor:
+        out = torch.empty((size, size, 3), dtype=torch.uint8)
+        decoder.decode_into(data, source, centre_square, out)
+        return out
 
-    imagenet = imagenet_evaluation(size)
-
-    def transform(image: torch.Tensor) -> torch.Tensor:
-        return imagenet(image).permute(1, 2, 0)
-
-    return transform
+    return cifar
 
 
 def _failure_reason(error: Exception, path: Path) -> str:
@@ -134,7 +136,6 @@ def decoded_images(files: Sequence[Path], transform,
                    size_limit: int | None = None) -> Iterator[tuple[Path, torch.Tensor | None]]:
     """(path, uint8 HWC image) per file, or (path, None) after naming the failure on stderr."""
     from cnns.bounded_reads import UnreadableFile, read_bounded
-    from cnns.data.imagefolder import decode_rgb
 
     for path in files:
         try:
@@ -144,12 +145,12 @@ def decoded_images(files: Sequence[Path], transform,
             yield path, None
             continue
         try:
-            image = decode_rgb(data, str(path))
+            image = transform(data, str(path))
         except DataError as error:
             print(f"error: cannot decode {path}: {_failure_reason(error, path)}", file=sys.stderr)
             yield path, None
             continue
-        yield path, transform(image).contiguous()
+        yield path, image.contiguous()
 
 
 def _batches(items: Iterator[tuple[Path, torch.Tensor | None]], size: int):

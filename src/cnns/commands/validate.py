@@ -19,9 +19,10 @@ from cnns.commands.splits import model_to_plan
 from cnns.config import RunConfig
 from cnns.engine.evaluate import EvalResult, evaluate
 from cnns.engine.setup import set_up
-from cnns.engine.checkpoint_validation import (check_targets_match, checkpoint_files, generated_validation_limit, latency_line,
-                                    log_validation, readable_targets, summed_over_processes, targets_of,
-                                    validate_targets)
+from cnns.engine.checkpoint_validation import (check_targets_match, checkpoint_files, generated_validation_limit,
+                                               latency_line, log_validation, readable_targets, row_names,
+                                               still_to_validate, summed_over_processes, targets_of,
+                                               validate_targets)
 from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
@@ -76,9 +77,10 @@ def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notice
     folder, files = checkpoint_files(run)
     whole_run = run.file is None
     done = validated_names(folder) if whole_run else set()
-    if whole_run:
-        targets, unreadable = readable_targets(files)
-        if not targets:
+    if whole_run:  # only the files with a row still to give are read
+        to_read = still_to_validate(files, done, bool(cfg.train.ema_decay))
+        targets, unreadable = readable_targets(to_read)
+        if to_read and not targets and len(to_read) == len(files):
             raise CheckpointError(f"no readable checkpoint in {folder}: {unreadable[-1][1]}")
     else:
         targets, unreadable = targets_of(files), []
@@ -94,12 +96,12 @@ def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notice
     if c.policy.note:
         log.print(c.policy.note)
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
-    for target in targets:
-        if target.name in done:
-            log.print(f"Skipping validation run on checkpoint: {target.name} (already in validation.csv)")
-    batches = generated_validation_limit(cfg, c, log, None)
+    for path in files:
+        for name in row_names(path, bool(cfg.train.ema_decay)):
+            if name in done:
+                log.print(f"Skipping validation run on checkpoint: {name} (already in validation.csv)")
     continue_with(f"validation.py --restore-path {folder} validates the checkpoints not yet in validation.csv")
-    validate_targets(todo, c, log, cfg.train.global_batch_size, _nominal_train_images(cfg), repeat, batches)
+    validate_targets(todo, c, log, cfg, _nominal_train_images(cfg), repeat)
     if unreadable:
         log.print(f"Not validated ({len(unreadable)} unreadable): {', '.join(str(path) for path, _ in unreadable)}")
     log.close()

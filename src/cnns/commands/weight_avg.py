@@ -64,7 +64,7 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log,
                          states=[probe.state for probe in probes])  # read once: here, as they were checked
     if evaluation is not None:
-        validate_targets(targets_of([path]), evaluation, log, cfg.train.global_batch_size, 1)
+        validate_targets(targets_of([path]), evaluation, log, cfg, 1)
     log.close()
     return 0
 

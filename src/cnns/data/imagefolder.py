@@ -43,13 +43,25 @@ def decode_rgb(data: bytes, source: str) -> torch.Tensor:
     PIL is the fallback for formats it does not read. DataError naming `source` when neither can decode
     the bytes, or when the header declares more than MAX_IMAGE_PIXELS pixels."""
     check_declared_size(data, source)
+    if may_hold_frames(data):  # its first frame only, by design: see `may_hold_frames`
+        return _decode_rgb_with_pil(data, source, None)
     try:
         image = whole_image_decoder().decode(stored_orientation(data))
     except (RuntimeError, ValueError) as first_error:
         return _decode_rgb_with_pil(data, source, first_error)
-    if image.dim() == 4:  # an animated GIF or WebP: its first frame
+    if image.dim() == 4:  # frames `may_hold_frames` did not foresee: the first (decoded, but bounded above)
         image = image[0]
     return image
+
+
+def may_hold_frames(data: bytes) -> bool:
+    """Whether the bytes are a GIF or an animated WebP (its VP8X header's animation flag): images whose frames
+    TorchCodec decodes all at once, each at the canvas's size, while the pixel limit holds one of them (12 one-pixel
+    frames on an 8000 x 8000 canvas, a few hundred bytes, took 3 GB). PIL decodes them a frame at a time, so the
+    first frame alone is decoded: the cost is the one canvas the header declares, checked before."""
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return True
+    return data[:4] == b"RIFF" and data[8:16] == b"WEBPVP8X" and len(data) > 20 and bool(data[20] & 0x02)
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,9 @@ def check_declared_size(data: bytes, source: str) -> tuple[int, int] | None:
     return size
 
 
-def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> torch.Tensor:
+def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception | None) -> torch.Tensor:
+    """The first frame (PIL loads no other until asked) as uint8 [3, H, W]; `first_error`: why TorchCodec did not
+    decode it (None where it was not asked)."""
     from PIL import Image
 
     try:
@@ -127,7 +141,8 @@ def _decode_rgb_with_pil(data: bytes, source: str, first_error: Exception) -> to
     # PIL's format plugins raise many types for corrupt bytes (OSError, SyntaxError, ValueError,
     # struct.error, IndexError, DecompressionBombError, ...): every one means "not a decodable image".
     except Exception as error:  # noqa: BLE001
-        raise DataError(f"{source}: cannot decode image ({_reason(first_error)}; PIL: {_reason(error)})") from None
+        first = f"{_reason(first_error)}; " if first_error is not None else ""
+        raise DataError(f"{source}: cannot decode image ({first}PIL: {_reason(error)})") from None
     return torch.from_numpy(array).permute(2, 0, 1)  # HWC in memory, like torchvision's decoder
 
 

@@ -49,7 +49,7 @@ class SyntheticBatches:
 class DataSources:
     dataset: str
     num_classes: int  # the model's outputs (cfg.num_classes): every label lies below it
-    train: BatchSource
+    train: BatchSource | None  # None where the command does not train (`need_train`)
     eval: BatchSource | None
     decoding: str | None = None  # how the files are decoded, where that is a choice: a line for the run's header
     decoded_in_workers: bool = False  # by --pipeline-num-parallel worker processes, rather than the main process
@@ -69,12 +69,14 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
     over all the ranks, with any batch size. step_rate: the training step's images/s, estimated where
     --decode-device auto asks (`SourceRequest.step_rate`)."""
     num_classes = cfg.num_classes  # generated labels: the model's classes
+    # A source that is not needed is not built, as a data format builds none (`SourceRequest`): evaluation with
+    # another replica count than training never meets the training run's global batch, which it need not divide.
     if cfg.source == "synthetic":
         facts = dataset_facts(cfg.dataset)
         train = SyntheticBatches(micro_batch_size, cfg.image_size, num_classes, facts.train_images,
-                                 device, seed, shard=shard, global_batch_size=global_batch_size)
+                                 device, seed, shard=shard, global_batch_size=global_batch_size) if need_train else None
         evaluation = SyntheticBatches(eval_batch_size, cfg.image_size, num_classes, facts.eval_images,
-                                      device, seed + 1, shard=shard)
+                                      device, seed + 1, shard=shard) if need_eval else None
         return DataSources(cfg.dataset, num_classes, train, evaluation)
     if cfg.source == "generated":
         from cnns.data.batches import GeneratedBatches
@@ -82,10 +84,10 @@ def build_sources(cfg: DataConfig, *, micro_batch_size: int, eval_batch_size: in
         facts = dataset_facts(cfg.dataset)
         train = GeneratedBatches(micro_batch_size, cfg.image_size, num_classes,
                                  num_samples=facts.train_images, seed=seed, shard=shard,
-                                 global_batch_size=global_batch_size)
+                                 global_batch_size=global_batch_size) if need_train else None
         evaluation = GeneratedBatches(eval_batch_size, cfg.image_size, num_classes,
                                       num_samples=facts.eval_images, seed=seed + 1, drop_last=False,
-                                      shard=shard)
+                                      shard=shard) if need_eval else None
         return DataSources(cfg.dataset, num_classes, train, evaluation)
     data_format, folder = find_format(cfg.dataset, cfg.data_dir)
     request = SourceRequest(micro_batch_size, eval_batch_size, seed, device, shard, need_train, need_eval,

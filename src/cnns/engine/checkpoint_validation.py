@@ -68,17 +68,28 @@ def checkpoint_files(target: RestoreTarget) -> tuple[Path, list[Path]]:
     return run.path, (run.checkpoints() if averages else run.require_checkpoints()) + averages
 
 
-def targets_of(files: list[Path], skip_iteration_zero: bool = False) -> list[Target]:
+def targets_of(files: list[Path]) -> list[Target]:
     """Every row the files can give, raw weights then the moving average; unreadable files raise here."""
     targets = []
     for path in files:
         state = load_checkpoint(path, mmap=True)
-        if skip_iteration_zero and iteration_of(path) == 0:
-            continue
         targets.append(Target(path.stem, path, state, use_ema=False))
         if isinstance(state.get("ema"), dict):
             targets.append(Target(path.stem + EMA_SUFFIX, path, state, use_ema=True))
     return targets
+
+
+def row_names(path: Path, with_ema: bool) -> list[str]:
+    """The rows of validation.csv a file gives, known without reading it: its name, and with a moving average in
+    the run's checkpoints (--ema-decay; never in a weight average) its average's."""
+    averaged = path.name.startswith("ckpt-") and with_ema
+    return [path.stem] + ([path.stem + EMA_SUFFIX] if averaged else [])
+
+
+def still_to_validate(files: list[Path], done: set[str], with_ema: bool) -> list[Path]:
+    """The files that give a row validation.csv does not hold yet: the only ones a rerun reads (each
+    checkpoint's read checks every byte of it)."""
+    return [path for path in files if not set(row_names(path, with_ema)) <= done]
 
 
 def readable_targets(files: list[Path]) -> tuple[list[Target], list[tuple[Path, str]]]:
@@ -98,31 +109,37 @@ def check_targets_match(targets: list[Target], model: torch.nn.Module, descripti
         check_matches_model(target.path, target.weights, model_state, description)
 
 
-# validation.py on generated or synthetic data, without --validation-images: batches per pass.
+# validation.py on generated or synthetic data, without --validation-images: batches per pass (of one process:
+# replicas share them, so that a checkpoint's row counts the same images whatever the replica count).
 DEFAULT_GENERATED_BATCHES = 20
 
 
 def generated_validation_limit(cfg: RunConfig, setup, log: RunLog, trained_images: int | None) -> int | None:
     """How many batches each process validates per checkpoint: all of real data; of generated or
     synthetic data (random pixels: the accuracy is chance whatever the count) --validation-images,
-    else as many images as the run trained on, else DEFAULT_GENERATED_BATCHES batches. Says so."""
+    else as many images as the run trained on, else DEFAULT_GENERATED_BATCHES batches' images, shared out over
+    the replicas (the same first images of the evaluation order whatever their count). Says so. The one count of
+    every command that validates: validation.py, weight_avg.py and the validation after training."""
     if cfg.data.source == "files":
         return None
     source, replicas = setup.sources.eval, setup.world.replicas
     batch = len(next(iter(source.epoch(0)))[1])
     asked = cfg.train.validation_images
-    images = asked or trained_images or DEFAULT_GENERATED_BATCHES * batch * replicas
+    images = asked or trained_images or DEFAULT_GENERATED_BATCHES * batch
     batches = max(1, min(len(source), -(-images // (batch * replicas))))
     why = ("--validation-images" if asked else "as many as the run trained on" if trained_images
-           else f"{DEFAULT_GENERATED_BATCHES} batches")
+           else f"{DEFAULT_GENERATED_BATCHES} batches of {batch}")
     log.print(f"Validating {batches * batch * replicas} of the {source.num_samples} {cfg.data.source} images per "
               f"checkpoint ({why}); --validation-images N sets how many")
     return batches
 
 
-def validate_targets(targets: list[Target], setup, log: RunLog, global_batch_size: int,
-                     num_train_samples: int, repeat: int = 1, batches: int | None = None) -> list[EvalResult]:
-    rows = [(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples)) for t in targets]
+def validate_targets(targets: list[Target], setup, log: RunLog, cfg: RunConfig, num_train_samples: int,
+                     repeat: int = 1) -> list[EvalResult]:
+    """validation.py's and weight_avg.py's rows: each target over the images `generated_validation_limit` counts
+    (validation after training counts the same way: `validate_run_folder`)."""
+    batches = generated_validation_limit(cfg, setup, log, None)
+    rows = [(t.name, t.iteration, t.epoch(cfg.train.global_batch_size, num_train_samples)) for t in targets]
     return _validate(rows, [t.weights for t in targets], setup, log, repeat, batches)
 
 
@@ -174,17 +191,20 @@ def log_validation(log: RunLog, name: str, iteration: int, epoch: float, result:
     })
 
 
-def validate_run_folder(folder: Path, setup, log: RunLog, global_batch_size: int,
-                        num_train_samples: int, batches: int | None = None) -> list[EvalResult]:
+def validate_run_folder(folder: Path, setup, log: RunLog, cfg: RunConfig, num_train_samples: int,
+                        trained_images: int | None = None) -> list[EvalResult]:
     """After training: every checkpoint but the initial one, their moving averages and the weight
-    averages, except what validation.csv already holds (a restored run validates only the new ones).
+    averages, except what validation.csv already holds (a restored run validates, and reads, only the new ones),
+    over the images `generated_validation_limit` counts (of generated data, as many as the run trained on).
     Rank 0 reads the run folder; with replicas the others validate what it sends."""
+    batches = generated_validation_limit(cfg, setup, log, trained_images)
     targets: list[Target] = []
     if setup.world.is_writer:
         done = validated_names(folder)
-        files = [path for _, path in list_checkpoints(folder)] + list_weight_averages(folder)
-        targets = [t for t in targets_of(files, skip_iteration_zero=True) if t.name not in done]
-    rows = setup.world.broadcast([(t.name, t.iteration, t.epoch(global_batch_size, num_train_samples))
+        files = [path for iteration, path in list_checkpoints(folder) if iteration != 0] + list_weight_averages(folder)
+        files = still_to_validate(files, done, bool(cfg.train.ema_decay))
+        targets = [t for t in targets_of(files) if t.name not in done]
+    rows = setup.world.broadcast([(t.name, t.iteration, t.epoch(cfg.train.global_batch_size, num_train_samples))
                                   for t in targets])
     weights = [t.weights for t in targets] if setup.world.is_writer else [None] * len(rows)
     return _validate(rows, weights, setup, log, batches=batches)

@@ -34,7 +34,7 @@ from cnns.engine.loop import Diverged, LoopResult, StopRequest, TrainingLoop
 from cnns.engine.stages import Stage
 from cnns.engine.step import PipelinedTrainStep, TrainStep
 from cnns.engine.step_rate import estimated_step_rate
-from cnns.engine.checkpoint_validation import generated_validation_limit, validate_run_folder
+from cnns.engine.checkpoint_validation import validate_run_folder
 from cnns.errors import CnnsError, continue_with
 from cnns.models import build_model, count_parameters
 from cnns.optim import HalfPrecisionOptimiser
@@ -328,8 +328,7 @@ def _after_training(cfg: RunConfig, setup: Setup, checkpointer: Checkpointer, lo
         setup = set_up(cfg, setup.world.without_stages(), train=False)
     if folder is not None:
         continue_with(f"the run is trained; validation.py --restore-path {folder} validates its checkpoints")
-    batches = generated_validation_limit(cfg, setup, log, trained_images)
-    validate_run_folder(folder, setup, log, cfg.train.global_batch_size, train_samples, batches)
+    validate_run_folder(folder, setup, log, cfg, train_samples, trained_images)
 
 
 def _report_skipped_images(setup: Setup, log: RunLog) -> None:

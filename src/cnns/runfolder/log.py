@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import random
 import string
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cnns.bounded_reads import UnreadableFile, read_bounded
-from cnns.errors import CheckpointError, WriteError
+from cnns.errors import CheckpointError, ConfigError, WriteError
 from cnns.safe_writes import append, declare_run_files, restore_size, size_before, write_atomically
 
 TRAINING_FILE, VALIDATION_FILE, LOG_FILE = "training.csv", "validation.csv", "log.txt"
@@ -61,21 +62,32 @@ def files_of_a_run(folder: str | Path) -> list[str]:
     return sorted(name for name in entries if any(fnmatch(name, pattern) for pattern in RUN_FILES))
 
 
+RUN_SUFFIX_ALPHABET = string.ascii_uppercase + string.digits
+RUN_SUFFIX_LENGTH = 3
+RANDOM_SUFFIX_TRIES = 64  # then the names left are looked for in order: a full --log-dir ends, never spins
+
+
 def new_run_folder(log_dir: str | Path, name: str) -> Path:
     """Create ``<log_dir>/<name>_<3 random chars>``; never reuses an existing folder.
 
-    The suffix comes from a private Random so that a seeded run's random streams are untouched.
+    The suffix comes from a private Random so that a seeded run's random streams are untouched. A few random
+    draws, then every suffix in turn: once all 36^3 = 46,656 names exist the command ends in one line (ConfigError)
+    instead of drawing for ever.
     """
     chooser = random.Random()
-    alphabet = string.ascii_uppercase + string.digits
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    while True:
-        folder = Path(log_dir) / f"{name}_{''.join(chooser.choice(alphabet) for _ in range(3))}"
+    drawn = ("".join(chooser.choice(RUN_SUFFIX_ALPHABET) for _ in range(RUN_SUFFIX_LENGTH))
+             for _ in range(RANDOM_SUFFIX_TRIES))
+    every = ("".join(letters) for letters in itertools.product(RUN_SUFFIX_ALPHABET, repeat=RUN_SUFFIX_LENGTH))
+    for suffix in itertools.chain(drawn, every):
+        folder = Path(log_dir) / f"{name}_{suffix}"
         try:
             folder.mkdir()
             return folder
         except FileExistsError:
             continue
+    raise ConfigError(f"all {len(RUN_SUFFIX_ALPHABET) ** RUN_SUFFIX_LENGTH:,} run folders {name}_XXX exist in "
+                      f"{log_dir}: give another --log-dir or a --name-suffix")
 
 
 def interactive() -> bool:
