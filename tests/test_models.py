@@ -6,6 +6,8 @@ import torch
 import torchvision
 from torch import nn
 
+from stage_checks import assert_stages_are_the_model
+
 from cnns.errors import CnnsError
 from cnns.models import (
     ModelError,
@@ -239,17 +241,7 @@ def test_pieces_in_order_are_the_model(model_name, image_size, names):
     stages = stage_pieces(model_pieces(spec, model, cuts), cuts)
     assert len(stages) == len(names) + 1 and all(stages)
     assert [stage[-1].cut for stage in stages[:-1]] == cuts
-    x = torch.randn(2, 3, max(image_size, 32), max(image_size, 32))
-    with torch.no_grad():
-        expected, y = model(x), x
-        for piece in (piece for stage in stages for piece in stage):
-            y = piece.run(y)
-    assert torch.equal(y, expected)
-    # Every parameter belongs to exactly one stage.
-    owned = [name for stage in stages for piece in stage for name in piece.modules]
-    params = {name for name, _ in model.named_parameters()}
-    claimed = [p for p in params if any(p.startswith(m + ".") for m in owned)]
-    assert sorted(claimed) == sorted(params)
+    assert_stages_are_the_model(model, stages, torch.randn(2, 3, max(image_size, 32), max(image_size, 32)))
 
 
 def test_cifar_resnet_splits_cover_three_stages():

@@ -19,6 +19,7 @@ from PIL import Image
 
 import scripts
 from digit_records import TRAIN_IMAGES, write_digits_cifar10
+from stage_checks import assert_stages_are_the_model
 from test_replicas import relative_difference
 
 from cnns.models import ModelSpec, build_model, count_parameters, split_points
@@ -120,16 +121,7 @@ def test_pieces_cut_at_the_models_own_stages_are_the_model(name):
     names = [f"stage{i}" for i in (1, 2, 3)]
     cuts = resolve_splits(spec, model, names)
     stages = stage_pieces(model_pieces(spec, model, cuts), cuts)
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected, y = model(x), x
-        for piece in (piece for stage in stages for piece in stage):
-            y = piece.run(y)
-    assert torch.equal(y, expected)
-    owned = [module for stage in stages for piece in stage for module in piece.modules]
-    parameters = [p for p, _ in model.named_parameters()]
-    claims = {p: [m for m in owned if p.startswith(m + ".")] for p in parameters}
-    assert all(len(c) == 1 for c in claims.values()), [p for p, c in claims.items() if len(c) != 1]
+    assert_stages_are_the_model(model, stages, torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
 
 
 def test_recomputation_per_stage_changes_no_number():

@@ -126,8 +126,8 @@ class _PieceCache:
         parquet = self.files.get(path) or self.files.setdefault(path, open_parquet(path))
         nested = str(parquet.schema_arrow.field(column).type).startswith("struct")
         try:
-            # One thread: a worker is one core's, and pyarrow's pool on a busy machine made a read ten times slower
-            # (37 ms against 3.9 ms for a row group of 100 photos, 2 shared cores).
+            # One thread: a worker is one core's, and pyarrow's own pool competes with the other workers and the
+            # model for the same cores (docs/performance.md, "Input pipeline by layout", has the measured cost).
             table = parquet.read_row_group(group, columns=[f"{column}.bytes" if nested else column], use_threads=False)
         except OSError as error:
             raise DataError(f"{path}: row group {group} cannot be read ({str(error).splitlines()[0]})") from None
