@@ -211,6 +211,7 @@ class RunLog:
             writer = self._tensorboard_writer()
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, iteration)
+            writer.flush()  # on disk with the row (SummaryWriter keeps 2 minutes of events): a killed run's are there
         if self._wandb is not None:
             self._wandb.log({**scalars, WANDB_STEP: iteration})
 
@@ -251,8 +252,8 @@ def validation_scalars(row: Mapping[str, Any]) -> dict[str, float]:
 
 
 def validation_series(name: str) -> str:
-    """"ckpt-20" -> "validation", "ckpt-20_ema" -> "validation_ema", "weight_avg_mean_N3" ->
-    "validation_weight_avg_mean_N3": the row's name without its checkpoint's iteration."""
+    """"ckpt-20" -> "validation", "ckpt-20_ema" -> "validation_ema", "weight_avg_mean_last3" ->
+    "validation_weight_avg_mean_last3": the row's name without its checkpoint's iteration."""
     kind = re.sub(r"^ckpt-\d+", "", name)
     return f"validation{'_' if kind and not kind.startswith('_') else ''}{kind}"
 
