@@ -24,9 +24,10 @@ import scripts
 from cnns.commands.checks import OPTIONAL_SINKS, SINK_FLAGS
 from cnns.runfolder.log import TRAINED_SCALARS, WANDB_STEP, validation_series
 
-# The commands whose run folder the sinks log (restore.py takes its run's own options, so its parser has none);
-# and those that accept the options (they share train.py's parser) but write no run folder, which refuse them.
-LOGGING = {"train", "validate", "weight-avg"}
+# The commands whose run folder the sinks log (restore.py takes its run's own, and may leave them out); and those
+# that accept the options (they share train.py's parser) but write no run folder, which refuse them.
+LOGGING = {"train", "restore", "validate", "weight-avg"}
+SINKS_OFF = ("--no-tensorboard", "--no-wandb")
 REFUSING = {"infer": ("--model-size", "8", "--dataset", "cifar-10"), "splits": ("--model-size", "8", "--dataset", "cifar-10")}
 
 FAKE_WANDB = '''\
@@ -80,7 +81,8 @@ def sink_accepting_commands() -> dict[str, set[str]]:
 
     found = {}
     for command, parser in command_parsers().items():
-        flags = {flag for action in parser._actions for flag in action.option_strings} & set(SINK_FLAGS.values())
+        flags = {flag for action in parser._actions for flag in action.option_strings} & {*SINK_FLAGS.values(),
+                                                                                          *SINKS_OFF}
         if flags:
             found[command] = flags
     return found
@@ -90,7 +92,7 @@ def test_every_command_taking_a_sink_logs_a_run_folder_or_refuses_it(capfd, tmp_
     accepting = sink_accepting_commands()
     assert set(accepting) == LOGGING | set(REFUSING), "a new command takes a sink option: log it or refuse it"
     for command, options in REFUSING.items():
-        for flag in sorted(accepting[command]):
+        for flag in sorted(accepting[command] - set(SINKS_OFF)):
             out = scripts.run_here(capfd, command, *options, flag, cwd=tmp_path, expect=2)
             assert out.stderr.count("\n") == 1 and flag in out.stderr and "nothing to log" in out.stderr, out.stderr
     # validation.py of a random model writes a run folder only with --logs-path
@@ -132,6 +134,15 @@ def test_a_sink_or_decode_device_that_cannot_work_is_refused_before_any_folder(c
         assert out.stderr == "error: --decode-device cuda needs a run on a CUDA GPU; this run is on cpu\n"
     assert not (tmp_path / "logs").exists() and not (tmp_path / "random").exists()
     assert sorted(path.name for path in run.iterdir()) == before  # nothing written, no lock left
+
+    # A run's own sinks are left out where the package is missing: --no-wandb, --no-tensorboard.
+    from cnns.cli.parsing import resolve_command_line
+
+    asked_in_the_run.write_text(json.dumps({**options, **{dest: True for dest in OPTIONAL_SINKS}}))
+    restored = resolve_command_line("restore", ["--restore-path", str(run), *SINKS_OFF]).config
+    assert not restored.log.wandb and not restored.log.tensorboard
+    scripts.run_here(capfd, "validation.py", "--restore-path", str(run), *SINKS_OFF, cwd=tmp_path)
+    assert [row["name"] for row in csv_rows(run / "validation.csv")] == ["ckpt-0", "ckpt-1"]
 
 
 @pytest.mark.slow

@@ -38,8 +38,10 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
 # The optional sinks, each with the module it needs and the line that names what to install: what train.py,
 # restore.py, validation.py and weight_avg.py write besides their lines and CSV files (`cnns.runfolder.log.RunLog`).
 OPTIONAL_SINKS = {
-    "tensorboard": ("torch.utils.tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard"),
-    "wandb": ("wandb", "--wandb needs the wandb package: pip install 'cnns[wandb]'"),
+    "tensorboard": ("torch.utils.tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard "
+                    "(or --no-tensorboard, also where the run's options ask for it)"),
+    "wandb": ("wandb", "--wandb needs the wandb package: pip install 'cnns[wandb]' (or --no-wandb, also where the "
+              "run's options ask for it)"),
 }
 
 

@@ -9,6 +9,10 @@ its last logged iteration (killed, or its newest checkpoint unreadable) and is c
 checkpoint logs those iterations again; the rows it had logged past that checkpoint are then moved, before
 the first new one, to ``training.abandoned.csv`` (``validation.abandoned.csv``) beside the file, with a notice
 (`RunLog.continue_after`). They stay readable there; the plots read only the ordered files.
+
+TensorBoard (``tensorboard/``) and W&B (``wandb/``) chart the same rows, each at its iteration (`training_scalars`,
+`validation_scalars`): a continued run's TensorBoard events replace the killed run's past its checkpoint, as its
+CSV rows do, and W&B's charts are drawn against the iteration, never W&B's own step.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ class RunLog:
 
         if self.folder is None:
             return
-        own = self.folder / "wandb"
+        own = self.folder / WANDB_FOLDER
         os.environ.setdefault("WANDB_MODE", "offline")
         for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
             os.environ.setdefault(variable, str(own))

@@ -6,7 +6,8 @@
   places a checkpoint in epochs) unless ``--global-batch-size``.
 * **restore** (`restore_options`: restore.py): the run's options exactly, except the pipeline layout
   (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because checkpoints hold the
-  whole model and pipelines compute the same updates at any stage count.
+  whole model and pipelines compute the same updates at any stage count, and the sinks ``--no-wandb`` and
+  ``--no-tensorboard`` leave out.
 * Neither keeps the options that say where the first command wrote outside its run folder (`COMMAND_OWN_PLACES`:
   ``--profile-dir``): a later command writes in the run folder or where its own command line says.
 * **inference_embedded.py** (`inference_run_options`): the run's model, dataset and precision under the command
@@ -116,6 +117,7 @@ def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
     checkpoints hold the whole model, and pipelines compute the same updates whatever the stage
     count, so a run continues on more or fewer devices."""
     options = {key: value for key, value in run.options.items() if key not in COMMAND_OWN_PLACES}
+    options.update({sink: False for sink in ("wandb", "tensorboard") if values.get(sink) is False})  # --no-wandb ...
     check_domains(values)  # the new layout's --shards, as every option's value is checked
     if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
         return options
