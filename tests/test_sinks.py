@@ -112,8 +112,7 @@ def test_a_sink_or_decode_device_that_cannot_work_is_refused_before_any_folder(c
     options = json.loads(asked_in_the_run.read_text())
     train = ("train.py", "--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--iterations",
              "1", "--log-dir", str(tmp_path / "logs"))
-    cases = {dest: (module, line) for dest, (module, line) in OPTIONAL_SINKS.items()}
-    for dest, (module, line) in cases.items():
+    for dest, (module, line) in OPTIONAL_SINKS.items():
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
         flag = SINK_FLAGS[dest]
         for command in (train, ("validation.py", "--restore-path", str(run), flag),
@@ -127,11 +126,8 @@ def test_a_sink_or_decode_device_that_cannot_work_is_refused_before_any_folder(c
         out = scripts.run_here(capfd, "restore.py", "--restore-path", str(run), cwd=tmp_path, expect=2)
         assert out.stderr == f"error: {line}\n", out.stderr
         asked_in_the_run.write_text(json.dumps(options))
-    import torch
-
-    if not torch.cuda.is_available():
-        out = scripts.run_here(capfd, *train, "--decode-device", "cuda", "--device", "cpu", cwd=tmp_path, expect=2)
-        assert out.stderr == "error: --decode-device cuda needs a run on a CUDA GPU; this run is on cpu\n"
+    out = scripts.run_here(capfd, *train, "--decode-device", "cuda", "--device", "cpu", cwd=tmp_path, expect=2)
+    assert out.stderr == "error: --decode-device cuda needs a run on a CUDA GPU; this run is on cpu\n"
     assert not (tmp_path / "logs").exists() and not (tmp_path / "random").exists()
     assert sorted(path.name for path in run.iterdir()) == before  # nothing written, no lock left
 
