@@ -9,6 +9,7 @@ an update's time goes without guessing from operator names alone.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
@@ -31,3 +32,17 @@ def marked(name: str) -> contextlib.AbstractContextManager:
     ResNet-50 with batch norm and ResNet-20 miss their ratio goals here", has the figure).
     """
     return record_function(name) if torch.autograd._profiler_enabled() else _UNMARKED
+
+
+def profiled(enabled: bool, device: torch.device, folder: Path, log) -> contextlib.AbstractContextManager:
+    """--profile: a torch.profiler trace of what runs inside (the training loop, a validation), written by
+    TensorBoard's trace handler to `folder` (the run folder's profile/, or the --profile-dir typed for this
+    command: never one a run's arguments.json names, `cnns.runfolder.options`); `log` says where. On a CUDA run the
+    GPU's kernels too (a CPU run on a GPU host does not load CUPTI)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    log.print(f"Writing a profiler trace to {folder}")
+    return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(str(folder)))

@@ -77,8 +77,10 @@ def dataset_benchmark(cfg, notices: list[str]) -> int:
     alone, as the run would build it, for the run's length; no model, no run folder. `cfg` is the run's
     `cnns.config.RunConfig`."""
     from cnns.bench.data import dataset_benchmark as time_the_pipeline
-    from cnns.commands.checks import check_data_before_writing
+    from cnns.commands.checks import check_data_before_writing, check_no_sinks_without_a_folder, check_optional_parts
 
+    check_no_sinks_without_a_folder(cfg, "train.py --dataset-benchmark writes no run folder")
+    check_optional_parts(cfg)  # where its images are decoded: the run's rule
     check_data_before_writing(cfg, train=True, evaluation=False)  # only the training pipeline is timed
     for notice in notices:
         print(notice)

@@ -31,7 +31,60 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
     if cfg.train.compile and not stages_compile(p.shards):
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
                           "leave out --compile: pipeline stages run eagerly")
+    check_optional_parts(cfg)
     check_machine_holds_workers(cfg, trains)
+
+
+# The optional sinks, each with the module it needs and the line that names what to install: what train.py,
+# restore.py, validation.py and weight_avg.py write besides their lines and CSV files (`cnns.runfolder.log.RunLog`).
+OPTIONAL_SINKS = {
+    "tensorboard": ("torch.utils.tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard "
+                    "(or --no-tensorboard, also where the run's options ask for it)"),
+    "wandb": ("wandb", "--wandb needs the wandb package: pip install 'cnns[wandb]' (or --no-wandb, also where the "
+              "run's options ask for it)"),
+}
+
+
+# The options that write beside a run's lines and CSV files, by dest: what a command that writes no run folder refuses.
+SINK_FLAGS = {"tensorboard": "--tensorboard", "wandb": "--wandb", "profile": "--profile"}
+
+
+def asked_sinks(cfg: RunConfig) -> list[str]:
+    """The flags of the sinks the run asks for (`SINK_FLAGS`)."""
+    asked = {"tensorboard": cfg.log.tensorboard, "wandb": cfg.log.wandb, "profile": cfg.train.profile}
+    return [flag for dest, flag in SINK_FLAGS.items() if asked[dest]]
+
+
+def check_no_sinks_without_a_folder(cfg: RunConfig, why: str) -> None:
+    """A command (or a use of one) that writes no run folder refuses the sinks, which would write nothing: one line
+    (ConfigError) before anything runs, naming the commands that write them."""
+    asked = asked_sinks(cfg)
+    if asked:
+        raise ConfigError(f"{' and '.join(asked)}: {why}, so there is nothing to log; they log the rows of a run "
+                          "folder's training.csv and validation.csv (train.py, restore.py, validation.py with "
+                          "--restore-path or --logs-path, weight_avg.py)")
+
+
+def check_optional_parts(cfg: RunConfig) -> None:
+    """Every optional package and device the run's options ask for, found in one place before any run folder, log
+    folder or worker process exists (`check_supported`, which every command that writes a run folder calls
+    first): the sinks' packages (`OPTIONAL_SINKS`), and where images are decoded (--decode-device cuda needs a
+    run on a CUDA GPU, dali needs DALI). Each is one line naming what to install or change."""
+    import importlib
+
+    for dest, (module, line) in OPTIONAL_SINKS.items():
+        if getattr(cfg.log, dest):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise ConfigError(line) from None
+    if cfg.data.source != "files":  # generated and synthetic images are not decoded
+        return
+    device = cfg.device or default_device_name()
+    if cfg.data.decode_device == "cuda" and not device.startswith("cuda"):
+        raise ConfigError(f"--decode-device cuda needs a run on a CUDA GPU; this run is on {device}")
+    if cfg.data.decode_device == "dali":  # the optional extra
+        check_dali_installed()
 
 
 def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation: bool | None = None) -> None:
@@ -42,8 +95,6 @@ def check_data_before_writing(cfg: RunConfig, *, train: bool = True, evaluation:
     Generated and synthetic data have nothing to check."""
     if cfg.data.source != "files":
         return
-    if cfg.data.decode_device == "dali":  # the optional extra, named before anything is written
-        check_dali_installed()
     evaluation = cfg.train.validation if evaluation is None else evaluation
     splits = [split for split, wanted in (("train", train), ("validation", evaluation)) if wanted]
     t = cfg.train

@@ -168,6 +168,9 @@ def infer(cfg: RunConfig, notices: list[str], checkpoint: Path | None = None, ar
           force_recompile: bool = False) -> int:
     """inference_embedded.py: compile the model once (or load the compiled artefact) and time it; `checkpoint`:
     the weights (`cnns.runfolder.run_folder.open_restore_path` found them, and `cfg` holds their run's model), None for random."""
+    from cnns.commands.checks import check_no_sinks_without_a_folder
+
+    check_no_sinks_without_a_folder(cfg, "inference_embedded.py writes no run folder")
     for notice in notices:
         print(f"notice: {notice}")
     device = resolve_device(cfg.device)

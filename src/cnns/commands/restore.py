@@ -51,7 +51,7 @@ def _continue(run: RunFolder, cfg: RunConfig, relaunch: list[str]) -> int:
             point = _newest_point(run, world)
         if not cfg.train.seed_specified and "seed" in point.state:
             cfg = cfg.with_seed(int(point.state["seed"]))  # the data order of the run being continued
-        log, instance_folder = run_log_for(cfg, world, run.path)
+        log, instance_folder = run_log_for(cfg, world, run.path, "restore")
         if world.is_writer:
             for path, reason in point.skipped:
                 log.notice(f"skipped the unreadable checkpoint {path}, kept as {set_aside(path).name}: {reason}")

@@ -19,6 +19,9 @@ from cnns.parallel.world import World
 
 
 def propose_splits(cfg: RunConfig) -> int:
+    from cnns.commands.checks import check_no_sinks_without_a_folder
+
+    check_no_sinks_without_a_folder(cfg, "cnns splits writes no run folder")
     print(format_report(split_proposal(cfg, max(2, cfg.parallel.shards), resolve_device(cfg.device), model_to_plan)))
     return 0
 

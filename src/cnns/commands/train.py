@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cnns.commands.checks import (check_data_before_writing, check_run_folder_place, check_supported, parallel_notices,
-                                  print_split_points, wants_split_names)
+from cnns.commands.checks import (check_data_before_writing, check_no_sinks_without_a_folder, check_run_folder_place,
+                                  check_supported, parallel_notices, print_split_points, wants_split_names)
 from cnns.config import RunConfig
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.runfolder.run_folder import open_new_run
@@ -24,6 +24,7 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
     """train.py: a new run folder, trained (or the split names it takes). `relaunch` is the command line each
     worker process is started with."""
     if wants_split_names(cfg):
+        check_no_sinks_without_a_folder(cfg, "train.py asked for the split names prints them and writes no run folder")
         return print_split_points(cfg)
     if not checked_by_the_launcher():  # once a run: a worker cnns started was checked by its launcher
         check_supported(cfg)
@@ -48,8 +49,6 @@ def train(cfg: RunConfig, notices: list[str], relaunch: list[str]) -> int:
             for notice in notices + agreed:
                 log.notice(notice)
             log.write_arguments(cfg.arguments)
-            if cfg.log.wandb and world.is_writer:
-                log.start_wandb(cfg.log.wandb_project, cfg.log.name, cfg.arguments)
             return setup.train(cfg, world, log, folder, instance_folder, initial, restore)
     finally:
         world.close()

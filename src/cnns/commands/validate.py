@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from cnns.commands.checks import check_data_before_writing, check_holds_no_run, check_supported, check_writable
+from cnns.commands.checks import (check_data_before_writing, check_holds_no_run, check_no_sinks_without_a_folder,
+                                  check_supported, check_writable)
 from cnns.commands.splits import model_to_plan
 from cnns.config import RunConfig
 from cnns.engine.evaluate import EvalResult, evaluate
@@ -27,7 +28,8 @@ from cnns.errors import CheckpointError, continue_with
 from cnns.models import count_parameters
 from cnns.parallel.launch import checked_by_the_launcher, join_run, needs_local_workers, spawn_local_workers
 from cnns.parallel.world import World
-from cnns.runfolder.run_folder import RestoreTarget
+from cnns.profiling import profiled
+from cnns.runfolder.run_folder import RestoreTarget, trace_folder, writer_log
 from cnns.runfolder.lock import run_folder_lock
 from cnns.runfolder.log import RunLog, validated_names
 
@@ -62,6 +64,9 @@ def _checked_folder(cfg: RunConfig, restore_path: str | None, run: RestoreTarget
             check_writable(run.run.path, f"--restore-path {restore_path}")
         return run.run.path
     if not cfg.log.logs_path:
+        if checks:
+            check_no_sinks_without_a_folder(cfg, "validation.py without --restore-path or --logs-path writes no run "
+                                                 "folder")
         return None
     folder = Path(cfg.log.logs_path)  # a random model's lines and validation.csv go to a new folder, as a run's
     if checks:
@@ -88,7 +93,7 @@ def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notice
     c = set_up(cfg, world, train=False)
     check_targets_match(todo, c.plain_model, cfg.model.tag)
     # Nothing was written so far; from here on the checks have passed.
-    log = RunLog(folder) if world.is_writer else RunLog(None, quiet=True)
+    log = writer_log(cfg, folder, "validate") if world.is_writer else RunLog(None, quiet=True)
     for notice in notices:
         log.notice(notice)
     for path, reason in unreadable:
@@ -101,7 +106,8 @@ def validate_checkpoints(cfg: RunConfig, run: RestoreTarget, repeat: int, notice
             if name in done:
                 log.print(f"Skipping validation run on checkpoint: {name} (already in validation.csv)")
     continue_with(f"validation.py --restore-path {folder} validates the checkpoints not yet in validation.csv")
-    validate_targets(todo, c, log, cfg, _nominal_train_images(cfg), repeat)
+    with profiled(cfg.train.profile, c.device, trace_folder(cfg, folder), log):
+        validate_targets(todo, c, log, cfg, _nominal_train_images(cfg), repeat)
     if unreadable:
         log.print(f"Not validated ({len(unreadable)} unreadable): {', '.join(str(path) for path, _ in unreadable)}")
     log.close()
@@ -119,7 +125,7 @@ def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world
     """Graphcore's application's inference benchmark: no checkpoint, `--repeat` passes over generated data.
     With --logs-path the writer keeps its lines and validation.csv there, which `cnns benchmark` reads."""
     folder = Path(cfg.log.logs_path) if cfg.log.logs_path and world.is_writer else None  # locked by validate()
-    log = RunLog(folder, quiet=not world.is_writer)
+    log = writer_log(cfg, folder, "validate") if world.is_writer else RunLog(None, quiet=True)
     for notice in notices:
         log.notice(notice)
     c = set_up(cfg, world, train=False)
@@ -128,13 +134,14 @@ def validate_random_model(cfg: RunConfig, repeat: int, notices: list[str], world
     log.print(f"Total Parameters:{count_parameters(c.plain_model)}")
     total: EvalResult | None = None
     batches = generated_validation_limit(cfg, c, log, None)
-    for _ in range(repeat):
-        data = c.sources.eval.epoch(0)
-        if batches is not None:
-            data = itertools.islice(data, batches)
-        result = summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
-        log_validation(log, "random_init", -1, 0.0, result)
-        total = result if total is None else total.merged(result)
+    with profiled(cfg.train.profile and folder is not None, c.device, trace_folder(cfg, folder or Path()), log):
+        for _ in range(repeat):
+            data = c.sources.eval.epoch(0)
+            if batches is not None:
+                data = itertools.islice(data, batches)
+            result = summed_over_processes(evaluate(c.model, data, c.feed, c.policy), c)
+            log_validation(log, "random_init", -1, 0.0, result)
+            total = result if total is None else total.merged(result)
     if total is not None and total.latencies_ms:
         # Drop the first pass's first batch: it includes one-off warm-up.
         log.print(latency_line(total.latencies_ms[1:] or total.latencies_ms))

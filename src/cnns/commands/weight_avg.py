@@ -17,9 +17,9 @@ from cnns.engine.checkpoint_validation import Target, check_targets_match, targe
 from cnns.errors import CheckpointError, ConfigError
 from cnns.devices import resolve_device
 from cnns.parallel.world import World, process_device
-from cnns.runfolder.run_folder import RestoreTarget
+from cnns.profiling import profiled
+from cnns.runfolder.run_folder import RestoreTarget, trace_folder, writer_log
 from cnns.runfolder.lock import run_folder_lock
-from cnns.runfolder.log import RunLog
 
 DEFAULT_DECAY = 0.97  # Graphcore's application's exponential averaging decay (--decay)
 
@@ -58,13 +58,14 @@ def _average(cfg: RunConfig, folder: Path, mode: str, count: int | None, decay: 
     evaluation = set_up(cfg, here, train=False) if validate else None
     if evaluation is not None:
         check_targets_match(probes[:1], evaluation.plain_model, cfg.model.tag)
-    log = RunLog(folder)
+    log = writer_log(cfg, folder, "weight-avg")
     for notice in notices:
         log.notice(notice)
     path = write_average(folder, average_name(mode, len(chosen), decay, discard_last), chosen, mode, decay, log,
                          states=[probe.state for probe in probes])  # read once: here, as they were checked
     if evaluation is not None:
-        validate_targets(targets_of([path]), evaluation, log, cfg, 1)
+        with profiled(cfg.train.profile, evaluation.device, trace_folder(cfg, folder), log):
+            validate_targets(targets_of([path]), evaluation, log, cfg, 1)
     log.close()
     return 0
 

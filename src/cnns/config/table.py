@@ -530,6 +530,16 @@ def _add_logging_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--wandb", action="store_true", default=None, help="Log to Weights & Biases (offline by default).")
     group.add_argument("--wandb-project", help="Weights & Biases project name.")
     group.add_argument("--tensorboard", action="store_true", default=None, help="Also write TensorBoard event files.")
+    _add_sinks_off(group)
+
+
+def _add_sinks_off(group: argparse._ArgumentGroup) -> None:
+    """--no-wandb and --no-tensorboard: a later command on a run (restore.py, validation.py, weight_avg.py) takes
+    the run's own sinks from its arguments.json, and these leave them out (a machine without the package)."""
+    group.add_argument("--no-wandb", dest="wandb", action="store_false", default=None,
+                       help="No Weights & Biases, also where the run's options ask for it.")
+    group.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=None,
+                       help="No TensorBoard event files, also where the run's options ask for them.")
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -568,6 +578,7 @@ def build_parser(script: str, stated_default: StatedDefault | None = None) -> On
         # The pipeline's layout may change (the same updates on another device count); nothing else.
         _add_pipeline_layout_options(parser.add_argument_group("Continue with another pipeline layout"),
                                      new_layout=True)
+        _add_sinks_off(parser.add_argument_group("Leave out the run's sinks"))
         return parser
     _add_config_options(parser)
     _add_model_options(parser)

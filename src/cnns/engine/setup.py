@@ -40,7 +40,8 @@ from cnns.models import build_model, count_parameters
 from cnns.optim import HalfPrecisionOptimiser
 from cnns.parallel.world import World
 from cnns.precision import LossScaler, PrecisionPolicy
-from cnns.runfolder.run_folder import RestorePoint
+from cnns.profiling import profiled
+from cnns.runfolder.run_folder import RestorePoint, trace_folder
 from cnns.runfolder.log import RunLog
 from cnns.lr_schedules import ScheduleSpec
 from cnns.init_weights import InitialWeights
@@ -291,7 +292,7 @@ def _run_loop(cfg: RunConfig, setup: Setup, checkpointer: Checkpointer, log: Run
                         log, checkpointer.save, start_iteration,
                         after_update=after_update if setup.ema is not None else None, world=setup.world)
     setup.model.train()
-    with StopRequest().installed() as stop, _profiler(cfg, setup.device, folder, log):
+    with StopRequest().installed() as stop, profiled(cfg.train.profile, setup.device, trace_folder(cfg, folder), log):
         if start_iteration == 0 and setup.length.checkpoint_due(0):
             checkpointer.save(0)  # the initial weights; a restored run has it already
         result = loop.run(stop)
@@ -346,15 +347,3 @@ def _report_skipped_images(setup: Setup, log: RunLog) -> None:
     names = list(dict.fromkeys(name for names in every for name in names))[:3]
     log.print(f"Skipped {skipped} image{'' if skipped == 1 else 's'} that could not be decoded "
               f"(--skip-corrupt-images); first: {', '.join(names)}")
-
-
-def _profiler(cfg: RunConfig, device: torch.device, folder: Path, log: RunLog):
-    if not cfg.train.profile:
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-    # The GPU's kernels when the run uses one (a CPU run on a GPU host does not load CUPTI).
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    out = cfg.train.profile_dir or str(folder / "profile")
-    log.print(f"Writing a profiler trace to {out}")
-    return profile(activities=activities, on_trace_ready=tensorboard_trace_handler(out))

@@ -9,6 +9,10 @@ its last logged iteration (killed, or its newest checkpoint unreadable) and is c
 checkpoint logs those iterations again; the rows it had logged past that checkpoint are then moved, before
 the first new one, to ``training.abandoned.csv`` (``validation.abandoned.csv``) beside the file, with a notice
 (`RunLog.continue_after`). They stay readable there; the plots read only the ordered files.
+
+TensorBoard (``tensorboard/``) and W&B (``wandb/``) chart the same rows, each at its iteration (`training_scalars`,
+`validation_scalars`): a continued run's TensorBoard events replace the killed run's past its checkpoint, as its
+CSV rows do, and W&B's charts are drawn against the iteration, never W&B's own step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import io
 import itertools
 import json
 import random
+import re
 import string
 import sys
 from contextlib import contextmanager
@@ -35,6 +40,8 @@ TRAINING_COLUMNS = ("step", "iteration", "epoch", "lr", "loss_batch", "loss_avg"
 # Graphcore's application's columns, then top-5 accuracy (an addition at the end, so positional parsers still work).
 VALIDATION_COLUMNS = ("name", "iteration", "epoch", "val_acc", "raw_acc", "val_time", "val_size",
                       "img_per_sec", "latency", "val_top5")
+TRAINED_SCALARS = ("lr", "loss_avg", "train_acc_avg", "img_per_sec")  # charted by TensorBoard and W&B
+WANDB_STEP = "iteration"  # the x axis of every W&B chart: the rows' iteration
 
 STEP_LINE = ("step: {step:6d}, iteration: {iteration:6d}, epoch: {epoch:6.2f}, lr: {lr:6.4g}, "
              "loss: {loss_avg:6.3f}, top-1 accuracy: {train_acc_avg:6.3f}%, "
@@ -46,8 +53,9 @@ VALIDATION_LINE = ("Validation top-1 accuracy: {val_acc:6.3f}% [{name}] (iterati
 
 # What a run writes in its folder: its log, CSVs, options, checkpoints and averages, plot, TensorBoard and instance
 # folders (the lock aside), as fnmatch patterns. Declared to cnns.safe_writes, which refuses a link planted under any.
-RUN_FILES = (TRAINING_FILE, VALIDATION_FILE, LOG_FILE, "arguments.json", "training.png", "tensorboard", "profile",
-             "ckpt-*.pt", "weight_avg*.pt", "*.abandoned.csv", "instance_*")
+TENSORBOARD_FOLDER, PROFILE_FOLDER, WANDB_FOLDER = "tensorboard", "profile", "wandb"
+RUN_FILES = (TRAINING_FILE, VALIDATION_FILE, LOG_FILE, "arguments.json", "training.png", TENSORBOARD_FOLDER,
+             PROFILE_FOLDER, WANDB_FOLDER, "ckpt-*.pt", "weight_avg*.pt", "*.abandoned.csv", "instance_*")
 declare_run_files(RUN_FILES)
 
 
@@ -106,27 +114,34 @@ class RunLog:
     def __init__(self, folder: Path | None, quiet: bool = False, tensorboard: bool = False):
         self.folder = folder
         self.quiet = quiet
+        self._tensorboard = folder is not None and tensorboard  # the writer is made at the first scalar
         self._tb = None
+        self._purge_step: int | None = None  # a continued run's first iteration: TensorBoard drops what lies past
         self._wandb = None
         self._bar = None
-        if folder is not None and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(folder / "tensorboard"))
-
-    def start_wandb(self, project: str, name: str, options: Mapping[str, Any]) -> None:
-        """Weights & Biases, offline unless WANDB_MODE says otherwise (no network is assumed)."""
+    def start_wandb(self, name: str, job: str, options: Mapping[str, Any], project: str) -> None:
+        """Weights & Biases, offline unless WANDB_MODE says otherwise (no network is assumed), with everything it
+        writes (its offline run, settings and caches) in ``<run folder>/wandb`` unless its variables say otherwise.
+        Its charts' x axis is the iteration (`WANDB_STEP`), as the CSV files', not W&B's own count of calls: a
+        validation row comes after training rows of later iterations, which W&B's step would refuse (it only grows).
+        `cnns.commands.checks.check_optional_parts` found the package before the run folder was made."""
         import os
 
-        try:
-            import wandb
-        except ImportError:
-            from cnns.errors import ConfigError
+        import wandb
 
-            raise ConfigError("--wandb needs the wandb package: pip install 'cnns[wandb]'") from None
+        if self.folder is None:
+            return
+        own = self.folder / WANDB_FOLDER
         os.environ.setdefault("WANDB_MODE", "offline")
-        self._wandb = wandb.init(project=project, name=name, config=dict(options),
-                                 dir=str(self.folder) if self.folder else None)
+        for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+            os.environ.setdefault(variable, str(own))
+        own.mkdir(exist_ok=True)
+        self._wandb = wandb.init(project=project, name=name, group=name, job_type=job, config=dict(options),
+                                 dir=str(self.folder))
+        self._wandb.define_metric(WANDB_STEP)
+        for family in ("train/*", "validation*"):
+            self._wandb.define_metric(family, step_metric=WANDB_STEP)
 
     def print(self, line: str = "") -> None:
         if self.quiet:
@@ -177,33 +192,74 @@ class RunLog:
         (`set_apart_rows_after`) so the continued run's rows follow in order. Returns a notice for each file."""
         if self.folder is None:
             return []
+        if self._tb is not None:  # not made yet in a continued run; made again past `iteration` if it was
+            self._tb.close()
+            self._tb = None
+        self._purge_step = iteration + 1
         notices = (set_apart_rows_after(self.folder / name, iteration) for name in (TRAINING_FILE, VALIDATION_FILE))
         return [notice for notice in notices if notice is not None]
 
     def training_step(self, row: dict[str, Any]) -> None:
         self.print(STEP_LINE.format(**row))
         self._append_csv(TRAINING_FILE, TRAINING_COLUMNS, row)
-        if self._tb is not None:
-            for key in ("lr", "loss_avg", "train_acc_avg", "img_per_sec"):
-                self._tb.add_scalar(f"train/{key}", row[key], row["iteration"])
-        if self._wandb is not None:
-            self._wandb.log({f"train/{k}": row[k] for k in ("lr", "loss_avg", "train_acc_avg", "img_per_sec")},
-                            step=row["iteration"])
+        self._to_sinks(training_scalars(row), row["iteration"])
 
     def validation_result(self, row: dict[str, Any]) -> None:
         self.print(VALIDATION_LINE.format(**row))
         self._append_csv(VALIDATION_FILE, VALIDATION_COLUMNS, row)
-        if self._tb is not None:
-            self._tb.add_scalar("validation/top1", row["val_acc"], row["iteration"])
+        self._to_sinks(validation_scalars(row), row["iteration"])
+
+    def _to_sinks(self, scalars: dict[str, float], iteration: int) -> None:
+        """A CSV row's scalars to TensorBoard and W&B, each at the row's iteration (and only where it is written)."""
+        if self._tensorboard:
+            writer = self._tensorboard_writer()
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, iteration)
+            writer.flush()  # on disk with the row (SummaryWriter keeps 2 minutes of events): a killed run's are there
         if self._wandb is not None:
-            self._wandb.log({"validation/top1": row["val_acc"], "validation/top5": row.get("val_top5")})
+            self._wandb.log({**scalars, WANDB_STEP: iteration})
+
+    def _tensorboard_writer(self):
+        """The run's TensorBoard writer, made at the first scalar so that a continued run's is made knowing where it
+        continues from (`continue_after`): its events then replace those its killed predecessor logged past that
+        point (SummaryWriter's purge_step), as the CSV files' rows do."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.folder / TENSORBOARD_FOLDER), purge_step=self._purge_step)
+        return self._tb
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
         sys.stdout.flush()
+
+
+def training_scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """What TensorBoard and W&B chart of a training.csv row, by tag."""
+    return {f"train/{key}": row[key] for key in TRAINED_SCALARS}
+
+
+def validation_scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """What TensorBoard and W&B chart of a validation.csv row, by tag: a series per kind of row (the checkpoints'
+    is ``validation/``; their moving averages', a weight average's, a random model's are named after the row), so
+    that each series holds an iteration once, as its rows do."""
+    series = validation_series(row["name"])
+    scalars = {f"{series}/top1": row["val_acc"]}
+    if row.get("val_top5") is not None:
+        scalars[f"{series}/top5"] = row["val_top5"]
+    return scalars
+
+
+def validation_series(name: str) -> str:
+    """"ckpt-20" -> "validation", "ckpt-20_ema" -> "validation_ema", "weight_avg_mean_last3" ->
+    "validation_weight_avg_mean_last3": the row's name without its checkpoint's iteration."""
+    kind = re.sub(r"^ckpt-\d+", "", name)
+    return f"validation{'_' if kind and not kind.startswith('_') else ''}{kind}"
 
 
 def write_arguments(folder: Path, options: Mapping[str, Any], filename: str = "arguments.json") -> None:

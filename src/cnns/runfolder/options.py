@@ -6,7 +6,10 @@
   places a checkpoint in epochs) unless ``--global-batch-size``.
 * **restore** (`restore_options`: restore.py): the run's options exactly, except the pipeline layout
   (``--shards``, ``--pipeline-splits``, ``--pipeline-schedule``), which may change because checkpoints hold the
-  whole model and pipelines compute the same updates at any stage count.
+  whole model and pipelines compute the same updates at any stage count, and the sinks ``--no-wandb`` and
+  ``--no-tensorboard`` leave out.
+* Neither keeps the options that say where the first command wrote outside its run folder (`COMMAND_OWN_PLACES`:
+  ``--profile-dir``): a later command writes in the run folder or where its own command line says.
 * **inference_embedded.py** (`inference_run_options`): the run's model, dataset and precision under the command
   line's values; the rest (generated images, one process) is its own. **cnns benchmark** takes no run folder.
 
@@ -23,6 +26,11 @@ from cnns.config import check_domains, resolve
 from cnns.config.defaults import stages_compile
 from cnns.errors import ConfigError
 from cnns.runfolder.run_folder import RestoreTarget, RunFolder, open_restore_path
+
+# Options that name where the command that was given them writes: a later command on the run (restore.py,
+# validation.py, weight_avg.py) writes in the run folder, or where its own command line says, never where the run's
+# arguments.json names (an old absolute path, or one relative to where the run was started).
+COMMAND_OWN_PLACES = ("profile_dir",)
 
 # Flags whose parser default is False: a False there cannot be told apart from "not given".
 _FALSE_BY_DEFAULT = {"generated_data", "synthetic_data", "print_config", "dataset_benchmark", "force_recompile"}
@@ -94,7 +102,8 @@ def _options_of_the_run(run: RestoreTarget | None) -> dict[str, Any]:
     if run is None:
         return {}
     options = dict(run.run.options)
-    options.pop("name", None)
+    for key in ("name", *COMMAND_OWN_PLACES):
+        options.pop(key, None)
     return options
 
 
@@ -107,7 +116,8 @@ def restore_options(run: RunFolder, values: dict[str, Any]) -> dict[str, Any]:
     """restore.py: the run's options with the stage layout its command line gives (`values`):
     checkpoints hold the whole model, and pipelines compute the same updates whatever the stage
     count, so a run continues on more or fewer devices."""
-    options = dict(run.options)
+    options = {key: value for key, value in run.options.items() if key not in COMMAND_OWN_PLACES}
+    options.update({sink: False for sink in ("wandb", "tensorboard") if values.get(sink) is False})  # --no-wandb ...
     check_domains(values)  # the new layout's --shards, as every option's value is checked
     if values.get("shards") is None and values.get("pipeline_splits") is None and not values.get("pipeline_schedule"):
         return options

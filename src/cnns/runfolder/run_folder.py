@@ -27,7 +27,7 @@ from cnns.runfolder.checkpoint import list_checkpoints, list_weight_averages, lo
 from cnns.runfolder.classes import class_names
 from cnns.safe_writes import may_write, own_run_folder
 from cnns.runfolder.lock import run_folder_lock
-from cnns.runfolder.log import RunLog, new_run_folder, read_run_text, write_arguments
+from cnns.runfolder.log import PROFILE_FOLDER, RunLog, new_run_folder, read_run_text, write_arguments
 
 @dataclass
 class RestorePoint:
@@ -235,15 +235,26 @@ def open_new_run(cfg: RunConfig, world) -> Iterator[tuple[Path | None, RestorePo
     folder = agree_on_run_folder(cfg, world)
     with run_folder_lock(folder if world.is_writer else None):
         restore = newest_restore_point(folder, world) if world.restart > 0 and folder is not None else None
-        log, instance_folder = run_log_for(cfg, world, folder)
+        log, instance_folder = run_log_for(cfg, world, folder, "train")
         yield folder, restore, log, instance_folder
 
 
-def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Path | None]:
-    """Rank 0 writes the run folder; another rank writes <run folder>/instance_<rank> when asked to
-    (--log-all-instances / --ckpt-all-instances) and is otherwise silent."""
+def writer_log(cfg: RunConfig, folder: Path | None, command: str) -> RunLog:
+    """The log of the process that writes `folder` for `command` (train, restore, validate, weight-avg): its lines
+    and CSV files, and each row to TensorBoard (--tensorboard) and W&B (--wandb) at its iteration, everything in
+    the run folder. None (--compile-only, a random model without --logs-path): the lines only."""
+    log = RunLog(folder, tensorboard=cfg.log.tensorboard)
+    if cfg.log.wandb and folder is not None:
+        log.start_wandb(folder.name, command, cfg.arguments, cfg.log.wandb_project)
+    return log
+
+
+def run_log_for(cfg: RunConfig, world, folder: Path | None, command: str) -> tuple[RunLog, Path | None]:
+    """Rank 0 writes the run folder (`writer_log`); another rank writes <run folder>/instance_<rank> when asked to
+    (--log-all-instances / --ckpt-all-instances; its own TensorBoard events there, W&B being the run's) and is
+    otherwise silent."""
     if world.is_writer or folder is None:
-        return RunLog(folder, tensorboard=cfg.log.tensorboard), None
+        return writer_log(cfg, folder, command), None
     if not (cfg.log.log_all_instances or cfg.log.ckpt_all_instances):
         return RunLog(None, quiet=True), None
     instance = folder / f"instance_{world.rank}"
@@ -254,3 +265,9 @@ def run_log_for(cfg: RunConfig, world, folder: Path | None) -> tuple[RunLog, Pat
         return RunLog(instance, tensorboard=cfg.log.tensorboard), instance
     write_arguments(instance, cfg.arguments)
     return RunLog(None, quiet=True), instance
+
+
+def trace_folder(cfg: RunConfig, folder: Path | None) -> Path:
+    """Where --profile writes a command's trace: the --profile-dir this command's line gave, else <run folder>/profile
+    (a restored or validated run never takes its arguments.json's --profile-dir: `cnns.runfolder.options`)."""
+    return Path(cfg.train.profile_dir) if cfg.train.profile_dir else Path(folder) / PROFILE_FOLDER
