@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from cnns.cli import run_script as run_command
+from model_kinds import TIMM
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 # The tests that start from the trained run share one test worker (`--dist loadgroup`), and the run is a
@@ -121,6 +122,32 @@ def test_a_timm_safetensors_file_initialises_the_model(pretrained, five_digits, 
     state = torch.load(tmp_path / "run" / "ckpt-0.pt", weights_only=True)["model"]
     for name, tensor in state.items():
         if name.startswith("fc."):
+            assert tensor.shape[0] == 5
+        else:
+            assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.parametrize("model", TIMM)
+def test_a_timm_run_initialises_a_run_of_another_class_count(model, five_digits, tmp_path, capsys):
+    """A timm model by its timm name (tests/model_kinds.py), trained on ten classes, starts a run on five: every
+    tensor but timm's classifier (its `get_classifier`) is the first run's last checkpoint's, bit for bit."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_command("train", [*TIMM[model], "--dataset", "cifar-10", "--generated-data", "--micro-batch-size", "8",
+                                 "--iterations", "2", "--ckpts-per-epoch", "0", "--no-validation",
+                                 "--logs-path", str(first)]) == 0
+    capsys.readouterr()
+    assert run_command("train", [*TIMM[model], "--dataset", "imagenet", "--image-size", "40", "--data-dir",
+                                 str(five_digits), "--micro-batch-size", "8", "--iterations", "1", "--ckpts-per-epoch",
+                                 "1", "--no-validation", "--pipeline-num-parallel", "0", "--init-path", str(first),
+                                 "--logs-path", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert f"Initialised from {first}/ckpt-2.pt (--init-path)" in out
+    assert "Classifier (classifier) initialised anew: 5 classes here, 10 in ckpt-2.pt" in out
+    weights = torch.load(first / "ckpt-2.pt", weights_only=True)["model"]
+    state = torch.load(second / "ckpt-0.pt", weights_only=True)["model"]
+    assert state.keys() == weights.keys()
+    for name, tensor in state.items():
+        if name.startswith("classifier."):
             assert tensor.shape[0] == 5
         else:
             assert torch.equal(tensor, weights[name]), name
