@@ -153,6 +153,23 @@ def test_a_timm_run_initialises_a_run_of_another_class_count(model, five_digits,
             assert torch.equal(tensor, weights[name]), name
 
 
+@pytest.mark.parametrize("name, size, heads", [("resnet", "8", ["fc"]), ("resnet18d", "", ["fc"]), ("dla34", "", ["fc"]),
+                                              ("deit_tiny_distilled_patch16_224", "", ["head", "head_dist"])])
+def test_the_classifier_started_anew_is_the_one_timm_names(name, size, heads):
+    """timm's get_classifier where the model is timm's: DLA's is a 1x1 convolution (no linear layer at all), a
+    distilled DeiT has two; the CIFAR ResNet's is its last linear layer. Built on the meta device, as --init-path does."""
+    from cnns.init_weights import _other_class_count, classifier_names
+    from cnns.models import ModelSpec, build_model
+
+    image_size = 224 if name.startswith("deit") else 32
+    with torch.device("meta"):
+        ours, theirs = (build_model(ModelSpec(name, size, classes, image_size)) for classes in (5, 10))
+    assert classifier_names(ours) == heads
+    for head in heads:  # the file's head, of 10 classes, is the model's of 5 for another class count
+        assert _other_class_count(theirs.state_dict(), ours.state_dict(), head)
+        assert not _other_class_count(ours.state_dict(), ours.state_dict(), head)
+
+
 def save_safetensors(tensors: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
