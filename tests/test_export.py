@@ -245,6 +245,7 @@ def test_pt2_export_for_cuda_prints_the_recorded_range_and_the_package_runs_one_
 # Every kind of model: a timm model by its timm name exports as the seed's does
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", TIMM)
 def test_a_timm_models_onnx_and_pt2_exports_compute_what_cnns_predict_computes(model, tmp_path, capfd):
     """A timm model trained in 16.16 (tests/model_kinds.py): its ONNX file (float NCHW, dynamic batch) and its .pt2
