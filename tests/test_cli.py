@@ -207,6 +207,8 @@ def test_ipu_only_options_are_named_in_one_notice():
     (["--dataset", "cifar-10", "--data-dir", "/x", "--shards", "2", "--pipeline", "--pipeline-splits", "stage2/unit1/relu",
       "--compile"], "--compile with pipeline stages (--shards > 1) is not supported yet"),
     (["--dataset", "cifar-10", "--data-dir", "/x", "--BN-span", "2"], "--BN-span 2 spans replicas"),
+    (["--dataset", "cifar-10", "--data-dir", "/x", "--group-norm", "--replicas", "2", "--BN-span", "2"],
+     "--BN-span 2 spans the statistics of batch norms over replicas, and ResNet-20 has none (--group-norm replaced"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(capfd, argv, message):
     # train.py's command run in this process through cnns.cli.run_script, which the root script calls, with fds 1

@@ -1,8 +1,10 @@
 """cnns export: ONNX (onnxruntime) and AOTInductor .pt2 files of a 16.16-trained checkpoint compute the
-eager float32 model's logits, for float NCHW and for uint8 NHWC (--eight-bit-io) input."""
+eager float32 model's logits, for float NCHW and for uint8 NHWC (--eight-bit-io) input; a timm model's compute
+what `cnns predict` computes."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,16 +16,17 @@ import pytest
 import scripts
 import torch
 
-from cnns.cli.inference import export_main
+from cnns.cli.inference import export_main, restored_run
 from cnns.data.augment import IMAGENET_MEAN, normalise
 from cnns.data.drawn_shapes import draw_shapes
 from cnns.data.cifar_records import write_cifar10
 from cnns.deploy.graphs import (CUDA_MAX_BATCH, ONNX_OPSET, batch_range, export_onnx, export_program,
                                 max_batch)
-from cnns.deploy.restored_model import FloatClassifier
+from cnns.deploy.restored_model import FloatClassifier, restore_model
 from cnns.errors import CnnsError
 from cnns.runfolder.checkpoint import list_checkpoints
 from cnns.models import ModelSpec, build_model
+from model_kinds import TIMM
 
 UNIT_STD = (1.0, 1.0, 1.0)  # the run trains without --normalise-input: mean subtraction only
 
@@ -236,3 +239,48 @@ def test_pt2_export_for_cuda_prints_the_recorded_range_and_the_package_runs_one_
     for batch, seed in ((1, 10), (3, 11)):
         images = float_images(batch, seed)
         assert_close(runner(images).numpy(), eager_logits(eager, images))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every kind of model: a timm model by its timm name exports as the seed's does
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", TIMM)
+def test_a_timm_models_onnx_and_pt2_exports_compute_what_cnns_predict_computes(model, tmp_path, capfd):
+    """A timm model trained in 16.16 (tests/model_kinds.py): its ONNX file (float NCHW, dynamic batch) and its .pt2
+    package (uint8 NHWC) on the pixels of PNG files give the probabilities `cnns predict` prints for those files."""
+    from PIL import Image
+
+    images, labels = draw_shapes(96 + 6, seed=5)
+    write_cifar10(tmp_path / "data", (images[:96], labels[:96]), (images[96:], labels[96:]))
+    run = tmp_path / "run"
+    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(tmp_path / "data"), *TIMM[model], "--precision",
+                       "16.16", "--half-dtype", "bfloat16", "--micro-batch-size", "16", "--iterations", "6",
+                       "--ckpts-per-epoch", "0", "--seed", "1", "--no-validation", "--logs-path", str(run))
+    pngs = tmp_path / "pngs"
+    pngs.mkdir()
+    for index, image in enumerate(images[96:]):
+        Image.fromarray(image.numpy()).save(pngs / f"{index}.png")
+    printed = scripts.run_here(capfd, "predict", "--restore-path", str(run), str(pngs), "--top-k", "10", "--json")
+    rows = sorted((json.loads(line) for line in printed.stdout.splitlines()), key=lambda row: row["path"])
+    predicted = torch.tensor([[p["probability"] for p in sorted(row["top_k"], key=lambda p: p["class"])]
+                              for row in rows])
+    pixels = torch.stack([torch.from_numpy(np.array(Image.open(row["path"]))) for row in rows])  # uint8 NHWC
+    restored = restore_model(*restored_run(str(run)))
+
+    onnx_path, pt2_path = tmp_path / "model.onnx", tmp_path / "model.pt2"
+    scripts.run_here(capfd, "export", "--restore-path", str(run), "--format", "onnx", "--batch-size", "dynamic",
+                     "--out", str(onnx_path))
+    scripts.run_here(capfd, "export", "--restore-path", str(run), "--format", "pt2", "--eight-bit-io",
+                     "--out", str(pt2_path))
+    floats = normalise(pixels, restored.mean, restored.std, torch.float32).contiguous()
+    [onnx_logits] = onnx_session(onnx_path).run(None, {"images": floats.numpy()})
+    pt2_logits = torch._inductor.aoti_load_package(str(pt2_path))(pixels)
+    for logits in (torch.from_numpy(onnx_logits), pt2_logits):
+        # float32 all three ways, each summing in its own order: logits within 1e-4 of their scale of each other
+        # (assert_close above), and softmax moves a probability by at most half the largest logit's change.
+        scale = max(1.0, float(logits.abs().max()))
+        assert torch.equal(logits.argmax(-1), predicted.argmax(-1))
+        assert torch.allclose(logits.softmax(-1), predicted, rtol=0, atol=1e-4 * scale), \
+            (logits.softmax(-1) - predicted).abs().max()

@@ -139,6 +139,8 @@ def test_an_unknown_model_is_one_line_with_the_nearest_names(capfd, tmp_path, mo
 @pytest.mark.parametrize("options, words", [
     (("--model", "convnext_atto", "--model-size", "18"), "takes no --model-size"),
     (("--model", "convnext_atto", "--group-norm"), "has none"),
+    (("--model", "convnext_atto", "--replicas", "2", "--BN-span", "2"),
+     "--BN-span 2 spans the statistics of batch norms over replicas, and convnext_atto has none (it normalises"),
 ])
 def test_what_a_timm_model_cannot_take_is_one_line(options, words, capfd, tmp_path, monkeypatch):
     monkeypatch.setenv("DATA_DIR", "/nowhere/cifar-10")

@@ -17,6 +17,7 @@ import pytest
 
 import processes
 import scripts
+from model_kinds import MODELS, TIMM_BATCH_NORM
 import torch
 
 from cnns.cli import run_script as run_command
@@ -84,20 +85,26 @@ def assert_identical_checkpoints(a: Path, b: Path) -> None:
     assert not different, different[:10]
 
 
-@pytest.mark.parametrize("precision, optimiser, extra, per_epoch", [
-    ("32.32", "momentum", ["--micro-batch-size", "16", "--epochs", "2"], 40),
+@pytest.mark.parametrize("model, precision, optimiser, extra, per_epoch", [
+    ("resnet-8", "32.32", "momentum", ["--micro-batch-size", "16", "--epochs", "2"], 40),
     # 16.16: stochastic rounding, accumulation, mixup and the moving average all carry random or running state.
     # --half-dtype bfloat16: real bfloat16 weights even on a CPU that only emulates it.
-    ("16.16", "momentum", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--gradient-accumulation-count",
-                           "2", "--epochs", "3", "--ema-decay", "0.9", "--mixup-alpha", "0.2"], 20),
+    ("resnet-8", "16.16", "momentum", ["--half-dtype", "bfloat16", "--micro-batch-size", "16",
+                                       "--gradient-accumulation-count", "2", "--epochs", "3", "--ema-decay", "0.9",
+                                       "--mixup-alpha", "0.2"], 20),
     # Each optimiser added to the registry: its state (and the update's stochastic rounding) continued, in one epoch.
-    ("16.16", "AdamW", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
-    ("16.16", "LAMB", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
+    ("resnet-8", "16.16", "AdamW", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
+    ("resnet-8", "16.16", "LAMB", ["--half-dtype", "bfloat16", "--micro-batch-size", "16", "--epochs", "1"], 40),
+    # A timm model by its timm name (tests/model_kinds.py): timm's norm + activation layers and their running
+    # statistics, in 16.16 with accumulation and the moving average, in one epoch.
+    (TIMM_BATCH_NORM, "16.16", "momentum", ["--half-dtype", "bfloat16", "--micro-batch-size", "16",
+                                            "--gradient-accumulation-count", "2", "--epochs", "1", "--ema-decay",
+                                            "0.9"], 20),
 ], ids=lambda value: value if isinstance(value, str) else None)
-def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, capfd, precision,
-                                                                              optimiser, extra, per_epoch):
+def test_sigterm_mid_epoch_then_restore_ends_bitwise_like_an_uninterrupted_run(data_dir, tmp_path, capfd, model,
+                                                                              precision, optimiser, extra, per_epoch):
     total = per_epoch * int(extra[extra.index("--epochs") + 1])
-    options = ["--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--precision", precision,
+    options = ["--dataset", "cifar-10", "--data-dir", str(data_dir), *MODELS[model], "--precision", precision,
                "--seed", "11", "--optimiser", optimiser, "--warmup-epochs", "1", "--device-iterations", "1",
                "--logs-per-epoch", str(per_epoch), "--ckpts-per-epoch", "1", "--no-validation", *extra]
     whole, parted = tmp_path / "whole", tmp_path / "parted"

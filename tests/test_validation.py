@@ -14,6 +14,7 @@ import scripts
 import torch
 
 from cnns.cli import run_script as run_command
+from model_kinds import MODELS
 
 TEST_IMAGES = 48
 
@@ -34,17 +35,32 @@ def data_dir(shapes_cifar10) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained_run(data_dir, tmp_path_factory) -> Path:
-    """As Graphcore's application tests it: 4 updates, 2 device iterations, a million checkpoints an epoch asked
-    (so one at every synchronisation: the host holds the weights only there), no validation.
+def trained_runs(data_dir, tmp_path_factory):
+    """model (tests/model_kinds.py) -> its run as Graphcore's application tests it: 4 updates, 2 device iterations,
+    a million checkpoints an epoch asked (so one at every synchronisation: the host holds the weights only there),
+    no validation; each made once, when a test first asks for it.
 
     Trained in this process (a new interpreter would import torch again).
     """
-    folder = tmp_path_factory.mktemp("runs") / "run"
-    scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data_dir), "--model-size", "8", "--micro-batch-size",
-                       "16", "--iterations", "4", "--device-iterations", "2", "--no-validation", "--ckpts-per-epoch",
-                       "1000000", "--seed", "2", "--logs-path", str(folder))
-    return folder
+    made: dict[str, Path] = {}
+
+    def run(model: str) -> Path:
+        if model not in made:
+            folder = tmp_path_factory.mktemp("runs") / "run"
+            scripts.train_here("--dataset", "cifar-10", "--data-dir", str(data_dir), *MODELS[model],
+                               "--micro-batch-size", "16", "--iterations", "4", "--device-iterations", "2",
+                               "--no-validation", "--ckpts-per-epoch", "1000000", "--seed", "2", "--logs-path",
+                               str(folder))
+            made[model] = folder
+        return made[model]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def trained_run(trained_runs) -> Path:
+    """The seed's ResNet-8's run."""
+    return trained_runs("resnet-8")
 
 
 @pytest.fixture
@@ -54,7 +70,10 @@ def run_copy(trained_run, tmp_path) -> Path:
     return copy
 
 
-def test_validation_validates_every_checkpoint_once(run_copy, tmp_path, capfd):
+@pytest.mark.parametrize("model", MODELS)
+def test_validation_validates_every_checkpoint_once(trained_runs, model, tmp_path, capfd):
+    run_copy = tmp_path / "run"
+    shutil.copytree(trained_runs(model), run_copy)
     assert sorted(p.name for p in run_copy.glob("ckpt-*.pt")) == ["ckpt-0.pt", "ckpt-2.pt", "ckpt-4.pt"]
     out = scripts.run_here(capfd, "validation.py", "--restore-path", str(run_copy), cwd=tmp_path)
     lines = re.findall(r"^Validation top-1 accuracy: +[\d.]+% \[(ckpt-\d+)\] \(iteration: +(\d+), epoch: +([\d.]+),",

@@ -18,6 +18,7 @@ from cnns.data.drawn_shapes import draw_shapes
 from cnns.data.cifar_records import write_cifar10
 from cnns.engine.averaging import average_state_dicts
 from cnns.engine.ema import WeightEma
+from model_kinds import MODELS
 from test_cli import graphcore_command_lines
 
 
@@ -93,27 +94,44 @@ def test_the_moving_average_of_half_weights_is_kept_in_float32():
 
 
 @pytest.fixture(scope="module")
-def averaged_run(tmp_path_factory) -> Path:
-    """2 epochs of 8 updates, a checkpoint every half epoch, a moving average, and both averages after training.
+def averaged_runs(tmp_path_factory):
+    """model (tests/model_kinds.py) -> its run of 2 epochs of 8 updates, a checkpoint every half epoch, a moving
+    average, and both averages after training; each made once, when a test first asks for it.
 
     Trained in this process (a new interpreter costs seconds of start-up on two busy cores).
     """
     data = tmp_path_factory.mktemp("cifar-10-avg")
     images, labels = draw_shapes(128 + 32, seed=9)
     write_cifar10(data, (images[:128], labels[:128]), (images[128:], labels[128:]))
-    folder = data.parent / "averaged-run"
-    scripts.train_here(
-        "--dataset", "cifar-10", "--data-dir", str(data), "--model-size", "8", "--micro-batch-size", "16",
-        "--epochs", "2", "--warmup-epochs", "0", "--ckpts-per-epoch", "2", "--optimiser", "momentum", "--seed", "3",
-        "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9", "--logs-path", str(folder))
-    return folder
+    made: dict[str, Path] = {}
+
+    def run(model: str) -> Path:
+        if model not in made:
+            folder = data.parent / f"averaged-run-{model}"
+            scripts.train_here(
+                "--dataset", "cifar-10", "--data-dir", str(data), *MODELS[model], "--micro-batch-size", "16",
+                "--epochs", "2", "--warmup-epochs", "0", "--ckpts-per-epoch", "2", "--optimiser", "momentum",
+                "--seed", "3", "--ema-decay", "0.9", "--weight-avg-N", "1", "--weight-avg-exp", "0.9",
+                "--logs-path", str(folder))
+            made[model] = folder
+        return made[model]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def averaged_run(averaged_runs) -> Path:
+    """The seed's ResNet-8's averaged run."""
+    return averaged_runs("resnet-8")
 
 
 def checkpoints(folder: Path, iterations: list[int]) -> list[dict]:
     return [load(folder / f"ckpt-{it}.pt")["model"] for it in iterations]
 
 
-def test_training_time_averages_and_moving_average_are_saved_and_validated(averaged_run):
+@pytest.mark.parametrize("model", MODELS)
+def test_training_time_averages_and_moving_average_are_saved_and_validated(averaged_runs, model):
+    averaged_run = averaged_runs(model)
     # --weight-avg-N 1: the checkpoints of the last epoch (epochs 1.0, 1.5 and 2.0), each once.
     mean = load(averaged_run / "weight_avg_N_1.pt")
     assert mean["averaged_iterations"] == [8, 12, 16]
@@ -127,10 +145,16 @@ def test_training_time_averages_and_moving_average_are_saved_and_validated(avera
 
     final = load(averaged_run / "ckpt-16.pt")
     assert final["ema"].keys() == final["model"].keys()
-    assert not torch.equal(final["ema"]["fc.weight"], final["model"]["fc.weight"])
+    assert all(t.dtype == torch.float32 for t in final["ema"].values() if t.is_floating_point())  # 16.16's too
+    assert not torch.equal(final["ema"][classifier(final)], final["model"][classifier(final)])
     names = [row["name"] for row in read_csv(averaged_run / "validation.csv")]
     assert names == ["ckpt-4", "ckpt-4_ema", "ckpt-8", "ckpt-8_ema", "ckpt-12", "ckpt-12_ema", "ckpt-16",
                      "ckpt-16_ema", "weight_avg_N_1", "weight_avg_exp_0.9"]
+
+
+def classifier(checkpoint: dict) -> str:
+    """The weight of the model's classifier, its last tensor of two dimensions (fc.weight, timm's classifier.weight)."""
+    return [key for key, tensor in checkpoint["model"].items() if tensor.dim() == 2][-1]
 
 
 @pytest.fixture
@@ -140,7 +164,10 @@ def run_copy(averaged_run, tmp_path) -> Path:
     return copy
 
 
-def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(run_copy, tmp_path, capfd):
+@pytest.mark.parametrize("model", MODELS)
+def test_weight_avg_py_mean_of_the_last_checkpoints_is_saved_and_validated(averaged_runs, model, tmp_path, capfd):
+    run_copy = tmp_path / "run"
+    shutil.copytree(averaged_runs(model), run_copy)
     out = scripts.run_here(capfd, "weight_avg.py", "--restore-path", str(run_copy), "--mode", "mean", "-N", "2",
                            "--discard-last", "1", cwd=tmp_path)
     averaged = load(run_copy / "weight_avg_mean_last2_discard1.pt")

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from cnns.cli import run_script as run_command
+from model_kinds import TIMM
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 # The tests that start from the trained run share one test worker (`--dist loadgroup`), and the run is a
@@ -124,6 +125,49 @@ def test_a_timm_safetensors_file_initialises_the_model(pretrained, five_digits, 
             assert tensor.shape[0] == 5
         else:
             assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.parametrize("model", TIMM)
+def test_a_timm_run_initialises_a_run_of_another_class_count(model, five_digits, tmp_path, capsys):
+    """A timm model by its timm name (tests/model_kinds.py), trained on ten classes, starts a run on five: every
+    tensor but timm's classifier (its `get_classifier`) is the first run's last checkpoint's, bit for bit."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_command("train", [*TIMM[model], "--dataset", "cifar-10", "--generated-data", "--micro-batch-size", "8",
+                                 "--iterations", "2", "--ckpts-per-epoch", "0", "--no-validation",
+                                 "--logs-path", str(first)]) == 0
+    capsys.readouterr()
+    assert run_command("train", [*TIMM[model], "--dataset", "imagenet", "--image-size", "40", "--data-dir",
+                                 str(five_digits), "--micro-batch-size", "8", "--iterations", "1", "--ckpts-per-epoch",
+                                 "1", "--no-validation", "--pipeline-num-parallel", "0", "--init-path", str(first),
+                                 "--logs-path", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert f"Initialised from {first}/ckpt-2.pt (--init-path)" in out
+    assert "Classifier (classifier) initialised anew: 5 classes here, 10 in ckpt-2.pt" in out
+    weights = torch.load(first / "ckpt-2.pt", weights_only=True)["model"]
+    state = torch.load(second / "ckpt-0.pt", weights_only=True)["model"]
+    assert state.keys() == weights.keys()
+    for name, tensor in state.items():
+        if name.startswith("classifier."):
+            assert tensor.shape[0] == 5
+        else:
+            assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.parametrize("name, size, heads", [("resnet", "8", ["fc"]), ("resnet18d", "", ["fc"]), ("dla34", "", ["fc"]),
+                                              ("deit_tiny_distilled_patch16_224", "", ["head", "head_dist"])])
+def test_the_classifier_started_anew_is_the_one_timm_names(name, size, heads):
+    """timm's get_classifier where the model is timm's: DLA's is a 1x1 convolution (no linear layer at all), a
+    distilled DeiT has two; the CIFAR ResNet's is its last linear layer. Built on the meta device, as --init-path does."""
+    from cnns.init_weights import _other_class_count, classifier_names
+    from cnns.models import ModelSpec, build_model
+
+    image_size = 224 if name.startswith("deit") else 32
+    with torch.device("meta"):
+        ours, theirs = (build_model(ModelSpec(name, size, classes, image_size)) for classes in (5, 10))
+    assert classifier_names(ours) == heads
+    for head in heads:  # the file's head, of 10 classes, is the model's of 5 for another class count
+        assert _other_class_count(theirs.state_dict(), ours.state_dict(), head)
+        assert not _other_class_count(ours.state_dict(), ours.state_dict(), head)
 
 
 def save_safetensors(tensors: dict, path: Path) -> None:

@@ -90,15 +90,15 @@ def initial_weights(path: str | Path, spec: ModelSpec) -> InitialWeights:
     with torch.device("meta"):
         model = build_model(spec)
     expected = model.state_dict()
-    classifier = classifier_name(model)
     notes = [f"Initialised from {path} (--init-path); optimiser, schedule and data order start fresh"]
-    head = {f"{classifier}.weight", f"{classifier}.bias"}
-    theirs = weights.get(f"{classifier}.weight")
-    if theirs is not None and theirs.shape != expected[f"{classifier}.weight"].shape and theirs.dim() == 2:
-        weights = {k: v for k, v in weights.items() if k not in head}
-        notes.append(f"Classifier ({classifier}) initialised anew: {spec.num_classes} classes here, "
+    anew = [head for head in classifier_names(model) if _other_class_count(weights, expected, head)]
+    if anew:
+        theirs = weights[f"{anew[0]}.weight"]
+        heads = {f"{head}.{part}" for head in anew for part in ("weight", "bias")}
+        weights = {k: v for k, v in weights.items() if k not in heads}
+        expected = {k: v for k, v in expected.items() if k not in heads}
+        notes.append(f"Classifier ({', '.join(anew)}) initialised anew: {spec.num_classes} classes here, "
                      f"{theirs.shape[0]} in {path.name}")
-        expected = {k: v for k, v in expected.items() if k not in head}
     foreign = [k for k in weights if k not in expected]
     if foreign:
         raise CheckpointError(f"--init-path {path} does not fit {_described(spec)}: it has {foreign[0]!r}, which the "
@@ -114,9 +114,30 @@ def initial_weights(path: str | Path, spec: ModelSpec) -> InitialWeights:
     return InitialWeights(Path(path), weights, notes)
 
 
+def classifier_names(model: nn.Module) -> list[str]:
+    """The module names of the model's classifier: timm's own answer where the model is timm's (`get_classifier`,
+    which every timm model has: a Linear, a 1x1 convolution (DLA), or two heads (a distilled DeiT's)), else its last
+    linear layer (the CIFAR ResNets)."""
+    asked = getattr(model, "get_classifier", None)
+    heads = asked() if callable(asked) else None
+    heads = [head for head in (heads if isinstance(heads, tuple) else (heads,))
+             if isinstance(head, nn.Module) and any(True for _ in head.parameters())]
+    if heads:
+        names = {id(module): name for name, module in model.named_modules()}
+        return [names[id(head)] for head in heads if id(head) in names]
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1:]
+
+
 def classifier_name(model: nn.Module) -> str:
-    """The module name of the model's last linear layer: its classifier (timm's fc / classifier)."""
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
+    """The module name of the model's (first) classifier (timm's fc / classifier / head.fc)."""
+    return classifier_names(model)[0]
+
+
+def _other_class_count(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], head: str) -> bool:
+    """Whether the file's classifier `head` is the model's for another class count: the same inputs, other outputs."""
+    theirs, ours = weights.get(f"{head}.weight"), expected.get(f"{head}.weight")
+    return (theirs is not None and ours is not None and theirs.dim() == ours.dim()
+            and theirs.shape[0] != ours.shape[0] and theirs.shape[1:] == ours.shape[1:])
 
 
 def timm_model(spec: ModelSpec) -> tuple[str, dict[str, Any]]:

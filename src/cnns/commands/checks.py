@@ -28,6 +28,8 @@ def check_supported(cfg: RunConfig, trains: bool = True) -> None:
     p = cfg.parallel
     if p.shards > 1 or (p.pipeline and p.pipeline_splits and p.enable_recomputation):  # stages, or recomputation points
         check_pipeline_splits(cfg)
+    if trains and p.BN_span > 1:
+        check_spans_batch_norms(cfg)
     if cfg.train.compile and not stages_compile(p.shards):
         raise ConfigError("--compile with pipeline stages (--shards > 1) is not supported yet; "
                           "leave out --compile: pipeline stages run eagerly")
@@ -177,6 +179,24 @@ def check_pipeline_splits(cfg: RunConfig) -> None:
         stage_cuts(cfg.model, build_model(cfg.model), splits, shards)
     except ModelError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_spans_batch_norms(cfg: RunConfig) -> None:
+    """--BN-span spans batch norms' statistics: a model without one (group norm, a timm model's layer norm) would
+    train as without the option, which a run that asks for it would not know. The model is built on the meta device
+    (no memory, no arithmetic) and its modules looked at, whatever family built it."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from cnns.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if any(isinstance(module, _BatchNorm) for module in model.modules()):
+        return
+    how = "--group-norm replaced them" if cfg.model.norm == "group" else "it normalises its own way"
+    raise ConfigError(f"--BN-span {cfg.parallel.BN_span} spans the statistics of batch norms over replicas, and "
+                      f"{cfg.model.display_name} has none ({how}): leave out --BN-span")
 
 
 def wants_split_names(cfg: RunConfig) -> bool:
