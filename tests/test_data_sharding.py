@@ -289,3 +289,25 @@ def test_shard_plan_update_covers_consecutive_positions():
                 assert covered == list(range(update * global_batch, (update + 1) * global_batch))
     with pytest.raises(ValueError, match="not a multiple"):
         ShardPlan(50, 4, 0, 2, True, 12)
+
+
+def test_replicas_micro_batches_are_the_one_process_micro_batches():
+    """Each replica's micro-batch is one of the one process's (accumulation world x A) micro-batches, the same
+    positions, so batch norm normalises the same groups of images with replicas as with accumulation: update u's
+    micro-batch j of rank r is the one process's micro-batch (u * A + j) * world + r. Also without drop_last and
+    with any count: the ranks' batches are disjoint runs that cover every used position once."""
+    for num in (37, 50, 64):
+        for world, accumulation, batch in [(2, 1, 4), (2, 3, 2), (4, 1, 3), (3, 2, 1)]:
+            global_batch = world * accumulation * batch
+            one = ShardPlan(num, batch, 0, 1, True, global_batch)
+            plans = [ShardPlan(num, batch, rank, world, True, global_batch) for rank in range(world)]
+            for rank, plan in enumerate(plans):
+                for k in range(len(plan)):
+                    assert plan.batch(k) == one.batch(k * world + rank)
+                assert list(plan.positions) == [p for k in range(len(plan)) for p in plan.batch(k)]
+            for drop_last in (False, True):
+                plans = [ShardPlan(num, batch, rank, world, drop_last) for rank in range(world)]
+                runs = [list(plan.batch(k)) for plan in plans for k in range(len(plan))]
+                assert all(runs) and all(run == list(range(run[0], run[-1] + 1)) for run in runs)
+                assert sorted(p for run in runs for p in run) == list(range(plans[0].used))
+                assert [plan.samples for plan in plans] == [len(plan.positions) for plan in plans]

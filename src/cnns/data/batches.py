@@ -33,18 +33,20 @@ class ShardPlan:
     The epoch uses its first `used` positions: all of them, or with `global_batch_size` only whole
     global batches ((count // global_batch_size) * global_batch_size positions; the order is
     reshuffled every epoch, so a different remainder is left out each time), and with `drop_last`
-    only whole groups of world * batch_size. Rank r takes positions r, r + world, r + 2 * world,
-    ... of those, and its k-th batch is the k-th run of batch_size of them: positions
-    k * world * batch_size + r + world * i, i = 0 .. batch_size - 1 (the last batch may be short
-    without drop_last; a rank whose share of the last, partial group is empty has one batch
-    fewer). Without drop_last every used position goes to exactly one rank: no padding, no
-    duplicates.
+    only whole groups of world * batch_size. Those positions are cut into blocks of batch_size
+    (the last may be short without drop_last), dealt out in turn: block b goes to rank b % world,
+    so rank r's k-th batch is block k * world + r, positions [(k * world + r) * batch_size,
+    (k * world + r + 1) * batch_size). A rank whose turn at the last, partial group never comes has
+    one batch fewer. Without drop_last every used position goes to exactly one rank: no padding,
+    no duplicates.
 
     Why replicas equal accumulation: with global_batch_size = world * accumulation * batch_size,
-    update u consumes batches [u * A, (u + 1) * A) of every rank, i.e. its samples
-    j in [u * A * B, (u + 1) * A * B), at positions r + world * j: over all ranks exactly the
-    positions [u * G, (u + 1) * G) of the epoch's order, G = global batch, whatever the split of G
-    into world x accumulation; and every rank has (count // G) * A batches per epoch, whatever world.
+    update u consumes batches [u * A, (u + 1) * A) of every rank, i.e. blocks [u * A * world,
+    (u + 1) * A * world): exactly the blocks one process with world x A micro-batches of
+    batch_size takes in update u, whatever the split of the global batch into world x accumulation.
+    Each micro-batch is the same images as one of the one process's, so even batch norm, which
+    normalises a micro-batch's images together, sees the same groups; and every rank has
+    (count // G) * A batches per epoch, whatever world.
     """
 
     count: int
@@ -75,22 +77,25 @@ class ShardPlan:
         return used
 
     @property
-    def positions(self) -> range:
-        """This shard's positions in the epoch's order, in the order it visits them."""
-        return range(self.rank, self.used, self.world)
+    def positions(self) -> np.ndarray:
+        """This shard's positions in the epoch's order, in the order it visits them (int64)."""
+        everything = np.arange(self.used, dtype=np.int64)
+        return everything[(everything // self.batch_size) % self.world == self.rank]
 
     @property
     def samples(self) -> int:
         """This shard's samples per epoch."""
-        return len(self.positions)
+        return sum(len(self.batch(index)) for index in range(len(self)))
 
     def __len__(self) -> int:
         """This shard's batches per epoch (the same for every epoch)."""
-        return -(-self.samples // self.batch_size)
+        blocks = -(-self.used // self.batch_size)
+        return max(0, -(-(blocks - self.rank) // self.world))
 
     def batch(self, index: int) -> range:
-        """The positions of this shard's `index`-th batch of an epoch."""
-        return self.positions[index * self.batch_size:(index + 1) * self.batch_size]
+        """The positions of this shard's `index`-th batch of an epoch: one contiguous run."""
+        start = (index * self.world + self.rank) * self.batch_size
+        return range(min(start, self.used), min(start + self.batch_size, self.used))
 
 
 def shuffled(indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
@@ -101,7 +106,7 @@ def shuffled(indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
 
 
 def _positions_tensor(positions: range) -> torch.Tensor:
-    return torch.arange(positions.start, positions.stop, positions.step)
+    return torch.arange(positions.start, positions.stop)
 
 
 class TensorBatches:
@@ -112,8 +117,8 @@ class TensorBatches:
     order. The order depends only on (seed, epoch), never on earlier epochs, so any epoch can be
     replayed on its own.
 
-    Sharding and batching, shard=(rank, world): by ShardPlan (rank r takes positions r, r + world,
-    ... of each group of world * batch_size positions of the order). Training passes drop_last and
+    Sharding and batching, shard=(rank, world): by ShardPlan (rank r takes the r-th run of
+    batch_size positions of each group of world * batch_size positions of the order). Training passes drop_last and
     global_batch_size (micro-batch x accumulation x replicas), so every rank has the same number
     of full batches and an epoch is a whole number of global batches; evaluation passes neither,
     so every sample is seen exactly once across the ranks.
@@ -179,7 +184,7 @@ class TensorBatches:
         params = self.augment_params(epoch) if self.augment is not None else None
         for batch_index in range(start_batch, len(self.plan)):
             positions = self.plan.batch(batch_index)
-            indices = order[positions.start:positions.stop:positions.step]
+            indices = order[positions.start:positions.stop]
             on_device = indices.to(self.images.device)
             images = self.images.index_select(0, on_device)
             labels = self.labels.index_select(0, on_device.to(self.labels.device))

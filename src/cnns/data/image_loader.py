@@ -275,8 +275,8 @@ class EvaluationSampler(Sampler[int]):
 class TrainingSampler(Sampler[tuple[int, int]]):
     """A fresh order of `indices` each epoch (`order`, the reader's; `shuffled` by default), a function of (seed,
     epoch) only, dealt out to the
-    ranks by cnns.data.batches.ShardPlan: rank r takes positions r, r+w, r+2w, ... of the shuffled
-    order, and its k-th batch is the k-th run of batch_size of them. Only whole groups of
+    ranks by cnns.data.batches.ShardPlan: the shuffled order is cut into runs of batch_size, dealt
+    out in turn (rank r's k-th batch is run k * w + r). Only whole groups of
     w * batch_size positions are used, and with global_batch_size only whole global batches, so
     every rank has the same number of samples, a multiple of batch_size (a different remainder is
     left out each epoch). With global_batch_size = w x accumulation x batch_size, the samples of
@@ -301,8 +301,7 @@ class TrainingSampler(Sampler[tuple[int, int]]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        positions = self.plan.positions
-        mine = self.order(self.indices, self.seed, self.epoch)[positions.start:positions.stop:positions.step]
+        mine = self.order(self.indices, self.seed, self.epoch)[self.plan.positions]
         return ((int(index), self.epoch) for index in mine[self.start:])
 
     @property
