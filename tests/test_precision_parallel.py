@@ -119,8 +119,15 @@ EMULATED = "bfloat16 emulated"
 CELLS = [pytest.param(precision, mode, "this CPU", id=f"{precision}-{mode}") for precision in PRECISIONS
          for mode in MODES] + [pytest.param("16.16-bfloat16", mode, EMULATED, id=f"16.16-bfloat16-{mode}-{EMULATED}")
                                for mode in MODES]
-# BAR_DERIVATION
-HELD_OUT_BAR = 0.0
+# The bar: 32.32 in one process over seeds 1-12 reached 85.27 % of the held-out digits on average, standard
+# deviation 1.97 points (81.48-87.88 %; docs/performance.md). On another CPU a cell's rounding differs, and 375
+# updates carry a rounding difference as far as another seed would: each cell is one new draw. The bar is the
+# one-sided Student-t prediction bound for one new run from 12, mean - t(11, 1 - 0.01/25) x sqrt(1 + 1/12) x sd =
+# 85.27 - 4.76 x 1.97 = 75.9 %, which a cell that learns as 32.32 in one process misses with probability 0.04 %, so
+# the 25 cells fail together by chance at most 1 % of the time (Bonferroni). It stands 5-10 points below every
+# cell measured (81.5-86.2 %; micro-batches of 8 reach about 2 points less than one process's 16) and 22 above the
+# replicas' scrambled float32 all-reduce of issue 70, put back on purpose: 51.2 % (bfloat16), 54.2 % (float16).
+HELD_OUT_BAR = 75.9
 
 
 @pytest.fixture(scope="module")
