@@ -3,6 +3,7 @@ scaled 4x to 32x32 grey RGB, the first 1,500 for training, the other 297 held ou
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -23,3 +24,9 @@ def write_digits_cifar10(folder: Path) -> Path:
     write_cifar10(folder, (images[:TRAIN_IMAGES], labels[:TRAIN_IMAGES]),
                   (images[TRAIN_IMAGES:], labels[TRAIN_IMAGES:]))
     return folder
+
+
+def held_out_accuracy(run: Path) -> float:
+    """The top-1 accuracy (%) of a run's last validation (validation.csv), on the 297 held-out digits."""
+    with open(run / "validation.csv", newline="") as rows:
+        return float(list(csv.DictReader(rows))[-1]["val_acc"])

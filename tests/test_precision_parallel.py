@@ -14,13 +14,12 @@ process reached 98.7 %.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from digit_records import held_out_accuracy, write_digits_cifar10
 from model_kinds import SEED, TIMM
 from scripts import train_here
 
@@ -109,3 +108,65 @@ def test_replicas_hold_bitwise_the_same_weights_after_every_update_and_update_as
     # update is the check.
     x, y = (parameters_only(model_state(folder / f"ckpt-{UPDATES}.pt")) for folder in (replicas, accumulation))
     assert float((x - y).norm() / y.norm()) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Every precision x every parallel mode learns the digits as 32.32 in one process does
+
+
+# ResNet-8 for 4 epochs (375 updates of 16 digits), momentum at 2^-7 x 16 on a cosine schedule, seeded: about 85 %
+# of the 297 held-out digits, short of the plateau, where a gradient that is wrong, late or scrambled shows. (At
+# 2^-6 one seed in 8 stayed near chance for 2 epochs and ended at 70 %: docs/performance.md.)
+LEARNING = ("--dataset", "cifar-10", "--model-size", "8", "--epochs", "4", "--warmup-epochs", "0", "--lr-schedule",
+            "cosine", "--optimiser", "momentum", "--base-learning-rate-exponent", "-7", "--seed", "1",
+            "--ckpts-per-epoch", "0", "--logs-per-epoch", "1", "--dist-timeout", "120", *ONE_THREAD)
+SPLIT = ("--pipeline", "--pipeline-splits", "stage2/unit1/relu")  # ResNet-8's stages 1-2 | stage 3 and the head
+# Every mode at the one process's global batch of 16 (micro-batch x accumulation x replicas), so each learns at
+# the same learning rate for the same number of updates, and every parallel mode on micro-batches of 8: batch
+# norm's statistics are each micro-batch's, and over 4 images they cost replicas x stages 8-11 points here (2
+# micro-batches of 4 in flight: 74.4-79.1 %, where micro-batches of 8 reach 81.8-86.2 %; docs/performance.md).
+MODES = {
+    "one process": ("--micro-batch-size", "16"),
+    "accumulation 2": ("--micro-batch-size", "8", "--gradient-accumulation-count", "2"),
+    "2 replicas": ("--micro-batch-size", "8", "--replicas", "2", "--ckpt-all-instances", "true"),
+    "2 stages": ("--micro-batch-size", "8", "--gradient-accumulation-count", "2", "--shards", "2", *SPLIT),
+    "2 replicas x 2 stages": ("--micro-batch-size", "8", "--replicas", "2", "--shards", "2", *SPLIT),
+}
+# Every precision in every mode, on this CPU. The other CPU kind's default (16.16 where bfloat16 is only emulated:
+# float32 convolution kernels) was measured in one process and 2 replicas, 81.8-85.9 % (docs/performance.md), and
+# is tested as Graphcore's replicated test (tests/test_seed_replicated_training.py): not again here, for time.
+CELLS = [pytest.param(precision, mode, id=f"{precision}-{mode}") for precision in PRECISIONS for mode in MODES]
+# The bar: 32.32 in one process over seeds 1-12 reached 85.27 % of the held-out digits on average, standard
+# deviation 1.97 points (81.48-87.88 %; docs/performance.md). On another CPU a cell's rounding differs, and 375
+# updates carry a rounding difference as far as another seed would: each cell is one new draw. The bar is the
+# one-sided Student-t prediction bound for one new run from 12, mean - t(11, 1 - 0.01/25) x sqrt(1 + 1/12) x sd =
+# 85.27 - 4.76 x 1.97 = 75.9 %, which a cell that learns as 32.32 in one process misses with probability 0.04 %, so
+# up to 25 cells (20 here) fail together by chance at most 1 % of the time (Bonferroni). It stands 5-10 points below every
+# cell measured (81.5-86.2 %; micro-batches of 8 reach about 2 points less than one process's 16) and 22 above the
+# replicas' scrambled float32 all-reduce of issue 70, put back on purpose: 51.2 % (bfloat16), 54.2 % (float16).
+HELD_OUT_BAR = 75.9
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    return write_digits_cifar10(tmp_path_factory.mktemp("cifar-10-digits"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "mode"), CELLS)
+def test_every_precision_in_every_parallel_mode_learns_the_digits_as_32_32_in_one_process(
+        precision, mode, digits, tmp_path):
+    run = tmp_path / "run"
+    train_here(*LEARNING, *PRECISIONS[precision], *MODES[mode], "--data-dir", str(digits), "--logs-path", str(run),
+               cwd=tmp_path)
+    held_out = held_out_accuracy(run)
+    print(f"{precision}, {mode}: {held_out:.2f} % of the held-out digits")
+    assert held_out >= HELD_OUT_BAR, (f"{precision}, {mode}: {held_out:.2f} % of the held-out digits, below "
+                                      f"the {HELD_OUT_BAR} % that 32.32 in one process reaches within its spread")
+    if "--replicas" in MODES[mode] and "--shards" not in MODES[mode]:
+        # and the replicas end with the same model, bitwise (each instance's own last checkpoint; the test above
+        # checks every update; pipeline stages write from rank 0 only)
+        (ours,), (theirs,) = (list(folder.glob("ckpt-*.pt")) for folder in (run, run / "instance_1"))
+        ours, theirs = model_state(ours), model_state(theirs)
+        assert ours.keys() == theirs.keys()
+        assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []

@@ -4,9 +4,7 @@ default precision of each CPU kind (issue 70).
 
 The default precision depends on the CPU (`cnns.precision.cpu_half_is_emulated`): 16.16 in bfloat16 where the CPU
 has bfloat16 arithmetic (AVX512-BF16 or AMX), float32 where bfloat16 would only be emulated. The emulated kind is
-simulated on every CPU by answering torch's CPU-feature probes "no", in this process (the launcher) and, through a
-sitecustomize on PYTHONPATH, in every worker it starts. The native kind runs where the hardware is: simulating it
-on an AVX2-only CPU would run 20 epochs of emulated bfloat16, many times the float32 run's time.
+simulated on every CPU, the native kind runs where the hardware is (tests/cpu_kinds.py).
 
 Before the fix of the 16.16 replicas' all-reduce (tests/test_precision_parallel.py says what it was), the native
 kind's run ended at 80.1 % training accuracy (46.7 % validation); after it, 98.4 %.
@@ -15,13 +13,12 @@ kind's run ended at 80.1 % training accuracy (46.7 % validation); after it, 98.4
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from digit_records import write_digits_cifar10
+from cpu_kinds import simulate_emulated_bfloat16, skip_unless_native
+from digit_records import held_out_accuracy, write_digits_cifar10
 from scripts import train_here
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -29,39 +26,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SEED_COMMAND = ("--replicas", "2", "--lr-schedule", "stepped", "--learning-rate-decay", "0.5",
                 "--learning-rate-schedule", "0.5,0.9", "--epochs", "20")
 
-EMULATED_PROBES = """\
-import torch.cpu
-torch.cpu._is_avx512_bf16_supported = lambda: False
-torch.cpu._is_amx_tile_supported = lambda: False
-torch.cpu._is_amx_fp16_supported = lambda: False
-"""
-
-
-def bfloat16_is_native() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
 
 def last_training_accuracy(run: Path) -> float:
     with open(run / "training.csv", newline="") as rows:
         return float(list(csv.DictReader(rows))[-1]["train_acc_avg"])
 
 
-def last_validation_accuracy(run: Path) -> float:
-    with open(run / "validation.csv", newline="") as rows:
-        return float(list(csv.DictReader(rows))[-1]["val_acc"])
-
-
 @pytest.mark.parametrize("cpu_kind", ["bfloat16 native", "bfloat16 emulated"])
 def test_graphcores_replicated_training_reaches_85_percent(cpu_kind, tmp_path, monkeypatch):
-    if cpu_kind == "bfloat16 native" and not bfloat16_is_native():
-        pytest.skip("this CPU has no bfloat16 arithmetic; its own default (the emulated kind) is the other case")
-    if cpu_kind == "bfloat16 emulated":
-        probes = tmp_path / "probes"
-        probes.mkdir()
-        (probes / "sitecustomize.py").write_text(EMULATED_PROBES)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probes), os.environ.get("PYTHONPATH")])))
-        for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
-            monkeypatch.setattr(torch.cpu, probe, lambda: False)
+    if cpu_kind == "bfloat16 native":
+        skip_unless_native()
+    else:
+        simulate_emulated_bfloat16(tmp_path / "probes", monkeypatch)
     digits = write_digits_cifar10(tmp_path / "digits")
     run = tmp_path / "run"
     train_here(*SEED_COMMAND, "--data-dir", str(digits), "--logs-path", str(run), "--seed", "1", "--ckpts-per-epoch", "0",
@@ -76,5 +52,5 @@ def test_graphcores_replicated_training_reaches_85_percent(cpu_kind, tmp_path, m
     # held-out 297 digits are held to 32.32's one-process accuracy (98.65 %, docs/performance.md) less 8 points, far
     # beyond its spread over seeds (standard deviation 2.3 points on a smaller recipe) and far above the 46.7-70.4 %
     # of the broken runs
-    held_out = last_validation_accuracy(run)
+    held_out = held_out_accuracy(run)
     assert held_out > 90.0, f"{cpu_kind}: {held_out} % of the held-out digits, where one 32.32 process gets 98.65 %"
