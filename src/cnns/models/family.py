@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PerModel:
+    """A family default that each of its models gives itself (a named family's: timm's models' own pretrained_cfg):
+    `of` maps the --model value to the value; `said` is how --help states it (one word)."""
+
+    said: str
+    of: Callable[[str], Any]
+
+    def __str__(self) -> str:
+        return self.said
+
+
+@dataclass(frozen=True)
 class FamilyDefault:
     """A default the family gives an option: `value` on CIFAR-sized data (`cifar_sized` True), on ImageNet-sized
     data (False) or on either (None), for the family's `size` only where one is named. The data's size, not a
@@ -32,7 +44,7 @@ class FamilyDefault:
     one option apply in their order (the last that holds a run gives its default), after the generic ones of
     `cnns.config.defaults`."""
 
-    value: Any
+    value: Any  # or a `PerModel`, the run's model's own
     cifar_sized: bool | None = None
     size: str | None = None
 
