@@ -190,20 +190,16 @@ def family_runs() -> dict[str, Runs]:
     ImageNet-sized data the families sharing each table of the optimisers' defaults
     (`cnns.models.family.OptimiserDefaults`: the ImageNet ResNets and ResNeXts, the ImageNet EfficientNets...)."""
     runs: dict[str, list[str]] = {}
-    tables = optimiser_tables()
     for family in registered_families():
-        for table in (family.cifar_optimiser_defaults, family.optimiser_defaults):
-            if table is not None:
-                runs.setdefault(table.name, []).append(family.key)
-    # The CIFAR-sized tables after "cifar" (any model): where both hold a run, the later one says its default.
-    ordered = sorted(runs, key=lambda name: not tables[name].cifar_sized)
-    return {"cifar": _CIFAR, **{name: Runs(tuple(runs[name]), tables[name].cifar_sized) for name in ordered}}
+        if family.optimiser_defaults is not None:
+            runs.setdefault(family.optimiser_defaults.name, []).append(family.key)
+    return {"cifar": _CIFAR, **{name: Runs(tuple(models), False) for name, models in runs.items()}}
 
 
 def optimiser_tables() -> dict[str, OptimiserDefaults]:
-    """The tables of the optimisers' defaults (the families' on CIFAR-sized data, then on ImageNet-sized), by name."""
-    return {table.name: table for family in registered_families()
-            for table in (family.cifar_optimiser_defaults, family.optimiser_defaults) if table is not None}
+    """The tables of the optimisers' defaults on ImageNet-sized data, by name."""
+    return {family.optimiser_defaults.name: family.optimiser_defaults for family in registered_families()
+            if family.optimiser_defaults is not None}
 
 
 def default_for(dest: str, o: Mapping[str, Any]) -> Any:
@@ -268,10 +264,7 @@ def optimiser_default(default: optim.Default, optimiser: str | None, dest: str, 
     if not isinstance(default, Mapping) or family == "cifar":
         return optim.default_in(default, family)
     table = optimiser_tables().get(family)
-    value = None if table is None else table.value(dest, optimiser)
-    if value is None and table is not None and table.cifar_sized:  # what it does not name: the optimisers' own
-        return optim.default_in(default, "cifar")
-    return value
+    return None if table is None else table.value(dest, optimiser)
 
 
 def _defaults_of(info: optim.OptimiserInfo, family: str) -> dict[str, Any]:
@@ -284,11 +277,8 @@ def _family_values(default: optim.Default, optimiser: str | None, dest: str,
     if not isinstance(default, Mapping) and not without:
         return [(ALL_RUNS, default)]
     values = []
-    tables = optimiser_tables()
     for name, runs in family_runs().items():
         value = optimiser_default(default, optimiser, dest, name)
-        if name in tables and tables[name].cifar_sized and value == optimiser_default(default, optimiser, dest, "cifar"):
-            continue  # what a CIFAR-sized table leaves as it is: said once, for any model there
         if name not in without and value is not None:
             values.append((runs, value))
     return values
@@ -417,21 +407,20 @@ def _power_of_two(exponent: float, option: str) -> float:
 
 
 def family(o: Mapping[str, Any]) -> str:
-    """The run's model family as the optimisers' defaults are given (`family_runs` says them so in --help): the
-    name of the model family's table of them for the run's data (`cnns.models.family.OptimiserDefaults`: its CIFAR
-    table on CIFAR-sized data, or data not yet known, whose model defaults are CIFAR's; its ImageNet one else), or
-    "cifar" where it has none there (the optimisers' own, those of CIFAR-sized data)."""
-    entry = model_family(o)
-    table = entry.cifar_optimiser_defaults if cifar_sized(o) else entry.optimiser_defaults
+    """The run's model family as the optimisers' defaults are given (`family_runs` says them so in --help): any
+    model on CIFAR-sized data (or on data not yet known, whose model defaults were CIFAR's), else the name of the
+    model family's table of them (`cnns.models.family.OptimiserDefaults`; a family without one takes the
+    optimisers' own, those of CIFAR-sized data)."""
+    table = None if cifar_sized(o) else model_family(o).optimiser_defaults
     return "cifar" if table is None else table.name
 
 
 def _optimiser_defaults(o: dict[str, Any]) -> None:
-    """The optimiser (the model family's default where none is given), then its entry (`cnns.optim`) fills what is
-    unset: its own defaults first (its learning-rate exponent, its weight decay), then every optimiser option's
-    derived value or default, then the entry's rules. Every optimiser option given, read or not, was checked
-    against its range with every option (`check_domains`: the optimiser's spec checks them all again when the run
-    builds it, after its folder is written)."""
+    """The optimiser (the model family's default where none is given: `by_run`), then its entry (`cnns.optim`)
+    fills what is unset: its own defaults first (its learning-rate exponent, its weight decay), then every optimiser
+    option's derived value or default, then the entry's rules. Every optimiser option given, read or not, was
+    checked against its range with every option (`check_domains`: the optimiser's spec checks them all again when
+    the run builds it, after its folder is written)."""
     _set_if_unset(o, "optimiser", default_for("optimiser", o))
     info = optim.optimiser_info(o["optimiser"])
     run_family = family(o)

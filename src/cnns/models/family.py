@@ -51,15 +51,14 @@ class FamilyDefault:
 
 @dataclass(frozen=True)
 class OptimiserDefaults:
-    """The optimisers' defaults for the families that share this table: on ImageNet-sized data a family's table
-    says them all (`ModelFamily.optimiser_defaults`); on CIFAR-sized data every family takes the optimisers' own
-    (`cnns.optim`) but where its CIFAR table (`ModelFamily.cifar_optimiser_defaults`) names another. Option dest ->
-    {optimiser name: value}, with ``"*"`` for an option's own default (the weight decay every optimiser reads unless
-    it gives its own). `name` is how --help and `cnns.config.defaults.family` tell the tables apart."""
+    """The optimisers' defaults on ImageNet-sized data for the families that share this table (on CIFAR-sized
+    data every family takes the optimisers' own, `cnns.optim`, and a family may choose the optimiser there with a
+    `FamilyDefault` of ``optimiser``): option dest -> {optimiser name: value}, with ``"*"`` for an option's own
+    default (the weight decay every optimiser reads unless it gives its own). `name` is how --help and
+    `cnns.config.defaults.family` tell the tables apart."""
 
     name: str
     values: Mapping[str, Mapping[str, float]]
-    cifar_sized: bool = False  # a table of CIFAR-sized data: what it does not name is the optimisers' own there
 
     def value(self, dest: str, optimiser: str | None) -> float | None:
         """The table's default of `dest` for `optimiser` (None: the option's own default)."""
@@ -83,8 +82,8 @@ class ModelFamily:
     * `prefix`: (--model, size) -> the model tag of run names ("RN20", "EfficientNet-B0");
     * `run_name`: the run name's form after the tag, over ``bs``, ``accum``, ``replicas``, ``norm`` (_BN,
       _GN<groups>), ``precision`` and ``sr`` (_noSR or nothing); `own_norm_tag`: the norm tag of --batch-norm;
-    * `defaults`: option dest -> its `FamilyDefault`s; `optimiser_defaults`: its `OptimiserDefaults` table on
-      ImageNet-sized data, `cifar_optimiser_defaults` the one on CIFAR-sized data (None: the optimisers' own);
+    * `defaults`: option dest -> its `FamilyDefault`s (``optimiser`` among them); `optimiser_defaults`: its
+      `OptimiserDefaults` table;
     * `option_fields`: options that set a ModelSpec field of another name (ResNeXt's --group-dim, its group
       width), besides the model options that set their own (`cnns.config.run`); `option_help`: what each model
       option it reads means for it (--help);
@@ -114,7 +113,6 @@ class ModelFamily:
     own_norm_tag: str = "_BN"
     defaults: Mapping[str, tuple[FamilyDefault, ...]] = field(default_factory=dict)
     optimiser_defaults: OptimiserDefaults | None = None
-    cifar_optimiser_defaults: OptimiserDefaults | None = None
     option_fields: Mapping[str, str] = field(default_factory=dict)
     option_help: Mapping[str, str] = field(default_factory=dict)
     recomputed: Callable[["ModelSpec", "nn.Module"], list[str]] | None = None
