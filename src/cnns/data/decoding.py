@@ -187,7 +187,8 @@ class ImageDecoder:
         """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3], a CPU
         tensor or numpy array). DataError naming `source` when the bytes cannot be decoded. `place` may be called
         twice (a JPEG the native decoder gives up on, or whose crop asks for another resampler than its bilinear
-        one, is decoded whole): it must give the same crop for the same size. With `clock`, the time of each stage is added to it."""
+        one, is decoded whole): it must give the same crop for the same size. With `clock`, the time of each stage
+        is added to it."""
         out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
         native = native_jpeg() if self.use_native else None
         start = time.perf_counter_ns()
