@@ -52,14 +52,22 @@ def validation_tree(tmp_path_factory) -> Path:
     return root
 
 
-def validation_images(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """The evaluation loader's uint8 HWC images (what validation.py and weight_avg.py evaluate), by file name."""
+def validation_images(cfg: RunConfig, device_decoding: bool = False) -> dict[str, torch.Tensor]:
+    """The evaluation loader's uint8 HWC images (what validation.py and weight_avg.py evaluate), by file name; with
+    `device_decoding`, the loader of --decode-device cuda (nvJPEG's call and the crops resized where it decodes, run
+    here on the CPU as its tests do: the crops carry their resampler there)."""
+    from cnns.data.image_loader import ImageNetBatches
     from cnns.data.sources import build_sources
 
     sources = build_sources(cfg.data, micro_batch_size=4, eval_batch_size=4, seed=1, device=torch.device("cpu"),
                             need_train=False)
     records = sources.eval.loader.dataset.records
-    images = torch.cat([batch for batch, _ in sources.eval.epoch(0)])
+    source = sources.eval
+    if device_decoding:
+        source = ImageNetBatches(records, train=False, batch_size=4, image_size=cfg.data.image_size, workers=0,
+                                 device_decoding=torch.device("cpu"), eval_crop_pct=cfg.data.eval_crop_pct,
+                                 eval_interpolation=cfg.data.eval_interpolation)
+    images = torch.cat([batch for batch, _ in source.epoch(0)])
     return {Path(records.source(index)).name: images[index] for index in range(len(records))}
 
 
@@ -92,10 +100,10 @@ def test_validation_and_predict_prepare_images_bitwise_as_timms_eval_transform(v
     cfg = RunConfig.from_options(options(data_dir=validation_tree))
     theirs_transform = timm_eval_transform()
     resize_and_crop, to_tensor_and_normalise = theirs_transform.transforms[:2], theirs_transform.transforms[2:]
-    validated = validation_images(cfg)
+    validated, on_device = validation_images(cfg), validation_images(cfg, device_decoding=True)
     predicted = evaluation_transform(cfg)
     files = sorted((validation_tree / "validation" / "n00000000").iterdir())
-    assert len(files) == len(validated) == 2 * len(SIZES)
+    assert len(files) == len(validated) == len(on_device) == 2 * len(SIZES)
     for path in files:
         image = Image.open(path).convert("RGB")
         for step in resize_and_crop:
@@ -104,6 +112,7 @@ def test_validation_and_predict_prepare_images_bitwise_as_timms_eval_transform(v
         ours = predicted(path.read_bytes(), str(path))
         assert torch.equal(ours, theirs), (path.name, (ours.int() - theirs.int()).abs().max())
         assert torch.equal(validated[path.name], theirs), path.name
+        assert torch.equal(on_device[path.name], theirs), path.name
         # The model's input: the same arithmetic in another order, each of its <= 3 float32 roundings at most half
         # an ulp of a value below (1 + mean) / std; an error before the division by std grows by 1 / std.
         expected = Image.fromarray(theirs.numpy())
@@ -113,6 +122,21 @@ def test_validation_and_predict_prepare_images_bitwise_as_timms_eval_transform(v
         model_input = normalise(ours[None], mean, std, torch.float32)[0]
         bound = 3 * 0.5 * torch.finfo(torch.float32).eps * max((1 + m) / s for m, s in zip(mean, std)) / min(std)
         assert (model_input - expected).abs().max() <= bound
+
+
+def test_gpu_decoders_leave_a_bicubic_crop_to_the_workers(validation_tree):
+    """nvJPEG's and DALI's resize is bilinear: with --eval-interpolation bicubic no JPEG of an evaluation batch is
+    sent to the GPU (the workers decode every one with PIL's bicubic); with bilinear they are."""
+    from cnns.data.image_loader import ImageBatchDataset, ImageNetTransform
+    from cnns.data.sources import build_sources
+
+    for interpolation, sent in (("bicubic", 0), ("bilinear", len(SIZES))):  # the JPEGs; the PNGs never go
+        cfg = RunConfig.from_options(options(("eval_interpolation", interpolation), data_dir=validation_tree))
+        records = build_sources(cfg.data, micro_batch_size=4, eval_batch_size=4, seed=1, device=torch.device("cpu"),
+                                need_train=False).eval.loader.dataset.records
+        dataset = ImageBatchDataset(records, ImageNetTransform.evaluation(cfg.data), device_decoding=torch.device("cpu"))
+        batch = dataset[list(range(len(records)))]
+        assert len(batch.device_rows) == sent and len(batch.host_rows) == len(records) - sent, interpolation
 
 
 def test_explicit_options_win_over_the_models_own(validation_tree):
