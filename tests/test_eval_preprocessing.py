@@ -4,7 +4,6 @@ run, and validation and predict prepare an image as timm's own eval transform do
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+import scripts
 from cnns.config import RunConfig
 from cnns.config.defaults import resolve
 from cnns.config.table import option_defaults
@@ -145,14 +145,13 @@ def test_explicit_options_win_over_the_models_own(validation_tree):
     decoded PNG: the whole-image path, bitwise), in validation and predict alike."""
     from cnns.commands.predict import evaluation_transform
     from cnns.data.image_loader import evaluation_transform as bilinear_statement
+    from cnns.data.imagefolder import decode_rgb
 
     o = options(("eval_interpolation", "bilinear"), ("eval_crop_pct", 0.875), data_dir=validation_tree)
     assert (o["eval_interpolation"], o["eval_crop_pct"]) == ("bilinear", 0.875)
     cfg = RunConfig.from_options(o)
     validated = validation_images(cfg)
     predicted = evaluation_transform(cfg)
-    from cnns.data.imagefolder import decode_rgb
-
     for path in sorted((validation_tree / "validation" / "n00000000").glob("*.png")):
         expected = bilinear_statement(224, 0.875)(decode_rgb(path.read_bytes(), str(path))).permute(1, 2, 0)
         assert torch.equal(predicted(path.read_bytes(), str(path)), expected), path.name
@@ -171,8 +170,6 @@ def test_cifar_sized_data_takes_its_images_whole():
 
 
 def test_a_crop_pct_outside_its_domain_is_one_line(capfd):
-    import scripts
-
     out = scripts.run_here(capfd, "train.py", "--model", MODEL, "--dataset", "imagenet", "--synthetic-data",
                            "--eval-crop-pct", "1.5", "--print-config", expect=2)
     assert "--eval-crop-pct" in out.stderr and "Traceback" not in out.stderr
