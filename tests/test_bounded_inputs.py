@@ -53,7 +53,8 @@ def _decoder_paths():
     from cnns.data.imagefolder import _default_decode
     from types import SimpleNamespace
 
-    imagenet = SimpleNamespace(model=SimpleNamespace(image_size=48), data=SimpleNamespace(dataset="imagenet"))
+    imagenet = SimpleNamespace(model=SimpleNamespace(image_size=48), data=SimpleNamespace(
+        dataset="imagenet", image_size=48, eval_crop_pct=0.875, eval_interpolation="bilinear"))
     return {
         "predict": lambda data: evaluation_transform(imagenet)(data, "x"),
         "training loader": lambda data: ImageNetTransform(True, 48, seed=3)(data, "x", (5, 1)),

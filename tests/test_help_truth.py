@@ -1,5 +1,5 @@
 """--help tells the truth: every default it states is the value --print-config prints, for CIFAR, an ImageNet
-ResNet and EfficientNet (issue 51).
+ResNet and EfficientNet (issue 51), and a timm model on either (issue 69).
 
 --help states defaults in one form (`cnns.config.defaults.stated_default`): " (default 32; 16 on CIFAR-sized data;
 4 for EfficientNet)", parts separated by "; ", values for disjoint runs by ", ", a part "with SGD or LARS: ..."
@@ -32,10 +32,16 @@ COMMAND_LINES = {
     "CIFAR": ("--dataset", "cifar-10"),
     "ImageNet ResNet": ("--dataset", "imagenet", "--model", "resnet", "--model-size", "50", "--synthetic-data"),
     "EfficientNet": ("--dataset", "imagenet", "--model", "efficientnet", "--model-size", "0", "--synthetic-data"),
+    # timm's models by name: convnext_tiny's pretrained_cfg is not Graphcore's evaluation (bicubic, crop_pct 0.95).
+    "timm on CIFAR": ("--dataset", "cifar-10", "--model", "convnext_atto"),
+    "timm on ImageNet": ("--dataset", "imagenet", "--model", "convnext_tiny", "--synthetic-data"),
 }
 # The optimisers' families, ResNeXt's too.
 FAMILIES_ARGV = (*COMMAND_LINES.values(), ("--dataset", "cifar-10", "--model", "efficientnet"),
                  ("--dataset", "imagenet", "--model", "resnext", "--synthetic-data"))
+# A default each of a family's models gives itself ("pretrained_cfg for timm's models on ImageNet"), as this file reads
+# the word: the model's timm pretrained_cfg entry of the option.
+PRETRAINED_CFG = {"eval_interpolation": "interpolation", "eval_crop_pct": "crop_pct"}
 # Each family again with every optimiser, with the schedules whose options stepped leaves unused, and with float16.
 VARIANTS = ((), *(("--optimiser", name) for name in OPTIMISERS), ("--lr-schedule", "exponential"),
             ("--lr-schedule", "polynomial"), ("--half-dtype", "float16"))
@@ -86,7 +92,7 @@ def holds(condition: str, o: dict) -> bool:
         for name in match["models"].split(" and "):
             model, _, size = name.partition("-")
             models.append((MODELS[model], size or None))
-        if not any(o["model"] == model and size in (None, o["model_size"]) for model, size in models):
+        if not any(family_key(o["model"]) == model and size in (None, o["model_size"]) for model, size in models):
             return False
     if match["data"] and (o["dataset"] in CIFAR_LIKE) != (match["data"] == "CIFAR-sized data"):
         return False
@@ -112,7 +118,17 @@ def applicable(stated: str, o: dict) -> str | None:
     return value
 
 
-def same(token: str, printed, dest: str) -> bool:
+def family_key(model: str) -> str:
+    """The family of a --model value: its key, or the named family (timm's) that knows the name."""
+    return next(family.key for family in registered_families()
+                if (family.named and family.knows(model)) or (not family.named and family.key == model))
+
+
+def same(token: str, printed, dest: str, o: dict) -> bool:
+    if token == "pretrained_cfg":  # the run's model's own
+        import timm
+
+        token = str(getattr(timm.models.get_pretrained_cfg(o["model"]), PRETRAINED_CFG[dest]))
     if token in ("yes", "no"):  # a flag
         return bool(printed) == (token == "yes")
     if token in ("ON", "OFF"):
@@ -136,7 +152,7 @@ def disagreements(stated: dict[str, str], printed: dict[tuple[str, ...], dict], 
             if token is None or (o[dest] is None and not has_effect(dest, o)):
                 continue  # no default for this run, or one its choices leave unused (printed null)
             compared.add(dest)
-            if not same(token, o[dest], dest):
+            if not same(token, o[dest], dest, o):
                 wrong.append(f"{' '.join(variant) or 'as given'}: --help says {dest} {token} ({text}), "
                              f"--print-config {o[dest]!r}")
     return wrong, compared
@@ -164,7 +180,8 @@ def test_every_default_help_states_is_the_value_print_config_prints(family, capf
     for dest, text in stated.items():
         if dest not in given and any(applicable(text, o) is not None for o in printed.values()):
             assert dest in compared, f"{dest}: {text}"
-    assert printed[()]["image_size"] == {"CIFAR": 32, "ImageNet ResNet": 224, "EfficientNet": 224}[family]
+    assert printed[()]["image_size"] == {"CIFAR": 32, "ImageNet ResNet": 224, "EfficientNet": 224, "timm on CIFAR": 32,
+                                         "timm on ImageNet": 224}[family]
 
 
 def test_the_comparison_finds_a_default_stated_wrongly(capfd):
@@ -201,7 +218,7 @@ def test_no_cnns_command_help_states_argparses_none(command, capfd):
 def test_the_optimisers_families_are_said_as_the_runs_they_are(capfd):
     """--help names the optimisers' model families (CIFAR-sized data, and the model families' tables of their
     ImageNet defaults) by the runs `family_runs` says they are: each family's runs hold a run of it and no other
-    family's do."""
+    family's do (a timm model's among them, on either data)."""
     assert set(family_runs()) == {"cifar", *optimiser_tables()}
     for argv in FAMILIES_ARGV:
         o = printed_options(capfd, *argv)
@@ -230,6 +247,11 @@ STATED_DEFAULTS = [
     (OPTIONS_PAGE, "ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*CIFAR, "--model", "resnext"), "group_dim", 16),
     (OPTIONS_PAGE, "ResNeXt: group width (default 4; 16 on CIFAR-sized data)", (*IMAGENET, "--model", "resnext"), "group_dim", 4),
     (OPTIONS_PAGE, "| `--expand-ratio` | works (default 6)", EFFICIENTNET, "expand_ratio", 6),
+    (OPTIONS_PAGE, "works (default `SGD`; `AdamW` for timm's models on CIFAR-sized data", CIFAR, "optimiser", "SGD"),
+    (OPTIONS_PAGE, "works (default `SGD`; `AdamW` for timm's models on CIFAR-sized data", (*CIFAR, "--model", "resnet18d"),
+     "optimiser", "AdamW"),
+    (OPTIONS_PAGE, "works (default `SGD`; `AdamW` for timm's models on CIFAR-sized data",
+     (*IMAGENET, "--model", "resnet18d"), "optimiser", "SGD"),
     (OPTIONS_PAGE, "| `--momentum` | works (default 0.9)", (*CIFAR, "--optimiser", "momentum"), "momentum", 0.9),
     (OPTIONS_PAGE, "(default 0; 0.1 for EfficientNet on ImageNet)", CIFAR, "label_smoothing", 0),
     (OPTIONS_PAGE, "(default 0; 0.1 for EfficientNet on ImageNet)", EFFICIENTNET, "label_smoothing", 0.1),

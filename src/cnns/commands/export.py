@@ -233,15 +233,13 @@ def timm_config(restored: RestoredModel, architecture: str, model_args: dict) ->
     from cnns.init_weights import classifier_name
 
     names, _ = class_names(restored.cfg, restored.checkpoint.parent)
-    from cnns.data.formats import DATASETS
-
     size = restored.image_size
-    cifar = restored.cfg.data.dataset in DATASETS and DATASETS[restored.cfg.data.dataset].cifar_sized
+    data = restored.cfg.data
     pretrained_cfg = {
-        # Evaluation preprocessing as `cnns predict`'s (cnns.commands.predict.evaluation_transform): the short side
-        # to size x 256/224, the centre size x size square; on CIFAR-sized data the short side to size (timm's
-        # crop_pct 1), so a size x size image is taken as it is.
-        "input_size": [3, size, size], "interpolation": "bilinear", "crop_pct": 1.0 if cifar else 0.875,
+        # Evaluation preprocessing as `cnns predict`'s (cnns.commands.predict.evaluation_transform), the run's
+        # recorded --eval-interpolation and --eval-crop-pct: the short side to size / crop_pct, the centre size x
+        # size square (on CIFAR-sized data crop_pct 1: a size x size image is taken as it is).
+        "input_size": [3, size, size], "interpolation": data.eval_interpolation, "crop_pct": data.eval_crop_pct,
         "crop_mode": "center", "mean": list(restored.mean), "std": list(restored.std),
         "num_classes": restored.num_classes, "classifier": classifier_name(restored.model),
         "first_conv": first_conv(restored.cfg.model),

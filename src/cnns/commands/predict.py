@@ -28,9 +28,10 @@ What it does, step by step:
   folder). A file found in a folder that cannot be read (``error: cannot read <path>: <reason>``) or
   decoded (``error: cannot decode <path>: <reason>``) is named on stderr in one line, the other images
   are still predicted, and the exit code is 1 (0 when every image was predicted).
-* **Preprocessing.** As the run's evaluation data is prepared, by the same code:
-  ImageNet-sized models get the evaluation loader's `cnns.data.image_loader.ImageNetTransform` (short side
-  resized to image_size x 256/224 with antialiasing, then the centre image_size square). The 32-px models of
+* **Preprocessing.** As the run's evaluation data is prepared, by the same code: the evaluation loader's
+  `cnns.data.image_loader.ImageNetTransform` of the run's recorded options (short side resized to image_size /
+  --eval-crop-pct with --eval-interpolation's antialiased resampler, then the centre image_size square: image_size
+  x 256/224, bilinear, by default; a timm model's own pretrained_cfg values on ImageNet-sized data). The 32-px models of
   CIFAR-10/100 and the built-in dataset take a 32x32 image as it is; any other size is brought to
   32x32 by resizing its short side to 32 (antialiased) and cropping the centre 32x32 square: the
   aspect ratio is kept (a circle stays a circle; a plain resize would squash it), and no margin is
@@ -97,30 +98,14 @@ def image_files(arguments: Sequence[str], size_limit: int | None = None) -> list
 
 
 def evaluation_transform(cfg):
-    """(encoded bytes, file name) -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring),
-    by the evaluation loader's own decoder and crop: ImageNet-sized models through `ImageNetTransform(train=False)`
-    itself (libjpeg-turbo's region decoder and its resize for the JPEGs it takes, as validation.py), 32-px models
-    through the same decoder with the short side brought to 32 and the centre square kept (none of CIFAR's images
-    needs it: they are 32 x 32, taken as they are)."""
-    from cnns.data.decoding import Crop, ImageDecoder
-    from cnns.data.formats import DATASETS
+    """(encoded bytes, file name) -> uint8 [S, S, 3] (HWC), the run's evaluation preprocessing (module docstring):
+    the evaluation loader's own `ImageNetTransform` of the run's data configuration (its decoder, its resize and
+    centre crop of --eval-crop-pct with --eval-interpolation's resampler, as validation.py). On CIFAR-sized data
+    the crop keeps the whole short side (--eval-crop-pct is 1 there): an image of another size than 32 x 32 has
+    its short side brought to 32 and the centre square kept; CIFAR's own images are taken as they are."""
     from cnns.data.image_loader import ImageNetTransform
 
-    size = int(cfg.model.image_size)
-    if not (cfg.data.dataset in DATASETS and DATASETS[cfg.data.dataset].cifar_sized):
-        return ImageNetTransform(False, size)
-    decoder = ImageDecoder()
-
-    def centre_square(height: int, width: int) -> Crop:
-        short = min(height, width)
-        return Crop(((height - short) / 2, (width - short) / 2, short, short), whole_first=True)
-
-    def cifar(data: bytes, source: str) -> torch.Tensor:
-        out = torch.empty((size, size, 3), dtype=torch.uint8)
-        decoder.decode_into(data, source, centre_square, out)
-        return out
-
-    return cifar
+    return ImageNetTransform.evaluation(cfg.data)
 
 
 def _failure_reason(error: Exception, path: Path) -> str:

@@ -28,7 +28,7 @@ from cnns.config.table import FLOAT32_MAX, FLOAT32_TINY, byte_size
 from cnns.data.formats import DATASETS, dataset_facts, dataset_named_in_path
 from cnns.errors import ConfigError
 from cnns.models.families import default_family, family_of, registered_families
-from cnns.models.family import ModelFamily, OptimiserDefaults
+from cnns.models.family import ModelFamily, OptimiserDefaults, PerModel
 from cnns.models.model_spec import ModelError
 from cnns.precision import FLOAT32_PRECISION, HALF_PRECISION
 # Graphcore's application's exponential schedule: the learning rate times 0.97, 146 times over the run (these
@@ -143,6 +143,11 @@ GENERIC_BY_RUN: dict[str, tuple[tuple[Runs, Any], ...]] = {
     "learning_rate_schedule": ((ALL_RUNS, "0.5,0.75"),),
     "label_smoothing": ((ALL_RUNS, 0.0),),
     "normalise_input": ((ALL_RUNS, False),),  # the ImageNet mean/std, or Graphcore's mean subtraction
+    "optimiser": ((ALL_RUNS, "SGD"),),  # Graphcore's
+    # Evaluation's resize and centre crop (validation and predict): Graphcore's (bilinear, the short side to
+    # size x 256/224: 0.875 of it kept); on CIFAR-sized data a 32-px image is taken as it is (all of it kept).
+    "eval_interpolation": ((ALL_RUNS, "bilinear"),),
+    "eval_crop_pct": ((ALL_RUNS, 0.875), (_CIFAR, 1.0)),
     # Graphcore's application's default loss scale (128) protects float16 gradients; bfloat16 has float32's range.
     "loss_scaling": ((ALL_RUNS, 1.0), (_FLOAT16, 128.0),
                      (Runs(options=(("half_dtype", "float16"), ("precision", FLOAT32_PRECISION))), 1.0)),
@@ -203,7 +208,7 @@ def default_for(dest: str, o: Mapping[str, Any]) -> Any:
     for runs, candidate in by_run()[dest]:
         if runs.hold(o):
             value = candidate
-    return value
+    return value.of(str(o.get("model")).lower()) if isinstance(value, PerModel) else value
 
 
 def stated_default(action: argparse.Action) -> str:
@@ -297,7 +302,7 @@ def _model_defaults(o: dict[str, Any]) -> None:
     # The family's spelling (EfficientNet: Graphcore's 4, b4 and B4; "cifar" in any case); a named model has none.
     o["model_size"] = None if size is None else family.normalise_size(str(size).strip())
     for dest in ("micro_batch_size", "image_size", "groups", "group_dim", "expand_ratio", "convolution_groups",
-                 "learning_rate_schedule", "normalise_input"):
+                 "learning_rate_schedule", "normalise_input", "eval_interpolation", "eval_crop_pct"):
         _set_if_unset(o, dest, default_for(dest, o))
     if o["dataset"] is None:  # data not known yet: the model is CIFAR's, at CIFAR's size whatever --image-size says
         o["image_size"] = default_for("image_size", o)
@@ -313,7 +318,6 @@ def _model_defaults(o: dict[str, Any]) -> None:
 
 GENERIC_DEFAULTS: dict[str, Any] = {
     "model": default_family().key,  # the family a run without --model trains (`cnns.models.families`)
-    "optimiser": "SGD",
     "lr_schedule": "stepped",
     "learning_rate_decay": 0.1,
     "warmup_epochs": 5.0,
@@ -412,10 +416,12 @@ def family(o: Mapping[str, Any]) -> str:
 
 
 def _optimiser_defaults(o: dict[str, Any]) -> None:
-    """The optimiser's entry (`cnns.optim`) fills what is unset: its own defaults first (its learning-rate
-    exponent, its weight decay), then every optimiser option's derived value or default, then the entry's rules.
-    Every optimiser option given, read or not, was checked against its range with every option (`check_domains`:
-    the optimiser's spec checks them all again when the run builds it, after its folder is written)."""
+    """The optimiser (the model family's default where none is given: `by_run`), then its entry (`cnns.optim`)
+    fills what is unset: its own defaults first (its learning-rate exponent, its weight decay), then every optimiser
+    option's derived value or default, then the entry's rules. Every optimiser option given, read or not, was
+    checked against its range with every option (`check_domains`: the optimiser's spec checks them all again when
+    the run builds it, after its folder is written)."""
+    _set_if_unset(o, "optimiser", default_for("optimiser", o))
     info = optim.optimiser_info(o["optimiser"])
     run_family = family(o)
     for dest, default in info.defaults.items():
@@ -471,6 +477,9 @@ def _validate(o: dict[str, Any]) -> None:
         raise ConfigError("--pipeline-splits should be used in combination with --pipeline")
     if o["dataset"] is not None and cifar_sized(o) and o.get("image_size") not in (None, 32):
         raise ConfigError("--image-size is not supported for CIFAR-sized datasets")
+    if o["dataset"] is not None and cifar_sized(o) and o.get("eval_crop_pct") not in (None, 1.0):
+        raise ConfigError(f"--eval-crop-pct {o['eval_crop_pct']:g}: CIFAR-sized images are evaluated whole (their "
+                          "32 x 32 pixels as they are), so no crop applies: leave it at 1")
 
 
 def check_label_smoothing(smoothing: float, classes: int) -> None:

@@ -192,6 +192,8 @@ class RunConfig:
             mixup_alpha=o["mixup_alpha"], cutmix_lambda=o["cutmix_lambda"], cutmix_version=o["cutmix_version"],
             skip_corrupt_images=bool(o.get("skip_corrupt_images")), decode_device=o.get("decode_device") or "auto",
             max_file_size=o.get("max_file_size"),
+            eval_interpolation=o.get("eval_interpolation") or default_for("eval_interpolation", o),
+            eval_crop_pct=float(o.get("eval_crop_pct") or default_for("eval_crop_pct", o)),
         )
         precision = PrecisionConfig(
             precision=o["precision"], half_dtype=o["half_dtype"],

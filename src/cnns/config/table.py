@@ -77,6 +77,7 @@ IPU_ONLY_OPTIONS = {
     "lars_skip_list": ("--lars-skip-list", "list"),
 }
 
+EVAL_INTERPOLATIONS = ("bilinear", "bicubic")  # cnns.data.decoding's resamplers
 SCHEDULES = ("stepped", "cosine", "exponential", "polynomial", "polynomial_decay_lr")
 PIPELINE_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 
@@ -331,6 +332,13 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
                            help="Random data made once on the device: no host input pipeline at all.")
     group.add_argument("--normalise-input", action="store_true", default=None,
                        help="Normalise by the ImageNet mean and standard deviation, not only subtract the mean.")
+    group.add_argument("--eval-interpolation", choices=EVAL_INTERPOLATIONS,
+                       help="Evaluation (validation and predict): the filter the short side is resized with, "
+                            "antialiased; bicubic is PIL's, as timm's eval transform resizes.")
+    group.add_argument("--eval-crop-pct", type=Domain(float, "(0, 1]"),
+                       help="Evaluation (validation and predict): the fraction of the resized short side the "
+                            "centre crop keeps, timm's crop_pct (the short side is resized to the image size / "
+                            "this).")
     host_norm = group.add_mutually_exclusive_group()
     host_norm.add_argument("--hostside-norm", dest="hostside_norm", action="store_true", default=None,
                            help="Normalise images on the host.")

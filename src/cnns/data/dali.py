@@ -37,8 +37,9 @@ import torch
 
 from cnns.data.dali_probe import HW_DECODER_LOAD, check_dali_installed
 from cnns.data.decoding import Crop, ImageDecoder, device_jpeg_size
-from cnns.data.image_loader import (BatchKeys, EpochBatches, EvaluationSampler, ImageNetTransform, ImageRecords,
-                                SampleKey, TrainingSampler, _index, training_subset)
+from cnns.data.image_loader import (EVAL_CROP_PCT, EVAL_INTERPOLATION, BatchKeys, EpochBatches, EvaluationSampler,
+                                   ImageNetTransform, ImageRecords, SampleKey, TrainingSampler, _index,
+                                   training_subset)
 from cnns.errors import ConfigError, DataError, first_line
 
 # Batches handed to DALI before the one being taken out, so that decoding the next overlaps the step. Each is
@@ -233,7 +234,8 @@ class DaliBatches(EpochBatches):
 
     def __init__(self, records: ImageRecords, train: bool, batch_size: int, image_size: int, device: torch.device,
                  threads: int = 1, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
-                 cache: bool = False, global_batch_size: int | None = None, skip_corrupt: bool = False) -> None:
+                 cache: bool = False, global_batch_size: int | None = None, skip_corrupt: bool = False,
+                 eval_crop_pct: float = EVAL_CROP_PCT, eval_interpolation: str = EVAL_INTERPOLATION) -> None:
         check_dali_installed()
         if batch_size < 1:
             raise ConfigError(f"batch size must be positive, got {batch_size}")
@@ -254,7 +256,8 @@ class DaliBatches(EpochBatches):
         self.train, self.batch_size, self.image_size = train, batch_size, image_size
         self.device, self.threads, self.skip_corrupt = device, threads, skip_corrupt
         # The crops are cnns's own (seed, epoch, index) draws; files DALI is not given decode on the CPU here.
-        self.transform = ImageNetTransform(train, image_size, seed, ImageDecoder())
+        # An evaluation resampler DALI does not have (PIL's bicubic): every file is decoded here.
+        self.transform = ImageNetTransform(train, image_size, seed, ImageDecoder(), eval_crop_pct, eval_interpolation)
         self._pipe = None
         self._start_epochs(train, cache, image_size)
 
@@ -298,7 +301,7 @@ class DaliBatches(EpochBatches):
             index = _index(key)
             try:
                 data, label, source = self.records.read(index)
-                shape = device_jpeg_size(data, source)
+                shape = None if self.transform.on_host_only else device_jpeg_size(data, source)
             except DataError:
                 if not self.skip_corrupt:
                     raise

@@ -24,3 +24,7 @@ class DataConfig:
     skip_corrupt_images: bool = False  # drop and count undecodable images
     decode_device: str = "auto"  # --decode-device: "auto" | "cpu" | "cuda" | "dali" (cnns.data.decoding.choose_decode_device)
     max_file_size: int | None = None  # --max-file-size: the largest data file read (None: cnns.bounded_reads's default)
+    # Evaluation's resize and centre crop (validation, weight averaging and predict): the resampler and timm's
+    # crop_pct (the short side resized to image_size / crop_pct); Graphcore's where a run's options predate them.
+    eval_interpolation: str = "bilinear"
+    eval_crop_pct: float = 0.875

@@ -58,6 +58,10 @@ class Crop:
     box: CropBox
     flip: bool = False
     whole_first: bool = False
+    # The resampler (evaluation's --eval-interpolation): "bilinear" is torch's antialiased bilinear (the native
+    # decoder's too); "bicubic" is PIL's antialiased bicubic, which timm's eval transform resizes with, done on
+    # the whole decoded image (no region decoder, no DCT scaling: the pixels timm's PIL path sees).
+    interpolation: str = "bilinear"
 
     def fitted(self, height: int, width: int, expected: tuple[int, int]) -> "Crop":
         """The crop scaled onto an image of (height, width) when the decoder gave another size than the
@@ -83,18 +87,24 @@ def decode_whole(data: bytes, source: str) -> torch.Tensor:
     return decode_rgb(data, source).permute(1, 2, 0)
 
 
-def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def _resize(image: torch.Tensor, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
     """uint8 [h, w, 3] -> uint8 [size[0], size[1], 3]: torch's antialiased bilinear resize (what
-    torchvision's resize runs for tensors). On the CPU its uint8 kernel works in place of channels-last
-    memory; elsewhere (CUDA has no uint8 kernel) it resizes in float32 and rounds."""
+    torchvision's resize runs for tensors), or PIL's bicubic (what torchvision's resize runs for PIL images, timm's
+    eval transform: bitwise its pixels). On the CPU torch's uint8 kernel works in place of channels-last
+    memory; elsewhere (CUDA has no uint8 kernel, nor PIL) it resizes in float32 and rounds."""
     if tuple(image.shape[:2]) == tuple(size):
         return image
+    if interpolation == "bicubic" and image.device.type == "cpu":
+        from PIL import Image
+
+        pixels = Image.fromarray(image.contiguous().numpy()).resize((size[1], size[0]), Image.Resampling.BICUBIC)
+        return torch.from_numpy(np.asarray(pixels).copy())
     batch = image.permute(2, 0, 1).unsqueeze(0)  # NCHW, channels-last in memory
     if image.device.type == "cpu" and image.dtype == torch.uint8:
         batch = batch.contiguous(memory_format=torch.channels_last)
         resized = F.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)
     else:
-        resized = F.interpolate(batch.float(), size=size, mode="bilinear", antialias=True, align_corners=False)
+        resized = F.interpolate(batch.float(), size=size, mode=interpolation, antialias=True, align_corners=False)
         resized = resized.round_().clamp_(0, 255).to(torch.uint8)
     return resized[0].permute(1, 2, 0)
 
@@ -107,15 +117,15 @@ def resize_crop_into(image: torch.Tensor, crop: Crop, out: torch.Tensor) -> None
     top, left, box_height, box_width = crop.box
     if crop.whole_first:
         scale_y, scale_x = out_size[0] / box_height, out_size[1] / box_width
-        whole = _resize(image, (max(1, round(height * scale_y)), max(1, round(width * scale_x))))
+        whole = _resize(image, (max(1, round(height * scale_y)), max(1, round(width * scale_x))), crop.interpolation)
         row, column = round(top * scale_y), round(left * scale_x)
         resized = whole[row:row + out_size[0], column:column + out_size[1]]
     else:
         row, column = min(height - 1, int(top)), min(width - 1, int(left))
         region = image[row:max(row + 1, round(top + box_height)), column:max(column + 1, round(left + box_width))]
-        resized = _resize(region, out_size)
+        resized = _resize(region, out_size, crop.interpolation)
     if tuple(resized.shape[:2]) != out_size:  # a box reaching past a lying header's image: fill what is there
-        resized = _resize(resized, out_size)
+        resized = _resize(resized, out_size, crop.interpolation)
     out.copy_(resized.flip(1) if crop.flip else resized)
 
 
@@ -176,8 +186,9 @@ class ImageDecoder:
                     clock: DecodeClock | None = None) -> None:
         """Draw the crop with `place(height, width)` and write its pixels into `out` (uint8 [h, w, 3], a CPU
         tensor or numpy array). DataError naming `source` when the bytes cannot be decoded. `place` may be called
-        twice (a JPEG the native decoder gives up on is decoded whole): it must give the same crop for the same
-        size. With `clock`, the time of each stage is added to it."""
+        twice (a JPEG the native decoder gives up on, or whose crop asks for another resampler than its bilinear
+        one, is decoded whole): it must give the same crop for the same size. With `clock`, the time of each stage
+        is added to it."""
         out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
         native = native_jpeg() if self.use_native else None
         start = time.perf_counter_ns()
@@ -186,13 +197,14 @@ class ImageDecoder:
                 height, width, _ = native.header(data)
                 _check_pixels(height, width, source)
                 crop = place(height, width)
-                if clock is None:
-                    native.decode_resized_into(data, out, crop.box, crop.flip)
-                else:
-                    drawn = time.perf_counter_ns()
-                    clock.add(drawn - start, *native.decode_resized_into(data, out, crop.box, crop.flip, timings=True),
-                              whole=0)
-                return
+                if crop.interpolation == "bilinear":  # its resampler; another is the whole-image path's
+                    if clock is None:
+                        native.decode_resized_into(data, out, crop.box, crop.flip)
+                    else:
+                        drawn = time.perf_counter_ns()
+                        clock.add(drawn - start, *native.decode_resized_into(data, out, crop.box, crop.flip,
+                                                                               timings=True), whole=0)
+                    return
             except native.JpegError:  # CMYK / YCCK, or bytes it rejects: decoded whole, or the fault named
                 pass
         self._decode_whole_into(data, source, place, out, clock)

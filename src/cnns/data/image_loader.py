@@ -52,9 +52,15 @@ _NATIVE_CROP_DRAW = (CROP_AREA[0], CROP_AREA[1], math.log(CROP_ASPECT[0]), math.
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluation_resize(image_size: int) -> int:
-    """The short side before the centre crop: 256 for 224, scaled with the image size (Graphcore's rule)."""
-    return int(image_size * 256 / 224)
+# Graphcore's evaluation crop: the centre 224 of the short side resized to 256 (timm's crop_pct 0.875), bilinear.
+EVAL_CROP_PCT = 0.875
+EVAL_INTERPOLATION = "bilinear"
+
+
+def evaluation_resize(image_size: int, crop_pct: float = EVAL_CROP_PCT) -> int:
+    """The short side before the centre crop: image_size / crop_pct rounded down (timm's eval transform); 256 for
+    224 at Graphcore's 0.875, which is its image_size x 256/224."""
+    return math.floor(image_size / crop_pct)
 
 
 def training_crop(height: int, width: int, rng: np.random.Generator) -> Crop:
@@ -84,11 +90,12 @@ def training_crop(height: int, width: int, rng: np.random.Generator) -> Crop:
     return Crop((top, left, box_height, box_width), flip=bool(rng.random() < 0.5))
 
 
-def evaluation_crop(height: int, width: int, image_size: int) -> Crop:
-    """The box, in source pixels, that "resize the short side to evaluation_resize(image_size), then crop
-    the centre image_size square" keeps (torchvision's Resize and CenterCrop rounding): fractional where
-    the resize is not by a whole factor."""
-    short = evaluation_resize(image_size)
+def evaluation_crop(height: int, width: int, image_size: int, crop_pct: float = EVAL_CROP_PCT,
+                    interpolation: str = EVAL_INTERPOLATION) -> Crop:
+    """The box, in source pixels, that "resize the short side to evaluation_resize(image_size, crop_pct), then crop
+    the centre image_size square" keeps (torchvision's Resize and CenterCrop rounding, as timm's eval transform
+    takes them): fractional where the resize is not by a whole factor; resized with `interpolation`."""
+    short = evaluation_resize(image_size, crop_pct)
     if width <= height:
         resized_width, resized_height = short, int(short * height / width)
     else:
@@ -96,16 +103,17 @@ def evaluation_crop(height: int, width: int, image_size: int) -> Crop:
     top = int(round((resized_height - image_size) / 2.0))
     left = int(round((resized_width - image_size) / 2.0))
     scale_y, scale_x = height / resized_height, width / resized_width
-    return Crop((top * scale_y, left * scale_x, image_size * scale_y, image_size * scale_x), whole_first=True)
+    return Crop((top * scale_y, left * scale_x, image_size * scale_y, image_size * scale_x), whole_first=True,
+                interpolation=interpolation)
 
 
-def evaluation_transform(image_size: int):
-    """Resize the short side to image_size * 256/224, then crop the centre image_size square: the
-    evaluation preprocessing on a decoded uint8 [3, H, W] image (for `cnns predict`)."""
+def evaluation_transform(image_size: int, crop_pct: float = EVAL_CROP_PCT):
+    """Resize the short side to evaluation_resize(image_size, crop_pct) (bilinear), then crop the centre image_size
+    square: torchvision's statement of the bilinear evaluation preprocessing on a decoded uint8 [3, H, W] image."""
     from torchvision.transforms import v2
 
     return v2.Compose([
-        v2.Resize(evaluation_resize(image_size), antialias=True),
+        v2.Resize(evaluation_resize(image_size, crop_pct), antialias=True),
         v2.CenterCrop(image_size),
     ])
 
@@ -140,18 +148,34 @@ SampleKey = tuple[int, int] | int  # training: (dataset index, epoch); evaluatio
 class ImageNetTransform:
     """Encoded image bytes -> uint8 [image_size, image_size, 3] written into a batch row: the training
     crop (random resized crop and flip, drawn from the sample's own generator) or the evaluation crop,
-    decoded by `decoder`. A plain picklable class, so DataLoader workers can receive it."""
+    decoded by `decoder`; the evaluation crop keeps `crop_pct` of the resized short side and resizes with
+    `interpolation` (the run's --eval-crop-pct and --eval-interpolation). A plain picklable class, so DataLoader
+    workers can receive it."""
 
-    def __init__(self, train: bool, image_size: int, seed: int = 0, decoder: ImageDecoder | None = None) -> None:
+    def __init__(self, train: bool, image_size: int, seed: int = 0, decoder: ImageDecoder | None = None,
+                 crop_pct: float = EVAL_CROP_PCT, interpolation: str = EVAL_INTERPOLATION) -> None:
         self.train = train
         self.image_size = image_size
         self.seed = seed
         self.decoder = decoder or ImageDecoder()
+        self.crop_pct, self.interpolation = crop_pct, interpolation
+
+    @classmethod
+    def evaluation(cls, data, decoder: ImageDecoder | None = None) -> "ImageNetTransform":
+        """The evaluation transform of the run's data configuration (`cnns.data.data_config.DataConfig`): the one
+        validation, weight averaging and predict prepare images with."""
+        return cls(False, data.image_size, 0, decoder, data.eval_crop_pct, data.eval_interpolation)
+
+    @property
+    def on_host_only(self) -> bool:
+        """Whether its crops are resized by a resampler only the host has (PIL's bicubic): then no file goes to
+        nvJPEG or DALI, and the workers decode every image."""
+        return not self.train and self.interpolation != "bilinear"
 
     def crop(self, height: int, width: int, key: SampleKey) -> Crop:
         """The crop of this sample for an image of (height, width): a function of (seed, epoch, index)."""
         if not self.train:
-            return evaluation_crop(height, width, self.image_size)
+            return evaluation_crop(height, width, self.image_size, self.crop_pct, self.interpolation)
         index, epoch = key
         return training_crop(height, width, sample_generator(self.seed, epoch, index))
 
@@ -434,7 +458,7 @@ class ImageBatchDataset(Dataset):
         for key in keys:
             _, data, label, source = self._read(key)
             try:
-                shape = device_jpeg_size(data, source) if data is not None else None
+                shape = device_jpeg_size(data, source) if data is not None and not self.transform.on_host_only else None
             except DataError:  # a header declaring too many pixels: decode_into names it again
                 shape = None
             row = len(labels)
@@ -503,6 +527,8 @@ def build_imagenet_loader(
     decoder: ImageDecoder | None = None,
     device_decoding: torch.device | None = None,
     reuse_buffers: bool = False,
+    eval_crop_pct: float = EVAL_CROP_PCT,
+    eval_interpolation: str = EVAL_INTERPOLATION,
 ) -> tuple[DataLoader, int, int]:
     """(loader, num_samples, num_classes) for one split's `records` (`train` its training split).
 
@@ -532,7 +558,7 @@ def build_imagenet_loader(
     else:
         samples = EvaluationSampler(len(records), shard)
         num_samples = len(records)
-    transform = ImageNetTransform(train, image_size, seed, decoder)
+    transform = ImageNetTransform(train, image_size, seed, decoder, eval_crop_pct, eval_interpolation)
     # Reusable batch buffers where the workers' batches are the ones the consumer gets: pinning copies them
     # to page-locked memory anyway, and device decoding sends encoded bytes.
     pool = (BatchPool(workers, BATCH_BUFFERS_PER_WORKER, (batch_size, image_size, image_size, 3))
@@ -651,12 +677,14 @@ class ImageNetBatches(EpochBatches):
                  workers: int = 4, seed: int = 0, shard: tuple[int, int] = (0, 1), percentage: int = 100,
                  pin_memory: bool = False, cache: bool = False, global_batch_size: int | None = None,
                  skip_corrupt: bool = False, decoder: ImageDecoder | None = None,
-                 device_decoding: torch.device | None = None) -> None:
+                 device_decoding: torch.device | None = None, eval_crop_pct: float = EVAL_CROP_PCT,
+                 eval_interpolation: str = EVAL_INTERPOLATION) -> None:
         self.loader, self.num_samples, self.num_classes = build_imagenet_loader(
             records, train, batch_size, image_size, workers, seed, shard,
             drop_last=train, pin_memory=pin_memory, percentage=percentage,
             global_batch_size=global_batch_size if train else None, skip_corrupt=skip_corrupt,
-            decoder=decoder, device_decoding=device_decoding, reuse_buffers=True)
+            decoder=decoder, device_decoding=device_decoding, reuse_buffers=True,
+            eval_crop_pct=eval_crop_pct, eval_interpolation=eval_interpolation)
         self.keys: BatchKeys = self.loader.sampler
         self.skip_corrupt = skip_corrupt
         self.device_decoding = device_decoding  # the main process decodes each batch there (DeviceBatch)

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PerModel:
+    """A family default that each of its models gives itself (a named family's: timm's models' own pretrained_cfg):
+    `of` maps the --model value to the value; `said` is how --help states it (one word)."""
+
+    said: str
+    of: Callable[[str], Any]
+
+    def __str__(self) -> str:
+        return self.said
+
+
+@dataclass(frozen=True)
 class FamilyDefault:
     """A default the family gives an option: `value` on CIFAR-sized data (`cifar_sized` True), on ImageNet-sized
     data (False) or on either (None), for the family's `size` only where one is named. The data's size, not a
@@ -32,7 +44,7 @@ class FamilyDefault:
     one option apply in their order (the last that holds a run gives its default), after the generic ones of
     `cnns.config.defaults`."""
 
-    value: Any
+    value: Any  # or a `PerModel`, the run's model's own
     cifar_sized: bool | None = None
     size: str | None = None
 
@@ -40,9 +52,10 @@ class FamilyDefault:
 @dataclass(frozen=True)
 class OptimiserDefaults:
     """The optimisers' defaults on ImageNet-sized data for the families that share this table (on CIFAR-sized
-    data every family takes the optimisers' own, `cnns.optim`): option dest -> {optimiser name: value}, with
-    ``"*"`` for an option's own default (the weight decay every optimiser reads unless it gives its own).
-    `name` is how --help and `cnns.config.defaults.family` tell the tables apart."""
+    data every family takes the optimisers' own, `cnns.optim`, and a family may choose the optimiser there with a
+    `FamilyDefault` of ``optimiser``): option dest -> {optimiser name: value}, with ``"*"`` for an option's own
+    default (the weight decay every optimiser reads unless it gives its own). `name` is how --help and
+    `cnns.config.defaults.family` tell the tables apart."""
 
     name: str
     values: Mapping[str, Mapping[str, float]]
@@ -69,7 +82,8 @@ class ModelFamily:
     * `prefix`: (--model, size) -> the model tag of run names ("RN20", "EfficientNet-B0");
     * `run_name`: the run name's form after the tag, over ``bs``, ``accum``, ``replicas``, ``norm`` (_BN,
       _GN<groups>), ``precision`` and ``sr`` (_noSR or nothing); `own_norm_tag`: the norm tag of --batch-norm;
-    * `defaults`: option dest -> its `FamilyDefault`s; `optimiser_defaults`: its `OptimiserDefaults` table;
+    * `defaults`: option dest -> its `FamilyDefault`s (``optimiser`` among them); `optimiser_defaults`: its
+      `OptimiserDefaults` table;
     * `option_fields`: options that set a ModelSpec field of another name (ResNeXt's --group-dim, its group
       width), besides the model options that set their own (`cnns.config.run`); `option_help`: what each model
       option it reads means for it (--help);

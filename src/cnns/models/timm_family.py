@@ -22,10 +22,13 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .family import FamilyDefault, ModelFamily
+from .family import FamilyDefault, ModelFamily, PerModel
 from .model_error import ModelError
 from .resnet_family import RESNET_OPTIMISER_DEFAULTS
 from .split_points import Piece
+
+
+_ON_CIFAR, _ON_IMAGENET = True, False  # FamilyDefault.cifar_sized
 
 
 @functools.cache
@@ -215,13 +218,23 @@ def timm_name(spec) -> tuple[str, dict[str, Any]]:
     return spec.arch, {}
 
 
-def evaluation(spec) -> dict[str, Any]:
-    """timm's pretrained_cfg of the model: its evaluation interpolation, crop, mean and std."""
+def pretrained_cfg(name: str) -> dict[str, Any]:
+    """timm's pretrained_cfg of the model `name` as a dict ({} where timm has none)."""
     import timm
 
-    cfg = timm.models.get_pretrained_cfg(spec.arch)
-    cfg = {} if cfg is None else cfg.to_dict()
+    cfg = timm.models.get_pretrained_cfg(name)
+    return {} if cfg is None else cfg.to_dict()
+
+
+def evaluation(spec) -> dict[str, Any]:
+    """timm's pretrained_cfg of the model: its evaluation interpolation, crop, mean and std."""
+    cfg = pretrained_cfg(spec.arch)
     return {key: cfg[key] for key in ("interpolation", "crop_pct", "mean", "std", "first_conv") if key in cfg}
+
+
+def _own(key: str, fallback: Any) -> PerModel:
+    """The model's own pretrained_cfg `key` (`fallback` where its cfg has none)."""
+    return PerModel("pretrained_cfg", lambda name: pretrained_cfg(name).get(key) or fallback)
 
 
 TIMM = ModelFamily(
@@ -229,8 +242,18 @@ TIMM = ModelFamily(
     names=list_models, knows=knows,
     prefix=lambda arch, size: arch,
     run_name="{prefix}_bs{bs}{replicas}{accum}{norm}_{precision}{sr}", own_norm_tag="",
-    # Its own normalisation (--batch-norm) wherever it trains, and timm's input statistics (ImageNet's).
-    defaults={"norm": (FamilyDefault("batch"),), "normalise_input": (FamilyDefault(True),)},
+    # Its own normalisation (--batch-norm) wherever it trains, and timm's input statistics (ImageNet's); on
+    # ImageNet-sized data the evaluation resize and crop of its pretrained_cfg, as timm's eval transform
+    # (timm.data.create_transform(**resolve_data_config(model=...))) prepares its images: on CIFAR-sized data no
+    # resize or crop applies (the generic defaults: a 32-px image taken as it is).
+    defaults={"norm": (FamilyDefault("batch"),), "normalise_input": (FamilyDefault(True),),
+              "eval_interpolation": (FamilyDefault(_own("interpolation", "bicubic"), _ON_IMAGENET),),
+              "eval_crop_pct": (FamilyDefault(_own("crop_pct", 0.875), _ON_IMAGENET),),
+              # AdamW on CIFAR-sized data, at its own learning rate there (2^-14 x the batch): of SGD at the CIFAR
+              # ResNets' 0.5 and AdamW at 2^-14 and 2^-12, the one that learnt the digits best in 2 epochs
+              # (docs/models.md, "The timm family's optimiser defaults"). On ImageNet-sized data Graphcore's SGD
+              # with the ImageNet ResNets' table (not measured here).
+              "optimiser": (FamilyDefault("AdamW", _ON_CIFAR),)},
     optimiser_defaults=RESNET_OPTIMISER_DEFAULTS,
     cuts=cuts, pieces=pieces, recomputed=recomputed, timm_name=timm_name, first_conv="",
     evaluation=evaluation,

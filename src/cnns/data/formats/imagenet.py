@@ -53,7 +53,9 @@ class ImageNetFiles(DataFormat):
                                     global_batch_size=request.global_batch_size, **common)
         if request.need_eval:
             evaluation = ImageNetBatches(self.records(folder, "validation", data.max_file_size), train=False,
-                                         batch_size=request.eval_batch_size, cache=data.dataset_cache, **common)
+                                         batch_size=request.eval_batch_size, cache=data.dataset_cache,
+                                         eval_crop_pct=data.eval_crop_pct, eval_interpolation=data.eval_interpolation,
+                                         **common)
         return FormatSources(train, evaluation, decoding_header(choice, decoder, device))
 
     def check_first_image(self, data: bytes, source: str) -> None:
@@ -76,5 +78,6 @@ def dali_sources(files: ImageNetFiles, data, folder: Path, request: SourceReques
                             **common)
     if request.need_eval:
         evaluation = DaliBatches(files.records(folder, "validation", data.max_file_size), False,
-                                 request.eval_batch_size, cache=data.dataset_cache, **common)
+                                 request.eval_batch_size, cache=data.dataset_cache, eval_crop_pct=data.eval_crop_pct,
+                                 eval_interpolation=data.eval_interpolation, **common)
     return train, evaluation
