@@ -176,10 +176,10 @@ def test_evaluation_sharding_covers_every_sample_exactly_once():
         lengths.append(len(shard))
         seen += [i for b in rank_batches for i in b]
     assert sorted(seen) == list(range(103))
-    assert lengths == [5, 5, 5]
+    assert lengths == [5, 4, 4]  # 13 runs of 8 (the last of 7) dealt in turn: runs 0, 3, .. 12 to rank 0
 
 
-def test_training_shards_follow_the_interleaving_rule():
+def test_training_shards_take_runs_of_the_order_in_turn():
     images, labels = indexed_dataset(50)
     world, batch = 2, 4
     order = torch.randperm(50, generator=torch.Generator().manual_seed(9)).tolist()
@@ -189,7 +189,8 @@ def test_training_shards_follow_the_interleaving_rule():
         rank_batches = [b.tolist() for _, b in shard.epoch(0)]
         assert len(rank_batches) == len(shard) == 50 // (world * batch)
         for group, rank_batch in enumerate(rank_batches):
-            assert rank_batch == order[group * world * batch : (group + 1) * world * batch][rank::world]
+            start = (group * world + rank) * batch  # the one process's micro-batch group * world + rank
+            assert rank_batch == order[start:start + batch]
         together += [i for b in rank_batches for i in b]
     assert len(set(together)) == len(together) == 48
 

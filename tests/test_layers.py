@@ -126,7 +126,7 @@ def test_layers_named_in_the_readme_hold():
         "cnns.cli": None,  # the top floor: anything
         "cnns.commands": {"cnns.bench", "cnns.deploy", "cnns.engine", "cnns.runfolder.run_folder", "cnns.runfolder.classes", "cnns.init_weights", "cnns.parallel", "cnns.data",
                           "cnns.models", "cnns.config", "cnns.devices", "cnns.precision", "cnns.runfolder.checkpoint",
-                          "cnns.runfolder.log", "cnns.runfolder.lock", "cnns.errors", "cnns.commands"},
+                          "cnns.runfolder.log", "cnns.runfolder.lock", "cnns.profiling", "cnns.errors", "cnns.commands"},
         "cnns.bench": {"cnns.deploy", "cnns.engine", "cnns.runfolder.run_folder", "cnns.init_weights", "cnns.parallel", "cnns.data", "cnns.models",
                        "cnns.config", "cnns.devices", "cnns.precision", "cnns.runfolder.checkpoint", "cnns.runfolder.log",
                        "cnns.kernels", "cnns.profiling", "cnns.errors", "cnns.bench"},

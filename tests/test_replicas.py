@@ -211,8 +211,10 @@ def test_bn_span_over_two_replicas_equals_batch_norm_over_their_whole_batch(mode
     a, b = (torch.load(f / "ckpt-3.pt", weights_only=True)["model"] for f in (span, one))
     statistics = [key for key in b if key.endswith(("running_mean", "running_var"))]  # of 16 images, every layer's
     assert statistics
+    # Per layer against the layer's own scale: a mean near zero is a cancellation of terms of the layer's size,
+    # and its rounding is theirs (an element-wise rtol failed on a 0.003 mean of a timm layer whose others are 0.05).
     for key in statistics:
-        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
+        assert float((a[key] - b[key]).norm()) <= 1e-4 * float(b[key].norm()) + 1e-6, key
 
 
 @SHARED_RUNS

@@ -226,6 +226,8 @@ class RunLog:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            wait_past_event_files(self.folder / TENSORBOARD_FOLDER)
+
             self._tb = SummaryWriter(log_dir=str(self.folder / TENSORBOARD_FOLDER), purge_step=self._purge_step)
         return self._tb
 
@@ -237,6 +239,19 @@ class RunLog:
             self._wandb.finish()
             self._wandb = None
         sys.stdout.flush()
+
+
+def wait_past_event_files(folder: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with its writer's start in whole
+    seconds (then the pid): wait (at most a second) until this second is past every existing file's, so that a
+    continued run's file is read after the killed run's, whose later steps it purges, even when both started
+    within one second."""
+    import time
+
+    stamps = [int(part) for path in folder.glob("events.out.tfevents.*")
+              if (part := path.name.split(".")[3]).isdigit()]
+    while stamps and time.time() < max(stamps) + 1:
+        time.sleep(0.02)
 
 
 def training_scalars(row: Mapping[str, Any]) -> dict[str, float]:
